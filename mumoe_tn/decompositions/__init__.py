@@ -1,0 +1,13 @@
+"""Named decompositions (CP, TR, TT, Tucker) as builders of :class:`ExpertNetwork`.
+
+Each builder is registered by name; :func:`build` looks one up. A new decomposition is one
+small module whose builder is decorated with :func:`register`.
+"""
+
+from mumoe_tn.decompositions.cp import cp
+from mumoe_tn.decompositions.registry import available, build, get_builder, normalize_ranks, register
+from mumoe_tn.decompositions.tr import tr
+from mumoe_tn.decompositions.tt import tt
+from mumoe_tn.decompositions.tucker import tucker
+
+__all__ = ["available", "build", "cp", "get_builder", "normalize_ranks", "register", "tr", "tt", "tucker"]

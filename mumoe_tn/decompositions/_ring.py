@@ -1,0 +1,53 @@
+"""Shared construction of tensor-ring and tensor-train chains over the legs n1…nE, i, o."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mumoe_tn.decompositions.registry import normalize_ranks
+from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, _physical_sizes
+
+
+def chain_ranks(decomposition: str, rank: int | Sequence[int], n_bonds: int, expert_rank: int) -> tuple[int, ...]:
+    """Ranks of a chain whose last bond is the one that reaches the output core.
+
+    An int ``R`` gives the bond joining the input and output cores the rank ``R`` and every
+    other bond ``expert_rank`` (the paper's ``R1 = R2 = 4``); a sequence gives every bond.
+    """
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        (expert_rank,) = normalize_ranks(f"{decomposition} expert_rank", expert_rank, 1)
+        (rank,) = normalize_ranks(decomposition, rank, 1)
+        return (expert_rank,) * (n_bonds - 1) + (rank,)
+    return normalize_ranks(decomposition, rank, n_bonds)
+
+
+def chain(
+    name: str,
+    expert_dims: int | Sequence[int],
+    in_features: int,
+    out_features: int,
+    ranks: Sequence[int],
+    *,
+    closed: bool,
+) -> ExpertNetwork:
+    """A chain of three-leg cores ``(r_k, leg, r_{k+1})`` over ``n1 … nE, i, o``.
+
+    With ``closed=True`` the last core's right bond is the first core's left bond (a ring);
+    otherwise the ends have no boundary bond (a train).
+    """
+    sizes = _physical_sizes(expert_dims, in_features, out_features)
+    legs = [leg for leg in sizes if leg not in (INPUT_LEG, OUTPUT_LEG)] + [INPUT_LEG, OUTPUT_LEG]
+    n_bonds = len(legs) if closed else len(legs) - 1
+    bonds = [f"r{k}" for k in range(1, n_bonds + 1)]
+    cores = {}
+    for position, leg in enumerate(legs):
+        if closed:
+            left, right = bonds[position], bonds[(position + 1) % n_bonds]
+            labels = (left, leg, right)
+        else:
+            left = (bonds[position - 1],) if position > 0 else ()
+            right = (bonds[position],) if position < n_bonds else ()
+            labels = (*left, leg, *right)
+        cores[f"G_{leg}"] = labels
+    sizes.update(zip(bonds, ranks, strict=True))
+    return ExpertNetwork(cores, sizes, name=name)

@@ -1,0 +1,162 @@
+"""Initialisation of expert-network cores (paper appendix "Weight initialization").
+
+Two rules, both of which make every expert start as the same linear map, up to
+multiplicative ``N(1, σ_e)`` noise on the cores of expert mode ``e``:
+
+``"paper"`` (CP and TR)
+    Expert-mode cores replicate along their expert leg: CP factor entries are ``N(1, σ)``,
+    TR slices ``G(:, n, :)`` are diagonal with ``N(1, σ)`` entries. Every other core is drawn
+    from ``U(±√k)``, ``k = 1 / fan_in``, where ``fan_in`` is the size of what that core is
+    multiplied with in the forward pass: ``I`` for the input core, the product of its bond
+    sizes for the output core.
+``"linear"`` (any network)
+    Expert-mode cores replicate one template along their expert legs: ones for one bond, a
+    (rectangular) identity for two bonds, a diagonal for more, and a shared random tensor
+    when the core also carries ``i`` or ``o``. The other cores are drawn from ``U(±1)`` (zero
+    mean), the expert noise is applied, and then those cores are all scaled by one factor so
+    that the entries of all expert matrices have a mean square of exactly ``1 / (3·fan_in)``,
+    the variance of ``nn.Linear``'s default init. The mean square is ``‖W‖²/(N·I·O)``,
+    contracted from the network and its copy; ``W`` is never materialised.
+
+``σ`` is 1 on the first expert mode and 0 on the others by default (the paper's setting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from mumoe_tn.contractions.dense import squared_norm
+from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, is_expert_leg
+
+__all__ = ["INIT_RULES", "default_expert_noise", "init_cores"]
+
+INIT_RULES = ("auto", "paper", "linear")
+_PAPER_NETWORKS = ("cp", "tr")
+
+
+def default_expert_noise(n_modes: int) -> tuple[float, ...]:
+    """The paper's noise levels: ``σ = 1`` on the first expert mode, ``0`` on the others."""
+    return (1.0,) + (0.0,) * (n_modes - 1)
+
+
+@torch.no_grad()
+def init_cores(
+    network: ExpertNetwork,
+    cores: Mapping[str, torch.Tensor],
+    *,
+    rule: str = "auto",
+    fan_in: int | None = None,
+    expert_noise: Sequence[float] | None = None,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Initialise ``cores`` in place.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        The network the cores belong to.
+    cores : Mapping[str, torch.Tensor]
+        One tensor per core, shaped as ``network.core_shape(name)``.
+    rule : {"auto", "paper", "linear"}, optional
+        ``"auto"`` uses ``"paper"`` for CP and TR networks and ``"linear"`` otherwise.
+    fan_in : int, optional
+        ``fan_in`` of the ``nn.Linear`` whose variance the ``"linear"`` rule targets; the size
+        of leg ``i`` by default (pass the layer's ``in_features`` when a bias is folded).
+    expert_noise : Sequence[float], optional
+        ``σ_e`` for every expert mode; :func:`default_expert_noise` by default.
+    generator : torch.Generator, optional
+        Random generator on the cores' device, for reproducible draws.
+    """
+    if rule not in INIT_RULES:
+        raise ValueError(f"unknown init rule {rule!r}; choose one of {list(INIT_RULES)}")
+    if rule == "auto":
+        rule = "paper" if network.name in _PAPER_NETWORKS else "linear"
+    n_modes = network.n_expert_modes
+    noise = tuple(default_expert_noise(n_modes) if expert_noise is None else expert_noise)
+    if len(noise) != n_modes or any(not isinstance(s, (int, float)) or s < 0 for s in noise):
+        raise ValueError(f"expert_noise needs {n_modes} non-negative floats (one per expert mode), got {noise}")
+    fan_in = network.in_features if fan_in is None else fan_in
+
+    scalable = []
+    for name, labels in network.cores.items():
+        tensor = cores[name]
+        rest = [label for label in labels if not is_expert_leg(label)]
+        if len(rest) == len(labels):
+            if rule == "paper":
+                bound = _paper_fan_in(network, name) ** -0.5
+                tensor.uniform_(-bound, bound, generator=generator)
+            else:
+                tensor.uniform_(-1.0, 1.0, generator=generator)
+                scalable.append(tensor)
+            continue
+        template = _template(network, name, rest, tensor, generator)
+        if template is None:
+            # The core carries i or o as well: a shared random slice, replicated.
+            shape = [1 if is_expert_leg(label) else network.sizes[label] for label in labels]
+            shared = torch.empty(shape, dtype=tensor.dtype, device=tensor.device).uniform_(
+                -1.0, 1.0, generator=generator
+            )
+            tensor.copy_(shared.expand_as(tensor))
+            scalable.append(tensor)
+        else:
+            tensor.copy_(template)
+
+    for name, labels in network.cores.items():
+        for label in labels:
+            if is_expert_leg(label):
+                sigma = noise[int(label[1:]) - 1]
+                if sigma > 0:
+                    shape = [1 if is_expert_leg(other) and other != label else network.sizes[other] for other in labels]
+                    factor = torch.empty(shape, dtype=cores[name].dtype, device=cores[name].device)
+                    cores[name].mul_(factor.normal_(1.0, sigma, generator=generator))
+
+    if rule == "linear":
+        _calibrate(network, cores, scalable, target=1.0 / (3.0 * fan_in))
+
+
+def _paper_fan_in(network: ExpertNetwork, core: str) -> int:
+    labels = network.cores[core]
+    if INPUT_LEG in labels and OUTPUT_LEG not in labels:
+        return network.sizes[INPUT_LEG]
+    total = 1
+    for label in labels:
+        if label != OUTPUT_LEG:
+            total *= network.sizes[label]
+    return total
+
+
+def _template(
+    network: ExpertNetwork,
+    core: str,
+    rest: list[str],
+    tensor: torch.Tensor,
+    generator: torch.Generator | None,
+) -> torch.Tensor | None:
+    """Replicated template of an expert-mode core, or None when it also holds ``i``/``o``."""
+    if INPUT_LEG in rest or OUTPUT_LEG in rest:
+        return None
+    labels = network.cores[core]
+    bond_sizes = [network.sizes[label] for label in rest]
+    diagonal = torch.zeros(bond_sizes, dtype=tensor.dtype, device=tensor.device)
+    if len(rest) == 1:
+        diagonal.fill_(1.0)
+    else:
+        for k in range(min(bond_sizes)):
+            diagonal[(k,) * len(rest)] = 1.0
+    # Put the template's axes where the bonds sit and broadcast over the expert legs.
+    shape = [1 if is_expert_leg(label) else network.sizes[label] for label in labels]
+    return diagonal.reshape(shape).expand(tensor.shape)
+
+
+def _calibrate(
+    network: ExpertNetwork, cores: Mapping[str, torch.Tensor], scalable: list[torch.Tensor], target: float
+) -> None:
+    total = squared_norm(network, {name: tensor.double() for name, tensor in cores.items()}).item()
+    mean_square = total / (network.n_experts * network.in_features * network.out_features)
+    if mean_square == 0.0 or not scalable:
+        raise RuntimeError(f"cannot scale the initialisation of {network!r}: the expert matrix is identically zero")
+    scale = (target / mean_square) ** (0.5 / len(scalable))
+    for tensor in scalable:
+        tensor.mul_(scale)

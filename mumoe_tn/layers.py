@@ -1,0 +1,370 @@
+"""PyTorch modules: the factorized expert tensor and the μMoE layer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mumoe_tn.contractions.dense import expert_matrix, materialize
+from mumoe_tn.contractions.execute import run_plan
+from mumoe_tn.contractions.plan import ContractionPlan, plan_forward, resolve_optimizer
+from mumoe_tn.decompositions.registry import available, build
+from mumoe_tn.gating import ExpertGate
+from mumoe_tn.init import INIT_RULES, init_cores
+from mumoe_tn.network import ExpertNetwork, normalize_expert_dims
+
+__all__ = ["FactorizedExperts", "MuMoE"]
+
+
+def _batch_bucket(batch: int) -> int:
+    """Plans are made for the next power of two: the path depends on the batch only coarsely."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+class FactorizedExperts(nn.Module):
+    """The expert tensor ``W`` of a μMoE layer, stored as the cores of an :class:`ExpertNetwork`.
+
+    Every core is one ``nn.Parameter`` named after the core, so ``state_dict`` keys are the
+    core names. The forward pass contracts the cores with the expert coefficients and the
+    input along a path planned once per batch-size bucket (a power of two) and cached in a
+    bounded per-module cache; ``W`` is never materialised.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        The decomposition.
+    init : {"auto", "paper", "linear"}, optional
+        Initialisation rule, see :func:`mumoe_tn.init.init_cores`.
+    fan_in : int, optional
+        ``fan_in`` the ``"linear"`` rule targets (default: the size of leg ``i``).
+    expert_noise : Sequence[float], optional
+        ``σ_e`` per expert mode (default: 1 on the first mode, 0 on the others).
+    optimize : str or object, optional
+        Path optimizer, see :func:`mumoe_tn.contractions.resolve_optimizer` (default ``"dp"``).
+    max_plans : int, optional
+        Size of the plan cache (default 16 batch-size buckets).
+    device, dtype : optional
+        Factory arguments for the parameters.
+    """
+
+    def __init__(
+        self,
+        network: ExpertNetwork,
+        *,
+        init: str = "auto",
+        fan_in: int | None = None,
+        expert_noise: Sequence[float] | None = None,
+        optimize: Any = "dp",
+        max_plans: int = 16,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(network, ExpertNetwork):
+            raise TypeError(f"network must be an ExpertNetwork, got {type(network).__name__}")
+        if init not in INIT_RULES:
+            raise ValueError(f"unknown init rule {init!r}; choose one of {list(INIT_RULES)}")
+        if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
+            raise ValueError(f"max_plans must be a positive int, got {max_plans!r}")
+        self.network = network
+        self.init = init
+        self.fan_in = fan_in
+        self.expert_noise = None if expert_noise is None else tuple(expert_noise)
+        self.optimize = resolve_optimizer(optimize)
+        self.max_plans = max_plans
+        self._plans: dict[int, ContractionPlan] = {}
+        for name, shape in network.core_shapes.items():
+            if hasattr(self, name):
+                raise ValueError(f"core name {name!r} clashes with an attribute of FactorizedExperts; rename the core")
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+        self.reset_parameters()
+
+    @classmethod
+    def from_tensors(
+        cls,
+        cores: Mapping[str, str | Sequence[str]],
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        name: str = "custom",
+        optimize: Any = "dp",
+    ) -> FactorizedExperts:
+        """Build the module from existing core tensors (sizes inferred, bond sizes checked).
+
+        Parameters
+        ----------
+        cores : Mapping[str, str | Sequence[str]]
+            Core name -> labels.
+        tensors : Mapping[str, torch.Tensor]
+            Core name -> tensor; all on one device with one floating dtype.
+        name : str, optional
+            Name of the network.
+        optimize : str or object, optional
+            Path optimizer.
+
+        Returns
+        -------
+        FactorizedExperts
+        """
+        network = ExpertNetwork.from_shapes(cores, {core: tuple(t.shape) for core, t in tensors.items()}, name=name)
+        first = next(iter(tensors.values()))
+        module = cls(network, optimize=optimize, device=first.device, dtype=first.dtype)
+        with torch.no_grad():
+            for core, tensor in tensors.items():
+                getattr(module, core).copy_(tensor)
+        return module
+
+    @property
+    def cores(self) -> dict[str, nn.Parameter]:
+        """The core parameters, by name, in network order."""
+        return {name: getattr(self, name) for name in self.network.cores}
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Re-initialise the cores with this module's init rule."""
+        init_cores(
+            self.network,
+            self.cores,
+            rule=self.init,
+            fan_in=self.fan_in,
+            expert_noise=self.expert_noise,
+            generator=generator,
+        )
+
+    def plan(self, batch_size: int) -> ContractionPlan:
+        """The cached contraction plan used for a flattened batch of ``batch_size`` rows."""
+        bucket = _batch_bucket(batch_size)
+        plan = self._plans.get(bucket)
+        if plan is None:
+            if len(self._plans) >= self.max_plans:
+                self._plans.pop(next(iter(self._plans)))
+            plan = plan_forward(self.network, bucket, self.optimize)
+            self._plans[bucket] = plan
+        return plan
+
+    def forward(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``y = W ×_1 a_1 … ×_E a_E ×_{E+1} z``, contracted in factorized form.
+
+        Parameters
+        ----------
+        z : torch.Tensor
+            Input of shape ``(…, I)`` (``I`` is the size of leg ``i``, bias column included).
+        coefficients : Sequence of torch.Tensor
+            One tensor of shape ``(…, N_e)`` per expert mode, with the same leading dims as
+            ``z``.
+
+        Returns
+        -------
+        torch.Tensor
+            Shape ``(…, O)``.
+        """
+        self._check_inputs(z, coefficients)
+        lead = z.shape[:-1]
+        batch = math.prod(lead)
+        operands = [*self.cores.values()]
+        operands += [a.reshape(batch, a.shape[-1]) for a in coefficients]
+        operands.append(z.reshape(batch, z.shape[-1]))
+        y = run_plan(self.plan(batch), operands)
+        return y.reshape(*lead, self.network.out_features)
+
+    def _check_inputs(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor]) -> None:
+        net = self.network
+        if not isinstance(z, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(z).__name__}")
+        if z.ndim < 1 or z.shape[-1] != net.in_features:
+            raise ValueError(
+                f"input must have shape (..., {net.in_features}) (leg 'i' of {net.name!r}), got {tuple(z.shape)}"
+            )
+        if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, Sequence):
+            raise TypeError(f"coefficients must be a sequence of {net.n_expert_modes} tensors, one per expert mode")
+        if len(coefficients) != net.n_expert_modes:
+            raise ValueError(
+                f"expected {net.n_expert_modes} coefficient tensor(s) for expert legs {net.expert_legs}, "
+                f"got {len(coefficients)}"
+            )
+        weight = next(iter(self.cores.values()))
+        autocast = torch.is_autocast_enabled(z.device.type)
+        for name, tensor in [("input", z), *((f"coefficients[{k}]", a) for k, a in enumerate(coefficients))]:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.device != weight.device:
+                raise ValueError(f"{name} is on {tensor.device} but the expert cores are on {weight.device}")
+            if not autocast and tensor.dtype != weight.dtype:
+                raise TypeError(f"{name} has dtype {tensor.dtype} but the expert cores have dtype {weight.dtype}")
+        for k, (a, leg) in enumerate(zip(coefficients, net.expert_legs, strict=True)):
+            expected = (*z.shape[:-1], net.sizes[leg])
+            if tuple(a.shape) != expected:
+                raise ValueError(
+                    f"coefficients[{k}] (expert leg {leg!r}) must have shape {expected}, got {tuple(a.shape)}"
+                )
+
+    def to_dense(self) -> torch.Tensor:
+        """Materialise ``W`` of shape ``(N_1, …, N_E, I, O)`` (for checks; memory ``∏N_e·I·O``)."""
+        return materialize(self.network, self.cores)
+
+    def expert(self, index: int | Sequence[int]) -> torch.Tensor:
+        """Expert ``index``'s ``I × O`` matrix, computed without materialising ``W``."""
+        return expert_matrix(self.network, self.cores, index)
+
+    def extra_repr(self) -> str:
+        net = self.network
+        dims = "×".join(map(str, net.expert_dims))
+        return (
+            f"{net.name!r}, '{net.to_spec()}', experts={dims}, in={net.in_features}, "
+            f"out={net.out_features}, params={net.n_params:,}"
+        )
+
+
+class MuMoE(nn.Module):
+    """A μMoE layer: a drop-in replacement for ``nn.Linear(in_features, out_features)``.
+
+    ``a_e = φ(norm(G_eᵀ z))`` for every expert mode ``e``, then
+    ``y = W ×_1 a_1 … ×_E a_E ×_{E+1} [z; 1]`` with ``W`` held in factorized form. With
+    ``bias=True`` (default) each expert's bias is folded into the input leg (``I + 1``).
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        Sizes of the input and output features.
+    expert_dims : int or Sequence[int]
+        Number of experts ``N``, or ``(N_1, …, N_E)`` for a hierarchical layer.
+    decomposition : str or ExpertNetwork or Callable, optional
+        A registered name (``"cp"`` default, ``"tr"``, ``"tt"``, ``"tucker"``), a spec string
+        such as ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready
+        :class:`ExpertNetwork` whose legs match the layer, or a builder
+        ``(expert_dims, in, out, rank) -> ExpertNetwork``.
+    rank : int or Sequence[int] or Mapping[str, int]
+        Ranks for the decomposition (a mapping of bond -> size for spec strings). Not needed
+        with an :class:`ExpertNetwork`.
+    bias : bool, optional
+        Fold a per-expert bias into the input leg (default True).
+    activation : str or float, optional
+        Gate activation φ: ``"entmax15"`` (default), ``"sparsemax"``, ``"softmax"`` or an
+        entmax ``α``.
+    gate_norm : {"batch", "layer", "none"}, optional
+        Normalisation of the gate logits (default ``"batch"``, as in the paper).
+    input_norm : bool, optional
+        Apply a LayerNorm (with affine parameters) to the input first (default False).
+    init : {"auto", "paper", "linear"}, optional
+        Core initialisation rule (see :mod:`mumoe_tn.init`).
+    expert_noise : Sequence[float], optional
+        ``σ_e`` per expert mode for the initialisation.
+    optimize : str or object, optional
+        Path optimizer for the factorized contraction (default ``"dp"``).
+    device, dtype : optional
+        Factory arguments.
+    **decomposition_options
+        Passed to the named builder (e.g. ``expert_rank=`` for TR/TT).
+
+    Attributes
+    ----------
+    last_coefficients : tuple of torch.Tensor or None
+        The (detached) expert coefficients of the last forward pass, one per expert mode.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        expert_dims: int | Sequence[int] | None = None,
+        decomposition: str | ExpertNetwork | Callable[..., ExpertNetwork] = "cp",
+        rank: int | Sequence[int] | Mapping[str, int] | None = None,
+        *,
+        bias: bool = True,
+        activation: str | float = "entmax15",
+        gate_norm: str = "batch",
+        input_norm: bool = False,
+        init: str = "auto",
+        expert_noise: Sequence[float] | None = None,
+        optimize: Any = "dp",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **decomposition_options: Any,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {bias!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = bias
+        network = self._network(decomposition, expert_dims, rank, decomposition_options)
+        self.expert_dims = network.expert_dims
+        self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
+        self.gate = ExpertGate(in_features, self.expert_dims, activation, gate_norm, **factory)
+        self.experts = FactorizedExperts(
+            network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize, **factory
+        )
+        self.last_coefficients: tuple[torch.Tensor, ...] | None = None
+
+    def _network(
+        self,
+        decomposition: str | ExpertNetwork | Callable[..., ExpertNetwork],
+        expert_dims: int | Sequence[int] | None,
+        rank: int | Sequence[int] | Mapping[str, int] | None,
+        options: Mapping[str, Any],
+    ) -> ExpertNetwork:
+        width = self.in_features + int(self.bias)
+        if isinstance(decomposition, ExpertNetwork):
+            network = decomposition
+            if network.in_features != width or network.out_features != self.out_features:
+                raise ValueError(
+                    f"the network has legs i={network.in_features}, o={network.out_features} but this layer "
+                    f"needs i={width} (in_features={self.in_features}{' + 1 bias' if self.bias else ''}), "
+                    f"o={self.out_features}"
+                )
+            if expert_dims is not None and normalize_expert_dims(expert_dims) != network.expert_dims:
+                raise ValueError(f"expert_dims={expert_dims!r} but the network has expert dims {network.expert_dims}")
+            return network
+        if expert_dims is None:
+            raise TypeError("expert_dims is required unless decomposition is an ExpertNetwork")
+        if rank is None:
+            raise TypeError(f"rank is required for decomposition {decomposition!r}")
+        if callable(decomposition) and not isinstance(decomposition, str):
+            network = decomposition(expert_dims, width, self.out_features, rank, **options)
+            if not isinstance(network, ExpertNetwork):
+                raise TypeError(f"the decomposition builder returned {type(network).__name__}, not an ExpertNetwork")
+            return network
+        if not isinstance(decomposition, str):
+            raise TypeError(
+                f"decomposition must be a name, a spec string, an ExpertNetwork or a builder, got {decomposition!r}"
+            )
+        if decomposition.lower() in available():
+            return build(decomposition, expert_dims, width, self.out_features, rank, **options)
+        if "," in decomposition or " " in decomposition.strip():
+            return ExpertNetwork.from_spec(
+                decomposition, expert_dims=expert_dims, in_features=width, out_features=self.out_features, ranks=rank
+            )
+        raise ValueError(f"unknown decomposition {decomposition!r}; registered: {available()}, or give a spec string")
+
+    @property
+    def network(self) -> ExpertNetwork:
+        """The expert network (its leg ``i`` includes the bias column when ``bias=True``)."""
+        return self.experts.network
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the gate, the input norm and the expert cores."""
+        for module in (*self.gate.projections.values(), *self.gate.norms.values(), self.input_norm):
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        self.experts.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
+        z = self.input_norm(x)
+        coefficients = self.gate(z)
+        self.last_coefficients = tuple(a.detach() for a in coefficients)
+        if self.bias:
+            z = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
+        if not torch.is_autocast_enabled(z.device.type):
+            coefficients = tuple(a.to(z.dtype) for a in coefficients)
+        return self.experts(z, coefficients)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"
