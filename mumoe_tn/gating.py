@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from entmax import entmax15, entmax_bisect, sparsemax
+from entmax import entmax_bisect
 from torch import nn
 from torch.nn import functional as F
 
+from mumoe_tn.activations import entmax15, sparsemax
 from mumoe_tn.network import expert_leg, normalize_expert_dims
 
 __all__ = ["ACTIVATIONS", "GATE_NORMS", "ExpertGate", "resolve_activation"]

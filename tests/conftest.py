@@ -1,0 +1,15 @@
+"""Shared test configuration: hypothesis profiles (``HYPOTHESIS_PROFILE=ci|dev|thorough``)."""
+
+import os
+
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile("dev", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
