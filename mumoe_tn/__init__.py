@@ -3,26 +3,36 @@
 The expert weight tensor ``W ∈ R^{N_1×…×N_E×I×O}`` of a μMoE layer is held as a labelled
 tensor network (:class:`ExpertNetwork`); the forward pass is one planned contraction of that
 network with the expert coefficients and the input, and ``W`` is never materialised.
+
+The torch-free parts (:mod:`mumoe_tn.network`, :mod:`mumoe_tn.decompositions`,
+:mod:`mumoe_tn.costs`) import without torch; the layers are loaded on first access.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from mumoe_tn import decompositions
-from mumoe_tn.contractions import dense_forward, expert_matrix, materialize, plan_forward
-from mumoe_tn.gating import ExpertGate
-from mumoe_tn.init import init_cores
-from mumoe_tn.layers import FactorizedExperts, MuMoE
 from mumoe_tn.network import ExpertNetwork
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ExpertGate",
-    "ExpertNetwork",
-    "FactorizedExperts",
-    "MuMoE",
-    "decompositions",
-    "dense_forward",
-    "expert_matrix",
-    "init_cores",
-    "materialize",
-    "plan_forward",
-]
+_LAZY = {
+    "ExpertGate": "mumoe_tn.gating",
+    "FactorizedExperts": "mumoe_tn.layers",
+    "MuMoE": "mumoe_tn.layers",
+    "dense_forward": "mumoe_tn.contractions.dense",
+    "expert_matrix": "mumoe_tn.contractions.dense",
+    "materialize": "mumoe_tn.contractions.dense",
+    "init_cores": "mumoe_tn.init",
+    "plan_forward": "mumoe_tn.contractions.plan",
+}
+
+__all__ = ["ExpertNetwork", "decompositions", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mumoe_tn' has no attribute {name!r}")

@@ -1,7 +1,13 @@
-"""Planned factorized contractions and their dense references."""
+"""Planned factorized contractions and their dense references.
 
-from mumoe_tn.contractions.dense import dense_forward, expert_matrix, materialize, squared_norm
-from mumoe_tn.contractions.execute import run_plan
+:mod:`~mumoe_tn.contractions.plan` is torch-free; the executors load torch on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from mumoe_tn.contractions.plan import (
     OPTIMIZERS,
     ContractionPlan,
@@ -12,17 +18,27 @@ from mumoe_tn.contractions.plan import (
     resolve_optimizer,
 )
 
+_LAZY = {
+    "run_plan": "mumoe_tn.contractions.execute",
+    "dense_forward": "mumoe_tn.contractions.dense",
+    "expert_matrix": "mumoe_tn.contractions.dense",
+    "materialize": "mumoe_tn.contractions.dense",
+    "squared_norm": "mumoe_tn.contractions.dense",
+}
+
 __all__ = [
     "OPTIMIZERS",
     "ContractionPlan",
     "ContractionStep",
-    "dense_forward",
-    "expert_matrix",
-    "materialize",
     "plan_contraction",
     "plan_dense",
     "plan_forward",
     "resolve_optimizer",
-    "run_plan",
-    "squared_norm",
+    *sorted(_LAZY),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mumoe_tn.contractions' has no attribute {name!r}")

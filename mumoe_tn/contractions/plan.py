@@ -62,12 +62,23 @@ class ContractionStep:
     fma : int
         Fused multiply-adds of the step: ``(k - 1) · Π sizes`` over the union of the step's
         labels for ``k ≥ 2`` operands, ``Π sizes`` for a one-operand sum.
+    operands : tuple of tuple of str
+        Labels of the step's operands, in equation order.
     """
 
     positions: tuple[int, ...]
     equation: str
     output: Labels
     fma: int
+    operands: tuple[Labels, ...] = ()
+
+    def describe(self) -> str:
+        """The step in the network's own labels, e.g. ``(… i) · (r2 i r3) -> (… r2 r3)`` (``…`` is the batch)."""
+
+        def show(labels: Labels) -> str:
+            return "(" + " ".join("…" if x == _BATCH else x for x in labels) + ")"
+
+        return " · ".join(show(x) for x in self.operands) + " -> " + show(self.output)
 
 
 @dataclass(frozen=True)
@@ -105,8 +116,9 @@ class ContractionPlan:
         return max((_size(step.output, self.sizes) for step in self.steps), default=0)
 
     def __repr__(self) -> str:
-        lines = [f"ContractionPlan({len(self.inputs)} operands -> {self.output}, {self.fma:,} FMA)"]
-        lines += [f"  {k}: {step.equation}  ({step.fma:,} FMA)" for k, step in enumerate(self.steps)]
+        output = " ".join("…" if x == _BATCH else x for x in self.output)
+        lines = [f"ContractionPlan({len(self.inputs)} operands -> ({output}), {self.fma:,} FMA)"]
+        lines += [f"  {k}: {step.describe()}  {step.fma:,} FMA" for k, step in enumerate(self.steps)]
         return "\n".join(lines)
 
 
@@ -199,7 +211,7 @@ def plan_contraction(
         factor = max(len(operands) - 1, 1)
         step_eq = ",".join("".join(symbol[x] for x in labels) for labels in operands)
         step_eq += "->" + "".join(symbol[x] for x in result)
-        steps.append(ContractionStep(positions, step_eq, result, factor * _size(union, sizes)))
+        steps.append(ContractionStep(positions, step_eq, result, factor * _size(union, sizes), tuple(operands)))
         current.append(result)
     return ContractionPlan(inputs, output, dict(sizes), tuple(steps), tuple(tuple(p) for p in path))
 

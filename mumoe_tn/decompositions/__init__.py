@@ -5,9 +5,29 @@ small module whose builder is decorated with :func:`register`.
 """
 
 from mumoe_tn.decompositions.cp import cp
-from mumoe_tn.decompositions.registry import available, build, get_builder, normalize_ranks, register
+from mumoe_tn.decompositions.registry import (
+    ClosedForms,
+    available,
+    build,
+    closed_forms,
+    get_builder,
+    normalize_ranks,
+    register,
+)
 from mumoe_tn.decompositions.tr import tr
 from mumoe_tn.decompositions.tt import tt
 from mumoe_tn.decompositions.tucker import tucker
 
-__all__ = ["available", "build", "cp", "get_builder", "normalize_ranks", "register", "tr", "tt", "tucker"]
+__all__ = [
+    "ClosedForms",
+    "available",
+    "build",
+    "closed_forms",
+    "cp",
+    "get_builder",
+    "normalize_ranks",
+    "register",
+    "tr",
+    "tt",
+    "tucker",
+]

@@ -4,13 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mumoe_tn.decompositions.registry import normalize_ranks, register
+from mumoe_tn.decompositions.registry import ClosedForms, normalize_ranks, register
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, _physical_sizes
 
 __all__ = ["cp"]
 
 
-@register("cp")
+def _paper_fma(net: ExpertNetwork) -> int:
+    """``R(ΣN_e + I + O)`` (paper Table decomp-tradeoff, Eq. fast-CP / full-fast-cp)."""
+    return net.sizes["r"] * (sum(net.expert_dims) + net.in_features + net.out_features)
+
+
+def _hand_fma(net: ExpertNetwork) -> int:
+    """FMAs of the paper's order, lower-order terms included.
+
+    ``E + 1`` vectors ``U·a_e``, ``U·z`` of length ``R``, their ``E`` elementwise products
+    (``E·R``, which the paper omits), then ``R·O``.
+    """
+    return _paper_fma(net) + net.n_expert_modes * net.sizes["r"]
+
+
+def _rank_bound(net: ExpertNetwork) -> int:
+    """``min{I, O, R}`` (paper, "CPμMoEs: rank analysis")."""
+    return min(net.in_features, net.out_features, net.sizes["r"])
+
+
+@register("cp", ClosedForms(_paper_fma, _hand_fma, _rank_bound, lambda net: ("r",)))
 def cp(
     expert_dims: int | Sequence[int],
     in_features: int,

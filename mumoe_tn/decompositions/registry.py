@@ -1,13 +1,27 @@
-"""Registry of named decompositions: builders that return an :class:`ExpertNetwork`."""
+"""Registry of named decompositions.
+
+Each name maps to a builder that returns an :class:`ExpertNetwork`, and to the closed-form
+costs the paper gives (or that are derived here) for it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from mumoe_tn.network import ExpertNetwork, _check_size
 
-__all__ = ["Builder", "available", "build", "get_builder", "normalize_ranks", "register"]
+__all__ = [
+    "Builder",
+    "ClosedForms",
+    "available",
+    "build",
+    "closed_forms",
+    "get_builder",
+    "normalize_ranks",
+    "register",
+]
 
 
 class Builder(Protocol):
@@ -24,16 +38,47 @@ class Builder(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ClosedForms:
+    """Closed-form costs of a named decomposition, as functions of one of its networks.
+
+    Every count is per input vector (one token) and in fused multiply-adds (1 FMA = 1 FLOP,
+    the paper's convention); gating is not included.
+
+    Attributes
+    ----------
+    fma : Callable[[ExpertNetwork], int]
+        The formula as the paper states it (Table decomp-tradeoff and the hierarchical
+        derivations), or as derived here where the paper gives none.
+    hand_fma : Callable[[ExpertNetwork], int]
+        The exact FMAs of the hand-derived contraction order, lower-order terms included;
+        ``hand_fma - fma`` is what the stated formula omits.
+    rank_bound : Callable[[ExpertNetwork], int]
+        Upper bound on the rank of every expert matrix.
+    matched_bonds : Callable[[ExpertNetwork], tuple[str, ...]] or None
+        Bonds that parameter matching scales by default, or None when the caller must name
+        them.
+    """
+
+    fma: Callable[[ExpertNetwork], int]
+    hand_fma: Callable[[ExpertNetwork], int]
+    rank_bound: Callable[[ExpertNetwork], int]
+    matched_bonds: Callable[[ExpertNetwork], tuple[str, ...]] | None = None
+
+
 _BUILDERS: dict[str, Builder] = {}
+_CLOSED_FORMS: dict[str, ClosedForms] = {}
 
 
-def register(name: str) -> Callable[[Builder], Builder]:
+def register(name: str, closed: ClosedForms | None = None) -> Callable[[Builder], Builder]:
     """Register a decomposition builder under ``name`` (case-insensitive).
 
     Parameters
     ----------
     name : str
         The name users pass as ``decomposition=`` (stored lower-case).
+    closed : ClosedForms, optional
+        Its closed-form costs, if known.
 
     Returns
     -------
@@ -51,9 +96,16 @@ def register(name: str) -> Callable[[Builder], Builder]:
         if key in _BUILDERS:
             raise ValueError(f"a decomposition named {key!r} is already registered")
         _BUILDERS[key] = builder
+        if closed is not None:
+            _CLOSED_FORMS[key] = closed
         return builder
 
     return decorator
+
+
+def closed_forms(network: ExpertNetwork) -> ClosedForms | None:
+    """The closed forms registered for ``network.name``, or None (custom networks)."""
+    return _CLOSED_FORMS.get(network.name.lower())
 
 
 def available() -> list[str]:

@@ -4,13 +4,42 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mumoe_tn.decompositions.registry import normalize_ranks, register
+from mumoe_tn.decompositions.registry import ClosedForms, normalize_ranks, register
 from mumoe_tn.network import ExpertNetwork, _physical_sizes
 
 __all__ = ["tucker"]
 
 
-@register("tucker")
+def _fma(net: ExpertNetwork) -> int:
+    """FMAs per token, derived here (the paper gives none).
+
+    ``Σ_e N_e R_e + I R_I + Σ_{k=0}^{E} P / Π_{j<k} R_j + R_O O`` with ``P = Π R`` over all
+    ``E + 2`` core modes: the factor products, then the core contracted with the vectors of
+    modes ``n1 … nE, i`` in that order, then the output factor.
+    """
+    legs = [*net.expert_legs, "i", "o"]
+    ranks = [net.sizes[f"s_{leg}"] for leg in legs]
+    total = sum(n * r for n, r in zip(net.expert_dims, ranks, strict=False))
+    total += net.in_features * ranks[-2] + ranks[-1] * net.out_features
+    remaining = 1
+    for r in ranks:
+        remaining *= r
+    for r in ranks[:-1]:
+        total += remaining
+        remaining //= r
+    return total
+
+
+def _rank_bound(net: ExpertNetwork) -> int:
+    """Expert rank bound ``min{I, R_I, R_O, O}``.
+
+    The paper's ``min{min(I, R_I), min(R_I, R_O·R_N), min(O, R_O)}`` ("Tucker μMoEs: rank
+    analysis") reduces to this.
+    """
+    return min(net.in_features, net.sizes["s_i"], net.sizes["s_o"], net.out_features)
+
+
+@register("tucker", ClosedForms(_fma, _fma, _rank_bound))
 def tucker(
     expert_dims: int | Sequence[int],
     in_features: int,

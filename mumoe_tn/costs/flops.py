@@ -1,0 +1,130 @@
+"""FLOP counts, in fused multiply-adds (torch-free).
+
+**Unit.** One fused multiply-add (FMA) is one FLOP, the paper's convention (fvcore). A
+product of an ``m × k`` and a ``k × n`` matrix is ``m·k·n`` FMAs; an elementwise product of
+two length-``n`` vectors is ``n``; summing ``n`` numbers is ``n``. opt_einsum's ``opt_cost``
+counts 2 per FMA except on steps that sum no index (counted once), and cotengra doubles both:
+neither is used here except as a cross-check in the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mumoe_tn.contractions.plan import plan_dense, plan_forward
+from mumoe_tn.costs.params import layer_in_features
+from mumoe_tn.decompositions.registry import closed_forms
+from mumoe_tn.network import ExpertNetwork
+
+__all__ = [
+    "LayerFlops",
+    "dense_forward_fma",
+    "gate_fma",
+    "layer_flops",
+    "materialize_fma",
+    "matmul_fma",
+]
+
+
+def matmul_fma(m: int, k: int, n: int) -> int:
+    """FMAs of an ``(m × k) · (k × n)`` matrix product: ``m·k·n``."""
+    return m * k * n
+
+
+def gate_fma(network: ExpertNetwork, *, bias: bool = True) -> int:
+    """FMAs of the gate logits ``G_eᵀ z`` for one token: ``I·ΣN_e``."""
+    return layer_in_features(network, bias) * sum(network.expert_dims)
+
+
+def materialize_fma(network: ExpertNetwork) -> int:
+    """FMAs of materialising ``W`` from the cores (planned contraction)."""
+    return plan_dense(network).fma
+
+
+def dense_forward_fma(network: ExpertNetwork) -> int:
+    """FMAs per token of the naive forward over a materialised ``W`` (paper Eq. 1/hierarchy-sum).
+
+    Every expert's matrix times the input (``N·I·O``, ``N = ∏N_e``), then the sums over the
+    expert modes weighted by the coefficients (``N_1⋯N_E·O + N_2⋯N_E·O + … + N_E·O``).
+    """
+    total = network.n_experts * network.in_features * network.out_features
+    remaining = network.n_experts
+    for size in network.expert_dims:
+        total += remaining * network.out_features
+        remaining //= size
+    return total
+
+
+@dataclass(frozen=True)
+class LayerFlops:
+    """FLOPs (FMAs) of one μMoE layer for a batch of tokens.
+
+    Attributes
+    ----------
+    batch : int
+        Number of tokens.
+    planned : int
+        FMAs of the planned factorized contraction for the whole batch.
+    gate : int
+        FMAs of the gate logits for the whole batch (0 when not counted).
+    closed_form : int or None
+        The decomposition's stated formula times the batch (None for custom networks).
+    hand_order : int or None
+        The hand-derived order's exact FMAs times the batch (None for custom networks).
+    peak_elements : int
+        Elements of the largest intermediate of the planned contraction.
+    """
+
+    batch: int
+    planned: int
+    gate: int
+    closed_form: int | None
+    hand_order: int | None
+    peak_elements: int
+
+    @property
+    def total(self) -> int:
+        """Planned contraction plus gating."""
+        return self.planned + self.gate
+
+    @property
+    def per_token(self) -> float:
+        """``total / batch``."""
+        return self.total / self.batch
+
+
+def layer_flops(
+    network: ExpertNetwork, *, batch: int = 1, bias: bool = True, gate: bool = True, optimize: Any = "dp"
+) -> LayerFlops:
+    """FLOPs of one μMoE layer on ``batch`` tokens, from the plan the layer would run.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        The expert network.
+    batch : int, optional
+        Number of tokens (the plan depends on it).
+    bias : bool, optional
+        Whether leg ``i`` holds a folded bias column (affects the gate's width).
+    gate : bool, optional
+        Count the gate logits.
+    optimize : str or object, optional
+        Path optimizer, as for the layers.
+
+    Returns
+    -------
+    LayerFlops
+    """
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    plan = plan_forward(network, batch, optimize)
+    closed = closed_forms(network)
+    return LayerFlops(
+        batch=batch,
+        planned=plan.fma,
+        gate=batch * gate_fma(network, bias=bias) if gate else 0,
+        closed_form=None if closed is None else batch * closed.fma(network),
+        hand_order=None if closed is None else batch * closed.hand_fma(network),
+        peak_elements=plan.largest_intermediate,
+    )

@@ -1,0 +1,183 @@
+"""Parameter matching: the rank whose parameter count is closest to a target (torch-free).
+
+Notes
+-----
+Every count here is a polynomial in the scaled rank ``r`` with non-negative coefficients, so
+it is non-decreasing in ``r``. The solver finds the largest ``r`` with ``count(r) ≤ target`` by
+bisection and compares it with ``r + 1``; the closer count wins and **a tie goes to the smaller
+rank** (fewer parameters). A target below ``count(1)`` is an error. CP scales its rank ``R``;
+TR and TT scale the bond between the input and output cores (``R_{E+2}``, resp. ``R_{E+1}``)
+and keep the others (the paper's ``R1 = R2 = 4``); Tucker and custom networks scale the bonds
+the caller names, all set to the same ``r``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mumoe_tn.costs.params import block_parameters, layer_parameters
+from mumoe_tn.decompositions.registry import closed_forms
+from mumoe_tn.network import ExpertNetwork
+
+__all__ = ["Match", "match_block", "match_layer", "scaled_bonds", "solve_rank"]
+
+_MAX_RANK = 1 << 40
+
+
+def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the layer") -> int:
+    """The rank ``r ≥ 1`` whose ``count(r)`` is closest to ``target`` (ties: smaller ``r``).
+
+    Parameters
+    ----------
+    count : Callable[[int], int]
+        Parameters as a function of the rank; non-decreasing.
+    target : int
+        Parameter budget.
+    what : str, optional
+        Named in error messages.
+
+    Returns
+    -------
+    int
+    """
+    if isinstance(target, bool) or not isinstance(target, int) or target <= 0:
+        raise ValueError(f"the parameter target must be a positive int, got {target!r}")
+    smallest = count(1)
+    if target < smallest:
+        raise ValueError(
+            f"target of {target:,} parameters is below the smallest possible count for {what}: {smallest:,} at rank 1"
+        )
+    low, high = 1, 2
+    while count(high) <= target:
+        low, high = high, high * 2
+        if high > _MAX_RANK:
+            raise ValueError(f"no rank up to {_MAX_RANK:,} reaches {target:,} parameters for {what}")
+    while high - low > 1:  # invariant: count(low) <= target < count(high)
+        middle = (low + high) // 2
+        if count(middle) <= target:
+            low = middle
+        else:
+            high = middle
+    return low if target - count(low) <= count(high) - target else high
+
+
+def scaled_bonds(network: ExpertNetwork, bonds: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The bonds parameter matching scales: ``bonds`` if given, else the decomposition's default."""
+    if bonds is None:
+        closed = closed_forms(network)
+        if closed is None or closed.matched_bonds is None:
+            raise ValueError(
+                f"name the bonds to scale for a {network.name!r} network (bonds=...); its bonds are {network.bonds}"
+            )
+        return closed.matched_bonds(network)
+    bonds = tuple(bonds)
+    unknown = [bond for bond in bonds if bond not in network.bonds]
+    if not bonds or unknown:
+        raise ValueError(f"bonds to scale must be bonds of the network {network.bonds}, got {bonds}")
+    return bonds
+
+
+@dataclass(frozen=True)
+class Match:
+    """A parameter-matched configuration.
+
+    Attributes
+    ----------
+    rank : int
+        The rank given to every scaled bond.
+    bonds : tuple of str
+        The scaled bonds.
+    params : int
+        Parameters at that rank (as counted by the matcher: layer or block, gating per the call).
+    target : int
+        The budget.
+    step : int
+        ``count(rank + 1) - count(rank)``: one rank step, the resolution of the match.
+    networks : tuple of ExpertNetwork
+        The matched network(s).
+    """
+
+    rank: int
+    bonds: tuple[str, ...]
+    params: int
+    target: int
+    step: int
+    networks: tuple[ExpertNetwork, ...]
+
+
+def match_layer(
+    network: ExpertNetwork,
+    target: int,
+    *,
+    bonds: Sequence[str] | None = None,
+    bias: bool = True,
+    gate: bool = True,
+    input_norm: bool = False,
+) -> Match:
+    """Scale ``network``'s bonds so the μMoE layer's total parameters are closest to ``target``.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        A network whose other sizes stay fixed.
+    target : int
+        Parameter budget (e.g. :func:`mumoe_tn.costs.linear` ``(I, O).params``).
+    bonds : Sequence[str], optional
+        Bonds to scale; the decomposition's default (see module notes) if omitted.
+    bias, gate, input_norm : bool, optional
+        As for :func:`mumoe_tn.costs.layer_parameters`.
+
+    Returns
+    -------
+    Match
+    """
+    names = scaled_bonds(network, bonds)
+
+    def resized(r: int) -> ExpertNetwork:
+        return network.with_sizes(**dict.fromkeys(names, r))
+
+    def count(r: int) -> int:
+        return layer_parameters(resized(r), bias=bias, gate=gate, input_norm=input_norm).total
+
+    rank = solve_rank(count, target, what=f"a {network.name} layer scaling {names}")
+    return Match(rank, names, count(rank), target, count(rank + 1) - count(rank), (resized(rank),))
+
+
+def match_block(
+    first: ExpertNetwork,
+    second: ExpertNetwork,
+    target: int,
+    *,
+    bonds: Sequence[str] | None = None,
+    bias: bool = True,
+    gate: bool = True,
+) -> Match:
+    """Scale both layers of a two-layer μMoE block by one rank to match ``target`` parameters.
+
+    Parameters
+    ----------
+    first, second : ExpertNetwork
+        The layers ``I → H`` and ``H → O`` (same decomposition and expert dims).
+    target : int
+        Parameter budget (e.g. :func:`mumoe_tn.costs.mlp` ``(I, H, O).params``).
+    bonds : Sequence[str], optional
+        Bonds to scale in both layers; the decomposition's default if omitted.
+    bias, gate : bool, optional
+        As for :func:`mumoe_tn.costs.block_parameters`.
+
+    Returns
+    -------
+    Match
+    """
+    names = scaled_bonds(first, bonds)
+    scaled_bonds(second, names)
+
+    def resized(r: int) -> tuple[ExpertNetwork, ExpertNetwork]:
+        return first.with_sizes(**dict.fromkeys(names, r)), second.with_sizes(**dict.fromkeys(names, r))
+
+    def count(r: int) -> int:
+        return block_parameters(*resized(r), bias=bias, gate=gate).total
+
+    rank = solve_rank(count, target, what=f"a {first.name} block scaling {names}")
+    return Match(rank, names, count(rank), target, count(rank + 1) - count(rank), resized(rank))
