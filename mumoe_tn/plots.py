@@ -90,14 +90,7 @@ def plot_parameters_vs_experts(table: CostTable, path: str | Path) -> Path:
     axes.set_yscale("log")
     axes.set_xlabel("number of experts")
     axes.set_ylabel("parameters")
-    c = table.config
-    shape = (
-        f"{c['in_features']} → {c['hidden']} → {c['in_features']} block"
-        if c["block"]
-        else (f"{c['in_features']} → {c['out_features']}")
-    )
-    experts = "×".join(map(str, c["expert_dims"]))
-    axes.set_title(f"{shape}: ranks as matched at {experts} experts", fontsize=9)
+    axes.set_title(f"{table.shape()}: ranks as set at {table.experts()} experts", fontsize=9)
     axes.legend(fontsize=8)
     axes.grid(True, which="major", alpha=0.3)
     figure.tight_layout()

@@ -109,17 +109,22 @@ class CostTable:
             table.add_row(*(_format(key, record[key]) for key in COLUMNS))
         return table
 
+    def shape(self) -> str:
+        """The compared layer's shape, e.g. ``768 → 3072`` or ``768 → 3072 → 768 block``."""
+        c = self.config
+        if c["block"]:
+            return f"{c['in_features']} → {c['hidden']} → {c['in_features']} block"
+        return f"{c['in_features']} → {c['out_features']}"
+
+    def experts(self) -> str:
+        """The expert dims, e.g. ``256`` or ``32×32``."""
+        return "×".join(map(str, self.config["expert_dims"]))
+
     def title(self) -> str:
         """A one-line description of the configuration."""
         c = self.config
-        shape = (
-            f"{c['in_features']} → {c['hidden']} → {c['in_features']} block"
-            if c["block"]
-            else (f"{c['in_features']} → {c['out_features']}")
-        )
-        experts = "×".join(map(str, c["expert_dims"]))
         return (
-            f"μMoE costs: {shape}, experts {experts}, bias {'on' if c['bias'] else 'off'}, "
+            f"μMoE costs: {self.shape()}, experts {self.experts()}, bias {'on' if c['bias'] else 'off'}, "
             f"gating {'counted' if c['gate'] else 'not counted'}, batch {c['batch']}, "
             f"ratios to {c['reference']} (1 FMA = 1 FLOP)"
         )
