@@ -6,6 +6,11 @@ as a classmethod, which dynamo cannot trace when gradients are required (torch 2
 closed-form, sort-based thresholds (Martins & Astudillo 2016; Peters, Niculae & Martins 2019)
 and their known Jacobian-vector products, as static-method Functions; the test suite checks
 them against ``entmax``.
+
+Speed: in eager mode the thresholds are first computed from the ``k`` largest logits
+(``torch.topk``, much cheaper than a full sort); a row whose support could extend past ``k``
+is recomputed with a larger ``k``, so the result is always exact. Under ``torch.compile`` the
+full sort is used, because the fallback is data-dependent control flow.
 """
 
 from __future__ import annotations
@@ -16,22 +21,62 @@ from torch.autograd import Function
 __all__ = ["entmax15", "sparsemax"]
 
 
-def _sorted_cumulative(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ordered, _ = torch.sort(x, dim=dim, descending=True)
-    shape = [1] * x.ndim
+#: Size of the first partial sort in eager mode.
+FIRST_K = 64
+
+
+def _largest(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:
+    if k >= x.shape[dim]:
+        return torch.sort(x, dim=dim, descending=True)[0]
+    return torch.topk(x, k, dim=dim, sorted=True)[0]
+
+
+def _threshold(x: torch.Tensor, dim: int, rule) -> torch.Tensor:
+    """The exact threshold ``τ`` along ``dim`` from the sorted-prefix ``rule``.
+
+    ``rule(ordered, dim)`` returns the candidate thresholds for every prefix length and
+    whether each prefix is inside the support (true for a leading run only). When the last
+    prefix of a partial sort is still inside the support the true support may be longer,
+    so those rows are redone with twice the ``k``.
+    """
+    size = x.shape[dim]
+    k = size if torch.compiler.is_compiling() else min(FIRST_K, size)
+    while True:
+        ordered = _largest(x, dim, k)
+        candidates, inside = rule(ordered, dim)
+        support = inside.sum(dim=dim, keepdim=True)
+        tau = candidates.gather(dim, support - 1)
+        if k >= size or not bool((support == k).any()):
+            return tau
+        k = min(2 * k, size)
+
+
+def _prefix(ordered: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = [1] * ordered.ndim
     shape[dim] = -1
-    rho = torch.arange(1, x.shape[dim] + 1, device=x.device, dtype=x.dtype).view(shape)
-    return ordered, ordered.cumsum(dim), rho
+    return torch.arange(1, ordered.shape[dim] + 1, device=ordered.device, dtype=ordered.dtype).view(shape)
+
+
+def _sparsemax_rule(ordered: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rho = _prefix(ordered, dim)
+    cumulative = ordered.cumsum(dim) - 1
+    return cumulative / rho, rho * ordered > cumulative
+
+
+def _entmax15_rule(ordered: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rho = _prefix(ordered, dim)
+    mean = ordered.cumsum(dim) / rho
+    mean_sq = (ordered * ordered).cumsum(dim) / rho
+    spread = rho * (mean_sq - mean * mean)
+    tau = mean - torch.sqrt(torch.clamp((1 - spread) / rho, min=0))
+    return tau, tau <= ordered
 
 
 class _Sparsemax(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
         x = x - x.amax(dim=dim, keepdim=True)
-        ordered, cumulative, rho = _sorted_cumulative(x, dim)
-        support = (rho * ordered > cumulative - 1).sum(dim=dim, keepdim=True)
-        tau = (cumulative.gather(dim, support - 1) - 1) / support.to(x.dtype)
-        y = torch.clamp(x - tau, min=0)
+        y = torch.clamp(x - _threshold(x, dim, _sparsemax_rule), min=0)
         ctx.dim = dim
         ctx.save_for_backward(y)
         return y
@@ -48,13 +93,7 @@ class _Entmax15(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
         x = (x - x.amax(dim=dim, keepdim=True)) / 2
-        ordered, cumulative, rho = _sorted_cumulative(x, dim)
-        mean = cumulative / rho
-        mean_sq = (ordered * ordered).cumsum(dim) / rho
-        spread = rho * (mean_sq - mean * mean)
-        tau = mean - torch.sqrt(torch.clamp((1 - spread) / rho, min=0))
-        support = (tau <= ordered).sum(dim=dim, keepdim=True)
-        y = torch.clamp(x - tau.gather(dim, support - 1), min=0) ** 2
+        y = torch.clamp(x - _threshold(x, dim, _entmax15_rule), min=0) ** 2
         ctx.dim = dim
         ctx.save_for_backward(y)
         return y

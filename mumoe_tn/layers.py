@@ -15,7 +15,7 @@ from mumoe_tn.contractions.plan import ContractionPlan, plan_forward, resolve_op
 from mumoe_tn.decompositions.registry import available, build
 from mumoe_tn.gating import ExpertGate
 from mumoe_tn.init import INIT_RULES, init_cores
-from mumoe_tn.network import ExpertNetwork, normalize_expert_dims
+from mumoe_tn.network import INPUT_LEG, ExpertNetwork, normalize_expert_dims
 
 __all__ = ["FactorizedExperts", "MuMoE"]
 
@@ -144,38 +144,46 @@ class FactorizedExperts(nn.Module):
             self._plans[bucket] = plan
         return plan
 
-    def forward(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], *, append_one: bool = False
+    ) -> torch.Tensor:
         """``y = W ×_1 a_1 … ×_E a_E ×_{E+1} z``, contracted in factorized form.
 
         Parameters
         ----------
         z : torch.Tensor
-            Input of shape ``(…, I)`` (``I`` is the size of leg ``i``, bias column included).
+            Input of shape ``(…, I)`` (``I`` is the size of leg ``i``), or ``(…, I - 1)`` with
+            ``append_one=True``.
         coefficients : Sequence of torch.Tensor
             One tensor of shape ``(…, N_e)`` per expert mode, with the same leading dims as
             ``z``.
+        append_one : bool, optional
+            ``z`` omits the last entry of leg ``i``, which is 1 (the folded bias). Computed
+            without concatenating a column of ones.
 
         Returns
         -------
         torch.Tensor
             Shape ``(…, O)``.
         """
-        self._check_inputs(z, coefficients)
+        self._check_inputs(z, coefficients, append_one)
         lead = z.shape[:-1]
         batch = math.prod(lead)
         operands = [*self.cores.values()]
         operands += [a.reshape(batch, a.shape[-1]) for a in coefficients]
         operands.append(z.reshape(batch, z.shape[-1]))
-        y = run_plan(self.plan(batch), operands)
+        y = run_plan(self.plan(batch), operands, ones_appended=INPUT_LEG if append_one else None)
         return y.reshape(*lead, self.network.out_features)
 
-    def _check_inputs(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor]) -> None:
+    def _check_inputs(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], append_one: bool) -> None:
         net = self.network
         if not isinstance(z, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(z).__name__}")
-        if z.ndim < 1 or z.shape[-1] != net.in_features:
+        width = net.in_features - int(append_one)
+        if z.ndim < 1 or z.shape[-1] != width:
+            extra = " with append_one=True" if append_one else ""
             raise ValueError(
-                f"input must have shape (..., {net.in_features}) (leg 'i' of {net.name!r}), got {tuple(z.shape)}"
+                f"input must have shape (..., {width}) (leg 'i' of {net.name!r}{extra}), got {tuple(z.shape)}"
             )
         if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, Sequence):
             raise TypeError(f"coefficients must be a sequence of {net.n_expert_modes} tensors, one per expert mode")
@@ -360,11 +368,9 @@ class MuMoE(nn.Module):
         z = self.input_norm(x)
         coefficients = self.gate(z)
         self.last_coefficients = tuple(a.detach() for a in coefficients)
-        if self.bias:
-            z = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
         if not torch.is_autocast_enabled(z.device.type):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)
-        return self.experts(z, coefficients)
+        return self.experts(z, coefficients, append_one=self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"

@@ -154,3 +154,15 @@ def test_optimizer_errors():
         plan_contraction([("a", "b"), ("b", "c")], ("a", "c"), {"a": 2, "b": 3, "c": 4}, "fastest")
     with pytest.raises(TypeError, match=r"optimize must be"):
         plan_contraction([("a", "b"), ("b", "c")], ("a", "c"), {"a": 2, "b": 3, "c": 4}, 3.5)
+
+
+@given(any_network(), st.integers(1, 5))
+def test_folded_bias_without_concatenation(network, batch):
+    network = network.with_sizes(i=network.in_features + 1)
+    cores = random_cores(network)
+    coefficients, z = random_inputs(network, batch)
+    short = z[:, :-1]
+    full = torch.cat([short, torch.ones(batch, 1, dtype=DTYPE)], dim=-1)
+    plan = plan_forward(network, batch)
+    expected = run_plan(plan, [*cores.values(), *coefficients, full])
+    torch.testing.assert_close(run_plan(plan, [*cores.values(), *coefficients, short], ones_appended="i"), expected)

@@ -23,6 +23,16 @@ def test_activations_equal_entmax_package(ours, reference, rows, width, scale, s
     torch.testing.assert_close(grad, grad_ref)
 
 
+@pytest.mark.parametrize("scale", [0.01, 1.0, 30.0])
+def test_partial_sort_falls_back_exactly_on_wide_supports(scale):
+    # Near-uniform logits over 300 columns have supports far beyond the first top-k.
+    x = torch.randn(16, 300, dtype=torch.float64) * scale
+    for ours, reference in ((entmax15, entmax.entmax15), (sparsemax, entmax.sparsemax)):
+        torch.testing.assert_close(ours(x), reference(x, dim=-1))
+    if scale == 0.01:
+        assert ((entmax15(x) > 0).sum(-1) > 64).all()
+
+
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_activation_dim_and_gradcheck(dim):
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)

@@ -6,12 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-from mumoe_tn.contractions.plan import ContractionPlan
+from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
 
 __all__ = ["run_plan"]
 
 
-def run_plan(plan: ContractionPlan, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+def run_plan(
+    plan: ContractionPlan, operands: Sequence[torch.Tensor], *, ones_appended: str | None = None
+) -> torch.Tensor:
     """Contract ``operands`` following ``plan``.
 
     Each step is one ``torch.einsum`` over at most two operands, so torch never searches a
@@ -25,6 +27,11 @@ def run_plan(plan: ContractionPlan, operands: Sequence[torch.Tensor]) -> torch.T
         The planned steps; ``len(operands)`` must equal ``len(plan.inputs)``.
     operands : Sequence of torch.Tensor
         Tensors whose dimensions follow ``plan.inputs``.
+    ones_appended : str, optional
+        A label of the *last* operand whose final entry is omitted and taken to be 1 (the
+        folded bias: the input ``z`` lacks the trailing 1 of leg ``i``). The step that
+        contracts it computes ``einsum(z, T[:I]) + T[I]`` instead of concatenating a column
+        of ones onto ``z``.
 
     Returns
     -------
@@ -32,7 +39,36 @@ def run_plan(plan: ContractionPlan, operands: Sequence[torch.Tensor]) -> torch.T
         The result, with dimensions ordered as ``plan.output``.
     """
     current = list(operands)
+    short = len(current) - 1 if ones_appended is not None else -1
     for step in plan.steps:
+        if short in step.positions:
+            picked = [current.pop(k) for k in step.positions]
+            current.append(_affine_step(step, picked, step.positions.index(short), ones_appended))
+            short = -1
+            continue
+        short -= sum(1 for k in step.positions if k < short)  # later pops shift it down
         picked = [current.pop(k) for k in step.positions]
         current.append(torch.einsum(step.equation, *picked))
     return current[0]
+
+
+def _affine_step(step: ContractionStep, picked: list[torch.Tensor], which: int, label: str) -> torch.Tensor:
+    """One step in which operand ``which`` lacks the final entry (a 1) of leg ``label``."""
+    z = picked[which]
+    others = [k for k in range(len(picked)) if k != which]
+    if len(others) != 1 or label not in step.operands[others[0]] or label in step.output:
+        # Not a plain contraction of z's leg with one tensor: append the ones explicitly.
+        picked[which] = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
+        return torch.einsum(step.equation, *picked)
+    other = others[0]
+    labels = step.operands[other]
+    tensor = picked[other]
+    axis = labels.index(label)
+    picked[other] = tensor.narrow(axis, 0, z.shape[-1])
+    result = torch.einsum(step.equation, *picked)
+    # The ones column meets T's last slice along the leg: add it, arranged like the result.
+    rest = [x for x in labels if x != label]
+    bias = tensor.select(axis, tensor.shape[axis] - 1)
+    bias = bias.permute(*(rest.index(x) for x in step.output if x in rest))
+    shape = [result.shape[k] if x in rest else 1 for k, x in enumerate(step.output)]
+    return result + bias.reshape(shape)
