@@ -12,12 +12,98 @@ from torch import nn
 from mumoe_tn.contractions.dense import expert_matrix, materialize
 from mumoe_tn.contractions.execute import run_plan
 from mumoe_tn.contractions.plan import ContractionPlan, plan_forward, resolve_optimizer
+from mumoe_tn.costs.baselines import linear as linear_cost
+from mumoe_tn.costs.baselines import mlp as mlp_cost
+from mumoe_tn.costs.matching import match_block, match_layer
 from mumoe_tn.decompositions.registry import available, build
 from mumoe_tn.gating import ExpertGate
 from mumoe_tn.init import INIT_RULES, init_cores
 from mumoe_tn.network import INPUT_LEG, ExpertNetwork, normalize_expert_dims
 
-__all__ = ["FactorizedExperts", "MuMoE"]
+__all__ = ["FactorizedExperts", "MuMoE", "MuMoEMLP", "resolve_network"]
+
+Decomposition = str | ExpertNetwork | Callable[..., ExpertNetwork]
+Rank = int | Sequence[int] | Mapping[str, int] | str | None
+
+
+def resolve_network(
+    decomposition: Decomposition,
+    expert_dims: int | Sequence[int] | None,
+    in_features: int,
+    out_features: int,
+    rank: Rank,
+    *,
+    bias: bool = True,
+    options: Mapping[str, Any] | None = None,
+) -> ExpertNetwork:
+    """The expert network of a layer ``in_features -> out_features`` (leg ``i`` = in + bias).
+
+    Parameters
+    ----------
+    decomposition : str or ExpertNetwork or Callable
+        A registered name, a spec string (``"n1 a b, a i c, b c o"``), a ready network whose
+        legs must match, or a builder ``(expert_dims, i, o, rank, **options)``.
+    expert_dims : int or Sequence[int] or None
+        Expert mode sizes (optional with a ready network, where they must match).
+    in_features, out_features : int
+        The layer's sizes.
+    rank : int or Sequence[int] or Mapping[str, int] or str
+        The builder's ranks; a matching target name (``"linear"``, ``"mlp"``) builds with
+        rank 1, to be scaled by the caller.
+    bias : bool, optional
+        Whether leg ``i`` has a folded bias column.
+    options : Mapping[str, Any], optional
+        Extra builder options.
+
+    Returns
+    -------
+    ExpertNetwork
+    """
+    options = dict(options or {})
+    width = in_features + int(bias)
+    if isinstance(decomposition, ExpertNetwork):
+        network = decomposition
+        if network.in_features != width or network.out_features != out_features:
+            raise ValueError(
+                f"the network has legs i={network.in_features}, o={network.out_features} but this layer "
+                f"needs i={width} (in_features={in_features}{' + 1 bias' if bias else ''}), o={out_features}"
+            )
+        if expert_dims is not None and normalize_expert_dims(expert_dims) != network.expert_dims:
+            raise ValueError(f"expert_dims={expert_dims!r} but the network has expert dims {network.expert_dims}")
+        return network
+    if expert_dims is None:
+        raise TypeError("expert_dims is required unless decomposition is an ExpertNetwork")
+    if rank is None:
+        raise TypeError(f"rank is required for decomposition {decomposition!r}")
+    if isinstance(rank, str):
+        if rank not in ("linear", "mlp"):
+            raise ValueError(f"rank must be ranks or a matching target 'linear'/'mlp', got {rank!r}")
+        if isinstance(decomposition, str) and decomposition.lower() not in available():
+            raise ValueError(
+                f"rank={rank!r} matches parameters of named decompositions only; for a custom network name the "
+                "bonds to scale with mumoe_tn.costs.match_layer and pass the matched ExpertNetwork"
+            )
+        rank = 1
+    if callable(decomposition) and not isinstance(decomposition, str):
+        network = decomposition(expert_dims, width, out_features, rank, **options)
+        if not isinstance(network, ExpertNetwork):
+            raise TypeError(f"the decomposition builder returned {type(network).__name__}, not an ExpertNetwork")
+        return network
+    if not isinstance(decomposition, str):
+        raise TypeError(
+            f"decomposition must be a name, a spec string, an ExpertNetwork or a builder, got {decomposition!r}"
+        )
+    if decomposition.lower() in available():
+        return build(decomposition, expert_dims, width, out_features, rank, **options)
+    if "," in decomposition or " " in decomposition.strip():
+        return ExpertNetwork.from_spec(
+            decomposition, expert_dims=expert_dims, in_features=width, out_features=out_features, ranks=rank
+        )
+    raise ValueError(f"unknown decomposition {decomposition!r}; registered: {available()}, or give a spec string")
+
+
+def _matched_bonds(network: ExpertNetwork) -> tuple[str, ...] | None:
+    return network.bonds if network.name == "tucker" else None
 
 
 def _batch_bucket(batch: int) -> int:
@@ -243,9 +329,11 @@ class MuMoE(nn.Module):
         such as ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready
         :class:`ExpertNetwork` whose legs match the layer, or a builder
         ``(expert_dims, in, out, rank) -> ExpertNetwork``.
-    rank : int or Sequence[int] or Mapping[str, int]
-        Ranks for the decomposition (a mapping of bond -> size for spec strings). Not needed
-        with an :class:`ExpertNetwork`.
+    rank : int or Sequence[int] or Mapping[str, int] or "linear"
+        Ranks for the decomposition (a mapping of bond -> size for spec strings), or
+        ``"linear"`` to parameter-match ``nn.Linear(in_features, out_features)`` with gating
+        counted (CP scales ``R``, TR/TT the input–output bond, Tucker all bonds; see
+        :mod:`mumoe_tn.costs.matching`). Not needed with an :class:`ExpertNetwork`.
     bias : bool, optional
         Fold a per-expert bias into the input leg (default True).
     activation : str or float, optional
@@ -298,7 +386,13 @@ class MuMoE(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.bias = bias
-        network = self._network(decomposition, expert_dims, rank, decomposition_options)
+        network = resolve_network(
+            decomposition, expert_dims, in_features, out_features, rank, bias=bias, options=decomposition_options
+        )
+        if rank == "linear":
+            target = linear_cost(in_features, out_features, bias=bias).params
+            matched = match_layer(network, target, bonds=_matched_bonds(network), bias=bias, input_norm=input_norm)
+            network = matched.networks[0]
         self.expert_dims = network.expert_dims
         self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
         self.gate = ExpertGate(in_features, self.expert_dims, activation, gate_norm, **factory)
@@ -306,46 +400,6 @@ class MuMoE(nn.Module):
             network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize, **factory
         )
         self.last_coefficients: tuple[torch.Tensor, ...] | None = None
-
-    def _network(
-        self,
-        decomposition: str | ExpertNetwork | Callable[..., ExpertNetwork],
-        expert_dims: int | Sequence[int] | None,
-        rank: int | Sequence[int] | Mapping[str, int] | None,
-        options: Mapping[str, Any],
-    ) -> ExpertNetwork:
-        width = self.in_features + int(self.bias)
-        if isinstance(decomposition, ExpertNetwork):
-            network = decomposition
-            if network.in_features != width or network.out_features != self.out_features:
-                raise ValueError(
-                    f"the network has legs i={network.in_features}, o={network.out_features} but this layer "
-                    f"needs i={width} (in_features={self.in_features}{' + 1 bias' if self.bias else ''}), "
-                    f"o={self.out_features}"
-                )
-            if expert_dims is not None and normalize_expert_dims(expert_dims) != network.expert_dims:
-                raise ValueError(f"expert_dims={expert_dims!r} but the network has expert dims {network.expert_dims}")
-            return network
-        if expert_dims is None:
-            raise TypeError("expert_dims is required unless decomposition is an ExpertNetwork")
-        if rank is None:
-            raise TypeError(f"rank is required for decomposition {decomposition!r}")
-        if callable(decomposition) and not isinstance(decomposition, str):
-            network = decomposition(expert_dims, width, self.out_features, rank, **options)
-            if not isinstance(network, ExpertNetwork):
-                raise TypeError(f"the decomposition builder returned {type(network).__name__}, not an ExpertNetwork")
-            return network
-        if not isinstance(decomposition, str):
-            raise TypeError(
-                f"decomposition must be a name, a spec string, an ExpertNetwork or a builder, got {decomposition!r}"
-            )
-        if decomposition.lower() in available():
-            return build(decomposition, expert_dims, width, self.out_features, rank, **options)
-        if "," in decomposition or " " in decomposition.strip():
-            return ExpertNetwork.from_spec(
-                decomposition, expert_dims=expert_dims, in_features=width, out_features=self.out_features, ranks=rank
-            )
-        raise ValueError(f"unknown decomposition {decomposition!r}; registered: {available()}, or give a spec string")
 
     @property
     def network(self) -> ExpertNetwork:
@@ -374,3 +428,116 @@ class MuMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"
+
+
+class MuMoEMLP(nn.Module):
+    """The paper's two-layer μMoE block (Section "Large language/vision μMoE networks").
+
+    ``a = φ(norm(Gᵀ z))`` once per token, shared by both layers:
+    ``y = W2 ×_1 a ×_2 [act(W1 ×_1 a ×_2 [z; 1]); 1]`` — a drop-in for a transformer or
+    mixer MLP ``Linear(I, H) → GELU → Linear(H, O)``.
+
+    Parameters
+    ----------
+    in_features, hidden_features : int
+        Input and hidden sizes.
+    out_features : int, optional
+        Output size (default ``in_features``).
+    expert_dims : int or Sequence[int]
+        ``N`` or ``(N_1, …, N_E)``, shared by both layers.
+    decomposition : str or Callable, optional
+        As for :class:`MuMoE` (a name, spec string or builder; both layers use it).
+    rank : int or Sequence[int] or Mapping[str, int] or "mlp"
+        Ranks of both layers, or ``"mlp"`` to parameter-match the MLP block ``I → H → O``
+        (one rank for both layers, the one gate counted).
+    bias : bool, optional
+        Fold a bias into both layers' input legs (default True).
+    activation : str or float, optional
+        Gate activation φ (default ``"entmax15"``).
+    gate_norm : {"batch", "layer", "none"}, optional
+        Normalisation of the gate logits.
+    input_norm : bool, optional
+        LayerNorm on the block's input first.
+    hidden_activation : nn.Module, optional
+        Non-linearity between the layers (default ``nn.GELU()``).
+    init, expert_noise, optimize, device, dtype, **decomposition_options
+        As for :class:`MuMoE`.
+
+    Attributes
+    ----------
+    last_coefficients : tuple of torch.Tensor or None
+        The (detached) shared coefficients of the last forward pass.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        out_features: int | None = None,
+        expert_dims: int | Sequence[int] | None = None,
+        decomposition: Decomposition = "cp",
+        rank: Rank = None,
+        *,
+        bias: bool = True,
+        activation: str | float = "entmax15",
+        gate_norm: str = "batch",
+        input_norm: bool = False,
+        hidden_activation: nn.Module | None = None,
+        init: str = "auto",
+        expert_noise: Sequence[float] | None = None,
+        optimize: Any = "dp",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **decomposition_options: Any,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        out_features = in_features if out_features is None else out_features
+        if isinstance(decomposition, ExpertNetwork):
+            raise TypeError("MuMoEMLP builds two networks: pass a name, a spec string or a builder, not one network")
+        self.in_features, self.hidden_features, self.out_features = in_features, hidden_features, out_features
+        self.bias = bias
+        shared = {"bias": bias, "options": decomposition_options}
+        first = resolve_network(decomposition, expert_dims, in_features, hidden_features, rank, **shared)
+        second = resolve_network(decomposition, expert_dims, hidden_features, out_features, rank, **shared)
+        if rank == "mlp":
+            target = mlp_cost(in_features, hidden_features, out_features, bias=bias).params
+            first, second = match_block(first, second, target, bonds=_matched_bonds(first), bias=bias).networks
+        elif isinstance(rank, str):
+            raise ValueError(f"MuMoEMLP matches rank='mlp' (the MLP block it replaces), got {rank!r}")
+        self.expert_dims = first.expert_dims
+        self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
+        self.gate = ExpertGate(in_features, self.expert_dims, activation, gate_norm, **factory)
+        layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
+        self.experts1 = FactorizedExperts(first, fan_in=in_features, **layer)
+        self.experts2 = FactorizedExperts(second, fan_in=hidden_features, **layer)
+        self.hidden_activation = nn.GELU() if hidden_activation is None else hidden_activation
+        self.last_coefficients: tuple[torch.Tensor, ...] | None = None
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the gate, the input norm and both layers' cores."""
+        for module in (*self.gate.projections.values(), *self.gate.norms.values(), self.input_norm):
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        self.experts1.reset_parameters()
+        self.experts2.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
+        z = self.input_norm(x)
+        coefficients = self.gate(z)
+        self.last_coefficients = tuple(a.detach() for a in coefficients)
+        if not torch.is_autocast_enabled(z.device.type):
+            coefficients = tuple(a.to(z.dtype) for a in coefficients)
+        hidden = self.hidden_activation(self.experts1(z, coefficients, append_one=self.bias))
+        return self.experts2(hidden, coefficients, append_one=self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
+            f"out_features={self.out_features}, bias={self.bias}"
+        )

@@ -1,0 +1,1 @@
+"""Speed and memory benchmarks of mumoe_tn (run ``python -m benchmarks.run``)."""
