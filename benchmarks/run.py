@@ -27,6 +27,7 @@ import torch
 import mumoe_tn
 from benchmarks.baselines import DenseMoE, HandwrittenCP, HandwrittenTR, SparseMoE, matched_layer
 from benchmarks.measure import median_seconds, peak_bytes, peak_bytes_here
+from mumoe_tn import MuMoE
 from mumoe_tn.contractions.execute import run_plan
 
 FULL = {"in": 768, "out": 3072, "batch": 4096, "experts": 256, "hier_batch": 1024, "sweep_batch": 256, "time": 1.0}
@@ -44,7 +45,10 @@ def build(case: dict, device: torch.device) -> tuple[torch.nn.Module, tuple, tor
         module = torch.nn.Linear(i, o)
         args = (torch.randn(b, i, generator=gen),)
     elif kind == "mumoe":
-        module = matched_layer(case["decomposition"], i, o, dims)
+        if "rank" in case:  # fixed ranks (sweeps), else parameter-matched to nn.Linear
+            module = MuMoE(i, o, dims, case["decomposition"], case["rank"], input_norm=True)
+        else:
+            module = matched_layer(case["decomposition"], i, o, dims)
         args = (torch.randn(b, i, generator=gen),)
     elif kind in ("planned", "handwritten"):
         experts = matched_layer(case["decomposition"], i, o, dims).experts
@@ -211,13 +215,21 @@ def suite(cfg: dict, device: torch.device, quick: bool) -> tuple[list[Result], d
     print("plan-cache hit overhead at batch 1", flush=True)
     extra["overhead"] = cache_overhead(i, o, n, device, cfg)
 
-    print(f"sweep over experts, batch {cfg['sweep_batch']}", flush=True)
+    # Sweeps keep the ranks matched at N experts fixed (the paper's Figure param-ablation): at
+    # large N the gate alone outgrows nn.Linear, so matching is no longer possible.
+    fixed = {}
+    for name in ("cp", "tr", "tt"):
+        network = matched_layer(name, i, o, (n,)).network
+        fixed[name] = network.sizes[network.bonds[-1]]
+    print(f"sweep over experts, batch {cfg['sweep_batch']}, ranks fixed at {fixed}", flush=True)
     counts = [2, 8, 32] if quick else [2, 8, 32, 128, 512, 2048, 8192, 16384]
     sb = {**base, "batch": cfg["sweep_batch"]}
     results.append(measure("experts", "nn.Linear", {**sb, "kind": "linear"}, cfg, device))
     for count in counts:
         for kind, name in (("mumoe", "cp"), ("mumoe", "tr"), ("mumoe", "tt"), ("dense", None), ("sparse", None)):
-            case = {**sb, "kind": kind, "experts": [count], **({"decomposition": name} if name else {})}
+            case = {**sb, "kind": kind, "experts": [count]}
+            if name:
+                case |= {"decomposition": name, "rank": fixed[name]}
             label = f"{name + ' μMoE' if name else kind + ' MoE'} N={count}"
             results.append(measure("experts", label, case, cfg, device))
 
@@ -227,7 +239,9 @@ def suite(cfg: dict, device: torch.device, quick: bool) -> tuple[list[Result], d
         bb = {**base, "batch": batch}
         results.append(measure("batch", f"nn.Linear B={batch}", {**bb, "kind": "linear"}, cfg, device))
         for kind, name in (("mumoe", "cp"), ("mumoe", "tr"), ("dense", None), ("sparse", None)):
-            case = {**bb, "kind": kind, "experts": [n], **({"decomposition": name} if name else {})}
+            case = {**bb, "kind": kind, "experts": [n]}
+            if name:
+                case |= {"decomposition": name, "rank": fixed[name]}
             label = f"{name + ' μMoE' if name else kind + ' MoE'} B={batch}"
             results.append(measure("batch", label, case, cfg, device))
 
@@ -235,7 +249,7 @@ def suite(cfg: dict, device: torch.device, quick: bool) -> tuple[list[Result], d
     total = 16 if quick else 4096
     for dims in ((total,), (math.isqrt(total),) * 2, (math.isqrt(math.isqrt(total)),) * 4):
         for name in ("cp", "tr"):
-            case = {**sb, "kind": "mumoe", "decomposition": name, "experts": list(dims)}
+            case = {**sb, "kind": "mumoe", "decomposition": name, "experts": list(dims), "rank": fixed[name]}
             results.append(measure("modes", f"{name} μMoE {'×'.join(map(str, dims))}", case, cfg, device))
     return results, extra
 

@@ -9,8 +9,10 @@ them against ``entmax``.
 
 Speed: in eager mode the thresholds are first computed from the ``k`` largest logits
 (``torch.topk``, much cheaper than a full sort); a row whose support could extend past ``k``
-is recomputed with a larger ``k``, so the result is always exact. Under ``torch.compile`` the
-full sort is used, because the fallback is data-dependent control flow.
+is recomputed with a larger ``k``, so the result is always exact. Under ``torch.compile`` and
+``torch.func`` transforms the full sort is used, because the fallback is data-dependent control
+flow. The Functions define ``setup_context`` and generate their vmap rule, so ``torch.func``
+(``vmap``, ``grad``, ``jacrev``, …) works through them.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def _threshold(x: torch.Tensor, dim: int, rule) -> torch.Tensor:
     so those rows are redone with twice the ``k``.
     """
     size = x.shape[dim]
-    k = size if torch.compiler.is_compiling() else min(FIRST_K, size)
+    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    k = size if traced else min(FIRST_K, size)
     while True:
         ordered = _largest(x, dim, k)
         candidates, inside = rule(ordered, dim)
@@ -73,13 +76,17 @@ def _entmax15_rule(ordered: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch
 
 
 class _Sparsemax(Function):
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
         x = x - x.amax(dim=dim, keepdim=True)
-        y = torch.clamp(x - _threshold(x, dim, _sparsemax_rule), min=0)
-        ctx.dim = dim
-        ctx.save_for_backward(y)
-        return y
+        return torch.clamp(x - _threshold(x, dim, _sparsemax_rule), min=0)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.dim = inputs[1]
+        ctx.save_for_backward(output)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -90,13 +97,17 @@ class _Sparsemax(Function):
 
 
 class _Entmax15(Function):
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
         x = (x - x.amax(dim=dim, keepdim=True)) / 2
-        y = torch.clamp(x - _threshold(x, dim, _entmax15_rule), min=0) ** 2
-        ctx.dim = dim
-        ctx.save_for_backward(y)
-        return y
+        return torch.clamp(x - _threshold(x, dim, _entmax15_rule), min=0) ** 2
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.dim = inputs[1]
+        ctx.save_for_backward(output)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:

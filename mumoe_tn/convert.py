@@ -83,9 +83,7 @@ def _replicate(experts: FactorizedExperts, left: torch.Tensor, right: torch.Tens
         cores["U_i"].copy_(pad(left, core.shape[-2]))
         cores["U_o"].copy_(pad(right, core.shape[-1]))
     else:
-        raise ValueError(
-            f"upcycling builds cp, tr, tt and tucker networks in closed form; got a {net.name!r} network"
-        )
+        raise ValueError(f"upcycling builds cp, tr, tt and tucker networks in closed form; got a {net.name!r} network")
 
 
 def _io_rank(network: ExpertNetwork) -> int:
@@ -137,7 +135,8 @@ def upcycle_linear(
     """
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"upcycle_linear needs an nn.Linear, got {type(linear).__name__}")
-    matrix = _linear_matrix(linear).float()
+    matrix = _linear_matrix(linear)
+    matrix = matrix.to(torch.promote_types(matrix.dtype, torch.float32))
     if rank is None:
         rank = min(matrix.shape)
     factory = {"device": linear.weight.device, "dtype": linear.weight.dtype}
@@ -155,7 +154,7 @@ def upcycle_linear(
     k = min(_io_rank(layer.network), singular.numel())
     root = singular[:k].sqrt()
     _replicate(layer.experts, (left[:, :k] * root).to(**factory), (right_t[:k].T * root).to(**factory))
-    approx = layer.experts.expert((0,) * layer.network.n_expert_modes).float()
+    approx = layer.experts.expert((0,) * layer.network.n_expert_modes).to(matrix.dtype)
     return layer, float((approx - matrix).norm() / matrix.norm().clamp_min(1e-30))
 
 
@@ -168,6 +167,7 @@ def decompose_dense(
     *,
     n_iter_max: int = 100,
     random_state: int | None = 0,
+    tr_method: str = "svd",
 ) -> tuple[FactorizedExperts, float]:
     """Decompose a dense expert tensor ``W (N_1, …, N_E, I, O)`` into a μMoE expert network.
 
@@ -188,6 +188,10 @@ def decompose_dense(
         Iterations of the iterative algorithms (CP, Tucker).
     random_state : int, optional
         Seed of the iterative algorithms.
+    tr_method : {"svd", "als"}, optional
+        tensorly's ``tensor_ring`` (TR-SVD, sequential and quasi-optimal) or
+        ``tensor_ring_als``. Neither is guaranteed to find an exact tensor ring of the given
+        ranks; the returned error says how close it got.
 
     Returns
     -------
@@ -205,17 +209,26 @@ def decompose_dense(
     *dims, in_features, out_features = weight.shape
     network = build(decomposition, tuple(dims), in_features, out_features, rank)
     ranks = [network.sizes[bond] for bond in network.bonds]
-    data = weight.detach().float()
+    data = weight.detach().to(torch.promote_types(weight.dtype, torch.float32))
+    if tr_method not in ("svd", "als"):
+        raise ValueError(f"tr_method must be 'svd' or 'als', got {tr_method!r}")
     with tl.backend_context("pytorch"):
         if network.name == "cp":
             weights, factors = tl.decomposition.parafac(
                 data, network.sizes["r"], n_iter_max=n_iter_max, init="random", random_state=random_state
             )
             factors = [factors[0] * weights[None], *factors[1:]]
+        elif network.name == "tr" and tr_method == "als":
+            factors = list(
+                tl.decomposition.tensor_ring_als(
+                    data, rank=[*ranks, ranks[0]], n_iter_max=n_iter_max, random_state=random_state
+                )
+            )
         elif network.name == "tr":
             if ranks[0] * ranks[1] > dims[0]:
                 raise ValueError(
-                    f"TR-SVD needs R1·R2 <= N1, got {ranks[0]}·{ranks[1]} > {dims[0]}; lower the expert ranks"
+                    f"TR-SVD needs R1·R2 <= N1, got {ranks[0]}·{ranks[1]} > {dims[0]}; lower the expert ranks "
+                    "or use tr_method='als'"
                 )
             factors = list(tl.decomposition.tensor_ring(data, rank=[*ranks, ranks[0]]))
         elif network.name == "tt":
@@ -231,7 +244,7 @@ def decompose_dense(
     experts = FactorizedExperts(network, device=weight.device, dtype=weight.dtype)
     for name, factor in zip(network.cores, factors, strict=True):
         getattr(experts, name).copy_(factor.reshape(network.core_shape(name)))
-    error = (materialize(network, experts.cores).float() - data).norm() / data.norm().clamp_min(1e-30)
+    error = (materialize(network, experts.cores).to(data.dtype) - data).norm() / data.norm().clamp_min(1e-30)
     return experts, float(error)
 
 
@@ -424,4 +437,3 @@ def convert(
             Replacement(name, kind, before, _count(new), network.expert_dims, _ranks(network), error)
         )
     return report
-

@@ -357,7 +357,12 @@ class MuMoE(nn.Module):
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
-        The (detached) expert coefficients of the last forward pass, one per expert mode.
+        The (detached) expert coefficients of the last forward pass, one per expert mode
+        (before any ablation).
+    ablation : object or None
+        An active counterfactual ablation (see :mod:`mumoe_tn.analysis.ablation`): it masks
+        coefficients inside the contraction, or removes single experts' contributions, and
+        never touches the weights.
     """
 
     def __init__(
@@ -400,6 +405,7 @@ class MuMoE(nn.Module):
             network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize, **factory
         )
         self.last_coefficients: tuple[torch.Tensor, ...] | None = None
+        self.ablation: Any = None
 
     @property
     def network(self) -> ExpertNetwork:
@@ -424,7 +430,11 @@ class MuMoE(nn.Module):
         self.last_coefficients = tuple(a.detach() for a in coefficients)
         if not torch.is_autocast_enabled(z.device.type):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)
-        return self.experts(z, coefficients, append_one=self.bias)
+        if self.ablation is None:
+            return self.experts(z, coefficients, append_one=self.bias)
+        masked = self.ablation.mask(coefficients)
+        y = self.experts(z, masked, append_one=self.bias)
+        return self.ablation.correct(self.experts, z, masked, y, append_one=self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"
@@ -467,6 +477,8 @@ class MuMoEMLP(nn.Module):
     ----------
     last_coefficients : tuple of torch.Tensor or None
         The (detached) shared coefficients of the last forward pass.
+    ablation : object or None
+        An active counterfactual ablation, applied to both layers (see :class:`MuMoE`).
     """
 
     def __init__(
@@ -513,6 +525,7 @@ class MuMoEMLP(nn.Module):
         self.experts2 = FactorizedExperts(second, fan_in=hidden_features, **layer)
         self.hidden_activation = nn.GELU() if hidden_activation is None else hidden_activation
         self.last_coefficients: tuple[torch.Tensor, ...] | None = None
+        self.ablation: Any = None
 
     def reset_parameters(self) -> None:
         """Re-initialise the gate, the input norm and both layers' cores."""
@@ -533,8 +546,14 @@ class MuMoEMLP(nn.Module):
         self.last_coefficients = tuple(a.detach() for a in coefficients)
         if not torch.is_autocast_enabled(z.device.type):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)
-        hidden = self.hidden_activation(self.experts1(z, coefficients, append_one=self.bias))
-        return self.experts2(hidden, coefficients, append_one=self.bias)
+        if self.ablation is None:
+            hidden = self.hidden_activation(self.experts1(z, coefficients, append_one=self.bias))
+            return self.experts2(hidden, coefficients, append_one=self.bias)
+        masked = self.ablation.mask(coefficients)
+        hidden = self.experts1(z, masked, append_one=self.bias)
+        hidden = self.hidden_activation(self.ablation.correct(self.experts1, z, masked, hidden, append_one=self.bias))
+        y = self.experts2(hidden, masked, append_one=self.bias)
+        return self.ablation.correct(self.experts2, hidden, masked, y, append_one=self.bias)
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,142 @@
+"""Class-level polysemanticity of experts (paper Eq. polysemanticity).
+
+For every expert ``n``: ``d^(n)_c = (y_c − ŷ^(n)_c) / y_c`` is the relative drop of class
+``c``'s accuracy when expert ``n`` is switched off, and ``p^(n) = ‖d^(n) − 1^(n)‖₂`` its
+distance to the one-hot vector at ``argmax_c d^(n)_c`` (0: the expert is needed for exactly one
+class and all of it). The paper averages ``p`` over the experts whose ablation changes some
+class's accuracy. Ablations run in groups: ``K`` experts' counterfactual passes form one batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mumoe_tn.analysis.ablation import ablate
+from mumoe_tn.layers import MuMoE, MuMoEMLP
+
+__all__ = ["Polysemanticity", "class_accuracies", "class_polysemanticity"]
+
+
+def class_accuracies(predictions: torch.Tensor, labels: torch.Tensor, n_classes: int) -> torch.Tensor:
+    """Accuracy of every class (0 for a class with no sample)."""
+    correct = torch.bincount(labels[predictions == labels], minlength=n_classes).double()
+    support = torch.bincount(labels, minlength=n_classes).double()
+    return correct / support.clamp_min(1)
+
+
+@dataclass(frozen=True)
+class Polysemanticity:
+    """Per-expert class accuracy changes and polysemanticity.
+
+    Attributes
+    ----------
+    experts : list of tuple of int
+        The ablated experts (multi-indices).
+    accuracy : torch.Tensor
+        Per-class accuracy of the intact model, ``(C,)``.
+    ablated : torch.Tensor
+        Per-class accuracy with each expert off, ``(len(experts), C)``.
+    differences : torch.Tensor
+        ``d`` — relative accuracy drops (0 for classes the intact model never gets right).
+    polysemanticity : torch.Tensor
+        ``p`` per expert.
+    changed : torch.Tensor
+        Whether ablating the expert changes any class's accuracy.
+    """
+
+    experts: list[tuple[int, ...]]
+    accuracy: torch.Tensor
+    ablated: torch.Tensor
+    differences: torch.Tensor
+    polysemanticity: torch.Tensor
+    changed: torch.Tensor
+
+    @property
+    def mean(self) -> float:
+        """Mean ``p`` over the experts whose ablation changes some class (NaN if none does)."""
+        if not bool(self.changed.any()):
+            return float("nan")
+        return float(self.polysemanticity[self.changed].mean())
+
+
+def _predict(model: nn.Module, inputs: torch.Tensor, forward: Callable | None) -> torch.Tensor:
+    return (forward(model, inputs) if forward else model(inputs)).argmax(-1)
+
+
+@torch.no_grad()
+def class_polysemanticity(
+    model: nn.Module,
+    layer: MuMoE | MuMoEMLP,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    experts: Sequence[object] | None = None,
+    n_classes: int | None = None,
+    max_rows: int = 65_536,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> Polysemanticity:
+    """Ablate every expert of ``layer`` in turn and measure each class's accuracy change.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A classifier containing ``layer``; evaluated in ``eval()`` mode (restored after).
+    layer : MuMoE or MuMoEMLP
+        The layer whose experts are ablated.
+    inputs : torch.Tensor
+        Evaluation inputs; the first dimension is the sample dimension.
+    labels : torch.Tensor
+        Class labels ``(samples,)``.
+    experts : Sequence, optional
+        Experts to ablate (default: all ``∏N_e`` multi-indices).
+    n_classes : int, optional
+        Number of classes (default: ``labels.max() + 1``).
+    max_rows : int, optional
+        Largest batch of replicated samples per forward pass (sets how many ablations run
+        together).
+    forward : Callable, optional
+        ``forward(model, inputs) -> logits`` if the model is not simply called.
+
+    Returns
+    -------
+    Polysemanticity
+    """
+    if not isinstance(layer, (MuMoE, MuMoEMLP)):
+        raise TypeError(f"layer must be a MuMoE or MuMoEMLP, got {type(layer).__name__}")
+    if labels.ndim != 1 or labels.shape[0] != inputs.shape[0]:
+        raise ValueError(f"labels must have shape ({inputs.shape[0]},), got {tuple(labels.shape)}")
+    n_classes = int(labels.max()) + 1 if n_classes is None else n_classes
+    if experts is None:
+        experts = list(itertools.product(*(range(n) for n in layer.expert_dims)))
+    experts = [(e,) if isinstance(e, int) else tuple(e) for e in experts]
+    was_training = model.training
+    model.eval()
+    try:
+        accuracy = class_accuracies(_predict(model, inputs, forward), labels, n_classes)
+        samples = inputs.shape[0]
+        group = max(1, max_rows // samples)
+        rows = []
+        for start in range(0, len(experts), group):
+            chunk = experts[start : start + group]
+            replicated = inputs.repeat(len(chunk), *([1] * (inputs.ndim - 1)))
+            with ablate(layer, [[e] for e in chunk], group_size=samples):
+                predictions = _predict(model, replicated, forward).reshape(len(chunk), samples)
+            rows += [class_accuracies(p, labels, n_classes) for p in predictions]
+    finally:
+        model.train(was_training)
+    ablated = torch.stack(rows)
+    differences = torch.where(accuracy > 0, (accuracy - ablated) / accuracy.clamp_min(1e-30), torch.zeros_like(ablated))
+    one_hot = torch.nn.functional.one_hot(differences.argmax(1), n_classes).double()
+    return Polysemanticity(
+        experts=experts,
+        accuracy=accuracy,
+        ablated=ablated,
+        differences=differences,
+        polysemanticity=(differences - one_hot).norm(dim=1),
+        changed=(ablated != accuracy).any(dim=1),
+    )

@@ -1,0 +1,195 @@
+"""MuMoEMLP, conversion of models, upcycling, dense decomposition, tltorch interop."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from mumoe_tn import ExpertNetwork, MuMoE, dense_forward, materialize
+from mumoe_tn.convert import convert, decompose_dense, find_mlp_blocks, upcycle_linear
+from mumoe_tn.costs import block_parameters, layer_parameters, linear, mlp
+from mumoe_tn.decompositions import build
+from mumoe_tn.interop import from_tltorch, to_tltorch
+from mumoe_tn.layers import MuMoEMLP
+
+DTYPE = torch.float64
+NAMED = ("cp", "tr", "tt", "tucker")
+
+
+def test_mumoe_mlp_equals_dense_reference():
+    torch.manual_seed(0)
+    block = MuMoEMLP(6, 10, 5, (4, 3), "tr", 3, dtype=DTYPE).eval()
+    x = torch.randn(2, 7, 6, dtype=DTYPE)
+    y = block(x)
+    a = [c.reshape(14, -1) for c in block.last_coefficients]
+    ones = torch.ones(14, 1, dtype=DTYPE)
+    hidden = dense_forward(block.experts1.to_dense(), a, torch.cat([x.reshape(14, 6), ones], -1))
+    expected = dense_forward(block.experts2.to_dense(), a, torch.cat([nn.functional.gelu(hidden), ones], -1))
+    torch.testing.assert_close(y, expected.reshape(2, 7, 5))
+    assert block.gate.expert_dims == (4, 3)  # one gate for both layers
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_rank_matching_in_layers(name):
+    layer = MuMoE(48, 64, 16, name, "linear")
+    target = linear(48, 64).params
+    count = layer_parameters(layer.network).total
+    assert count == sum(p.numel() for p in layer.parameters())
+    bigger = layer_parameters(layer.network.with_sizes(**dict.fromkeys(_scaled(layer.network), 10**4))).total
+    assert abs(count - target) < bigger - target  # sanity: matching moved towards the target
+    block = MuMoEMLP(32, 64, 32, 8, name, "mlp")
+    count = block_parameters(block.experts1.network, block.experts2.network).total
+    assert count == sum(p.numel() for p in block.parameters())
+    assert abs(count - mlp(32, 64, 32).params) / mlp(32, 64, 32).params < 0.1
+
+
+def _scaled(network):
+    return network.bonds if network.name == "tucker" else network.bonds[-1:]
+
+
+def test_layer_rank_errors():
+    with pytest.raises(ValueError, match=r"rank must be ranks or a matching target"):
+        MuMoE(8, 8, 4, "cp", "best")
+    with pytest.raises(ValueError, match=r"matches parameters of named decompositions only"):
+        MuMoE(8, 8, 4, "n1 a, a i o", "linear")
+    with pytest.raises(ValueError, match=r"MuMoEMLP matches rank='mlp'"):
+        MuMoEMLP(8, 16, 8, 4, "cp", "linear")
+    network = ExpertNetwork.from_spec("n1 a, a i o", expert_dims=4, in_features=9, out_features=16, ranks=2)
+    with pytest.raises(TypeError, match=r"MuMoEMLP builds two networks"):
+        MuMoEMLP(8, 16, 8, decomposition=network)
+
+
+@given(st.sampled_from(NAMED), st.sampled_from([(5,), (3, 2), (2, 2, 2)]), st.booleans(), st.integers(0, 10**6))
+def test_upcycled_layer_computes_the_linear(name, dims, bias, seed):
+    torch.manual_seed(seed)
+    original = nn.Linear(7, 6, bias=bias, dtype=DTYPE)
+    layer, error = upcycle_linear(original, dims, name, gate_norm="layer")
+    assert error < 1e-12
+    x = torch.randn(4, 7, dtype=DTYPE)
+    torch.testing.assert_close(layer(x), original(x))
+    layer.gate.projections.n1.weight.data.normal_()  # whatever the coefficients
+    torch.testing.assert_close(layer(x), original(x))
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_truncated_upcycling_reports_the_svd_error(name):
+    torch.manual_seed(0)
+    original = nn.Linear(12, 10, dtype=DTYPE)
+    rank = 3 if name != "tr" else (4, 4, 3)
+    _layer, error = upcycle_linear(original, 4, name, rank)
+    matrix = torch.cat([original.weight.T, original.bias[None]]).detach()
+    singular = torch.linalg.svdvals(matrix)
+    expected = singular[3:].pow(2).sum().sqrt() / singular.pow(2).sum().sqrt()
+    assert error == pytest.approx(expected.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "exact"),
+    [
+        ("cp", 3, True),
+        ("tr", (1, 6, 8), True),
+        ("tr", (2, 2, 3), False),
+        ("tt", (2, 3), True),
+        ("tucker", (2, 3, 3), True),
+    ],
+)
+def test_decompose_dense_low_rank_tensors(name, rank, exact):
+    torch.manual_seed(0)
+    network = build(name, 6, 7, 8, rank)
+    cores = {c: torch.randn(s, dtype=DTYPE) for c, s in network.core_shapes.items()}
+    weight = materialize(network, cores).detach()
+    experts, error = decompose_dense(weight, name, rank, n_iter_max=500)
+    assert experts.network == network
+    reconstructed = experts.to_dense().detach()
+    assert (reconstructed - weight).norm() / weight.norm() == pytest.approx(error, abs=1e-9)
+    if exact:  # the algorithm recovers a tensor of exactly that structure
+        assert error < (1e-4 if name == "cp" else 1e-8)
+    else:  # TR-SVD splits R1·R2 arbitrarily and is not exact for a ring of these ranks
+        assert 0 < error < 1
+
+
+def test_decompose_dense_errors():
+    with pytest.raises(ValueError, match=r"at least one expert mode"):
+        decompose_dense(torch.randn(4, 5), "cp", 2)
+    with pytest.raises(ValueError, match=r"TR-SVD needs R1·R2 <= N1"):
+        decompose_dense(torch.randn(3, 4, 5), "tr", (2, 2, 2))
+    _experts, error = decompose_dense(torch.randn(3, 4, 5), "tr", (2, 2, 2), tr_method="als")
+    assert 0 <= error < 1
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(16, 16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.0), nn.Linear(32, 16))
+
+    def forward(self, x):
+        return x + self.mlp(x + self.attn(x))
+
+
+def test_convert_replaces_only_the_chosen_modules():
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), nn.Linear(16, 24))
+    assert find_mlp_blocks(model) == ["0.mlp", "1.mlp"]
+    attn = model[0].attn
+    report = convert(model, expert_dims=8, mlps=r"mlp$", linears=lambda name, m: name == "2")
+    assert isinstance(model[0].mlp, MuMoEMLP) and isinstance(model[1].mlp, MuMoEMLP)
+    assert isinstance(model[2], MuMoE) and model[0].attn is attn
+    assert [r.name for r in report.replacements] == ["0.mlp", "1.mlp", "2"]
+    assert report.replacements[0].params_before == 16 * 32 + 32 + 32 * 16 + 16
+    for r in report.replacements:  # matched to what they replace
+        assert abs(r.params_after - r.params_before) / r.params_before < 0.15
+    assert "| **total** |" in report.to_markdown()
+    assert model(torch.randn(3, 4, 16)).shape == (3, 4, 24)
+
+
+def test_convert_with_upcycling_keeps_the_outputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 4)).double()
+    x = torch.randn(5, 8, dtype=DTYPE)
+    expected = model(x)
+    report = convert(model, expert_dims=(4, 2), linears=r"^[02]$", decomposition="tr", rank=13, upcycle=True)
+    assert all(r.upcycle_error < 1e-12 for r in report.replacements)
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_convert_errors():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"no module was selected"):
+        convert(model, expert_dims=4, linears="nothing")
+    with pytest.raises(TypeError, match=r"a module selector is a regex string or a callable"):
+        convert(model, expert_dims=4, linears=3)
+
+
+@pytest.mark.parametrize("name", ["cp", "tt", "tucker"])
+def test_tltorch_round_trip(name):
+    tl = pytest.importorskip("tensorly")
+    rank = {"cp": 3, "tt": (2, 3, 2), "tucker": (2, 2, 3, 3)}[name]
+    layer = MuMoE(6, 5, (3, 4), name, rank, dtype=DTYPE)
+    before = tl.get_backend()
+    factorized = to_tltorch(layer.experts)
+    assert tl.get_backend() == before  # importing tltorch did not leave its global backend
+    with tl.backend_context("pytorch"):
+        torch.testing.assert_close(factorized.to_tensor(), layer.experts.to_dense())
+    back = from_tltorch(factorized)
+    torch.testing.assert_close(back.to_dense(), layer.experts.to_dense())
+
+
+def test_tltorch_errors_and_new_tensors():
+    tl = pytest.importorskip("tensorly")
+    with pytest.raises(ValueError, match=r"'tr' network has no tltorch counterpart"):
+        to_tltorch(MuMoE(6, 5, 3, "tr", 3).experts)
+    from mumoe_tn.interop import _tltorch
+
+    tltorch = _tltorch()
+    with tl.backend_context("pytorch"):
+        cp_tensor = tltorch.FactorizedTensor.new((4, 3, 6, 5), rank=3, factorization="cp")
+        cp_tensor.normal_()
+        experts = from_tltorch(cp_tensor)
+        torch.testing.assert_close(experts.to_dense(), cp_tensor.to_tensor().detach())
+        with pytest.raises(ValueError, match=r"E >= 1"):
+            from_tltorch(tltorch.FactorizedTensor.new((6, 5), rank=2, factorization="cp"))
+    assert math.prod(experts.network.expert_dims) == 12
