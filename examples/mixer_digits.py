@@ -47,8 +47,8 @@ class MixerLayer(nn.Module):
     def __init__(self, tokens: int, channels: int, make_mlp) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(channels), nn.LayerNorm(channels)
-        self.token_mlp = make_mlp(tokens, 2 * tokens)
-        self.channel_mlp = make_mlp(channels, 2 * channels)
+        self.token_mlp = make_mlp(tokens, 4 * tokens)
+        self.channel_mlp = make_mlp(channels, 4 * channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.token_mlp(self.norm1(x).transpose(1, 2)).transpose(1, 2)

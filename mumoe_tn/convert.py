@@ -310,12 +310,16 @@ def _mlp_parts(module: nn.Module) -> tuple[nn.Linear, nn.Module | None, nn.Linea
     """``(first, activation, second)`` when ``module`` is an MLP block, else None.
 
     An MLP block has exactly two ``nn.Linear`` children (direct, in registration order) whose
-    sizes chain ``I → H → O``; the activation is the first child between them that is neither
-    a Linear nor a Dropout.
+    sizes chain ``I → H → O``, and no other child with parameters (so an attention block with
+    two projections, e.g. ``nn.TransformerEncoderLayer``, is not one); the activation is the
+    first other child between them that is not a Dropout.
     """
     children = list(module.children())
     positions = [k for k, child in enumerate(children) if isinstance(child, nn.Linear)]
     if len(positions) != 2:
+        return None
+    others = [child for k, child in enumerate(children) if k not in positions]
+    if any(next(child.parameters(), None) is not None for child in others):
         return None
     first, second = children[positions[0]], children[positions[1]]
     if first.out_features != second.in_features:

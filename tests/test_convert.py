@@ -156,6 +156,14 @@ def test_convert_with_upcycling_keeps_the_outputs():
     torch.testing.assert_close(model(x), expected)
 
 
+def test_attention_blocks_are_not_mlp_blocks():
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    assert find_mlp_blocks(nn.Sequential(layer)) == []
+    report = convert(layer, expert_dims=4, linears=r"^linear[12]$")  # its two MLP linears, one by one
+    assert [r.name for r in report.replacements] == ["linear1", "linear2"]
+    assert layer(torch.randn(2, 3, 16)).shape == (2, 3, 16)
+
+
 def test_convert_errors():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"no module was selected"):

@@ -1,0 +1,194 @@
+"""Analysis toolkit against independent references (dense W with zeroed experts, naive loops)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from mumoe_tn import MuMoE, dense_forward
+from mumoe_tn.analysis import (
+    ablate,
+    blind_threshold,
+    class_accuracies,
+    class_polysemanticity,
+    collect_coefficients,
+    equality_of_opportunity,
+    max_min_fairness,
+    mean_coefficients,
+    rewrite,
+    std_bias,
+    steer,
+    subpopulation_accuracies,
+)
+from mumoe_tn.layers import MuMoEMLP
+
+DTYPE = torch.float64
+
+
+def dense_output(layer, x, zero=()):
+    """The layer's output from its dense W with the given experts' slices zeroed."""
+    weight = layer.experts.to_dense().detach().clone()
+    for index in zero:
+        weight[index] = 0
+    z = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], dim=-1)
+    layer(x)
+    return dense_forward(weight, list(layer.last_coefficients), z)
+
+
+@given(st.sampled_from(["cp", "tr", "tucker"]), st.sampled_from([(6,), (3, 2), (2, 2, 2)]), st.data())
+def test_ablation_equals_zeroing_experts_in_w(name, dims, data):
+    torch.manual_seed(0)
+    layer = MuMoE(5, 4, dims, name, 3, dtype=DTYPE, gate_norm="layer")
+    x = torch.randn(7, 5, dtype=DTYPE)
+    experts = data.draw(
+        st.lists(st.tuples(*(st.integers(0, n - 1) for n in dims)), min_size=1, max_size=3, unique=True)
+    )
+    chosen = [e[0] for e in experts] if len(dims) == 1 else experts
+    with ablate(layer, chosen):
+        y = layer(x)
+    torch.testing.assert_close(y, dense_output(layer, x, zero=experts))
+    assert layer.ablation is None  # removed after the block
+
+
+def test_batched_ablation_groups_equal_single_ablations():
+    torch.manual_seed(0)
+    for dims in ((6,), (3, 2)):
+        layer = MuMoE(5, 4, dims, "cp", 3, dtype=DTYPE).eval()
+        x = torch.randn(7, 5, dtype=DTYPE)
+        groups = [[(0,) * len(dims)], [tuple(n - 1 for n in dims)], []]
+        with ablate(layer, groups, group_size=7):
+            batched = layer(x.repeat(3, 1))
+        for g, group in enumerate(groups):
+            with ablate(layer, group or [(0,) * len(dims)]) if group else _nothing():
+                single = layer(x)
+            torch.testing.assert_close(batched[7 * g : 7 * (g + 1)], single)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *args):
+        return False
+
+
+def test_ablation_in_mlp_block_and_errors():
+    torch.manual_seed(0)
+    block = MuMoEMLP(5, 8, 5, (3, 2), "tr", 2, dtype=DTYPE).eval()
+    x = torch.randn(4, 5, dtype=DTYPE)
+    with ablate(block, [(1, 0)]):
+        y = block(x)
+    a = [c.reshape(4, -1) for c in block.last_coefficients]
+    w1, w2 = block.experts1.to_dense().detach().clone(), block.experts2.to_dense().detach().clone()
+    w1[1, 0] = 0
+    w2[1, 0] = 0
+    ones = torch.ones(4, 1, dtype=DTYPE)
+    hidden = nn.functional.gelu(dense_forward(w1, a, torch.cat([x, ones], -1)))
+    torch.testing.assert_close(y, dense_forward(w2, a, torch.cat([hidden, ones], -1)))
+    with pytest.raises(ValueError, match=r"out of range for expert dims \(3, 2\)"):
+        with ablate(block, [(3, 0)]):
+            pass
+    with pytest.raises(ValueError, match=r"is a 2-tuple"):
+        with ablate(block, [1]):
+            pass
+    with pytest.raises(ValueError, match=r"first dimension must be 8"):
+        with ablate(block, [[(0, 0)], [(1, 1)]], group_size=4):
+            block(x)
+    with pytest.raises(TypeError, match=r"needs a MuMoE or MuMoEMLP"):
+        with ablate(nn.Linear(2, 2), [0]):
+            pass
+
+
+def test_collect_coefficients_streams_exact_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(MuMoE(6, 8, (5, 3), "cp", 3), nn.GELU(), MuMoEMLP(8, 16, 8, 4, "tr", 2)).eval()
+    batches = [torch.randn(4, 3, 6) for _ in range(3)]
+    stats = collect_coefficients(model, batches, top_k=4, centres=True)
+    assert set(stats) == {"0", "2"}
+    captured = []
+    hook = model[0].register_forward_hook(lambda m, a, o: captured.append((a[0], m.last_coefficients)))
+    for batch in batches:
+        model(batch)
+    hook.remove()
+    inputs = torch.cat([c[0].reshape(-1, 6) for c in captured]).double()
+    for mode, stat in enumerate(stats["0"].modes):
+        a = torch.cat([c[1][mode].reshape(-1, c[1][mode].shape[-1]) for c in captured]).double()
+        assert stat.rows == 36
+        torch.testing.assert_close(stat.mean, a.mean(0))
+        torch.testing.assert_close(stat.load, (a >= 1e-6).sum(0))
+        values = a.topk(4, dim=0).values
+        torch.testing.assert_close(stat.top_values, values.T)
+        torch.testing.assert_close(a.gather(0, stat.top_rows.T), values)  # rows point at those values
+        torch.testing.assert_close(stat.centres(), (a.T @ inputs) / a.sum(0)[:, None])
+    with pytest.raises(ValueError, match=r"no μMoE layer named \['9'\]"):
+        collect_coefficients(model, batches, layers=["9"])
+
+
+def test_polysemanticity_matches_naive_loop():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.GELU(), MuMoE(12, 3, 8, "cp", 4, dtype=torch.float32))
+    x, labels = torch.randn(40, 6), torch.randint(0, 3, (40,))
+    result = class_polysemanticity(model, model[2], x, labels, max_rows=100)  # several chunks
+    model.eval()
+    with torch.no_grad():
+        base = class_accuracies(model(x).argmax(-1), labels, 3)
+        for k in range(8):
+            with ablate(model[2], [k]):
+                ablated = class_accuracies(model(x).argmax(-1), labels, 3)
+            torch.testing.assert_close(result.ablated[k], ablated)
+            d = torch.where(base > 0, (base - ablated) / base.clamp_min(1e-30), torch.zeros(3, dtype=DTYPE))
+            one_hot = torch.zeros(3, dtype=DTYPE)
+            one_hot[d.argmax()] = 1
+            torch.testing.assert_close(result.differences[k], d)
+            assert result.polysemanticity[k].item() == pytest.approx((d - one_hot).norm().item())
+            assert bool(result.changed[k]) == bool((ablated != base).any())
+    assert result.mean == pytest.approx(result.polysemanticity[result.changed].mean().item())
+
+
+def test_rewrite_shifts_one_head_by_lambda_abar_a():
+    torch.manual_seed(0)
+    layer = MuMoE(6, 4, (5, 3), "cp", 3, dtype=DTYPE).eval()
+    x = torch.randn(9, 6, dtype=DTYPE)
+    mean = mean_coefficients(layer, layer, [x[:4], x[4:]])
+    a1, a2 = (c.double() for c in layer.last_coefficients)
+    assert mean.shape == (5, 3)
+    before = layer(x)
+    a1, a2 = layer.last_coefficients
+    handle = rewrite(layer, 2, mean, -3.0)
+    after = layer(x)
+    handle.remove()
+    shift = -3.0 * torch.einsum("ab,ra,rb->r", mean, a1, a2)
+    torch.testing.assert_close(after[:, 2], before[:, 2] + shift)
+    torch.testing.assert_close(after[:, [0, 1, 3]], before[:, [0, 1, 3]])
+    torch.testing.assert_close(layer(x), before)  # removed
+    handle = blind_threshold(layer, 0, 2.5)  # all-ones mean: Σ a1 a2 = 1, an unconditional shift
+    torch.testing.assert_close(layer(x)[:, 0], before[:, 0] + 2.5)
+    handle.remove()
+    with pytest.raises(ValueError, match=r"must have shape \(5, 3\)"):
+        rewrite(layer, 0, torch.ones(5), 1.0)
+
+
+def test_fairness_metrics_by_hand():
+    # sensitive A, target Y, prediction: subpopulations (A, Y) and their accuracies
+    a = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    y = torch.tensor([1, 1, 0, 0, 1, 1, 1, 1, 0, 0])
+    p = torch.tensor([1, 0, 0, 0, 1, 1, 1, 0, 1, 0])
+    assert subpopulation_accuracies(p, y, a) == {(0, 0): 1.0, (0, 1): 0.5, (1, 0): 0.5, (1, 1): 0.75}
+    assert equality_of_opportunity(p, y, a) == pytest.approx(0.25)
+    assert max_min_fairness(p, y, a) == 0.5
+    assert std_bias(p, y, a) == pytest.approx(torch.tensor([1.0, 0.5, 0.5, 0.75]).std(unbiased=False).item())
+    with pytest.raises(ValueError, match=r"binary"):
+        std_bias(p + 1, y, a)
+
+
+def test_steering_adds_to_the_input():
+    torch.manual_seed(0)
+    layer = MuMoE(6, 4, 5, "tr", 3, dtype=DTYPE).eval()
+    x, direction = torch.randn(3, 6, dtype=DTYPE), torch.randn(6, dtype=DTYPE)
+    expected = layer(x + 0.5 * direction)
+    handle = steer(layer, direction, 0.5)
+    torch.testing.assert_close(layer(x), expected)
+    handle.remove()
+    with pytest.raises(ValueError, match=r"shape \(6,\)"):
+        steer(layer, torch.ones(5))
