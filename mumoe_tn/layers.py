@@ -311,7 +311,50 @@ class FactorizedExperts(nn.Module):
         )
 
 
-class MuMoE(nn.Module):
+class _GatedExperts(nn.Module):
+    """What MuMoE and MuMoEMLP share: the gate, the input norm, recording and ablation."""
+
+    in_features: int
+    bias: bool
+    input_norm: nn.Module
+    gate: ExpertGate
+
+    def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the gate, the input norm and the expert cores."""
+        for module in (*self.gate.projections.values(), *self.gate.norms.values(), self.input_norm):
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        for experts in self._expert_layers():
+            experts.reset_parameters()
+
+    def _gate(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Validate ``x``, normalise it, compute and record the coefficients, apply any ablation mask."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
+        z = self.input_norm(x)
+        coefficients = self.gate(z)
+        self.last_coefficients = tuple(a.detach() for a in coefficients)
+        if not torch.is_autocast_enabled(z.device.type):
+            coefficients = tuple(a.to(z.dtype) for a in coefficients)
+        if self.ablation is not None:
+            coefficients = self.ablation.mask(coefficients)
+        return z, coefficients
+
+    def _contract(
+        self, experts: FactorizedExperts, z: torch.Tensor, coefficients: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        y = experts(z, coefficients, append_one=self.bias)
+        if self.ablation is None:
+            return y
+        return self.ablation.correct(experts, z, coefficients, y, append_one=self.bias)
+
+
+class MuMoE(_GatedExperts):
     """A μMoE layer: a drop-in replacement for ``nn.Linear(in_features, out_features)``.
 
     ``a_e = φ(norm(G_eᵀ z))`` for every expert mode ``e``, then
@@ -412,35 +455,19 @@ class MuMoE(nn.Module):
         """The expert network (its leg ``i`` includes the bias column when ``bias=True``)."""
         return self.experts.network
 
-    def reset_parameters(self) -> None:
-        """Re-initialise the gate, the input norm and the expert cores."""
-        for module in (*self.gate.projections.values(), *self.gate.norms.values(), self.input_norm):
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        self.experts.reset_parameters()
+    def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.experts,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
-        if x.ndim < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
-        z = self.input_norm(x)
-        coefficients = self.gate(z)
-        self.last_coefficients = tuple(a.detach() for a in coefficients)
-        if not torch.is_autocast_enabled(z.device.type):
-            coefficients = tuple(a.to(z.dtype) for a in coefficients)
-        if self.ablation is None:
-            return self.experts(z, coefficients, append_one=self.bias)
-        masked = self.ablation.mask(coefficients)
-        y = self.experts(z, masked, append_one=self.bias)
-        return self.ablation.correct(self.experts, z, masked, y, append_one=self.bias)
+        z, coefficients = self._gate(x)
+        return self._contract(self.experts, z, coefficients)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"
 
 
-class MuMoEMLP(nn.Module):
+class MuMoEMLP(_GatedExperts):
     """The paper's two-layer μMoE block (Section "Large language/vision μMoE networks").
 
     ``a = φ(norm(Gᵀ z))`` once per token, shared by both layers:
@@ -527,33 +554,14 @@ class MuMoEMLP(nn.Module):
         self.last_coefficients: tuple[torch.Tensor, ...] | None = None
         self.ablation: Any = None
 
-    def reset_parameters(self) -> None:
-        """Re-initialise the gate, the input norm and both layers' cores."""
-        for module in (*self.gate.projections.values(), *self.gate.norms.values(), self.input_norm):
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        self.experts1.reset_parameters()
-        self.experts2.reset_parameters()
+    def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.experts1, self.experts2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
-        if x.ndim < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
-        z = self.input_norm(x)
-        coefficients = self.gate(z)
-        self.last_coefficients = tuple(a.detach() for a in coefficients)
-        if not torch.is_autocast_enabled(z.device.type):
-            coefficients = tuple(a.to(z.dtype) for a in coefficients)
-        if self.ablation is None:
-            hidden = self.hidden_activation(self.experts1(z, coefficients, append_one=self.bias))
-            return self.experts2(hidden, coefficients, append_one=self.bias)
-        masked = self.ablation.mask(coefficients)
-        hidden = self.experts1(z, masked, append_one=self.bias)
-        hidden = self.hidden_activation(self.ablation.correct(self.experts1, z, masked, hidden, append_one=self.bias))
-        y = self.experts2(hidden, masked, append_one=self.bias)
-        return self.ablation.correct(self.experts2, hidden, masked, y, append_one=self.bias)
+        z, coefficients = self._gate(x)
+        hidden = self.hidden_activation(self._contract(self.experts1, z, coefficients))
+        return self._contract(self.experts2, hidden, coefficients)
 
     def extra_repr(self) -> str:
         return (
