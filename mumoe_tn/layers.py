@@ -106,6 +106,10 @@ def _matched_bonds(network: ExpertNetwork) -> tuple[str, ...] | None:
     return network.bonds if network.name == "tucker" else None
 
 
+#: Batch size of the plan used while ``torch.compile`` traces a layer (made at construction).
+COMPILE_PLAN_BATCH = 1024
+
+
 def _batch_bucket(batch: int) -> int:
     """Plans are made for the next power of two: the path depends on the batch only coarsely."""
     return 1 << max(batch - 1, 0).bit_length()
@@ -117,7 +121,10 @@ class FactorizedExperts(nn.Module):
     Every core is one ``nn.Parameter`` named after the core, so ``state_dict`` keys are the
     core names. The forward pass contracts the cores with the expert coefficients and the
     input along a path planned once per batch-size bucket (a power of two) and cached in a
-    bounded per-module cache; ``W`` is never materialised.
+    bounded per-module cache; ``W`` is never materialised. While ``torch.compile`` traces the
+    module it uses one plan made at construction (for a batch of :data:`COMPILE_PLAN_BATCH`):
+    a plan's steps are valid for every batch size, so dynamic batch sizes neither replan
+    inside the trace nor recompile.
 
     Parameters
     ----------
@@ -163,6 +170,7 @@ class FactorizedExperts(nn.Module):
         self.optimize = resolve_optimizer(optimize)
         self.max_plans = max_plans
         self._plans: dict[int, ContractionPlan] = {}
+        self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, self.optimize)
         for name, shape in network.core_shapes.items():
             if hasattr(self, name):
                 raise ValueError(f"core name {name!r} clashes with an attribute of FactorizedExperts; rename the core")
@@ -258,7 +266,8 @@ class FactorizedExperts(nn.Module):
         operands = [*self.cores.values()]
         operands += [a.reshape(batch, a.shape[-1]) for a in coefficients]
         operands.append(z.reshape(batch, z.shape[-1]))
-        y = run_plan(self.plan(batch), operands, ones_appended=INPUT_LEG if append_one else None)
+        plan = self._compile_plan if torch.compiler.is_compiling() else self.plan(batch)
+        y = run_plan(plan, operands, ones_appended=INPUT_LEG if append_one else None)
         return y.reshape(*lead, self.network.out_features)
 
     def _check_inputs(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], append_one: bool) -> None:

@@ -65,6 +65,15 @@ def test_compile_mlp_block_fullgraph():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_compile_with_changing_batch_sizes():
+    torch.manual_seed(0)
+    layer = MuMoE(16, 8, (4, 4), "tr", 4)
+    compiled = torch.compile(layer, fullgraph=True)
+    for batch in (8, 13, 20, 3, 64):  # the second shape makes dynamo mark the batch dynamic
+        x = torch.randn(batch, 2, 16)
+        torch.testing.assert_close(compiled(x), layer(x))
+
+
 def _make_model():
     torch.manual_seed(0)
     # LayerNorm gates: each token is normalised on its own, so data-parallel training is exact.
