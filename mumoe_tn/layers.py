@@ -346,7 +346,7 @@ class _GatedExperts(nn.Module):
         if x.ndim < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
         z = self.input_norm(x)
-        coefficients = self.gate(z)
+        coefficients = self.gate(z) if self.ablation is None else self.ablation.gate(self.gate, z)
         self.last_coefficients = tuple(a.detach() for a in coefficients)
         if not torch.is_autocast_enabled(z.device.type):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)

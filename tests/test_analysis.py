@@ -65,6 +65,18 @@ def test_batched_ablation_groups_equal_single_ablations():
             torch.testing.assert_close(batched[7 * g : 7 * (g + 1)], single)
 
 
+def test_batched_ablation_with_different_inputs_per_group():
+    # Groups need not replicate one batch: then every row is gated (no shared gate).
+    torch.manual_seed(0)
+    layer = MuMoE(5, 4, 6, "cp", 3, dtype=DTYPE).eval()
+    x = torch.randn(2, 7, 5, dtype=DTYPE)
+    with ablate(layer, [[1], [4]], group_size=7):
+        batched = layer(x.reshape(14, 5))
+    for g, expert in enumerate((1, 4)):
+        with ablate(layer, [expert]):
+            torch.testing.assert_close(batched[7 * g : 7 * (g + 1)], layer(x[g]))
+
+
 class _nothing:
     def __enter__(self):
         return None
