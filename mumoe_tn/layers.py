@@ -102,6 +102,11 @@ def resolve_network(
     raise ValueError(f"unknown decomposition {decomposition!r}; registered: {available()}, or give a spec string")
 
 
+def _check_bias(bias: object) -> None:
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias must be a bool, got {bias!r}")
+
+
 def _matched_bonds(network: ExpertNetwork) -> tuple[str, ...] | None:
     return network.bonds if network.name == "tucker" else None
 
@@ -328,6 +333,25 @@ class _GatedExperts(nn.Module):
     input_norm: nn.Module
     gate: ExpertGate
 
+    def _setup_gate(
+        self,
+        in_features: int,
+        expert_dims: tuple[int, ...],
+        *,
+        bias: bool,
+        activation: str | float,
+        gate_norm: str,
+        input_norm: bool,
+        factory: dict,
+    ) -> None:
+        self.in_features = in_features
+        self.bias = bias
+        self.expert_dims = expert_dims
+        self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
+        self.gate = ExpertGate(in_features, expert_dims, activation, gate_norm, **factory)
+        self.last_coefficients: tuple[torch.Tensor, ...] | None = None
+        self.ablation: Any = None
+
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         raise NotImplementedError
 
@@ -438,11 +462,8 @@ class MuMoE(_GatedExperts):
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {bias!r}")
-        self.in_features = in_features
+        _check_bias(bias)
         self.out_features = out_features
-        self.bias = bias
         network = resolve_network(
             decomposition, expert_dims, in_features, out_features, rank, bias=bias, options=decomposition_options
         )
@@ -450,14 +471,11 @@ class MuMoE(_GatedExperts):
             target = linear_cost(in_features, out_features, bias=bias).params
             matched = match_layer(network, target, bonds=_matched_bonds(network), bias=bias, input_norm=input_norm)
             network = matched.networks[0]
-        self.expert_dims = network.expert_dims
-        self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
-        self.gate = ExpertGate(in_features, self.expert_dims, activation, gate_norm, **factory)
+        gate = {"activation": activation, "gate_norm": gate_norm, "input_norm": input_norm, "factory": factory}
+        self._setup_gate(in_features, network.expert_dims, bias=bias, **gate)
         self.experts = FactorizedExperts(
             network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize, **factory
         )
-        self.last_coefficients: tuple[torch.Tensor, ...] | None = None
-        self.ablation: Any = None
 
     @property
     def network(self) -> ExpertNetwork:
@@ -543,8 +561,8 @@ class MuMoEMLP(_GatedExperts):
         out_features = in_features if out_features is None else out_features
         if isinstance(decomposition, ExpertNetwork):
             raise TypeError("MuMoEMLP builds two networks: pass a name, a spec string or a builder, not one network")
-        self.in_features, self.hidden_features, self.out_features = in_features, hidden_features, out_features
-        self.bias = bias
+        _check_bias(bias)
+        self.hidden_features, self.out_features = hidden_features, out_features
         shared = {"bias": bias, "options": decomposition_options}
         first = resolve_network(decomposition, expert_dims, in_features, hidden_features, rank, **shared)
         second = resolve_network(decomposition, expert_dims, hidden_features, out_features, rank, **shared)
@@ -553,15 +571,12 @@ class MuMoEMLP(_GatedExperts):
             first, second = match_block(first, second, target, bonds=_matched_bonds(first), bias=bias).networks
         elif isinstance(rank, str):
             raise ValueError(f"MuMoEMLP matches rank='mlp' (the MLP block it replaces), got {rank!r}")
-        self.expert_dims = first.expert_dims
-        self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
-        self.gate = ExpertGate(in_features, self.expert_dims, activation, gate_norm, **factory)
+        gate = {"activation": activation, "gate_norm": gate_norm, "input_norm": input_norm, "factory": factory}
+        self._setup_gate(in_features, first.expert_dims, bias=bias, **gate)
         layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
         self.experts1 = FactorizedExperts(first, fan_in=in_features, **layer)
         self.experts2 = FactorizedExperts(second, fan_in=hidden_features, **layer)
         self.hidden_activation = nn.GELU() if hidden_activation is None else hidden_activation
-        self.last_coefficients: tuple[torch.Tensor, ...] | None = None
-        self.ablation: Any = None
 
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.experts1, self.experts2)

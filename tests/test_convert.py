@@ -60,6 +60,9 @@ def test_layer_rank_errors():
     network = ExpertNetwork.from_spec("n1 a, a i o", expert_dims=4, in_features=9, out_features=16, ranks=2)
     with pytest.raises(TypeError, match=r"MuMoEMLP builds two networks"):
         MuMoEMLP(8, 16, 8, decomposition=network)
+    for layer in (MuMoE, MuMoEMLP):
+        with pytest.raises(TypeError, match=r"bias must be a bool, got 1"):
+            layer(8, 16, 8, 4, "cp", 2, bias=1) if layer is MuMoEMLP else layer(8, 16, 4, "cp", 2, bias=1)
 
 
 @given(st.sampled_from(NAMED), st.sampled_from([(5,), (3, 2), (2, 2, 2)]), st.booleans(), st.integers(0, 10**6))
