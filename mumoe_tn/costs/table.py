@@ -29,7 +29,7 @@ COLUMNS = {
     "fma_closed_form": "FMA/token (closed form)",
     "fma_planned": "FMA/token (planned)",
     "peak_elements": "peak intermediate (elements)",
-    "max_rank": "max expert rank",
+    "max_rank": "expert rank bound",
     "params_vs_reference": "params ÷ reference",
     "fma_vs_reference": "FMA ÷ reference",
 }
