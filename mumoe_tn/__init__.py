@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from mumoe_tn import decompositions
+from mumoe_tn.decompositions import Format, register
 from mumoe_tn.network import ExpertNetwork
 
 __version__ = "0.1.0"
@@ -22,6 +23,11 @@ _LAZY = {
     "ExpertGate": "mumoe_tn.gating",
     "FactorizedExperts": "mumoe_tn.layers",
     "MuMoE": "mumoe_tn.layers",
+    "MuMoEMLP": "mumoe_tn.layers",
+    "compare": "mumoe_tn.costs",
+    "convert": "mumoe_tn.convert",
+    "decompose_dense": "mumoe_tn.upcycling",
+    "upcycle_linear": "mumoe_tn.upcycling",
     "dense_forward": "mumoe_tn.contractions.dense",
     "expert_matrix": "mumoe_tn.contractions.dense",
     "materialize": "mumoe_tn.contractions.dense",
@@ -29,7 +35,7 @@ _LAZY = {
     "plan_forward": "mumoe_tn.contractions.plan",
 }
 
-__all__ = ["ExpertNetwork", "decompositions", *sorted(_LAZY)]
+__all__ = ["ExpertNetwork", "Format", "decompositions", "register", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,7 +3,7 @@
 Two rules, both of which make every expert start as the same linear map, up to
 multiplicative ``N(1, σ_e)`` noise on the cores of expert mode ``e``:
 
-``"paper"`` (CP and TR)
+``"paper"`` (the rule of CP and TR formats; any network may ask for it)
     Expert-mode cores replicate along their expert leg: CP factor entries are ``N(1, σ)``,
     TR slices ``G(:, n, :)`` are diagonal with ``N(1, σ)`` entries. Every other core is drawn
     from ``U(±√k)``, ``k = 1 / fan_in``, where ``fan_in`` is the size of what that core is
@@ -29,16 +29,40 @@ import torch
 
 from mumoe_tn.contractions.dense import squared_norm
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, is_expert_leg
+from mumoe_tn.validation import check_positive_float, check_size
 
-__all__ = ["INIT_RULES", "default_expert_noise", "init_cores"]
+__all__ = ["INIT_RULES", "check_expert_noise", "default_expert_noise", "init_cores"]
 
 INIT_RULES = ("auto", "paper", "linear")
-_PAPER_NETWORKS = ("cp", "tr")
 
 
 def default_expert_noise(n_modes: int) -> tuple[float, ...]:
     """The paper's noise levels: ``σ = 1`` on the first expert mode, ``0`` on the others."""
     return (1.0,) + (0.0,) * (n_modes - 1)
+
+
+def check_expert_noise(expert_noise: Sequence[float] | None, n_modes: int) -> tuple[float, ...]:
+    """``expert_noise`` as ``n_modes`` finite non-negative floats (the default if None).
+
+    Raises
+    ------
+    TypeError, ValueError
+        If it is not a sequence of ``n_modes`` finite numbers ``>= 0``.
+    """
+    if expert_noise is None:
+        return default_expert_noise(n_modes)
+    if isinstance(expert_noise, (str, bytes)) or not isinstance(expert_noise, Sequence):
+        raise TypeError(
+            f"expert_noise must be a sequence of {n_modes} floats (one per expert mode), got {expert_noise!r}"
+        )
+    if len(expert_noise) != n_modes:
+        raise ValueError(
+            f"expert_noise needs {n_modes} value(s), one per expert mode, got {len(expert_noise)}: "
+            f"{tuple(expert_noise)}"
+        )
+    return tuple(
+        check_positive_float(f"expert_noise[{m}]", sigma, allow_zero=True) for m, sigma in enumerate(expert_noise)
+    )
 
 
 @torch.no_grad()
@@ -60,7 +84,8 @@ def init_cores(
     cores : Mapping[str, torch.Tensor]
         One tensor per core, shaped as ``network.core_shape(name)``.
     rule : {"auto", "paper", "linear"}, optional
-        ``"auto"`` uses ``"paper"`` for CP and TR networks and ``"linear"`` otherwise.
+        ``"auto"`` uses the network's format's :attr:`~mumoe_tn.decompositions.Format.init_rule`
+        (``"paper"`` for CP and TR) and ``"linear"`` for a network without a format.
     fan_in : int, optional
         ``fan_in`` of the ``nn.Linear`` whose variance the ``"linear"`` rule targets; the size
         of leg ``i`` by default (pass the layer's ``in_features`` when a bias is folded).
@@ -72,12 +97,12 @@ def init_cores(
     if rule not in INIT_RULES:
         raise ValueError(f"unknown init rule {rule!r}; choose one of {list(INIT_RULES)}")
     if rule == "auto":
-        rule = "paper" if network.name in _PAPER_NETWORKS else "linear"
+        rule = "linear" if network.format is None else network.format.init_rule
+    if rule not in ("paper", "linear"):
+        raise ValueError(f"the format of {network.name!r} names an unknown init rule {rule!r}")
     n_modes = network.n_expert_modes
-    noise = tuple(default_expert_noise(n_modes) if expert_noise is None else expert_noise)
-    if len(noise) != n_modes or any(not isinstance(s, (int, float)) or s < 0 for s in noise):
-        raise ValueError(f"expert_noise needs {n_modes} non-negative floats (one per expert mode), got {noise}")
-    fan_in = network.in_features if fan_in is None else fan_in
+    noise = check_expert_noise(expert_noise, n_modes)
+    fan_in = network.in_features if fan_in is None else check_size("fan_in", fan_in)
 
     scalable = []
     for name, labels in network.cores.items():

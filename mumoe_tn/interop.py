@@ -1,74 +1,63 @@
 """Conversion of expert tensors to and from tensorly-torch's ``FactorizedTensor`` classes.
 
-CP, TT and Tucker expert networks map to ``tltorch.CPTensor``, ``TTTensor`` and
-``TuckerTensor`` of shape ``(N_1, …, N_E, I, O)``; tltorch has no tensor-ring format. Cores are
-copied, not shared. tltorch sets tensorly's global backend to pytorch when it is first
-imported; mumoe_tn imports it lazily and restores the backend that was active, so reconstruct
-tltorch tensors inside ``tensorly.backend_context("pytorch")`` unless your code imports tltorch
-itself.
+A format that has a tensorly-torch counterpart names it (:attr:`Format.tltorch_class
+<mumoe_tn.decompositions.Format>`): CP, TT and Tucker networks map to ``tltorch.CPTensor``,
+``TTTensor`` and ``TuckerTensor`` of shape ``(N_1, …, N_E, I, O)``; tltorch has no tensor-ring
+format, and a custom network has no counterpart. Cores are copied, not shared. tltorch sets
+tensorly's global backend to pytorch when it is first imported; mumoe_tn imports it lazily and
+restores the backend that was active, so reconstruct tltorch tensors inside
+``tensorly.backend_context("pytorch")`` unless your code imports tltorch itself.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
 
-from mumoe_tn.decompositions.registry import build
+from mumoe_tn.decompositions.format import Format
+from mumoe_tn.decompositions.registry import available, get_format
 from mumoe_tn.layers import FactorizedExperts
 
 __all__ = ["from_tltorch", "to_tltorch"]
 
 
-def _tltorch() -> ModuleType:
-    import tensorly as tl
-
-    previous = tl.get_backend()
-    import tltorch
-
-    tl.set_backend(previous)
-    return tltorch
-
-
-def _copy(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor.detach().clone())
+def _tltorch_formats() -> dict[str, Format]:
+    formats = (get_format(name) for name in available())
+    return {fmt.tltorch_class: fmt for fmt in formats if fmt.tltorch_class is not None}
 
 
 def to_tltorch(experts: FactorizedExperts) -> Any:
-    """The expert tensor as a tltorch ``CPTensor``, ``TTTensor`` or ``TuckerTensor`` (a copy).
+    """The expert tensor as a tltorch factorized tensor (a copy).
 
     Parameters
     ----------
     experts : FactorizedExperts
-        CP, TT or Tucker expert cores (e.g. ``layer.experts``).
+        Expert cores whose format has a tltorch counterpart (e.g. ``layer.experts`` of a CP, TT
+        or Tucker layer).
 
     Returns
     -------
     tltorch.FactorizedTensor
     """
+    if not isinstance(experts, FactorizedExperts):
+        raise TypeError(f"to_tltorch needs FactorizedExperts (e.g. layer.experts), got {type(experts).__name__}")
     import tensorly as tl
 
-    tltorch = _tltorch()
-    net, cores = experts.network, experts.cores
-    legs = [*net.expert_legs, "i", "o"]
+    net = experts.network
+    fmt = net.format
+    if fmt is None or fmt.tltorch_class is None:
+        raise ValueError(
+            f"a {net.name!r} network has no tensorly-torch counterpart; formats that have one: "
+            f"{sorted(f.name for f in _tltorch_formats().values())}"
+        )
     with tl.backend_context("pytorch"):
-        if net.name == "cp":
-            weights = torch.ones(net.sizes["r"], dtype=cores["U_i"].dtype, device=cores["U_i"].device)
-            return tltorch.CPTensor(_copy(weights), [_copy(cores[f"U_{leg}"]) for leg in legs])
-        if net.name == "tt":
-            factors = [cores[f"G_{leg}"] for leg in legs]
-            factors[0], factors[-1] = factors[0][None], factors[-1][..., None]
-            return tltorch.TTTensor([_copy(f) for f in factors])
-        if net.name == "tucker":
-            return tltorch.TuckerTensor(_copy(cores["core"]), [_copy(cores[f"U_{leg}"]) for leg in legs])
-    raise ValueError(f"tltorch has CP, TT and Tucker tensors; a {net.name!r} network has no tltorch counterpart")
+        return fmt.to_tltorch(net, experts.cores)
 
 
 @torch.no_grad()
 def from_tltorch(tensor: Any) -> FactorizedExperts:
-    """Expert cores from a tltorch ``CPTensor``, ``TTTensor`` or ``TuckerTensor`` (a copy).
+    """Expert cores from a tltorch factorized tensor (a copy).
 
     The tensor's shape is read as ``(N_1, …, N_E, I, O)``: its last two modes are the input
     and output legs, every earlier mode an expert mode.
@@ -76,31 +65,21 @@ def from_tltorch(tensor: Any) -> FactorizedExperts:
     Parameters
     ----------
     tensor : tltorch.FactorizedTensor
-        A CP, TT or Tucker factorized tensor of order 3 or more.
+        A factorized tensor of order 3 or more whose class a registered format converts from
+        (``CPTensor``, ``TTTensor``, ``TuckerTensor``).
 
     Returns
     -------
     FactorizedExperts
     """
     kind = type(tensor).__name__
+    formats = _tltorch_formats()
+    if kind not in formats:
+        raise ValueError(f"from_tltorch reads {sorted(formats)}, got {kind}")
     shape = tuple(tensor.shape)
     if len(shape) < 3:
         raise ValueError(f"an expert tensor has shape (N_1, …, N_E, I, O) with E >= 1; got {kind} of shape {shape}")
-    *dims, in_features, out_features = shape
-    factors = [f.detach() for f in tensor.factors]
-    if kind == "CPTensor":
-        rank = factors[0].shape[1]
-        network = build("cp", dims, in_features, out_features, rank)
-        values = [factors[0] * tensor.weights.detach()[None], *factors[1:]]
-    elif kind == "TTTensor":
-        ranks = [f.shape[-1] for f in factors[:-1]]
-        network = build("tt", dims, in_features, out_features, ranks)
-        values = [factors[0][0], *factors[1:-1], factors[-1][..., 0]]
-    elif kind == "TuckerTensor":
-        network = build("tucker", dims, in_features, out_features, list(tensor.core.shape))
-        values = [tensor.core.detach(), *factors]
-    else:
-        raise ValueError(f"from_tltorch reads CPTensor, TTTensor and TuckerTensor, got {kind}")
+    network, values = formats[kind].from_tltorch(tensor)
     experts = FactorizedExperts(network, device=values[0].device, dtype=values[0].dtype)
     for name, value in zip(network.cores, values, strict=True):
         getattr(experts, name).copy_(value)

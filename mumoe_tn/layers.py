@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,16 +15,18 @@ from mumoe_tn.contractions.execute import run_plan
 from mumoe_tn.contractions.plan import ContractionPlan, plan_forward, resolve_optimizer
 from mumoe_tn.costs.baselines import linear as linear_cost
 from mumoe_tn.costs.baselines import mlp as mlp_cost
-from mumoe_tn.costs.matching import match_block, match_layer
-from mumoe_tn.decompositions.registry import available, build
+from mumoe_tn.costs.matching import match_block, match_layer, resolve_target
+from mumoe_tn.decompositions.resolve import Decomposition, Rank
+from mumoe_tn.decompositions.resolve import resolve_network as resolve_decomposition
 from mumoe_tn.gating import ExpertGate
 from mumoe_tn.init import INIT_RULES, init_cores
-from mumoe_tn.network import INPUT_LEG, ExpertNetwork, normalize_expert_dims
+from mumoe_tn.network import INPUT_LEG, ExpertNetwork
+from mumoe_tn.validation import check_bool, check_size
 
-__all__ = ["FactorizedExperts", "MuMoE", "MuMoEMLP", "resolve_network"]
+__all__ = ["FactorizedExperts", "MuMoE", "MuMoEMLP", "check_allocatable", "check_factory", "resolve_network"]
 
-Decomposition = str | ExpertNetwork | Callable[..., ExpertNetwork]
-Rank = int | Sequence[int] | Mapping[str, int] | str | None
+#: What ``match=`` accepts: a target name, a number of parameters, or a fraction of the replaced layer's.
+Match = str | int | float | None
 
 
 def resolve_network(
@@ -31,84 +34,122 @@ def resolve_network(
     expert_dims: int | Sequence[int] | None,
     in_features: int,
     out_features: int,
-    rank: Rank,
+    rank: Rank | None,
     *,
     bias: bool = True,
     options: Mapping[str, Any] | None = None,
+    resize: bool = False,
 ) -> ExpertNetwork:
     """The expert network of a layer ``in_features -> out_features`` (leg ``i`` = in + bias).
 
     Parameters
     ----------
-    decomposition : str or ExpertNetwork or Callable
-        A registered name, a spec string (``"n1 a b, a i c, b c o"``), a ready network whose
-        legs must match, or a builder ``(expert_dims, i, o, rank, **options)``.
+    decomposition : str or Format or ExpertNetwork or Callable
+        A registered name, a :class:`~mumoe_tn.decompositions.Format`, a spec string
+        (``"n1 a b, a i c, b c o"``), a ready network whose legs must match, or a builder
+        ``(expert_dims, i, o, rank, **options)``; see
+        :func:`mumoe_tn.decompositions.resolve_network`.
     expert_dims : int or Sequence[int] or None
         Expert mode sizes (optional with a ready network, where they must match).
     in_features, out_features : int
         The layer's sizes.
-    rank : int or Sequence[int] or Mapping[str, int] or str
-        The builder's ranks; a matching target name (``"linear"``, ``"mlp"``) builds with
-        rank 1, to be scaled by the caller.
+    rank : int or Sequence[int] or Mapping[str, int] or None
+        The decomposition's ranks.
     bias : bool, optional
         Whether leg ``i`` has a folded bias column.
     options : Mapping[str, Any], optional
-        Extra builder options.
+        Extra format or builder options.
+    resize : bool, optional
+        Give a ready network this layer's leg sizes instead of requiring them.
 
     Returns
     -------
     ExpertNetwork
     """
-    options = dict(options or {})
+    check_size("in_features", in_features)
+    check_size("out_features", out_features)
+    check_bool("bias", bias)
     width = in_features + int(bias)
-    if isinstance(decomposition, ExpertNetwork):
-        network = decomposition
-        if network.in_features != width or network.out_features != out_features:
-            raise ValueError(
-                f"the network has legs i={network.in_features}, o={network.out_features} but this layer "
-                f"needs i={width} (in_features={in_features}{' + 1 bias' if bias else ''}), o={out_features}"
-            )
-        if expert_dims is not None and normalize_expert_dims(expert_dims) != network.expert_dims:
-            raise ValueError(f"expert_dims={expert_dims!r} but the network has expert dims {network.expert_dims}")
-        return network
-    if expert_dims is None:
-        raise TypeError("expert_dims is required unless decomposition is an ExpertNetwork")
-    if rank is None:
-        raise TypeError(f"rank is required for decomposition {decomposition!r}")
+    return resolve_decomposition(decomposition, expert_dims, width, out_features, rank, options=options, resize=resize)
+
+
+def _split_rank(rank: object, match: object, layer: str) -> tuple[object, object]:
+    """Separate ``rank=`` from ``match=``; the old ``rank="linear"/"mlp"`` still works, with a warning."""
     if isinstance(rank, str):
-        if rank not in ("linear", "mlp"):
-            raise ValueError(f"rank must be ranks or a matching target 'linear'/'mlp', got {rank!r}")
-        if isinstance(decomposition, str) and decomposition.lower() not in available():
+        if rank not in ("linear", "mlp", "match"):
             raise ValueError(
-                f"rank={rank!r} matches parameters of named decompositions only; for a custom network name the "
-                "bonds to scale with mumoe_tn.costs.match_layer and pass the matched ExpertNetwork"
+                f"rank must be ranks (int, sequence or mapping), got the string {rank!r}; "
+                "use match= to match parameters"
             )
-        rank = 1
-    if callable(decomposition) and not isinstance(decomposition, str):
-        network = decomposition(expert_dims, width, out_features, rank, **options)
-        if not isinstance(network, ExpertNetwork):
-            raise TypeError(f"the decomposition builder returned {type(network).__name__}, not an ExpertNetwork")
-        return network
-    if not isinstance(decomposition, str):
-        raise TypeError(
-            f"decomposition must be a name, a spec string, an ExpertNetwork or a builder, got {decomposition!r}"
+        warnings.warn(
+            f"rank={rank!r} is deprecated: pass match={rank!r} (rank= now only takes ranks)",
+            DeprecationWarning,
+            stacklevel=3,
         )
-    if decomposition.lower() in available():
-        return build(decomposition, expert_dims, width, out_features, rank, **options)
-    if "," in decomposition or " " in decomposition.strip():
-        return ExpertNetwork.from_spec(
-            decomposition, expert_dims=expert_dims, in_features=width, out_features=out_features, ranks=rank
+        if match is not None:
+            raise ValueError(f"{layer}: give match= once (rank={rank!r} is its deprecated spelling)")
+        return None, rank
+    if rank is not None and match is not None:
+        raise ValueError(f"{layer}: give either rank= (explicit ranks) or match= (a parameter target), not both")
+    return rank, match
+
+
+def _match_target(match: object, reference: int, allowed: str, layer: str) -> int:
+    """The parameter budget of ``match=`` for a layer whose natural reference is ``allowed``."""
+    if isinstance(match, str):
+        if match in (allowed, "match"):
+            return reference
+        raise ValueError(
+            f"{layer}: match={match!r} is not a target here; use {allowed!r}, a number of parameters (int) or a "
+            "fraction of the replaced layer's parameters (float)"
         )
-    raise ValueError(f"unknown decomposition {decomposition!r}; registered: {available()}, or give a spec string")
+    return resolve_target(match, reference)
 
 
-def _check_bias(bias: object) -> None:
-    if not isinstance(bias, bool):
-        raise TypeError(f"bias must be a bool, got {bias!r}")
+def check_factory(device: object, dtype: object) -> dict[str, Any]:
+    """Validate ``device=``/``dtype=`` factory arguments before they reach torch.
+
+    Parameters
+    ----------
+    device : torch.device or str or int or None
+        Where the parameters live.
+    dtype : torch.dtype or None
+        A floating-point dtype.
+
+    Returns
+    -------
+    dict
+        ``{"device": …, "dtype": …}`` for the factory calls.
+    """
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float32, got {dtype!r}")
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+            raise TypeError(
+                f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or None, got {device!r}"
+            )
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+        if parsed.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} asks for CUDA, but torch.cuda.is_available() is False here")
+        if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: there are only {torch.cuda.device_count()} CUDA device(s)")
+    return {"device": device, "dtype": dtype}
 
 
-def _matched_bonds(network: ExpertNetwork) -> tuple[str, ...] | None:
-    return network.bonds if network.name == "tucker" else None
+def check_allocatable(network: ExpertNetwork) -> None:
+    """Raise ``ValueError`` if a core of ``network`` has more elements than a tensor can index."""
+    for core, count in network.core_params.items():
+        if count >= _MAX_ELEMENTS:
+            raise ValueError(
+                f"core {core!r} of shape {network.core_shape(core)} has {count:.3g} elements, more than a tensor "
+                f"can hold (2**63); lower the sizes or ranks"
+            )
+
+
+_MAX_ELEMENTS = 1 << 63
 
 
 #: Batch size of the plan used while ``torch.compile`` traces a layer (made at construction).
@@ -400,16 +441,24 @@ class MuMoE(_GatedExperts):
         Sizes of the input and output features.
     expert_dims : int or Sequence[int]
         Number of experts ``N``, or ``(N_1, …, N_E)`` for a hierarchical layer.
-    decomposition : str or ExpertNetwork or Callable, optional
-        A registered name (``"cp"`` default, ``"tr"``, ``"tt"``, ``"tucker"``), a spec string
-        such as ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready
-        :class:`ExpertNetwork` whose legs match the layer, or a builder
-        ``(expert_dims, in, out, rank) -> ExpertNetwork``.
-    rank : int or Sequence[int] or Mapping[str, int] or "linear"
-        Ranks for the decomposition (a mapping of bond -> size for spec strings), or
-        ``"linear"`` to parameter-match ``nn.Linear(in_features, out_features)`` with gating
-        counted (CP scales ``R``, TR/TT the input–output bond, Tucker all bonds; see
-        :mod:`mumoe_tn.costs.matching`). Not needed with an :class:`ExpertNetwork`.
+    decomposition : str or Format or ExpertNetwork or Callable, optional
+        A registered name (``"cp"`` default, ``"tr"``, ``"tt"``, ``"tucker"``, or any format you
+        registered), a :class:`~mumoe_tn.decompositions.Format`, a spec string such as
+        ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready :class:`ExpertNetwork`
+        whose legs match the layer, or a builder ``(expert_dims, in, out, rank) -> ExpertNetwork``.
+    rank : int or Sequence[int] or Mapping[str, int], optional
+        Ranks for the decomposition (a mapping of bond -> size for spec strings). Not needed
+        with an :class:`ExpertNetwork` or with ``match=``.
+    match : "linear" or int or float, optional
+        Parameter-match instead of giving ranks: ``"linear"`` matches
+        ``nn.Linear(in_features, out_features)`` with gating counted, an int is a parameter
+        budget, a float a fraction of the Linear's parameters (as tensorly-torch's
+        ``rank=0.5``). The format chooses the bonds to scale (CP ``R``, TR/TT the input–output
+        bond, Tucker and custom networks every bond) unless ``match_bonds`` names them; see
+        :mod:`mumoe_tn.costs.matching` (a :class:`~mumoe_tn.costs.MatchingWarning` reports a
+        missed target or collapsed experts).
+    match_bonds : Sequence[str], optional
+        The bonds ``match=`` scales.
     bias : bool, optional
         Fold a per-expert bias into the input leg (default True).
     activation : str or float, optional
@@ -446,9 +495,11 @@ class MuMoE(_GatedExperts):
         in_features: int,
         out_features: int,
         expert_dims: int | Sequence[int] | None = None,
-        decomposition: str | ExpertNetwork | Callable[..., ExpertNetwork] = "cp",
-        rank: int | Sequence[int] | Mapping[str, int] | None = None,
+        decomposition: Decomposition = "cp",
+        rank: Rank | None = None,
         *,
+        match: Match = None,
+        match_bonds: Sequence[str] | None = None,
         bias: bool = True,
         activation: str | float = "entmax15",
         gate_norm: str = "batch",
@@ -461,16 +512,20 @@ class MuMoE(_GatedExperts):
         **decomposition_options: Any,
     ) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        _check_bias(bias)
-        self.out_features = out_features
+        factory = check_factory(device, dtype)
+        rank, match = _split_rank(rank, match, "MuMoE")
+        build_rank = 1 if match is not None and rank is None else rank
         network = resolve_network(
-            decomposition, expert_dims, in_features, out_features, rank, bias=bias, options=decomposition_options
+            decomposition, expert_dims, in_features, out_features, build_rank, bias=bias, options=decomposition_options
         )
-        if rank == "linear":
-            target = linear_cost(in_features, out_features, bias=bias).params
-            matched = match_layer(network, target, bonds=_matched_bonds(network), bias=bias, input_norm=input_norm)
-            network = matched.networks[0]
+        if match is not None:
+            reference = linear_cost(in_features, out_features, bias=bias).params
+            target = _match_target(match, reference, "linear", "MuMoE")
+            network = match_layer(network, target, bonds=match_bonds, bias=bias, input_norm=input_norm).networks[0]
+        elif match_bonds is not None:
+            raise ValueError("match_bonds= names the bonds match= scales; give match= too")
+        check_allocatable(network)
+        self.out_features = out_features
         gate = {"activation": activation, "gate_norm": gate_norm, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, network.expert_dims, bias=bias, **gate)
         self.experts = FactorizedExperts(
@@ -509,11 +564,17 @@ class MuMoEMLP(_GatedExperts):
         Output size (default ``in_features``).
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``, shared by both layers.
-    decomposition : str or Callable, optional
-        As for :class:`MuMoE` (a name, spec string or builder; both layers use it).
-    rank : int or Sequence[int] or Mapping[str, int] or "mlp"
-        Ranks of both layers, or ``"mlp"`` to parameter-match the MLP block ``I → H → O``
-        (one rank for both layers, the one gate counted).
+    decomposition : str or Format or ExpertNetwork or Callable, optional
+        As for :class:`MuMoE` (both layers use it; a ready network gives its structure and bond
+        sizes, its legs are set to each layer's sizes).
+    rank : int or Sequence[int] or Mapping[str, int], optional
+        Ranks of both layers.
+    match : "mlp" or int or float, optional
+        Parameter-match instead: ``"mlp"`` matches the MLP block ``I → H → O`` (one rank for
+        both layers, the one gate counted), an int is a budget, a float a fraction of the MLP
+        block's parameters.
+    match_bonds : Sequence[str], optional
+        The bonds ``match=`` scales in both layers.
     bias : bool, optional
         Fold a bias into both layers' input legs (default True).
     activation : str or float, optional
@@ -542,8 +603,10 @@ class MuMoEMLP(_GatedExperts):
         out_features: int | None = None,
         expert_dims: int | Sequence[int] | None = None,
         decomposition: Decomposition = "cp",
-        rank: Rank = None,
+        rank: Rank | None = None,
         *,
+        match: Match = None,
+        match_bonds: Sequence[str] | None = None,
         bias: bool = True,
         activation: str | float = "entmax15",
         gate_norm: str = "batch",
@@ -557,20 +620,23 @@ class MuMoEMLP(_GatedExperts):
         **decomposition_options: Any,
     ) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory = check_factory(device, dtype)
         out_features = in_features if out_features is None else out_features
-        if isinstance(decomposition, ExpertNetwork):
-            raise TypeError("MuMoEMLP builds two networks: pass a name, a spec string or a builder, not one network")
-        _check_bias(bias)
+        check_size("hidden_features", hidden_features)
+        rank, match = _split_rank(rank, match, "MuMoEMLP")
+        build_rank = 1 if match is not None and rank is None else rank
+        shared = {"bias": bias, "options": decomposition_options, "resize": True}
+        first = resolve_network(decomposition, expert_dims, in_features, hidden_features, build_rank, **shared)
+        second = resolve_network(decomposition, expert_dims, hidden_features, out_features, build_rank, **shared)
+        if match is not None:
+            reference = mlp_cost(in_features, hidden_features, out_features, bias=bias).params
+            target = _match_target(match, reference, "mlp", "MuMoEMLP")
+            first, second = match_block(first, second, target, bonds=match_bonds, bias=bias).networks
+        elif match_bonds is not None:
+            raise ValueError("match_bonds= names the bonds match= scales; give match= too")
+        check_allocatable(first)
+        check_allocatable(second)
         self.hidden_features, self.out_features = hidden_features, out_features
-        shared = {"bias": bias, "options": decomposition_options}
-        first = resolve_network(decomposition, expert_dims, in_features, hidden_features, rank, **shared)
-        second = resolve_network(decomposition, expert_dims, hidden_features, out_features, rank, **shared)
-        if rank == "mlp":
-            target = mlp_cost(in_features, hidden_features, out_features, bias=bias).params
-            first, second = match_block(first, second, target, bonds=_matched_bonds(first), bias=bias).networks
-        elif isinstance(rank, str):
-            raise ValueError(f"MuMoEMLP matches rank='mlp' (the MLP block it replaces), got {rank!r}")
         gate = {"activation": activation, "gate_norm": gate_norm, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, first.expert_dims, bias=bias, **gate)
         layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}

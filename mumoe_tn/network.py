@@ -16,20 +16,33 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
+from mumoe_tn.validation import check_size
+
+if TYPE_CHECKING:
+    from mumoe_tn.decompositions.format import Format
+
 __all__ = [
+    "BATCH_LABEL",
     "INPUT_LEG",
     "OUTPUT_LEG",
     "ExpertNetwork",
     "expert_leg",
     "is_expert_leg",
+    "normalize_expert_dims",
+    "physical_sizes",
 ]
 
 INPUT_LEG = "i"
 OUTPUT_LEG = "o"
-_EXPERT_LEG = re.compile(r"n(\d+)\Z")
+#: The label of the (flattened) batch dimension in forward equations; reserved.
+BATCH_LABEL = "__batch__"
+_EXPERT_LEG = re.compile(r"n([1-9][0-9]*)\Z", re.ASCII)
+_EXPERT_LIKE = re.compile(r"n\d+\Z")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+\-]*\Z")
 
 
 def expert_leg(mode: int) -> str:
@@ -46,14 +59,6 @@ def _is_physical(label: str) -> bool:
     return label in (INPUT_LEG, OUTPUT_LEG) or is_expert_leg(label)
 
 
-def _check_size(what: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be a positive int, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"{what} must be a positive int, got {value}")
-    return value
-
-
 def _parse_labels(core: str, labels: str | Sequence[str]) -> tuple[str, ...]:
     if isinstance(labels, str):
         labels = labels.split()
@@ -66,6 +71,13 @@ def _parse_labels(core: str, labels: str | Sequence[str]) -> tuple[str, ...]:
                 f"core {core!r}: label {label!r} is not a valid name; labels are identifiers "
                 "such as 'n1', 'i', 'o', 'r', 'a1'"
             )
+        if _EXPERT_LIKE.match(label) and not _EXPERT_LEG.match(label):
+            raise ValueError(
+                f"core {core!r}: label {label!r} looks like an expert leg but is not one; expert legs are "
+                "'n1', 'n2', … (ASCII digits, no leading zero, no 'n0')"
+            )
+        if label.startswith("__") and label.endswith("__"):
+            raise ValueError(f"core {core!r}: label {label!r} is reserved (dunder labels such as {BATCH_LABEL!r})")
     seen: set[str] = set()
     for label in labels:
         if label in seen:
@@ -91,8 +103,13 @@ class ExpertNetwork:
         Size of every label: the physical legs ``n1``…``nE`` (``N_e``), ``i`` (``I``, or ``I+1``
         when a bias is folded in), ``o`` (``O``) and every bond.
     name : str, optional
-        A descriptive name (``"cp"``, ``"tr"``, …; ``"custom"`` by default). Named
-        decompositions use it to select the paper's initialisation rule.
+        A display name (letters, digits, ``_ . + -``); the format's name by default, else
+        ``"custom"``. It is only a label: no tool reads meaning into it.
+    format : Format, optional
+        The registered decomposition format this network follows (set by the format's
+        builder, see :mod:`mumoe_tn.decompositions`); ``None`` for a custom network, which
+        takes the generic path of every tool. A network given a format must have exactly the
+        cores the format's builder makes.
 
     Raises
     ------
@@ -117,10 +134,18 @@ class ExpertNetwork:
 
     cores: Mapping[str, tuple[str, ...]]
     sizes: Mapping[str, int]
-    name: str = "custom"
+    name: str | None = None
+    format: Format | None = None
     _bonds: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _owners: Mapping[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        name = self.name
+        if name is None:
+            name = "custom" if self.format is None else self.format.name
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"network name must be a non-empty string of letters, digits and '_.+-', got {name!r}")
+        object.__setattr__(self, "name", name)
         if not isinstance(self.cores, Mapping) or not self.cores:
             raise ValueError(f"cores must be a non-empty mapping of name -> labels, got {self.cores!r}")
         cores: dict[str, tuple[str, ...]] = {}
@@ -130,7 +155,7 @@ class ExpertNetwork:
             cores[core] = _parse_labels(core, labels)
         if not isinstance(self.sizes, Mapping):
             raise TypeError(f"sizes must be a mapping of label -> int, got {type(self.sizes).__name__}")
-        sizes = {label: _check_size(f"size of label {label!r}", size) for label, size in self.sizes.items()}
+        sizes = {label: check_size(f"size of label {label!r}", size) for label, size in self.sizes.items()}
 
         owners: dict[str, list[str]] = {}
         for core, labels in cores.items():
@@ -174,18 +199,20 @@ class ExpertNetwork:
         if extra:
             raise ValueError(f"size given for unknown label(s) {extra}; the cores use {sorted(owners)}")
 
-        graph = nx.Graph()
-        graph.add_nodes_from(cores)
-        for label in bonds:
-            first, *rest = owners[label]
-            graph.add_edges_from((first, other) for other in rest)
-        if not nx.is_connected(graph):
-            parts = [sorted(part) for part in nx.connected_components(graph)]
-            raise ValueError(f"the network is disconnected: its cores fall into separate groups {parts}")
-
         object.__setattr__(self, "cores", MappingProxyType(cores))
         object.__setattr__(self, "sizes", MappingProxyType({lbl: sizes[lbl] for lbl in owners}))
         object.__setattr__(self, "_bonds", tuple(bonds))
+        object.__setattr__(self, "_owners", MappingProxyType({lbl: tuple(where) for lbl, where in owners.items()}))
+        graph = self.graph()
+        if not nx.is_connected(graph):
+            parts = [sorted(part) for part in nx.connected_components(graph)]
+            raise ValueError(f"the network is disconnected: its cores fall into separate groups {parts}")
+        if self.format is not None:
+            self.format.check(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # MappingProxyType does not pickle; rebuild (and re-validate) from plain dicts.
+        return (ExpertNetwork, (dict(self.cores), dict(self.sizes), self.name, self.format))
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -197,7 +224,7 @@ class ExpertNetwork:
         in_features: int,
         out_features: int,
         ranks: Mapping[str, int] | int,
-        name: str = "custom",
+        name: str | None = None,
     ) -> ExpertNetwork:
         """Build a network from an einsum-like spec string.
 
@@ -214,7 +241,7 @@ class ExpertNetwork:
         ranks : Mapping[str, int] or int
             Size of every bond, or one int used for all bonds.
         name : str, optional
-            Descriptive name of the network.
+            Display name of the network (``"custom"`` by default).
 
         Returns
         -------
@@ -236,7 +263,7 @@ class ExpertNetwork:
                 raise ValueError(f"spec {spec!r} names core {core!r} twice")
             cores[core] = tuple(labels.split())
         labels = {label for core_labels in cores.values() for label in core_labels}
-        sizes = _physical_sizes(expert_dims, in_features, out_features)
+        sizes = physical_sizes(expert_dims, in_features, out_features)
         n_modes = len(sizes) - 2
         bonds = sorted(label for label in labels if not _is_physical(label))
         if isinstance(ranks, Mapping):
@@ -257,7 +284,7 @@ class ExpertNetwork:
         cores: Mapping[str, str | Sequence[str]],
         shapes: Mapping[str, Sequence[int]],
         *,
-        name: str = "custom",
+        name: str | None = None,
     ) -> ExpertNetwork:
         """Build a network from core labels and the shapes of existing core tensors.
 
@@ -271,12 +298,14 @@ class ExpertNetwork:
         shapes : Mapping[str, Sequence[int]]
             Core name -> the shape of that core's tensor.
         name : str, optional
-            Descriptive name of the network.
+            Display name of the network (``"custom"`` by default).
 
         Returns
         -------
         ExpertNetwork
         """
+        if not isinstance(cores, Mapping) or not isinstance(shapes, Mapping):
+            raise TypeError("cores and shapes must be mappings of core name -> labels / shape")
         sizes: dict[str, int] = {}
         where: dict[str, str] = {}
         if set(shapes) != set(cores):
@@ -345,9 +374,9 @@ class ExpertNetwork:
 
     def cores_with(self, label: str) -> tuple[str, ...]:
         """Names of the cores carrying ``label``."""
-        if label not in self.sizes:
+        if label not in self._owners:
             raise ValueError(f"unknown label {label!r}; the network has labels {sorted(self.sizes)}")
-        return tuple(core for core, labels in self.cores.items() if label in labels)
+        return self._owners[label]
 
     def core_of(self, leg: str) -> str:
         """Name of the one core carrying physical leg ``leg``."""
@@ -382,13 +411,6 @@ class ExpertNetwork:
         return (*self.expert_dims, self.in_features, self.out_features)
 
     # ------------------------------------------------------------------ equations
-    def symbols(self) -> dict[str, str]:
-        """Map every label (and the batch label) to a single-character einsum symbol."""
-        from opt_einsum import get_symbol
-
-        labels = list(self.sizes)
-        return {label: get_symbol(k) for k, label in enumerate([*labels, _BATCH])}
-
     def forward_equation(self) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
         """Operand labels and output labels of the factorized forward pass.
 
@@ -402,9 +424,9 @@ class ExpertNetwork:
         output : tuple of str
         """
         inputs = list(self.cores.values())
-        inputs += [(_BATCH, leg) for leg in self.expert_legs]
-        inputs.append((_BATCH, INPUT_LEG))
-        return inputs, (_BATCH, OUTPUT_LEG)
+        inputs += [(BATCH_LABEL, leg) for leg in self.expert_legs]
+        inputs.append((BATCH_LABEL, INPUT_LEG))
+        return inputs, (BATCH_LABEL, OUTPUT_LEG)
 
     def dense_equation(self) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
         """Operand labels (the cores) and output labels ``(n1, …, nE, i, o)`` of ``W``."""
@@ -419,21 +441,38 @@ class ExpertNetwork:
         unknown = sorted(set(sizes) - set(self.sizes))
         if unknown:
             raise ValueError(f"unknown label(s) {unknown}; the network has labels {sorted(self.sizes)}")
-        return ExpertNetwork(dict(self.cores), {**self.sizes, **sizes}, name=self.name)
+        return ExpertNetwork(dict(self.cores), {**self.sizes, **sizes}, name=self.name, format=self.format)
+
+    def with_format(self, format: Format | None, *, name: str | None = None) -> ExpertNetwork:
+        """Return a copy that follows ``format`` (checked against the format's builder), or none.
+
+        Parameters
+        ----------
+        format : Format or None
+            A registered format; ``None`` makes the copy a custom network.
+        name : str, optional
+            Display name of the copy (default: the format's name, or ``"custom"``).
+
+        Returns
+        -------
+        ExpertNetwork
+        """
+        return ExpertNetwork(dict(self.cores), dict(self.sizes), name=name, format=format)
 
     def graph(self) -> nx.MultiGraph:
         """The network as a networkx multigraph: one node per core, one edge per bond pair."""
         graph = nx.MultiGraph()
         graph.add_nodes_from(self.cores)
         for bond in self._bonds:
-            owners = self.cores_with(bond)
+            owners = self._owners[bond]
             for k, first in enumerate(owners):
                 for second in owners[k + 1 :]:
                     graph.add_edge(first, second, label=bond, size=self.sizes[bond])
         return graph
 
     def _key(self) -> tuple:
-        return (tuple(self.cores.items()), tuple(self.sizes.items()), self.name)
+        fmt = None if self.format is None else self.format.name
+        return (tuple(self.cores.items()), tuple(self.sizes.items()), self.name, fmt)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ExpertNetwork) and self._key() == other._key()
@@ -444,13 +483,14 @@ class ExpertNetwork:
     def __repr__(self) -> str:
         dims = "×".join(map(str, self.expert_dims))
         bonds = ", ".join(f"{bond}={self.sizes[bond]}" for bond in self._bonds)
+        tag = f"{self.name!r}" if self.format is not None or self.name == "custom" else f"{self.name!r} (no format)"
         return (
-            f"ExpertNetwork({self.name!r}, '{self.to_spec()}', experts={dims}, "
+            f"ExpertNetwork({tag}, '{self.to_spec()}', experts={dims}, "
             f"i={self.in_features}, o={self.out_features}, bonds=({bonds}), params={self.n_params})"
         )
 
 
-_BATCH = "__batch__"
+_BATCH = BATCH_LABEL  # alias kept until every module uses BATCH_LABEL
 
 
 def _prod(values: Iterable[int]) -> int:
@@ -460,11 +500,24 @@ def _prod(values: Iterable[int]) -> int:
     return total
 
 
-def _physical_sizes(expert_dims: int | Sequence[int], in_features: int, out_features: int) -> dict[str, int]:
+def physical_sizes(expert_dims: int | Sequence[int], in_features: int, out_features: int) -> dict[str, int]:
+    """Sizes of the physical legs ``n1 … nE``, ``i`` and ``o``, checked.
+
+    Parameters
+    ----------
+    expert_dims : int or Sequence[int]
+        ``N_1 … N_E``.
+    in_features, out_features : int
+        Sizes of the legs ``i`` and ``o``.
+
+    Returns
+    -------
+    dict of str to int
+    """
     dims = normalize_expert_dims(expert_dims)
     sizes = {expert_leg(m): size for m, size in enumerate(dims, start=1)}
-    sizes[INPUT_LEG] = _check_size("in_features", in_features)
-    sizes[OUTPUT_LEG] = _check_size("out_features", out_features)
+    sizes[INPUT_LEG] = check_size("in_features", in_features)
+    sizes[OUTPUT_LEG] = check_size("out_features", out_features)
     return sizes
 
 
@@ -484,4 +537,4 @@ def normalize_expert_dims(expert_dims: int | Sequence[int]) -> tuple[int, ...]:
         expert_dims = (expert_dims,)
     if isinstance(expert_dims, str) or not isinstance(expert_dims, Sequence) or not expert_dims:
         raise TypeError(f"expert_dims must be an int or a non-empty sequence of ints, got {expert_dims!r}")
-    return tuple(_check_size(f"expert_dims[{m}]", size) for m, size in enumerate(expert_dims))
+    return tuple(check_size(f"expert_dims[{m}]", size) for m, size in enumerate(expert_dims))

@@ -19,7 +19,7 @@ from mumoe_tn.contractions import (
     squared_norm,
 )
 from mumoe_tn.decompositions import cp, tr
-from mumoe_tn.network import _BATCH
+from mumoe_tn.network import BATCH_LABEL
 
 DTYPE = torch.float64
 
@@ -70,9 +70,9 @@ def test_plan_is_pairwise_with_batch_leading(network, batch):
     plan = plan_forward(network, batch)
     for step in plan.steps:
         assert len(step.positions) <= 2
-        if _BATCH in step.output:
-            assert step.output[0] == _BATCH
-    assert plan.steps[-1].output == (_BATCH, "o")
+        if BATCH_LABEL in step.output:
+            assert step.output[0] == BATCH_LABEL
+    assert plan.steps[-1].output == (BATCH_LABEL, "o")
 
 
 @given(named_networks())

@@ -34,32 +34,33 @@ def test_mumoe_mlp_equals_dense_reference():
 
 @pytest.mark.parametrize("name", NAMED)
 def test_rank_matching_in_layers(name):
-    layer = MuMoE(48, 64, 16, name, "linear")
+    layer = MuMoE(48, 64, 16, name, match="linear")
     target = linear(48, 64).params
     count = layer_parameters(layer.network).total
     assert count == sum(p.numel() for p in layer.parameters())
     bigger = layer_parameters(layer.network.with_sizes(**dict.fromkeys(_scaled(layer.network), 10**4))).total
     assert abs(count - target) < bigger - target  # sanity: matching moved towards the target
-    block = MuMoEMLP(32, 64, 32, 8, name, "mlp")
+    block = MuMoEMLP(32, 64, 32, 8, name, match="mlp")
     count = block_parameters(block.experts1.network, block.experts2.network).total
     assert count == sum(p.numel() for p in block.parameters())
     assert abs(count - mlp(32, 64, 32).params) / mlp(32, 64, 32).params < 0.1
 
 
 def _scaled(network):
-    return network.bonds if network.name == "tucker" else network.bonds[-1:]
+    return network.format.matched_bonds(network)
 
 
 def test_layer_rank_errors():
-    with pytest.raises(ValueError, match=r"rank must be ranks or a matching target"):
+    with pytest.raises(ValueError, match=r"rank must be ranks .* got the string 'best'"):
         MuMoE(8, 8, 4, "cp", "best")
-    with pytest.raises(ValueError, match=r"matches parameters of named decompositions only"):
-        MuMoE(8, 8, 4, "n1 a, a i o", "linear")
-    with pytest.raises(ValueError, match=r"MuMoEMLP matches rank='mlp'"):
-        MuMoEMLP(8, 16, 8, 4, "cp", "linear")
-    network = ExpertNetwork.from_spec("n1 a, a i o", expert_dims=4, in_features=9, out_features=16, ranks=2)
-    with pytest.raises(TypeError, match=r"MuMoEMLP builds two networks"):
-        MuMoEMLP(8, 16, 8, decomposition=network)
+    with pytest.raises(ValueError, match=r"match='linear' is not a target here; use 'mlp'"):
+        MuMoEMLP(8, 16, 8, 4, "cp", match="linear")
+    with pytest.raises(ValueError, match=r"match='mlp' is not a target here; use 'linear'"):
+        MuMoE(4, 6, 3, "cp", match="mlp")
+    with pytest.raises(ValueError, match=r"either rank= .* or match="):
+        MuMoE(8, 8, 4, "cp", 3, match="linear")
+    with pytest.deprecated_call(match=r"pass match='linear'"):
+        MuMoE(8, 8, 4, "cp", "linear")
     for layer in (MuMoE, MuMoEMLP):
         with pytest.raises(TypeError, match=r"bias must be a bool, got 1"):
             layer(8, 16, 8, 4, "cp", 2, bias=1) if layer is MuMoEMLP else layer(8, 16, 4, "cp", 2, bias=1)
@@ -119,7 +120,7 @@ def test_decompose_dense_errors():
         decompose_dense(torch.randn(4, 5), "cp", 2)
     with pytest.raises(ValueError, match=r"TR-SVD needs R1·R2 <= N1"):
         decompose_dense(torch.randn(3, 4, 5), "tr", (2, 2, 2))
-    _experts, error = decompose_dense(torch.randn(3, 4, 5), "tr", (2, 2, 2), tr_method="als")
+    _experts, error = decompose_dense(torch.randn(3, 4, 5), "tr", (2, 2, 2), method="als")
     assert 0 <= error < 1
 
 
@@ -191,11 +192,11 @@ def test_tltorch_round_trip(name):
 
 def test_tltorch_errors_and_new_tensors():
     tl = pytest.importorskip("tensorly")
-    with pytest.raises(ValueError, match=r"'tr' network has no tltorch counterpart"):
+    with pytest.raises(ValueError, match=r"'tr' network has no tensorly-torch counterpart"):
         to_tltorch(MuMoE(6, 5, 3, "tr", 3).experts)
-    from mumoe_tn.interop import _tltorch
+    from mumoe_tn.decompositions.tensor_support import load_tltorch
 
-    tltorch = _tltorch()
+    tltorch = load_tltorch()
     with tl.backend_context("pytorch"):
         cp_tensor = tltorch.FactorizedTensor.new((4, 3, 6, 5), rank=3, factorization="cp")
         cp_tensor.normal_()

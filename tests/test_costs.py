@@ -28,9 +28,9 @@ from mumoe_tn.costs import (
     solve_rank,
     sparse_moe,
 )
-from mumoe_tn.decompositions import closed_forms, cp, tr, tt, tucker
+from mumoe_tn.decompositions import cp, tr, tt, tucker
 from mumoe_tn.measure import expert_ranks
-from mumoe_tn.network import _BATCH
+from mumoe_tn.network import BATCH_LABEL
 
 
 def test_fma_unit_on_a_matrix_product():
@@ -61,7 +61,7 @@ def test_planned_fma_cross_checks_opt_einsum(network, batch):
     """opt_einsum counts 2 per FMA on steps that sum an index and 1 on steps that do not."""
     plan = plan_forward(network, batch)
     inputs, output = network.forward_equation()
-    sizes = {**network.sizes, _BATCH: batch}
+    sizes = {**network.sizes, BATCH_LABEL: batch}
     symbol = {label: opt_einsum.get_symbol(k) for k, label in enumerate(sizes)}
     eq = ",".join("".join(symbol[x] for x in labels) for labels in inputs) + "->" + "".join(symbol[x] for x in output)
     shapes = [tuple(sizes[x] for x in labels) for labels in inputs]
@@ -77,11 +77,11 @@ def test_planned_fma_cross_checks_opt_einsum(network, batch):
 @pytest.mark.parametrize("n_modes", [1, 2, 3, 4])
 def test_cp_planned_equals_closed_form_at_batch_one(n_modes):
     network = cp(tuple(range(3, 3 + n_modes)), 11, 13, 7)
-    closed = closed_forms(network)
+    fmt = network.format
     r = network.sizes["r"]
     # The paper's R(ΣN + I + O) omits exactly the E elementwise products of length R.
-    assert closed.hand_fma(network) - closed.fma(network) == n_modes * r
-    assert plan_forward(network, 1).fma == closed.hand_fma(network)
+    assert fmt.hand_fma(network) - fmt.closed_form_fma(network) == n_modes * r
+    assert plan_forward(network, 1).fma == fmt.hand_fma(network)
 
 
 @given(st.integers(1, 4), st.sampled_from([2, 4]), st.integers(8, 32), st.data())
@@ -92,21 +92,21 @@ def test_tr_planned_equals_closed_form_at_batch_one(n_modes, expert_rank, io_ran
     dims = tuple(data.draw(st.integers(8, 64)) for _ in range(n_modes))
     sizes = data.draw(st.tuples(st.integers(io_rank, 96), st.integers(io_rank, 96)))
     network = tr(dims, *sizes, io_rank, expert_rank=expert_rank)
-    closed = closed_forms(network)
-    assert closed.hand_fma(network) == closed.fma(network)
-    assert plan_forward(network, 1).fma == closed.fma(network)
+    fmt = network.format
+    assert fmt.hand_fma(network) == fmt.closed_form_fma(network)
+    assert plan_forward(network, 1).fma == fmt.closed_form_fma(network)
 
 
 def test_tr_planner_can_beat_the_papers_chain_order():
     network = tr((5, 5), 7, 9, (4, 4, 4, 3))
-    assert plan_forward(network, 1).fma < closed_forms(network).fma(network)
+    assert plan_forward(network, 1).fma < network.format.closed_form_fma(network)
 
 
 @given(named_networks(max_rank=4), st.sampled_from([1, 2, 7, 64, 4096]))
 def test_planned_never_above_hand_order(network, batch):
     flops = layer_flops(network, batch=batch, bias=False)
     assert flops.planned <= flops.hand_order
-    assert flops.hand_order == batch * closed_forms(network).hand_fma(network)
+    assert flops.hand_order == batch * network.format.hand_fma(network)
 
 
 def test_dense_costs():
@@ -141,12 +141,12 @@ def test_parameter_count_equals_built_layer(network, bias, input_norm):
     ],
 )
 def test_min_cut_reproduces_paper_bounds(network, expected):
-    assert rank_bound(network) == expected == closed_forms(network).rank_bound(network)
+    assert rank_bound(network) == expected == network.format.closed_form_rank_bound(network)
 
 
 @given(named_networks(max_rank=5))
 def test_min_cut_equals_closed_form_bound(network):
-    assert rank_bound(network) == closed_forms(network).rank_bound(network)
+    assert rank_bound(network) == network.format.closed_form_rank_bound(network)
 
 
 def _experts(network, seed):
@@ -208,7 +208,7 @@ def test_solve_rank_is_closest_with_ties_to_smaller(a, b, target):
 @given(named_networks(max_size=6, max_rank=3), st.integers(1, 4))
 def test_match_layer_within_one_rank_step(network, factor):
     network = network.with_sizes(i=network.in_features + 1)
-    bonds = network.bonds if network.name == "tucker" else None
+    bonds = None
     target = factor * linear(network.in_features - 1, network.out_features).params + 50
     try:
         matched = match_layer(network, target, bonds=bonds)
@@ -223,9 +223,10 @@ def test_matching_errors():
     with pytest.raises(ValueError, match=r"target of 10 parameters is below the smallest possible count.*at rank 1"):
         match_layer(cp(8, 17, 16, 1), 10)
     custom = ExpertNetwork.from_spec("n1 a, a i o", expert_dims=4, in_features=5, out_features=6, ranks=2)
-    with pytest.raises(ValueError, match=r"name the bonds to scale for a 'custom' network"):
-        match_layer(custom, 1000)
-    assert match_layer(custom, 1000, bonds=["a"]).rank >= 1
+    # A network without a format scales every bond (here the only one, a).
+    assert match_layer(custom, 1000).bonds == ("a",) == match_layer(custom, 1000, bonds=["a"]).bonds
+    with pytest.raises(TypeError, match=r"needs an ExpertNetwork, got 'cp'"):
+        match_layer("cp", 1000)
     with pytest.raises(ValueError, match=r"bonds to scale must be bonds of the network"):
         match_layer(tucker(8, 17, 16, 2), 10_000, bonds=["zz"])
     with pytest.raises(ValueError, match=r"must be a positive int"):
@@ -260,10 +261,12 @@ def test_compare_table_and_renderers():
 def test_compare_errors():
     with pytest.raises(ValueError, match=r"unknown decomposition 'cpx'"):
         compare(decompositions=("cpx",))
-    with pytest.raises(ValueError, match=r"ranks given for \['tt'\], which are not among"):
+    with pytest.raises(ValueError, match=r"ranks given for \['tt'\], which name no row; the rows are \['cp'\]"):
         compare(decompositions=("cp",), ranks={"tt": 3})
     with pytest.raises(ValueError, match=r"match must be 'linear', 'mlp'"):
         compare(match="huge")
+    with pytest.raises(TypeError, match=r"bias must be a bool, got 2"):
+        compare(bias=2)
 
 
 def test_cost_model_is_torch_free():

@@ -74,8 +74,11 @@ def test_default_noise_only_on_first_mode(builder):
 
 def test_init_errors():
     network = cp((4, 3), 6, 5, 3)
-    with pytest.raises(ValueError, match=r"expert_noise needs 2 non-negative floats"):
+    with pytest.raises(ValueError, match=r"expert_noise needs 2 value\(s\), one per expert mode, got 1"):
         FactorizedExperts(network, expert_noise=[1.0])
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match=r"expert_noise\[0\] must be a finite number >= 0"):
+            FactorizedExperts(network, expert_noise=[bad, 0.0])
     with pytest.raises(ValueError, match=r"unknown init rule 'xavier'"):
         FactorizedExperts(network, init="xavier")
 

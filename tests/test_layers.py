@@ -37,7 +37,7 @@ def test_mumoe_equals_dense_reference(network, lead, bias, gate_norm):
         network.out_features,
         network.expert_dims,
         network.name,
-        rank=[network.sizes[b] for b in network.bonds] if network.name != "cp" else network.sizes["r"],
+        rank=network.format.ranks_of(network),
         bias=bias,
         gate_norm=gate_norm,
         input_norm=True,
@@ -184,9 +184,11 @@ def test_dtype_and_device_mismatch(experts):
 
 def test_layer_construction_errors():
     network = ExpertNetwork.from_spec("n1 a, a i o", expert_dims=4, in_features=6, out_features=3, ranks=2)
-    with pytest.raises(ValueError, match=r"needs i=6 \(in_features=5 \+ 1 bias\)"):
+    with pytest.raises(
+        ValueError, match=r"legs \{'n1': 4, 'i': 5, 'o': 3\} do not match the requested \{'n1': 4, 'i': 6"
+    ):
         MuMoE(5, 3, decomposition=network.with_sizes(i=5))
-    with pytest.raises(ValueError, match=r"expert_dims=8 but the network has expert dims \(4,\)"):
+    with pytest.raises(ValueError, match=r"do not match the requested \{'n1': 8"):
         MuMoE(5, 3, 8, decomposition=network)
     with pytest.raises(ValueError, match=r"unknown decomposition 'ttt'"):
         MuMoE(5, 3, 4, "ttt", 2)

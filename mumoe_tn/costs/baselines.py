@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mumoe_tn.network import _check_size
+from mumoe_tn.validation import check_size
 
 __all__ = ["Baseline", "dense_moe", "linear", "mlp", "moe_block", "sparse_moe"]
 
@@ -44,7 +44,7 @@ class Baseline:
 
 def _sizes(**sizes: int) -> None:
     for name, size in sizes.items():
-        _check_size(name, size)
+        check_size(name, size)
 
 
 def linear(in_features: int, out_features: int, *, bias: bool = True) -> Baseline:

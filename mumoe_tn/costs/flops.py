@@ -14,8 +14,8 @@ from typing import Any
 
 from mumoe_tn.contractions.plan import plan_dense, plan_forward
 from mumoe_tn.costs.params import layer_in_features
-from mumoe_tn.decompositions.registry import closed_forms
 from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.validation import check_size
 
 __all__ = [
     "LayerFlops",
@@ -69,9 +69,10 @@ class LayerFlops:
     gate : int
         FMAs of the gate logits for the whole batch (0 when not counted).
     closed_form : int or None
-        The decomposition's stated formula times the batch (None for custom networks).
+        The format's stated formula times the batch (None when the network has no format or
+        the format states none).
     hand_order : int or None
-        The hand-derived order's exact FMAs times the batch (None for custom networks).
+        The format's hand-derived order's exact FMAs times the batch (None likewise).
     peak_elements : int
         Elements of the largest intermediate of the planned contraction.
     """
@@ -116,15 +117,18 @@ def layer_flops(
     -------
     LayerFlops
     """
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    if not isinstance(network, ExpertNetwork):
+        raise TypeError(f"layer_flops needs an ExpertNetwork, got {network!r} ({type(network).__name__})")
+    check_size("batch", batch)
     plan = plan_forward(network, batch, optimize)
-    closed = closed_forms(network)
+    fmt = network.format
+    closed = None if fmt is None else fmt.closed_form_fma(network)
+    hand = None if fmt is None else fmt.hand_fma(network)
     return LayerFlops(
         batch=batch,
         planned=plan.fma,
         gate=batch * gate_fma(network, bias=bias) if gate else 0,
-        closed_form=None if closed is None else batch * closed.fma(network),
-        hand_order=None if closed is None else batch * closed.hand_fma(network),
+        closed_form=None if closed is None else batch * closed,
+        hand_order=None if hand is None else batch * hand,
         peak_elements=plan.largest_intermediate,
     )

@@ -8,21 +8,72 @@ bisection and compares it with ``r + 1``; the closer count wins and **a tie goes
 rank** (fewer parameters). A target below ``count(1)`` is an error. CP scales its rank ``R``;
 TR and TT scale the bond between the input and output cores (``R_{E+2}``, resp. ``R_{E+1}``)
 and keep the others (the paper's ``R1 = R2 = 4``); Tucker and custom networks scale the bonds
-the caller names, all set to the same ``r``.
+the caller names, all set to the same ``r``. A format's :meth:`matched_bonds` chooses the default;
+a network without a format scales every bond.
+
+A solution is checked before it is returned: when the closest count misses the target by more
+than :data:`TOLERANCE` (a rank step too coarse, or the fixed part alone too large), or when an
+expert mode collapses (its experts differ only by a scalar factor, because a cut of size 1
+separates the mode from ``i`` and ``o``; see :func:`mumoe_tn.costs.rank.collapsed_expert_modes`),
+a :class:`MatchingWarning` says so with the numbers, and :attr:`Match.problems` lists it.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mumoe_tn.costs.params import block_parameters, layer_parameters
-from mumoe_tn.decompositions.registry import closed_forms
+from mumoe_tn.costs.rank import collapsed_expert_modes, rank_bound
 from mumoe_tn.network import ExpertNetwork
 
-__all__ = ["Match", "match_block", "match_layer", "scaled_bonds", "solve_rank"]
+__all__ = [
+    "TOLERANCE",
+    "Match",
+    "MatchingWarning",
+    "match_block",
+    "match_layer",
+    "resolve_target",
+    "scaled_bonds",
+    "solve_rank",
+]
 
 _MAX_RANK = 1 << 40
+
+#: Relative distance to the target above which a match is reported as missed.
+TOLERANCE = 0.05
+
+
+class MatchingWarning(UserWarning):
+    """A parameter match that misses its target or leaves experts that differ only by scale."""
+
+
+def resolve_target(match: object, reference: int) -> int:
+    """The parameter budget a ``match=`` value asks for.
+
+    Parameters
+    ----------
+    match : int or float
+        An int is a number of parameters; a float is a fraction of ``reference`` (as
+        tensorly-torch's ``rank=0.5``).
+    reference : int
+        Parameters of what the μMoE replaces.
+
+    Returns
+    -------
+    int
+    """
+    if isinstance(match, bool) or not isinstance(match, (int, float)):
+        raise TypeError(f"match must be a number of parameters (int) or a fraction (float), got {match!r}")
+    if isinstance(match, float):
+        if not math.isfinite(match) or match <= 0:
+            raise ValueError(f"a fractional match must be a finite number > 0, got {match!r}")
+        return max(1, round(match * reference))
+    if match <= 0:
+        raise ValueError(f"match must be a positive number of parameters, got {match}")
+    return match
 
 
 def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the layer") -> int:
@@ -41,7 +92,9 @@ def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the lay
     -------
     int
     """
-    if isinstance(target, bool) or not isinstance(target, int) or target <= 0:
+    if isinstance(target, bool) or not isinstance(target, int):
+        raise TypeError(f"the parameter target must be a positive int, got {target!r} ({type(target).__name__})")
+    if target <= 0:
         raise ValueError(f"the parameter target must be a positive int, got {target!r}")
     smallest = count(1)
     if target < smallest:
@@ -63,14 +116,13 @@ def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the lay
 
 
 def scaled_bonds(network: ExpertNetwork, bonds: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The bonds parameter matching scales: ``bonds`` if given, else the decomposition's default."""
+    """The bonds parameter matching scales: ``bonds`` if given, else the format's default (all bonds without one)."""
+    if not isinstance(network, ExpertNetwork):
+        raise TypeError(f"parameter matching needs an ExpertNetwork, got {network!r} ({type(network).__name__})")
     if bonds is None:
-        closed = closed_forms(network)
-        if closed is None or closed.matched_bonds is None:
-            raise ValueError(
-                f"name the bonds to scale for a {network.name!r} network (bonds=...); its bonds are {network.bonds}"
-            )
-        return closed.matched_bonds(network)
+        return network.bonds if network.format is None else network.format.matched_bonds(network)
+    if isinstance(bonds, str) or not isinstance(bonds, Sequence):
+        raise TypeError(f"bonds must be a sequence of bond labels, got {bonds!r}")
     bonds = tuple(bonds)
     unknown = [bond for bond in bonds if bond not in network.bonds]
     if not bonds or unknown:
@@ -96,6 +148,9 @@ class Match:
         ``count(rank + 1) - count(rank)``: one rank step, the resolution of the match.
     networks : tuple of ExpertNetwork
         The matched network(s).
+    problems : tuple of str
+        What is wrong with the solution (target missed by more than :data:`TOLERANCE`,
+        collapsed expert modes); empty for a good match. Each was also warned about.
     """
 
     rank: int
@@ -104,6 +159,33 @@ class Match:
     target: int
     step: int
     networks: tuple[ExpertNetwork, ...]
+    problems: tuple[str, ...] = ()
+
+    @property
+    def relative_error(self) -> float:
+        """``(params − target) / target``."""
+        return (self.params - self.target) / self.target
+
+
+def _checked(match: Match) -> Match:
+    problems = []
+    if abs(match.relative_error) > TOLERANCE:
+        problems.append(
+            f"the closest match has {match.params:,} parameters, {match.relative_error:+.1%} from the target "
+            f"{match.target:,} (rank {match.rank} on bonds {match.bonds}; one rank step adds {match.step:,})"
+        )
+    for k, network in enumerate(match.networks):
+        collapsed = collapsed_expert_modes(network)
+        if collapsed:
+            where = f"layer {k + 1}: " if len(match.networks) > 1 else ""
+            problems.append(
+                f"{where}expert mode(s) {list(collapsed)} collapse: their experts differ only by a scalar factor "
+                f"(a cut of size 1 separates them from i and o; expert rank bound {rank_bound(network)}); give the "
+                f"bonds of those modes a size > 1 or scale them too (bonds={list(match.bonds)} were scaled)"
+            )
+    for problem in problems:
+        warnings.warn(f"parameter matching: {problem}", MatchingWarning, stacklevel=3)
+    return Match(match.rank, match.bonds, match.params, match.target, match.step, match.networks, tuple(problems))
 
 
 def match_layer(
@@ -124,7 +206,7 @@ def match_layer(
     target : int
         Parameter budget (e.g. :func:`mumoe_tn.costs.linear` ``(I, O).params``).
     bonds : Sequence[str], optional
-        Bonds to scale; the decomposition's default (see module notes) if omitted.
+        Bonds to scale; the format's default (every bond without a format) if omitted.
     bias, gate, input_norm : bool, optional
         As for :func:`mumoe_tn.costs.layer_parameters`.
 
@@ -141,7 +223,7 @@ def match_layer(
         return layer_parameters(resized(r), bias=bias, gate=gate, input_norm=input_norm).total
 
     rank = solve_rank(count, target, what=f"a {network.name} layer scaling {names}")
-    return Match(rank, names, count(rank), target, count(rank + 1) - count(rank), (resized(rank),))
+    return _checked(Match(rank, names, count(rank), target, count(rank + 1) - count(rank), (resized(rank),)))
 
 
 def match_block(
@@ -162,7 +244,7 @@ def match_block(
     target : int
         Parameter budget (e.g. :func:`mumoe_tn.costs.mlp` ``(I, H, O).params``).
     bonds : Sequence[str], optional
-        Bonds to scale in both layers; the decomposition's default if omitted.
+        Bonds to scale in both layers; the format's default (every bond without a format) if omitted.
     bias, gate : bool, optional
         As for :func:`mumoe_tn.costs.block_parameters`.
 
@@ -180,4 +262,4 @@ def match_block(
         return block_parameters(*resized(r), bias=bias, gate=gate).total
 
     rank = solve_rank(count, target, what=f"a {first.name} block scaling {names}")
-    return Match(rank, names, count(rank), target, count(rank + 1) - count(rank), resized(rank))
+    return _checked(Match(rank, names, count(rank), target, count(rank + 1) - count(rank), resized(rank)))

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.validation import check_bool
 
 __all__ = ["ParameterCount", "block_parameters", "layer_in_features", "layer_parameters"]
 
@@ -47,6 +48,9 @@ class ParameterCount:
 
 def layer_in_features(network: ExpertNetwork, bias: bool) -> int:
     """The layer's ``in_features``: the input leg less the folded bias column."""
+    if not isinstance(network, ExpertNetwork):
+        raise TypeError(f"expected an ExpertNetwork, got {network!r} ({type(network).__name__})")
+    check_bool("bias", bias)
     in_features = network.in_features - int(bias)
     if in_features < 1:
         raise ValueError(f"bias=True needs an input leg of size >= 2, the network has i={network.in_features}")

@@ -13,33 +13,60 @@ and a source and sink attach to the cores holding ``i`` and ``o`` through arcs o
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import networkx as nx
 
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork
 
-__all__ = ["min_cut", "rank_bound"]
+__all__ = ["collapsed_expert_modes", "min_cut", "rank_bound"]
 
 _SOURCE, _SINK = ("__source__",), ("__sink__",)
 
 
-def min_cut(network: ExpertNetwork) -> tuple[tuple[str, ...], int]:
-    """The labels of a minimum cut between legs ``i`` and ``o``, and the product of their sizes.
+def _check_network(network: object, what: str) -> ExpertNetwork:
+    if not isinstance(network, ExpertNetwork):
+        raise TypeError(
+            f"{what} needs an ExpertNetwork, got {network!r} ({type(network).__name__}); build one with "
+            "mumoe_tn.decompositions.build(name, expert_dims, in_features, out_features, rank) "
+            "or ExpertNetwork.from_spec"
+        )
+    return network
+
+
+def min_cut(
+    network: ExpertNetwork, sources: Sequence[str] = (INPUT_LEG,), sinks: Sequence[str] = (OUTPUT_LEG,)
+) -> tuple[tuple[str, ...], int]:
+    """The labels of a minimum cut between two sets of physical legs, and the product of their sizes.
+
+    Expert legs in neither set are fixed (sliced away). With the defaults (``i`` against ``o``)
+    the product bounds the rank of every expert matrix.
 
     Parameters
     ----------
     network : ExpertNetwork
         The expert network.
+    sources, sinks : Sequence[str]
+        Disjoint sets of physical legs (default ``("i",)`` and ``("o",)``).
 
     Returns
     -------
     labels : tuple of str
-        Cut labels: bonds, or the physical legs ``"i"``/``"o"`` when cutting a leg is best.
+        Cut labels: bonds, or physical legs when cutting a leg is best.
     bound : int
-        The product of their sizes: an upper bound on every expert matrix's rank.
+        The product of their sizes: an upper bound on the rank of ``W`` unfolded as
+        ``sources × sinks`` (for every fixed index of the other expert legs).
     """
+    network = _check_network(network, "min_cut")
+    sources, sinks = tuple(sources), tuple(sinks)
+    physical = {*network.expert_legs, INPUT_LEG, OUTPUT_LEG}
+    for leg in (*sources, *sinks):
+        if leg not in physical:
+            raise ValueError(f"{leg!r} is not a physical leg of the network; its physical legs are {sorted(physical)}")
+    if not sources or not sinks or set(sources) & set(sinks):
+        raise ValueError(f"sources {sources} and sinks {sinks} must be non-empty and disjoint")
     graph = nx.DiGraph()
-    arcs: dict[tuple, str] = {}
+    arcs: dict[tuple, list[str]] = {}
 
     def add(u: object, v: object, label: str | None) -> None:
         capacity = math.inf if label is None else math.log(network.sizes[label])
@@ -48,10 +75,12 @@ def min_cut(network: ExpertNetwork) -> tuple[tuple[str, ...], int]:
         else:
             graph.add_edge(u, v, capacity=capacity)
         if label is not None:
-            arcs.setdefault((u, v), label)
+            arcs.setdefault((u, v), []).append(label)
 
-    add(_SOURCE, ("core", network.core_of(INPUT_LEG)), INPUT_LEG)
-    add(("core", network.core_of(OUTPUT_LEG)), _SINK, OUTPUT_LEG)
+    for leg in sources:
+        add(_SOURCE, ("core", network.core_of(leg)), leg)
+    for leg in sinks:
+        add(("core", network.core_of(leg)), _SINK, leg)
     for bond in network.bonds:
         owners = network.cores_with(bond)
         if len(owners) == 2:
@@ -65,26 +94,39 @@ def min_cut(network: ExpertNetwork) -> tuple[tuple[str, ...], int]:
                 add(("core", core), inner, None)
                 add(outer, ("core", core), None)
     _, (reachable, _) = nx.minimum_cut(graph, _SOURCE, _SINK)
-    # Parallel bonds share one arc: recover every label crossing the cut.
     crossing: list[str] = []
     for u, v in graph.edges:
-        if u in reachable and v not in reachable and (u, v) in arcs:
-            crossing += _labels_between(network, u, v)
+        if u in reachable and v not in reachable:
+            crossing += arcs.get((u, v), [])
     labels = tuple(dict.fromkeys(crossing))
     return labels, math.prod(network.sizes[label] for label in labels)
 
 
-def _labels_between(network: ExpertNetwork, u: tuple, v: tuple) -> list[str]:
-    if u == _SOURCE:
-        return [INPUT_LEG]
-    if v == _SINK:
-        return [OUTPUT_LEG]
-    if u[0] == "in":
-        return [u[1]]
-    first, second = set(network.cores[u[1]]), set(network.cores[v[1]])
-    return [bond for bond in network.bonds if bond in first and bond in second and len(network.cores_with(bond)) == 2]
-
-
 def rank_bound(network: ExpertNetwork) -> int:
-    """Upper bound on the rank of every expert matrix of ``network`` (its minimum cut)."""
-    return min_cut(network)[1]
+    """Upper bound on the rank of every expert matrix of ``network`` (its minimum ``i``–``o`` cut)."""
+    return min_cut(_check_network(network, "rank_bound"))[1]
+
+
+def collapsed_expert_modes(network: ExpertNetwork) -> tuple[str, ...]:
+    """Expert legs along which experts differ only by a scalar factor (a cut of size 1 to ``i, o``).
+
+    If leg ``n_e`` can be separated from ``i`` and ``o`` by bonds of total size 1, every expert
+    along mode ``e`` (the other modes fixed) is a multiple of one matrix: the mode adds scale,
+    not experts. Parameter matching warns about such solutions.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        The expert network.
+
+    Returns
+    -------
+    tuple of str
+        The collapsed expert legs (empty when every mode carries distinct experts).
+    """
+    network = _check_network(network, "collapsed_expert_modes")
+    return tuple(
+        leg
+        for leg in network.expert_legs
+        if network.sizes[leg] > 1 and min_cut(network, (leg,), (INPUT_LEG, OUTPUT_LEG))[1] == 1
+    )

@@ -5,17 +5,20 @@ from __future__ import annotations
 import csv
 import io
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from mumoe_tn.costs.baselines import Baseline, dense_moe, linear, mlp, moe_block, sparse_moe
 from mumoe_tn.costs.flops import layer_flops
-from mumoe_tn.costs.matching import Match, match_block, match_layer
+from mumoe_tn.costs.matching import Match, match_block, match_layer, resolve_target
 from mumoe_tn.costs.params import ParameterCount, block_parameters, layer_parameters
 from mumoe_tn.costs.rank import rank_bound
-from mumoe_tn.decompositions.registry import build
+from mumoe_tn.decompositions.format import Format
+from mumoe_tn.decompositions.registry import get_format, normalize_ranks
+from mumoe_tn.decompositions.resolve import Decomposition, Rank, is_spec, resolve_network
 from mumoe_tn.network import ExpertNetwork, normalize_expert_dims
+from mumoe_tn.validation import check_bool, check_size
 
 __all__ = ["COLUMNS", "CostRow", "CostTable", "compare"]
 
@@ -55,6 +58,12 @@ class CostRow:
     max_rank: int
     params_vs_reference: float
     fma_vs_reference: float
+    networks: tuple[ExpertNetwork, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def spec(self) -> str:
+        """The spec string of the row's (first) network, ``""`` for baselines."""
+        return self.networks[0].to_spec() if self.networks else ""
 
 
 @dataclass(frozen=True)
@@ -76,8 +85,8 @@ class CostTable:
     networks: Mapping[str, tuple[ExpertNetwork, ...]] = field(default_factory=dict)
 
     def records(self) -> list[dict[str, Any]]:
-        """Rows as plain dicts (column key -> value)."""
-        return [asdict(row) for row in self.rows]
+        """Rows as plain dicts (column key -> value), plus each μMoE row's network ``spec``."""
+        return [{**{key: getattr(row, key) for key in COLUMNS}, "spec": row.spec} for row in self.rows]
 
     def to_json(self) -> str:
         """The configuration and the rows as JSON."""
@@ -86,7 +95,7 @@ class CostTable:
     def to_csv(self) -> str:
         """The rows as CSV with the column keys as header."""
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=list(COLUMNS), lineterminator="\n")
+        writer = csv.DictWriter(buffer, fieldnames=[*COLUMNS, "spec"], lineterminator="\n")
         writer.writeheader()
         writer.writerows(self.records())
         return buffer.getvalue()
@@ -153,10 +162,10 @@ def compare(
     in_features: int = 768,
     out_features: int = 3072,
     expert_dims: int | Sequence[int] = 256,
-    decompositions: Sequence[str] = ("cp", "tr"),
+    decompositions: Sequence[Decomposition] = ("cp", "tr"),
     *,
-    ranks: Mapping[str, int | Sequence[int]] | None = None,
-    match: str | int | None = "linear",
+    ranks: Mapping[str, Rank] | None = None,
+    match: str | int | float | None = "linear",
     bonds: Mapping[str, Sequence[str]] | None = None,
     bias: bool = True,
     gate: bool = True,
@@ -172,15 +181,20 @@ def compare(
         ``in → out → in`` (the transformer/mixer MLP the μMoE block replaces).
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``.
-    decompositions : Sequence of str
-        Registered names.
-    ranks : Mapping[str, int or Sequence[int]], optional
-        Explicit ranks per decomposition; those without one are parameter-matched.
-    match : {"linear", "mlp"} or int or None, optional
-        Parameter target for decompositions without explicit ranks: ``"linear"`` (the
-        nn.Linear of the same sizes), ``"mlp"`` (the MLP block), or a number.
+    decompositions : Sequence of str, Format or ExpertNetwork
+        Registered names, formats, spec strings (``"A: n1 a b, B: a i c, C: b c o"``) and
+        ready networks, mixed. A network keeps its structure and bond sizes; its physical legs
+        are set to this table's sizes.
+    ranks : Mapping[str, rank], optional
+        Explicit ranks per row label (a name, a spec string, or a network's name; see
+        :attr:`CostRow.name`); rows without one are parameter-matched (a network without an
+        entry keeps its bond sizes when ``match=None``).
+    match : {"linear", "mlp"} or int or float or None, optional
+        Parameter target of the matched rows: ``"linear"`` (the nn.Linear of the same sizes),
+        ``"mlp"`` (the MLP block), a number of parameters (int), a fraction of the reference
+        layer's parameters (float), or None (no matching).
     bonds : Mapping[str, Sequence[str]], optional
-        Bonds to scale per decomposition (Tucker defaults to all of its bonds).
+        Bonds to scale per row label (default: the format's, or every bond of a custom network).
     bias : bool, optional
         Fold a bias into the input leg, and give baselines a bias.
     gate : bool, optional
@@ -193,8 +207,17 @@ def compare(
     Returns
     -------
     CostTable
+        Each μMoE row's :attr:`CostRow.networks` holds the (matched) network(s) it used.
     """
     dims = normalize_expert_dims(expert_dims)
+    check_bool("bias", bias)
+    check_bool("gate", gate)
+    check_size("batch", batch)
+    check_size("in_features", in_features)
+    check_size("out_features", out_features)
+    check_size("top_k", top_k)
+    if isinstance(decompositions, (str, ExpertNetwork)) or not isinstance(decompositions, Sequence):
+        raise TypeError(f"decompositions must be a sequence (list or tuple), got {decompositions!r}")
     ranks = dict(ranks or {})
     bonds = dict(bonds or {})
     block = match == "mlp"
@@ -217,28 +240,34 @@ def compare(
         ]
     if match is None or match in ("linear", "mlp"):
         target = reference.params
-    elif isinstance(match, int) and not isinstance(match, bool):
-        target = match
+    elif isinstance(match, (int, float)) and not isinstance(match, bool):
+        target = resolve_target(match, reference.params)
     else:
-        raise ValueError(f"match must be 'linear', 'mlp', a number of parameters or None, got {match!r}")
-    unknown = sorted(set(ranks) - set(decompositions))
-    if unknown:
-        raise ValueError(f"ranks given for {unknown}, which are not among the decompositions {list(decompositions)}")
+        raise ValueError(f"match must be 'linear', 'mlp', a number of parameters, a fraction or None, got {match!r}")
+    entries = _entries(decompositions)
+    known = {alias for entry in entries for alias in entry.aliases}
+    for option, given in (("ranks", ranks), ("bonds", bonds)):
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"{option} given for {unknown}, which name no row; the rows are {sorted(known)}")
 
     width = in_features + int(bias)
     rows, networks = [], {}
-    for name in decompositions:
-        layers = _layers(name, dims, in_features, out_features, width, block, ranks.get(name, 1))
-        if name not in ranks:
-            if match is None:
-                raise ValueError(f"no rank given for {name!r} and match=None")
-            scaled = bonds.get(name, layers[0].bonds if name == "tucker" else None)
+    for entry in entries:
+        given = next((ranks[alias] for alias in entry.aliases if alias in ranks), None)
+        scaled = next((bonds[alias] for alias in entry.aliases if alias in bonds), None)
+        layers = [entry.make(dims, width, out_features, given)]
+        if block:
+            layers.append(entry.make(dims, out_features + int(bias), in_features, given))
+        if given is None and match is not None:
             matched: Match = (
                 match_block(*layers, target, bonds=scaled, bias=bias, gate=gate)
                 if block
                 else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=gate)
             )
-            layers = matched.networks
+            layers = list(matched.networks)
+        elif given is None and not entry.sized:
+            raise ValueError(f"no rank given for {entry.label!r} and match=None")
         count: ParameterCount = (
             block_parameters(*layers, bias=bias, gate=gate)
             if block
@@ -248,7 +277,7 @@ def compare(
         gate_fma = in_features * sum(dims) if gate else 0
         closed = None if any(f.closed_form is None for f in flops) else sum(f.closed_form for f in flops) / batch
         planned = sum(f.planned for f in flops) / batch + gate_fma
-        label = f"{name} μMoE{' block' if block else ''}"
+        label = f"{entry.label} μMoE{' block' if block else ''}"
         networks[label] = tuple(layers)
         rows.append(
             CostRow(
@@ -263,6 +292,7 @@ def compare(
                 max_rank=min(rank_bound(net) for net in layers),
                 params_vs_reference=count.total / reference.params,
                 fma_vs_reference=planned / reference.fma,
+                networks=tuple(layers),
             )
         )
     rows += [_baseline_row(b, reference, batch) for b in baselines]
@@ -272,8 +302,8 @@ def compare(
         "hidden": out_features if block else None,
         "block": block,
         "expert_dims": list(dims),
-        "decompositions": list(decompositions),
-        "ranks": {k: v if isinstance(v, int) else list(v) for k, v in ranks.items()},
+        "decompositions": [entry.label for entry in entries],
+        "ranks": {key: _plain(value) for key, value in ranks.items()},
         "match": match,
         "target_params": target,
         "reference": reference.name,
@@ -285,13 +315,75 @@ def compare(
     return CostTable(tuple(rows), config, networks)
 
 
-def _layers(
-    name: str, dims: tuple[int, ...], in_features: int, out_features: int, width: int, block: bool, rank: Any
-) -> tuple[ExpertNetwork, ...]:
-    if not block:
-        return (build(name, dims, width, out_features, rank),)
-    bias = width - in_features
-    return (build(name, dims, width, out_features, rank), build(name, dims, out_features + bias, in_features, rank))
+def _plain(rank: Any) -> Any:
+    if isinstance(rank, Mapping):
+        return dict(rank)
+    return rank if isinstance(rank, int) else list(rank)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One μMoE row to build: its label, the keys that select it in ranks=/bonds=, and a maker."""
+
+    label: str
+    aliases: tuple[str, ...]
+    make: Callable[[tuple[int, ...], int, int, Any], ExpertNetwork]
+    sized: bool  # a ready network: usable without ranks or matching
+
+
+def _entries(decompositions: Sequence[Decomposition]) -> list[_Entry]:
+    entries: list[_Entry] = []
+    customs = 0
+
+    def unique(label: str) -> str:
+        taken = {entry.label for entry in entries}
+        k = 2
+        candidate = label
+        while candidate in taken:
+            candidate = f"{label} #{k}"
+            k += 1
+        return candidate
+
+    for item in decompositions:
+        if isinstance(item, ExpertNetwork):
+            if item.name == "custom":
+                customs += 1
+            label = unique(f"custom {customs}" if item.name == "custom" else item.name)
+            entries.append(_Entry(label, (label, item.name), _network_maker(item), True))
+        elif isinstance(item, str) and is_spec(item):
+            customs += 1
+            label = unique(f"custom {customs}")
+            entries.append(_Entry(label, (label, item), _maker(item), False))
+        elif isinstance(item, (str, Format)):
+            format = get_format(item) if isinstance(item, str) else item
+            label = unique(format.name)
+            entries.append(_Entry(label, (label, item) if isinstance(item, str) else (label,), _maker(format), False))
+        else:
+            raise TypeError(
+                "each decomposition must be a format name, a Format, a spec string or an ExpertNetwork, got "
+                f"{item!r} ({type(item).__name__})"
+            )
+    return entries
+
+
+def _maker(decomposition: str | Format) -> Callable[[tuple[int, ...], int, int, Any], ExpertNetwork]:
+    def make(dims: tuple[int, ...], width: int, out: int, rank: Any) -> ExpertNetwork:
+        return resolve_network(decomposition, dims, width, out, 1 if rank is None else rank)
+
+    return make
+
+
+def _network_maker(network: ExpertNetwork) -> Callable[[tuple[int, ...], int, int, Any], ExpertNetwork]:
+    def make(dims: tuple[int, ...], width: int, out: int, rank: Any) -> ExpertNetwork:
+        resized = resolve_network(network, dims, width, out, None, resize=True)
+        if rank is None:
+            return resized
+        if isinstance(rank, Mapping):
+            return resized.with_sizes(**rank)
+        sizes = normalize_ranks(resized.name, rank, len(resized.bonds))
+        return resized.with_sizes(**dict(zip(resized.bonds, sizes, strict=True)))
+
+    return make
 
 
 def _baseline_row(baseline: Baseline, reference: Baseline, batch: int) -> CostRow:

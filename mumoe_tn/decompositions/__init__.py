@@ -1,33 +1,43 @@
-"""Named decompositions (CP, TR, TT, Tucker) as builders of :class:`ExpertNetwork`.
+"""Named decomposition formats (CP, TR, TT, Tucker) and their registry.
 
-Each builder is registered by name; :func:`build` looks one up. A new decomposition is one
-small module whose builder is decorated with :func:`register`.
+Each format is a :class:`Format` subclass registered by name (``class CPFormat(Format,
+name="cp")``) and carried by the networks it builds; :func:`build` looks one up by name. A new
+named decomposition is one small module defining such a class — see :class:`Format`.
 """
 
-from mumoe_tn.decompositions.cp import cp
+from mumoe_tn.decompositions.cp import CPFormat, cp
+from mumoe_tn.decompositions.format import Format
 from mumoe_tn.decompositions.registry import (
-    ClosedForms,
     available,
     build,
-    closed_forms,
-    get_builder,
+    get_format,
     normalize_ranks,
     register,
+    unregister,
 )
-from mumoe_tn.decompositions.tr import tr
-from mumoe_tn.decompositions.tt import tt
-from mumoe_tn.decompositions.tucker import tucker
+from mumoe_tn.decompositions.resolve import Decomposition, Rank, is_spec, resolve_network
+from mumoe_tn.decompositions.tr import TRFormat, tr
+from mumoe_tn.decompositions.tt import TTFormat, tt
+from mumoe_tn.decompositions.tucker import TuckerFormat, tucker
 
 __all__ = [
-    "ClosedForms",
+    "CPFormat",
+    "Decomposition",
+    "Format",
+    "Rank",
+    "TRFormat",
+    "TTFormat",
+    "TuckerFormat",
     "available",
     "build",
-    "closed_forms",
     "cp",
-    "get_builder",
+    "get_format",
+    "is_spec",
     "normalize_ranks",
     "register",
+    "resolve_network",
     "tr",
     "tt",
     "tucker",
+    "unregister",
 ]

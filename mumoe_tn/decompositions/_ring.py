@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mumoe_tn.decompositions.registry import normalize_ranks
-from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, _physical_sizes
+from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, physical_sizes
 
 
 def chain_ranks(decomposition: str, rank: int | Sequence[int], n_bonds: int, expert_rank: int) -> tuple[int, ...]:
@@ -22,7 +23,6 @@ def chain_ranks(decomposition: str, rank: int | Sequence[int], n_bonds: int, exp
 
 
 def chain(
-    name: str,
     expert_dims: int | Sequence[int],
     in_features: int,
     out_features: int,
@@ -35,7 +35,7 @@ def chain(
     With ``closed=True`` the last core's right bond is the first core's left bond (a ring);
     otherwise the ends have no boundary bond (a train).
     """
-    sizes = _physical_sizes(expert_dims, in_features, out_features)
+    sizes = physical_sizes(expert_dims, in_features, out_features)
     legs = [leg for leg in sizes if leg not in (INPUT_LEG, OUTPUT_LEG)] + [INPUT_LEG, OUTPUT_LEG]
     n_bonds = len(legs) if closed else len(legs) - 1
     bonds = [f"r{k}" for k in range(1, n_bonds + 1)]
@@ -50,4 +50,21 @@ def chain(
             labels = (*left, leg, *right)
         cores[f"G_{leg}"] = labels
     sizes.update(zip(bonds, ranks, strict=True))
-    return ExpertNetwork(cores, sizes, name=name)
+    return ExpertNetwork(cores, sizes)
+
+
+def pass_through_expert_cores(network: ExpertNetwork, cores: Mapping[str, Any]) -> None:
+    """Set every expert core of a chain to pass bond index 0 through along its expert leg.
+
+    Three-leg cores ``(r, n, r')`` get a (rectangular) identity in every slice; the first core of
+    a train ``(n1, r1)`` gets ones in column 0. The product along the chain then has entry
+    ``(0, 0)`` equal to 1 for every expert.
+    """
+    for leg in network.expert_legs:
+        core = cores[f"G_{leg}"]
+        core.zero_()
+        if core.ndim == 2:
+            core[:, 0] = 1.0
+        else:
+            for k in range(min(core.shape[0], core.shape[2])):
+                core[k, :, k] = 1.0

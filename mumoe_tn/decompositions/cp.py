@@ -2,45 +2,115 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from mumoe_tn.decompositions.registry import ClosedForms, normalize_ranks, register
-from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, _physical_sizes
+from mumoe_tn.decompositions.format import Format
+from mumoe_tn.decompositions.registry import normalize_ranks
+from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, physical_sizes
 
-__all__ = ["cp"]
-
-
-def _paper_fma(net: ExpertNetwork) -> int:
-    """``R(ΣN_e + I + O)`` (paper Table decomp-tradeoff, Eq. fast-CP / full-fast-cp)."""
-    return net.sizes["r"] * (sum(net.expert_dims) + net.in_features + net.out_features)
+__all__ = ["CPFormat", "cp"]
 
 
-def _hand_fma(net: ExpertNetwork) -> int:
-    """FMAs of the paper's order, lower-order terms included.
+def _legs(network: ExpertNetwork) -> list[str]:
+    return [*network.expert_legs, INPUT_LEG, OUTPUT_LEG]
 
-    ``E + 1`` vectors ``U·a_e``, ``U·z`` of length ``R``, their ``E`` elementwise products
-    (``E·R``, which the paper omits), then ``R·O``.
+
+class CPFormat(Format, name="cp"):
+    """CPμMoE (paper Eq. fast-CP and its hierarchical form Eq. full-fast-cp).
+
+    ``W = Σ_r u^(1)_r ∘ … ∘ u^(E)_r ∘ u^(E+1)_r ∘ u^(E+2)_r`` with factor matrices
+    ``U_n1 … U_nE, U_i, U_o`` of shape ``(leg, R)`` (tensorly's layout); the rank label ``r`` is
+    a hyperedge shared by all ``E + 2`` cores. Rank: one int ``R``.
     """
-    return _paper_fma(net) + net.n_expert_modes * net.sizes["r"]
+
+    init_rule = "paper"
+    tltorch_class = "CPTensor"
+
+    def network(
+        self,
+        expert_dims: int | Sequence[int],
+        in_features: int,
+        out_features: int,
+        rank: int | Sequence[int],
+        **options: Any,
+    ) -> ExpertNetwork:
+        """Factor matrices ``U_<leg> (leg, r)`` for every leg; see the class docstring."""
+        if options:
+            raise TypeError(f"cp takes no options, got {sorted(options)}")
+        (r,) = normalize_ranks("cp", rank, 1)
+        sizes = physical_sizes(expert_dims, in_features, out_features)
+        legs = [leg for leg in sizes if leg not in (INPUT_LEG, OUTPUT_LEG)] + [INPUT_LEG, OUTPUT_LEG]
+        return ExpertNetwork({f"U_{leg}": (leg, "r") for leg in legs}, {**sizes, "r": r})
+
+    def closed_form_fma(self, network: ExpertNetwork) -> int:
+        """``R(ΣN_e + I + O)`` (paper Table decomp-tradeoff, Eq. fast-CP / full-fast-cp)."""
+        return network.sizes["r"] * (sum(network.expert_dims) + network.in_features + network.out_features)
+
+    def hand_fma(self, network: ExpertNetwork) -> int:
+        """The paper's order with its omitted ``E·R`` elementwise products counted."""
+        return self.closed_form_fma(network) + network.n_expert_modes * network.sizes["r"]
+
+    def closed_form_rank_bound(self, network: ExpertNetwork) -> int:
+        """``min{I, O, R}`` (paper, "CPμMoEs: rank analysis")."""
+        return min(network.in_features, network.out_features, network.sizes["r"])
+
+    def matched_bonds(self, network: ExpertNetwork) -> tuple[str, ...]:
+        """The rank ``r``."""
+        return ("r",)
+
+    def upcycle_capacity(self, network: ExpertNetwork) -> int:
+        """``R`` components."""
+        return network.sizes["r"]
+
+    def upcycle(self, network: ExpertNetwork, cores: Mapping[str, Any], left: Any, right: Any) -> None:
+        """Expert factors all ones; ``U_i``, ``U_o`` hold ``left``, ``right`` (zero-padded)."""
+        k = left.shape[1]
+        for core in cores.values():
+            core.zero_()
+        for leg in network.expert_legs:
+            cores[f"U_{leg}"].fill_(1.0)
+        cores["U_i"][:, :k] = left
+        cores["U_o"][:, :k] = right
+
+    def decompose(self, tensor: Any, network: ExpertNetwork, **options: Any) -> list[Any]:
+        """Tensorly's ``parafac`` (random init); the weights are folded into the first factor."""
+        import tensorly as tl
+
+        with tl.backend_context("pytorch"):
+            weights, factors = tl.decomposition.parafac(
+                tensor,
+                network.sizes["r"],
+                n_iter_max=options.get("n_iter_max", 100),
+                init="random",
+                random_state=options.get("random_state", 0),
+            )
+        return [factors[0] * weights[None], *factors[1:]]
+
+    def to_tltorch(self, network: ExpertNetwork, cores: Mapping[str, Any]) -> Any:
+        """A ``tltorch.CPTensor`` with unit weights."""
+        from mumoe_tn.decompositions.tensor_support import load_tltorch, parameter_copy
+
+        tltorch = load_tltorch()
+        first = cores["U_i"]
+        weights = first.new_ones(network.sizes["r"])
+        return tltorch.CPTensor(parameter_copy(weights), [parameter_copy(cores[f"U_{leg}"]) for leg in _legs(network)])
+
+    def from_tltorch(self, tensor: Any) -> tuple[ExpertNetwork, list[Any]]:
+        """The CP factors, the tensor's weights folded into the first factor."""
+        *dims, in_features, out_features = tuple(tensor.shape)
+        factors = [f.detach() for f in tensor.factors]
+        network = self.build(dims, in_features, out_features, factors[0].shape[1])
+        return network, [factors[0] * tensor.weights.detach()[None], *factors[1:]]
 
 
-def _rank_bound(net: ExpertNetwork) -> int:
-    """``min{I, O, R}`` (paper, "CPμMoEs: rank analysis")."""
-    return min(net.in_features, net.out_features, net.sizes["r"])
-
-
-@register("cp", ClosedForms(_paper_fma, _hand_fma, _rank_bound, lambda net: ("r",)))
 def cp(
     expert_dims: int | Sequence[int],
     in_features: int,
     out_features: int,
     rank: int | Sequence[int],
 ) -> ExpertNetwork:
-    """CPμMoE network (paper Eq. fast-CP and its hierarchical form Eq. full-fast-cp).
-
-    ``W = Σ_r u^(1)_r ∘ … ∘ u^(E)_r ∘ u^(E+1)_r ∘ u^(E+2)_r`` with factor matrices
-    ``U_n1 … U_nE, U_i, U_o`` of shape ``(leg, R)`` (tensorly's layout). The rank label ``r``
-    is a hyperedge shared by all ``E + 2`` cores.
+    """CPμMoE network: factor matrices ``U_<leg> (leg, R)`` sharing the rank hyperedge ``r``.
 
     Parameters
     ----------
@@ -54,10 +124,6 @@ def cp(
     Returns
     -------
     ExpertNetwork
-        ``R·(ΣN_e + I + O)`` parameters.
+        ``R·(ΣN_e + I + O)`` parameters, carrying :class:`CPFormat`.
     """
-    (r,) = normalize_ranks("cp", rank, 1)
-    sizes = _physical_sizes(expert_dims, in_features, out_features)
-    legs = [leg for leg in sizes if leg not in (INPUT_LEG, OUTPUT_LEG)] + [INPUT_LEG, OUTPUT_LEG]
-    cores = {f"U_{leg}": (leg, "r") for leg in legs}
-    return ExpertNetwork(cores, {**sizes, "r": r}, name="cp")
+    return CPFormat.get().build(expert_dims, in_features, out_features, rank)

@@ -1,162 +1,120 @@
-"""Registry of named decompositions.
+"""The registry of named decomposition formats (see :class:`~mumoe_tn.decompositions.format.Format`).
 
-Each name maps to a builder that returns an :class:`ExpertNetwork`, and to the closed-form
-costs the paper gives (or that are derived here) for it.
+A format registers itself when its class is defined with a ``name=`` keyword; :func:`register`
+does the same for an instance. Names are case-insensitive and unique. This is the only place
+that maps a name to a format: every tool asks a network's :attr:`format` instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from mumoe_tn.network import ExpertNetwork, _check_size
+from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.validation import check_size
 
-__all__ = [
-    "Builder",
-    "ClosedForms",
-    "available",
-    "build",
-    "closed_forms",
-    "get_builder",
-    "normalize_ranks",
-    "register",
-]
+if TYPE_CHECKING:
+    from mumoe_tn.decompositions.format import Format
+
+__all__ = ["available", "build", "get_format", "normalize_ranks", "register", "unregister"]
+
+_FORMATS: dict[str, Format] = {}
 
 
-class Builder(Protocol):
-    """Signature shared by every decomposition builder."""
+def register(format: Format, *, replace: bool = False) -> Format:
+    """Register a format instance under its ``name`` (lower-cased).
 
-    def __call__(
-        self,
-        expert_dims: int | Sequence[int],
-        in_features: int,
-        out_features: int,
-        rank: int | Sequence[int],
-    ) -> ExpertNetwork:
-        """Build the network for the given expert dims, leg sizes and ranks."""
-        ...
-
-
-@dataclass(frozen=True)
-class ClosedForms:
-    """Closed-form costs of a named decomposition, as functions of one of its networks.
-
-    Every count is per input vector (one token) and in fused multiply-adds (1 FMA = 1 FLOP,
-    the paper's convention); gating is not included.
-
-    Attributes
-    ----------
-    fma : Callable[[ExpertNetwork], int]
-        The formula as the paper states it (Table decomp-tradeoff and the hierarchical
-        derivations), or as derived here where the paper gives none.
-    hand_fma : Callable[[ExpertNetwork], int]
-        The exact FMAs of the hand-derived contraction order, lower-order terms included;
-        ``hand_fma - fma`` is what the stated formula omits.
-    rank_bound : Callable[[ExpertNetwork], int]
-        Upper bound on the rank of every expert matrix.
-    matched_bonds : Callable[[ExpertNetwork], tuple[str, ...]] or None
-        Bonds that parameter matching scales by default, or None when the caller must name
-        them.
-    """
-
-    fma: Callable[[ExpertNetwork], int]
-    hand_fma: Callable[[ExpertNetwork], int]
-    rank_bound: Callable[[ExpertNetwork], int]
-    matched_bonds: Callable[[ExpertNetwork], tuple[str, ...]] | None = None
-
-
-_BUILDERS: dict[str, Builder] = {}
-_CLOSED_FORMS: dict[str, ClosedForms] = {}
-
-
-def register(name: str, closed: ClosedForms | None = None) -> Callable[[Builder], Builder]:
-    """Register a decomposition builder under ``name`` (case-insensitive).
+    Subclassing ``Format`` with ``name=`` calls this for you.
 
     Parameters
     ----------
-    name : str
-        The name users pass as ``decomposition=`` (stored lower-case).
-    closed : ClosedForms, optional
-        Its closed-form costs, if known.
+    format : Format
+        The format.
+    replace : bool, optional
+        Replace a format already registered under that name (default: raise).
 
     Returns
     -------
-    Callable
-        A decorator that registers and returns the builder unchanged.
+    Format
+        ``format``, for chaining.
 
     Raises
     ------
     ValueError
-        If the name is already registered.
+        If the name is taken and ``replace`` is False.
     """
-    key = name.lower()
+    from mumoe_tn.decompositions.format import Format
 
-    def decorator(builder: Builder) -> Builder:
-        if key in _BUILDERS:
-            raise ValueError(f"a decomposition named {key!r} is already registered")
-        _BUILDERS[key] = builder
-        if closed is not None:
-            _CLOSED_FORMS[key] = closed
-        return builder
+    if not isinstance(format, Format):
+        raise TypeError(f"register() takes a Format instance, got {type(format).__name__}")
+    key = format.name.lower()
+    if not key:
+        raise ValueError("a format needs a non-empty name")
+    if key in _FORMATS and not replace:
+        raise ValueError(f"a format named {key!r} is already registered ({_FORMATS[key]!r}); pass replace=True")
+    _FORMATS[key] = format
+    return format
 
-    return decorator
 
-
-def closed_forms(network: ExpertNetwork) -> ClosedForms | None:
-    """The closed forms registered for ``network.name``, or None (custom networks)."""
-    return _CLOSED_FORMS.get(network.name.lower())
+def unregister(name: str) -> None:
+    """Remove the format registered under ``name`` (e.g. at the end of a test)."""
+    _FORMATS.pop(get_format(name).name, None)
 
 
 def available() -> list[str]:
-    """Sorted names of the registered decompositions."""
-    return sorted(_BUILDERS)
+    """Sorted names of the registered formats."""
+    return sorted(_FORMATS)
 
 
-def get_builder(name: str) -> Builder:
-    """Return the builder registered under ``name``.
+def get_format(name: str) -> Format:
+    """The format registered under ``name`` (case-insensitive).
 
     Raises
     ------
+    TypeError
+        If ``name`` is not a string.
     ValueError
-        If no decomposition has that name; the message lists the registered ones.
+        If no format has that name; the message lists the registered ones.
     """
     if not isinstance(name, str):
-        raise TypeError(f"decomposition name must be a string, got {type(name).__name__}")
+        raise TypeError(f"a decomposition name must be a string, got {name!r} ({type(name).__name__})")
     try:
-        return _BUILDERS[name.lower()]
+        return _FORMATS[name.lower()]
     except KeyError:
         raise ValueError(f"unknown decomposition {name!r}; registered: {available()}") from None
 
 
 def build(
-    name: str,
+    name: str | Format,
     expert_dims: int | Sequence[int],
     in_features: int,
     out_features: int,
     rank: int | Sequence[int],
-    **options: object,
+    **options: Any,
 ) -> ExpertNetwork:
-    """Build the named decomposition's :class:`ExpertNetwork`.
+    """Build a registered format's :class:`ExpertNetwork`.
 
     Parameters
     ----------
-    name : str
-        A registered name (``"cp"``, ``"tr"``, ``"tt"``, ``"tucker"``, …).
+    name : str or Format
+        A registered name (``"cp"``, ``"tr"``, ``"tt"``, ``"tucker"``, …) or a format.
     expert_dims : int or Sequence[int]
         Expert mode sizes ``N_1…N_E``.
     in_features, out_features : int
         Sizes of the legs ``i`` and ``o``.
     rank : int or Sequence[int]
-        One int, or one rank per bond (see each builder).
+        One int, or one rank per bond (see each format).
     **options
-        Builder-specific options (e.g. ``expert_rank`` for TR).
+        Format-specific options (e.g. ``expert_rank`` for TR).
 
     Returns
     -------
     ExpertNetwork
     """
-    return get_builder(name)(expert_dims, in_features, out_features, rank, **options)
+    from mumoe_tn.decompositions.format import Format
+
+    format = name if isinstance(name, Format) else get_format(name)
+    return format.build(expert_dims, in_features, out_features, rank, **options)
 
 
 def normalize_ranks(decomposition: str, rank: int | Sequence[int], count: int) -> tuple[int, ...]:
@@ -181,4 +139,4 @@ def normalize_ranks(decomposition: str, rank: int | Sequence[int], count: int) -
         raise TypeError(f"{decomposition} rank must be an int or a sequence of {count} ints, got {rank!r}")
     if len(rank) != count:
         raise ValueError(f"{decomposition} needs {count} ranks (one per bond), got {len(rank)}: {tuple(rank)}")
-    return tuple(_check_size(f"{decomposition} rank[{k}]", r) for k, r in enumerate(rank))
+    return tuple(check_size(f"{decomposition} rank[{k}]", r) for k, r in enumerate(rank))

@@ -1,0 +1,142 @@
+"""Fit the cores of any labelled network to a dense target by alternating least squares.
+
+This is the generic path behind :func:`mumoe_tn.upcycling.upcycle_experts` and
+:func:`mumoe_tn.upcycling.decompose_dense` for networks whose format has no closed form (or no
+format at all). Every core appears once in the network, so the network is linear in each core:
+fixing all the others, the best core is the solution of a linear least-squares problem. Its
+normal equations never need the design matrix: with ``P`` the core's physical legs and ``B`` its
+bonds,
+
+* the Gram matrix ``G[B, B']`` is the contraction of the *other* cores with a copy of themselves
+  (bonds renamed, shared physical legs summed), and
+* the right-hand side ``R[P, B]`` is the contraction of the target with the other cores,
+
+both planned like any other contraction; then ``core[P, B] = R[P, :] · G⁻¹`` (a ridge of
+``1e-12·tr(G)/|B|`` keeps ``G`` invertible). One sweep updates every core in turn; sweeps stop
+when the relative error falls below ``tol`` or stops improving.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from mumoe_tn.contractions.execute import run_plan
+from mumoe_tn.contractions.plan import plan_contraction
+
+__all__ = ["als_fit"]
+
+Labels = tuple[str, ...]
+
+
+def als_fit(
+    cores: Mapping[str, Labels],
+    sizes: Mapping[str, int],
+    target: torch.Tensor,
+    target_labels: Sequence[str],
+    *,
+    n_iter_max: int = 200,
+    tol: float = 1e-10,
+    random_state: int | None = 0,
+    initial: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], float]:
+    """Cores of the network ``cores`` that best reproduce ``target`` in the least-squares sense.
+
+    Parameters
+    ----------
+    cores : Mapping[str, tuple of str]
+        Core name -> labels. Every label of ``target_labels`` appears in exactly one core; every
+        other label is a bond (in two or more cores).
+    sizes : Mapping[str, int]
+        Size of every label.
+    target : torch.Tensor
+        The dense tensor to fit, with dimensions ``target_labels``; computations run in float64
+        on its device.
+    target_labels : Sequence[str]
+        Labels of ``target``'s dimensions.
+    n_iter_max : int, optional
+        Maximum number of sweeps.
+    tol : float, optional
+        Stop once the relative error is below ``tol``, or improves by less than ``tol`` in a sweep.
+    random_state : int, optional
+        Seed of the random start (ignored with ``initial``).
+    initial : Mapping[str, torch.Tensor], optional
+        Starting values of the cores.
+
+    Returns
+    -------
+    cores : dict of str to torch.Tensor
+        Fitted float64 cores, shaped by their labels.
+    relative_error : float
+        ``‖T − T̂‖_F / ‖T‖_F``.
+    """
+    physical = tuple(target_labels)
+    device = target.device
+    data = target.detach().to(torch.float64)
+    norm = float(data.norm())
+    generator = torch.Generator(device=device)
+    generator.manual_seed(0 if random_state is None else random_state)
+    values: dict[str, torch.Tensor] = {}
+    for name, labels in cores.items():
+        shape = tuple(sizes[x] for x in labels)
+        if initial is not None:
+            values[name] = initial[name].detach().to(device=device, dtype=torch.float64).reshape(shape).clone()
+        else:
+            # Unit-variance entries scaled so the product over a path stays O(1).
+            scale = math.prod(shape) ** (-0.5 / max(len(cores), 1))
+            values[name] = torch.randn(shape, generator=generator, dtype=torch.float64, device=device) * scale
+    if norm == 0.0:
+        return {name: torch.zeros_like(value) for name, value in values.items()}, 0.0
+
+    dense_plan = plan_contraction(list(cores.values()), physical, sizes)
+    error = math.inf
+    for _ in range(n_iter_max):
+        for name in cores:
+            values[name] = _solve_core(name, cores, sizes, values, data, physical)
+        fitted = run_plan(dense_plan, [values[n] for n in cores])
+        new_error = float((fitted - data).norm()) / norm
+        improved = error - new_error
+        error = new_error
+        if error < tol or improved < tol:
+            break
+    return values, error
+
+
+def _solve_core(
+    name: str,
+    cores: Mapping[str, Labels],
+    sizes: Mapping[str, int],
+    values: Mapping[str, torch.Tensor],
+    data: torch.Tensor,
+    physical: Labels,
+) -> torch.Tensor:
+    labels = cores[name]
+    own_physical = tuple(x for x in labels if x in physical)
+    bonds = tuple(x for x in labels if x not in physical)
+    others = [other for other in cores if other != name]
+    if not others:
+        # A single core holds the whole tensor: it is the target itself.
+        return data.permute(*(physical.index(x) for x in labels)).clone()
+
+    def primed(x: str) -> str:
+        return x if x in physical else f"{x}'"
+
+    other_labels = [cores[other] for other in others]
+    other_values = [values[other] for other in others]
+    prime_sizes = {**sizes, **{f"{x}'": sizes[x] for x in sizes if x not in physical}}
+    gram_inputs = [*other_labels, *[tuple(primed(x) for x in labels_) for labels_ in other_labels]]
+    gram_output = (*bonds, *(primed(x) for x in bonds))
+    gram = run_plan(plan_contraction(gram_inputs, gram_output, prime_sizes), other_values + other_values)
+    rhs_plan = plan_contraction([physical, *other_labels], (*own_physical, *bonds), sizes)
+    rhs = run_plan(rhs_plan, [data, *other_values])
+    n_bonds = math.prod(sizes[x] for x in bonds)
+    n_physical = math.prod(sizes[x] for x in own_physical)
+    gram = gram.reshape(n_bonds, n_bonds)
+    ridge = 1e-12 * float(gram.diagonal().sum()) / n_bonds + 1e-300
+    gram = gram + ridge * torch.eye(n_bonds, dtype=gram.dtype, device=gram.device)
+    solution = torch.linalg.solve(gram, rhs.reshape(n_physical, n_bonds).T).T
+    solution = solution.reshape(*(sizes[x] for x in own_physical), *(sizes[x] for x in bonds))
+    order = (*own_physical, *bonds)
+    return solution.permute(*(order.index(x) for x in labels)).contiguous()
