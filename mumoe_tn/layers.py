@@ -89,8 +89,6 @@ def _split_rank(rank: object, match: object, layer: str) -> tuple[object, object
         if match is not None:
             raise ValueError(f"{layer}: give match= once (rank={rank!r} is its deprecated spelling)")
         return None, rank
-    if rank is not None and match is not None:
-        raise ValueError(f"{layer}: give either rank= (explicit ranks) or match= (a parameter target), not both")
     return rank, match
 
 
@@ -448,7 +446,8 @@ class MuMoE(_GatedExperts):
         whose legs match the layer, or a builder ``(expert_dims, in, out, rank) -> ExpertNetwork``.
     rank : int or Sequence[int] or Mapping[str, int], optional
         Ranks for the decomposition (a mapping of bond -> size for spec strings). Not needed
-        with an :class:`ExpertNetwork` or with ``match=``.
+        with an :class:`ExpertNetwork`; with ``match=`` it sets the bonds matching leaves alone
+        (1 by default).
     match : "linear" or int or float, optional
         Parameter-match instead of giving ranks: ``"linear"`` matches
         ``nn.Linear(in_features, out_features)`` with gating counted, an int is a parameter

@@ -6,20 +6,32 @@ module — so cost tables are instant and hold for custom decompositions as for 
 
 from mumoe_tn.costs.baselines import Baseline, dense_moe, linear, mlp, moe_block, sparse_moe
 from mumoe_tn.costs.flops import LayerFlops, dense_forward_fma, gate_fma, layer_flops, materialize_fma, matmul_fma
-from mumoe_tn.costs.matching import Match, match_block, match_layer, scaled_bonds, solve_rank
+from mumoe_tn.costs.matching import (
+    TOLERANCE,
+    Match,
+    MatchingWarning,
+    match_block,
+    match_layer,
+    resolve_target,
+    scaled_bonds,
+    solve_rank,
+)
 from mumoe_tn.costs.params import ParameterCount, block_parameters, layer_parameters
-from mumoe_tn.costs.rank import min_cut, rank_bound
+from mumoe_tn.costs.rank import collapsed_expert_modes, min_cut, rank_bound
 from mumoe_tn.costs.table import COLUMNS, CostRow, CostTable, compare
 
 __all__ = [
     "COLUMNS",
+    "TOLERANCE",
     "Baseline",
     "CostRow",
     "CostTable",
     "LayerFlops",
     "Match",
+    "MatchingWarning",
     "ParameterCount",
     "block_parameters",
+    "collapsed_expert_modes",
     "compare",
     "dense_forward_fma",
     "dense_moe",
@@ -35,6 +47,7 @@ __all__ = [
     "mlp",
     "moe_block",
     "rank_bound",
+    "resolve_target",
     "scaled_bonds",
     "solve_rank",
     "sparse_moe",
