@@ -243,6 +243,7 @@ BAD_CALLS = {
         r"threshold must be finite",
     ),
     "collect layers str": (lambda m: collect_coefficients(m, [X], layers="layer"), TypeError, r"layers must be"),
+    "collect layers empty": (lambda m: collect_coefficients(m, [X], layers=[]), ValueError, r"layers is empty"),
     "collect batches tensor": (lambda m: collect_coefficients(m, X), TypeError, r"batches must be an iterable"),
     "collect forward": (lambda m: collect_coefficients(m, [X], forward=3), TypeError, r"forward must be callable"),
     "collect no model": (lambda m: collect_coefficients(3, [X]), TypeError, r"model must be a torch.nn.Module"),
@@ -362,3 +363,19 @@ def test_mean_coefficients_counts_every_call_of_the_layer():
     torch.testing.assert_close(mean_coefficients(model, layer, [x]), expected)
     with pytest.raises(ValueError, match=r"did not run on batch 0"):
         mean_coefficients(model, layer, [x], forward=lambda m, b: None)
+
+
+def test_collect_coefficients_top_k_beyond_the_rows_seen():
+    # Memory follows the rows seen, not top_k: a huge top_k keeps every row, sorted.
+    torch.manual_seed(0)
+    layer = MuMoE(6, 4, 5, "cp", 3, dtype=DTYPE).eval()
+    x = torch.randn(3, 6, dtype=DTYPE)
+    mode = collect_coefficients(layer, [x], top_k=10**30)[""].modes[0]
+    layer(x)
+    a = layer.last_coefficients[0]
+    assert mode.top_values.shape == mode.top_rows.shape == (5, 3)
+    torch.testing.assert_close(mode.top_values, a.sort(0, descending=True).values.T)
+    torch.testing.assert_close(a.gather(0, mode.top_rows.T), mode.top_values.T)
+    empty = collect_coefficients(layer, [x], top_k=0)[""].modes[0]
+    assert empty.top_rows.shape == (5, 0)
+    torch.testing.assert_close(empty.mean, a.mean(0))  # the other statistics are still collected

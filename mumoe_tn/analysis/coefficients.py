@@ -43,11 +43,14 @@ class ExpertStatistics:
     load : torch.Tensor
         Rows with ``a_n ≥ threshold`` per expert (the paper's expert load).
     top_values, top_rows : torch.Tensor
-        The ``k`` largest coefficients per expert and the rows they came from (``-1`` unfilled).
+        The ``k`` largest coefficients per expert and the rows they came from, largest first
+        (``min(k, rows)`` columns: memory grows with the rows seen, never with ``k`` alone).
     input_sum : torch.Tensor or None
         ``Σ a_n · x`` over rows (``N × I``), where ``x`` is the layer's input.
     threshold : float
         Load threshold.
+    top_k : int
+        ``k``, the most top rows kept per expert.
     """
 
     total: torch.Tensor
@@ -59,6 +62,7 @@ class ExpertStatistics:
     input_sum: torch.Tensor | None
     threshold: float
     rows: int = 0
+    top_k: int = 8
 
     @classmethod
     def empty(cls, n: int, top_k: int, in_features: int | None, threshold: float) -> ExpertStatistics:
@@ -74,10 +78,11 @@ class ExpertStatistics:
             total_sq=zeros.clone(),
             maximum=torch.full((n,), -torch.inf, dtype=torch.float64),
             load=torch.zeros(n, dtype=torch.long),
-            top_values=torch.full((n, top_k), -torch.inf, dtype=torch.float64),
-            top_rows=torch.full((n, top_k), -1, dtype=torch.long),
+            top_values=torch.empty(n, 0, dtype=torch.float64),
+            top_rows=torch.empty(n, 0, dtype=torch.long),
             input_sum=None if in_features is None else torch.zeros(n, in_features, dtype=torch.float64),
             threshold=threshold,
+            top_k=top_k,
         )
 
     @torch.no_grad()
@@ -101,8 +106,8 @@ class ExpertStatistics:
         self.total_sq += (a * a).sum(0)
         self.maximum = torch.maximum(self.maximum, a.max(0).values)
         self.load += (a >= self.threshold).sum(0)
-        k = self.top_values.shape[1]
         values = torch.cat([self.top_values, a.T], dim=1)
+        k = min(self.top_k, values.shape[1])
         indices = torch.cat([self.top_rows, rows.expand(a.shape[1], -1)], dim=1)
         self.top_values, order = values.topk(k, dim=1)
         self.top_rows = indices.gather(1, order)
@@ -187,6 +192,8 @@ def collect_coefficients(
         if not isinstance(name, str):
             raise TypeError(f"layers must hold qualified layer names (str), got {name!r}")
     names = list(dict.fromkeys(names))
+    if layers is not None and not names:
+        raise ValueError("layers is empty: name at least one layer, or pass None for all μMoE layers")
     threshold = check_real("threshold", threshold)
     top_k = check_int("top_k", top_k, minimum=0)
     if not isinstance(centres, bool):
