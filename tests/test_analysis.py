@@ -376,6 +376,7 @@ def test_collect_coefficients_top_k_beyond_the_rows_seen():
     assert mode.top_values.shape == mode.top_rows.shape == (5, 3)
     torch.testing.assert_close(mode.top_values, a.sort(0, descending=True).values.T)
     torch.testing.assert_close(a.gather(0, mode.top_rows.T), mode.top_values.T)
-    empty = collect_coefficients(layer, [x], top_k=0)[""].modes[0]
+    empty = collect_coefficients(layer, [x[:0], x, x[:0]], top_k=0)[""].modes[0]  # empty batches add nothing
+    assert empty.rows == 3
     assert empty.top_rows.shape == (5, 0)
     torch.testing.assert_close(empty.mean, a.mean(0))  # the other statistics are still collected

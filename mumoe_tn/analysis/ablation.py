@@ -14,7 +14,7 @@ forward passes run as one batch.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -46,8 +46,8 @@ def _multi_indices(experts: object, n_modes: int) -> list[tuple[int, ...]]:
     for expert in experts:
         if _is_index(expert):
             index: tuple = (expert,)
-        elif isinstance(expert, Sequence) and not isinstance(expert, (str, bytes)):
-            index = tuple(expert)
+        elif isinstance(expert, Iterable) and not isinstance(expert, (str, bytes, Mapping)):
+            index = tuple(expert.tolist() if isinstance(expert, torch.Tensor) else expert)
         else:
             raise TypeError(f"an expert is an int or a tuple of ints, got {expert!r} ({type(expert).__name__})")
         if not all(_is_index(k) for k in index):

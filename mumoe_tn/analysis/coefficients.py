@@ -101,6 +101,8 @@ class ExpertStatistics:
                     f"got shape {tuple(x.shape)}"
                 )
         a = a.detach().reshape(-1, a.shape[-1]).double().cpu()
+        if a.shape[0] == 0:  # an empty batch adds nothing
+            return
         rows = torch.arange(self.rows, self.rows + a.shape[0])
         self.total += a.sum(0)
         self.total_sq += (a * a).sum(0)
