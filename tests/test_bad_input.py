@@ -232,8 +232,8 @@ BLOCK = {"in_features": 4, "hidden_features": 6, "out_features": 3, "expert_dims
 NOT_DTYPES = ("float64", "float32", torch.int64, torch.int32, torch.bool, torch.uint8, torch.complex64, 3)
 NOT_DEVICES = ("gpu", "nonsense:0", 3, *(() if torch.cuda.is_available() else ("cuda",)))
 COMMON = {
-    "activation": ("nope", math.nan, math.inf, -math.inf, 0.5, 1.0, True, None),
-    "gate_norm": ("nope", None, 3, True),
+    "activation": ("nope", math.nan, math.inf, -math.inf, 0.5, 1.0, True),
+    "gate_norm": ("nope", 3, True),
     "init": ("nope", None, 3),
     "bias": NOT_FLAGS,
     "input_norm": NOT_FLAGS,
