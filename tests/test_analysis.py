@@ -24,6 +24,7 @@ from mumoe_tn.analysis import (
     subpopulation_accuracies,
 )
 from mumoe_tn.layers import MuMoEMLP
+from mumoe_tn.measure import expert_ranks
 
 DTYPE = torch.float64
 
@@ -101,7 +102,7 @@ def test_ablation_in_mlp_block_and_errors():
     with pytest.raises(ValueError, match=r"first dimension must be 8"):
         with ablate(block, [[(0, 0)], [(1, 1)]], group_size=4):
             block(x)
-    with pytest.raises(TypeError, match=r"needs a MuMoE or MuMoEMLP"):
+    with pytest.raises(TypeError, match=r"layer must be a MuMoE or MuMoEMLP"):
         with ablate(nn.Linear(2, 2), [0]):
             pass
 
@@ -198,3 +199,184 @@ def test_steering_adds_to_the_input():
     handle.remove()
     with pytest.raises(ValueError, match=r"shape \(6,\)"):
         steer(layer, torch.ones(5))
+
+
+# ---------------------------------------------------------------- bad input: own errors, before any work
+class CountingModel(nn.Module):
+    """A classifier around one μMoE layer that counts its forward passes (to check nothing ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = MuMoE(6, 4, 5, "cp", 3, dtype=DTYPE).eval()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.layer(x)
+
+
+def _ablate(layer, experts, **options):
+    with ablate(layer, experts, **options):
+        pass
+
+
+X = torch.randn(10, 6, dtype=DTYPE)
+LABELS = torch.arange(10) % 4
+BAD_CALLS = {
+    "ablate bool": (lambda m: _ablate(m.layer, True), TypeError, r"experts must be an int.*got True"),
+    "ablate float": (lambda m: _ablate(m.layer, [1.5]), TypeError, r"an expert is an int.*got 1\.5"),
+    "ablate float tensor": (lambda m: _ablate(m.layer, torch.tensor([1.0])), TypeError, r"integer dtype"),
+    "ablate str": (lambda m: _ablate(m.layer, "1"), TypeError, r"experts must be.*got '1'"),
+    "ablate group_size 0": (lambda m: _ablate(m.layer, [[1]], group_size=0), ValueError, r"group_size.*got 0"),
+    "ablate group_size bool": (lambda m: _ablate(m.layer, [[1]], group_size=True), TypeError, r"group_size.*True"),
+    "ablate no groups": (lambda m: _ablate(m.layer, [], group_size=2), ValueError, r"groups is empty"),
+    "collect top_k -1": (
+        lambda m: collect_coefficients(m, [X], top_k=-1),
+        ValueError,
+        r"top_k must be at least 0, got -1",
+    ),
+    "collect top_k float": (lambda m: collect_coefficients(m, [X], top_k=2.0), TypeError, r"top_k must be an int"),
+    "collect threshold nan": (
+        lambda m: collect_coefficients(m, [X], threshold=float("nan")),
+        ValueError,
+        r"threshold must be finite",
+    ),
+    "collect layers str": (lambda m: collect_coefficients(m, [X], layers="layer"), TypeError, r"layers must be"),
+    "collect layers empty": (lambda m: collect_coefficients(m, [X], layers=[]), ValueError, r"layers is empty"),
+    "collect batches tensor": (lambda m: collect_coefficients(m, X), TypeError, r"batches must be an iterable"),
+    "collect forward": (lambda m: collect_coefficients(m, [X], forward=3), TypeError, r"forward must be callable"),
+    "collect no model": (lambda m: collect_coefficients(3, [X]), TypeError, r"model must be a torch.nn.Module"),
+    "steer list": (lambda m: steer(m.layer, [0.0] * 6), TypeError, r"direction must be a torch.Tensor, got list"),
+    "steer int": (lambda m: steer(m.layer, torch.ones(6, dtype=torch.long)), TypeError, r"direction.*floating"),
+    "steer nan": (lambda m: steer(m.layer, torch.full((6,), float("nan"))), ValueError, r"direction holds NaN"),
+    "steer strength": (lambda m: steer(m.layer, torch.ones(6), float("inf")), ValueError, r"strength must be finite"),
+    "rewrite list": (
+        lambda m: rewrite(m.layer, 0, [1.0] * 5, 1.0),
+        TypeError,
+        r"mean must be a torch.Tensor, got list",
+    ),
+    "rewrite head 1.5": (
+        lambda m: rewrite(m.layer, 1.5, torch.ones(5), 1.0),
+        TypeError,
+        r"head must be an int, got 1\.5",
+    ),
+    "rewrite head bool": (lambda m: rewrite(m.layer, True, torch.ones(5), 1.0), TypeError, r"head must be an int"),
+    "rewrite head 4": (lambda m: rewrite(m.layer, 4, torch.ones(5), 1.0), ValueError, r"head 4 is out of range"),
+    "rewrite scale": (lambda m: rewrite(m.layer, 0, torch.ones(5), "2"), TypeError, r"scale must be a real number"),
+    "rewrite mean inf": (
+        lambda m: rewrite(m.layer, 0, torch.full((5,), float("inf")), 1.0),
+        ValueError,
+        r"mean holds NaN",
+    ),
+    "blind head": (lambda m: blind_threshold(m.layer, -5), ValueError, r"head -5 is out of range"),
+    "blind layer": (lambda m: blind_threshold(nn.Linear(2, 2), 0), TypeError, r"layer must be a MuMoE"),
+    "poly float labels": (
+        lambda m: class_polysemanticity(m, m.layer, X, LABELS.float()),
+        TypeError,
+        r"labels must have an integer dtype, got torch.float32",
+    ),
+    "poly foreign layer": (
+        lambda m: class_polysemanticity(m, MuMoE(6, 4, 5, "cp", 3, dtype=DTYPE), X, LABELS),
+        ValueError,
+        r"not inside model",
+    ),
+    "poly negative label": (
+        lambda m: class_polysemanticity(m, m.layer, X, LABELS - 1),
+        ValueError,
+        r"labels must be class indices >= 0, got -1",
+    ),
+    "poly n_classes": (
+        lambda m: class_polysemanticity(m, m.layer, X, LABELS, n_classes=2),
+        ValueError,
+        r"labels go up to 3 but n_classes is 2",
+    ),
+    "poly max_rows": (lambda m: class_polysemanticity(m, m.layer, X, LABELS, max_rows=0), ValueError, r"max_rows"),
+    "poly empty": (lambda m: class_polysemanticity(m, m.layer, X[:0], LABELS[:0]), ValueError, r"inputs is empty"),
+    "poly labels length": (lambda m: class_polysemanticity(m, m.layer, X, LABELS[:3]), ValueError, r"\(10,\)"),
+    "poly experts": (lambda m: class_polysemanticity(m, m.layer, X, LABELS, experts=[9]), ValueError, r"\(9,\)"),
+    "poly no experts": (lambda m: class_polysemanticity(m, m.layer, X, LABELS, experts=[]), ValueError, r"empty"),
+    "mean foreign layer": (
+        lambda m: mean_coefficients(m, MuMoE(6, 4, 5, "cp", 3, dtype=DTYPE), [X]),
+        ValueError,
+        r"not inside model",
+    ),
+    "mean no batch": (lambda m: mean_coefficients(m, m.layer, []), ValueError, r"batches is empty"),
+    "accuracies float": (
+        lambda m: class_accuracies(torch.zeros(3), torch.zeros(3, dtype=torch.long), 2),
+        TypeError,
+        r"predictions must have an integer dtype",
+    ),
+    "fairness 2-D": (lambda m: std_bias(torch.ones(2, 2), torch.ones(4), torch.ones(4)), ValueError, r"predictions"),
+    "fairness empty": (lambda m: max_min_fairness([], [], []), ValueError, r"predictions is empty"),
+    "fairness strings": (lambda m: std_bias(["a"], [1], [0]), TypeError, r"predictions must be a 1-D tensor"),
+    "fairness values": (lambda m: std_bias([0, 1], [0, 2], [0, 1]), ValueError, r"targets holds \[2\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_analysis_rejects_bad_arguments_before_any_work(case):
+    call, error, message = BAD_CALLS[case]
+    model = CountingModel()
+    with pytest.raises(error, match=message):
+        call(model)
+    assert model.calls == 0  # nothing ran
+    assert not model.layer._forward_hooks and not model.layer._forward_pre_hooks  # no hook left behind
+    assert model.layer.ablation is None
+
+
+def test_measure_rejects_bad_arguments():
+    experts = MuMoE(6, 4, (3, 2), "cp", 3).experts
+    for indices, error, message in [
+        (3, TypeError, r"indices must be an iterable"),
+        ([1.0], TypeError, r"got 1\.0"),
+        ([(0, True)], TypeError, r"got \(0, True\)"),
+        ([(0,)], ValueError, r"needs 2 int"),
+        ([(3, 0)], ValueError, r"out of range for expert dims \(3, 2\)"),
+    ]:
+        with pytest.raises(error, match=message):
+            expert_ranks(experts, indices)
+    with pytest.raises(TypeError, match=r"rtol must be a real number"):
+        expert_ranks(experts, rtol="1e-3")
+    with pytest.raises(ValueError, match=r"rtol must be a relative tolerance"):
+        expert_ranks(experts, rtol=float("nan"))
+
+
+def test_ablating_an_expert_twice_switches_it_off_once():
+    torch.manual_seed(0)
+    layer = MuMoE(5, 4, (3, 2), "cp", 3, dtype=DTYPE, gate_norm="layer")
+    x = torch.randn(7, 5, dtype=DTYPE)
+    with ablate(layer, [(1, 0), (1, 0)]):
+        y = layer(x)
+    torch.testing.assert_close(y, dense_output(layer, x, zero=[(1, 0)]))
+
+
+def test_mean_coefficients_counts_every_call_of_the_layer():
+    # A layer used twice per batch contributes both calls' rows; a batch that skips it is an error.
+    torch.manual_seed(0)
+    layer = MuMoE(4, 4, 5, "cp", 3, dtype=DTYPE, gate_norm="layer")
+    model = nn.Sequential(layer, layer)
+    x = torch.randn(3, 4, dtype=DTYPE)
+    first = layer.gate(x)[0]
+    second = layer.gate(layer(x))[0]
+    expected = torch.cat([first, second]).mean(0)
+    torch.testing.assert_close(mean_coefficients(model, layer, [x]), expected)
+    with pytest.raises(ValueError, match=r"did not run on batch 0"):
+        mean_coefficients(model, layer, [x], forward=lambda m, b: None)
+
+
+def test_collect_coefficients_top_k_beyond_the_rows_seen():
+    # Memory follows the rows seen, not top_k: a huge top_k keeps every row, sorted.
+    torch.manual_seed(0)
+    layer = MuMoE(6, 4, 5, "cp", 3, dtype=DTYPE).eval()
+    x = torch.randn(3, 6, dtype=DTYPE)
+    mode = collect_coefficients(layer, [x], top_k=10**30)[""].modes[0]
+    layer(x)
+    a = layer.last_coefficients[0]
+    assert mode.top_values.shape == mode.top_rows.shape == (5, 3)
+    torch.testing.assert_close(mode.top_values, a.sort(0, descending=True).values.T)
+    torch.testing.assert_close(a.gather(0, mode.top_rows.T), mode.top_values.T)
+    empty = collect_coefficients(layer, [x[:0], x, x[:0]], top_k=0)[""].modes[0]  # empty batches add nothing
+    assert empty.rows == 3
+    assert empty.top_rows.shape == (5, 0)
+    torch.testing.assert_close(empty.mean, a.mean(0))  # the other statistics are still collected

@@ -13,29 +13,49 @@ forward passes run as one batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import numbers
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from mumoe_tn.analysis.validation import check_int, check_layer
 from mumoe_tn.layers import FactorizedExperts, MuMoE, MuMoEMLP
 
 __all__ = ["ExpertAblation", "ablate"]
 
 
+def _is_index(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _multi_indices(experts: object, n_modes: int) -> list[tuple[int, ...]]:
+    """Normalise ``experts`` (an index, a multi-index, a sequence of them or an integer tensor)."""
     if isinstance(experts, torch.Tensor):
+        if experts.dtype.is_floating_point or experts.dtype.is_complex or experts.dtype == torch.bool:
+            raise TypeError(f"experts given as a tensor must have an integer dtype, got {experts.dtype}")
         experts = experts.tolist()
-    if isinstance(experts, int) or (isinstance(experts, tuple) and all(isinstance(k, int) for k in experts)):
+    if _is_index(experts) or (isinstance(experts, tuple) and experts and all(_is_index(k) for k in experts)):
         experts = [experts]
+    if isinstance(experts, (str, bytes)) or not isinstance(experts, Iterable):
+        raise TypeError(
+            f"experts must be an int, a tuple of ints (one per expert mode) or a sequence of them, got {experts!r}"
+        )
     result = []
     for expert in experts:
-        index = (expert,) if isinstance(expert, int) else tuple(expert)
+        if _is_index(expert):
+            index: tuple = (expert,)
+        elif isinstance(expert, Iterable) and not isinstance(expert, (str, bytes, Mapping)):
+            index = tuple(expert.tolist() if isinstance(expert, torch.Tensor) else expert)
+        else:
+            raise TypeError(f"an expert is an int or a tuple of ints, got {expert!r} ({type(expert).__name__})")
+        if not all(_is_index(k) for k in index):
+            raise TypeError(f"an expert's indices must be ints, got {expert!r}")
         if len(index) != n_modes:
             raise ValueError(f"an expert of a layer with {n_modes} expert mode(s) is a {n_modes}-tuple, got {expert!r}")
-        result.append(index)
-    return result
+        result.append(tuple(int(k) for k in index))
+    return list(dict.fromkeys(result))  # an expert named twice is switched off once
 
 
 class ExpertAblation:
@@ -53,7 +73,15 @@ class ExpertAblation:
     """
 
     def __init__(self, expert_dims: tuple[int, ...], groups: Sequence[object], group_size: int | None = None) -> None:
-        self.expert_dims = tuple(expert_dims)
+        if isinstance(expert_dims, (str, bytes)) or not isinstance(expert_dims, Sequence) or not expert_dims:
+            raise TypeError(f"expert_dims must be a non-empty tuple of ints, got {expert_dims!r}")
+        self.expert_dims = tuple(check_int("expert_dims entry", n, minimum=1) for n in expert_dims)
+        if group_size is not None:
+            group_size = check_int("group_size", group_size, minimum=1)
+        if isinstance(groups, (str, bytes, torch.Tensor)) or not isinstance(groups, Sequence):
+            raise TypeError(f"groups must be a sequence of expert sets (one per group), got {groups!r}")
+        if not groups:
+            raise ValueError("groups is empty: give at least one set of experts to switch off")
         self.groups = [_multi_indices(group, len(self.expert_dims)) for group in groups]
         for group in self.groups:
             for index in group:
@@ -148,12 +176,6 @@ class ExpertAblation:
         return total
 
 
-def _layers_of(module: nn.Module) -> MuMoE | MuMoEMLP:
-    if not isinstance(module, (MuMoE, MuMoEMLP)):
-        raise TypeError(f"ablation needs a MuMoE or MuMoEMLP layer, got {type(module).__name__}")
-    return module
-
-
 @contextmanager
 def ablate(layer: MuMoE | MuMoEMLP, experts: object, *, group_size: int | None = None) -> Iterator[ExpertAblation]:
     """Switch experts off inside ``layer`` for the duration of a ``with`` block.
@@ -181,9 +203,13 @@ def ablate(layer: MuMoE | MuMoEMLP, experts: object, *, group_size: int | None =
     >>> with ablate(layer, [3, 5]):
     ...     y = layer(torch.randn(2, 8))
     """
-    layer = _layers_of(layer)
+    layer = check_layer("layer", layer)
     if layer.ablation is not None:
         raise ValueError("this layer already has an active ablation; nest ablations on different layers only")
+    if group_size is not None and (
+        isinstance(experts, (str, bytes, torch.Tensor)) or not isinstance(experts, Sequence)
+    ):
+        raise TypeError(f"with group_size, experts must be a sequence of expert sets (one per group), got {experts!r}")
     groups = experts if group_size is not None else [experts]
     ablation = ExpertAblation(layer.expert_dims, groups, group_size)
     layer.ablation = ablation

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mumoe_tn.analysis.validation import check_callable, check_int, check_model, check_real, check_tensor
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 
 __all__ = ["ExpertStatistics", "LayerCoefficients", "collect_coefficients", "mumoe_layers"]
@@ -23,6 +24,7 @@ __all__ = ["ExpertStatistics", "LayerCoefficients", "collect_coefficients", "mum
 
 def mumoe_layers(model: nn.Module) -> dict[str, MuMoE | MuMoEMLP]:
     """Every μMoE layer of ``model`` by qualified name (the model itself is named ``""``)."""
+    check_model("model", model)
     return {name: module for name, module in model.named_modules() if isinstance(module, (MuMoE, MuMoEMLP))}
 
 
@@ -41,11 +43,14 @@ class ExpertStatistics:
     load : torch.Tensor
         Rows with ``a_n ≥ threshold`` per expert (the paper's expert load).
     top_values, top_rows : torch.Tensor
-        The ``k`` largest coefficients per expert and the rows they came from (``-1`` unfilled).
+        The ``k`` largest coefficients per expert and the rows they came from, largest first
+        (``min(k, rows)`` columns: memory grows with the rows seen, never with ``k`` alone).
     input_sum : torch.Tensor or None
         ``Σ a_n · x`` over rows (``N × I``), where ``x`` is the layer's input.
     threshold : float
         Load threshold.
+    top_k : int
+        ``k``, the most top rows kept per expert.
     """
 
     total: torch.Tensor
@@ -57,33 +62,54 @@ class ExpertStatistics:
     input_sum: torch.Tensor | None
     threshold: float
     rows: int = 0
+    top_k: int = 8
 
     @classmethod
     def empty(cls, n: int, top_k: int, in_features: int | None, threshold: float) -> ExpertStatistics:
         """Statistics of no rows for ``n`` experts."""
+        n = check_int("n", n, minimum=1)
+        top_k = check_int("top_k", top_k, minimum=0)
+        if in_features is not None:
+            in_features = check_int("in_features", in_features, minimum=1)
+        threshold = check_real("threshold", threshold)
         zeros = torch.zeros(n, dtype=torch.float64)
         return cls(
             total=zeros.clone(),
             total_sq=zeros.clone(),
             maximum=torch.full((n,), -torch.inf, dtype=torch.float64),
             load=torch.zeros(n, dtype=torch.long),
-            top_values=torch.full((n, top_k), -torch.inf, dtype=torch.float64),
-            top_rows=torch.full((n, top_k), -1, dtype=torch.long),
+            top_values=torch.empty(n, 0, dtype=torch.float64),
+            top_rows=torch.empty(n, 0, dtype=torch.long),
             input_sum=None if in_features is None else torch.zeros(n, in_features, dtype=torch.float64),
             threshold=threshold,
+            top_k=top_k,
         )
 
     @torch.no_grad()
     def update(self, a: torch.Tensor, x: torch.Tensor | None) -> None:
         """Add a batch of coefficient rows ``a (rows, N)`` and the matching inputs ``x (rows, I)``."""
+        n = self.total.shape[0]
+        check_tensor("a", a, kind="float")
+        if a.ndim < 1 or a.shape[-1] != n:
+            raise ValueError(f"a must have shape (..., {n}) (one coefficient per expert), got {tuple(a.shape)}")
+        if x is not None and self.input_sum is not None:
+            check_tensor("x", x, kind="float")
+            width = self.input_sum.shape[1]
+            if x.ndim < 1 or x.shape[-1] != width or x.numel() // width != a.numel() // n:
+                raise ValueError(
+                    f"x must hold one row of {width} inputs per coefficient row ({a.numel() // n}), "
+                    f"got shape {tuple(x.shape)}"
+                )
         a = a.detach().reshape(-1, a.shape[-1]).double().cpu()
+        if a.shape[0] == 0:  # an empty batch adds nothing
+            return
         rows = torch.arange(self.rows, self.rows + a.shape[0])
         self.total += a.sum(0)
         self.total_sq += (a * a).sum(0)
         self.maximum = torch.maximum(self.maximum, a.max(0).values)
         self.load += (a >= self.threshold).sum(0)
-        k = self.top_values.shape[1]
         values = torch.cat([self.top_values, a.T], dim=1)
+        k = min(self.top_k, values.shape[1])
         indices = torch.cat([self.top_rows, rows.expand(a.shape[1], -1)], dim=1)
         self.top_values, order = values.topk(k, dim=1)
         self.top_rows = indices.gather(1, order)
@@ -161,7 +187,25 @@ def collect_coefficients(
         Layer name -> :class:`LayerCoefficients`.
     """
     found = mumoe_layers(model)
+    if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):
+        raise TypeError(f"layers must be an iterable of layer names, got {layers!r}")
     names = list(found) if layers is None else list(layers)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"layers must hold qualified layer names (str), got {name!r}")
+    names = list(dict.fromkeys(names))
+    if layers is not None and not names:
+        raise ValueError("layers is empty: name at least one layer, or pass None for all μMoE layers")
+    threshold = check_real("threshold", threshold)
+    top_k = check_int("top_k", top_k, minimum=0)
+    if not isinstance(centres, bool):
+        raise TypeError(f"centres must be a bool, got {centres!r}")
+    check_callable("forward", forward)
+    if isinstance(batches, torch.Tensor) or not isinstance(batches, Iterable):
+        raise TypeError(
+            f"batches must be an iterable of model inputs (a list or DataLoader), got {type(batches).__name__}; "
+            "wrap a single tensor as [tensor]"
+        )
     unknown = [name for name in names if name not in found]
     if unknown:
         raise ValueError(f"no μMoE layer named {unknown}; the model has {list(found)}")
@@ -189,4 +233,6 @@ def collect_coefficients(
     finally:
         for handle in handles:
             handle.remove()
+    if not any(results[name].modes for name in names):
+        raise ValueError(f"no μMoE layer ran: batches gave no input that reached layer(s) {names}")
     return results

@@ -16,14 +16,36 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mumoe_tn.analysis.ablation import ablate
+from mumoe_tn.analysis.ablation import ExpertAblation, ablate
+from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 
 __all__ = ["Polysemanticity", "class_accuracies", "class_polysemanticity"]
 
 
 def class_accuracies(predictions: torch.Tensor, labels: torch.Tensor, n_classes: int) -> torch.Tensor:
-    """Accuracy of every class (0 for a class with no sample)."""
+    """Accuracy of every class (0 for a class with no sample).
+
+    Parameters
+    ----------
+    predictions, labels : torch.Tensor
+        Predicted and true classes, 1-D integer tensors of one length on one device.
+    n_classes : int
+        Number of classes; every label must be below it.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(n_classes,)``, float64.
+    """
+    predictions = check_tensor("predictions", predictions, ndim=1, kind="int")
+    labels = check_tensor("labels", labels, ndim=1, kind="int")
+    n_classes = check_int("n_classes", n_classes, minimum=1)
+    if predictions.shape != labels.shape:
+        raise ValueError(f"predictions {tuple(predictions.shape)} and labels {tuple(labels.shape)} differ in length")
+    if predictions.device != labels.device:
+        raise ValueError(f"predictions are on {predictions.device} but labels on {labels.device}")
+    _check_labels(labels, n_classes)
     correct = torch.bincount(labels[predictions == labels], minlength=n_classes).double()
     support = torch.bincount(labels, minlength=n_classes).double()
     return correct / support.clamp_min(1)
@@ -64,8 +86,22 @@ class Polysemanticity:
         return float(self.polysemanticity[self.changed].mean())
 
 
-def _predict(model: nn.Module, inputs: torch.Tensor, forward: Callable | None) -> torch.Tensor:
-    return (forward(model, inputs) if forward else model(inputs)).argmax(-1)
+def _check_labels(labels: torch.Tensor, n_classes: int) -> None:
+    if labels.numel() and int(labels.min()) < 0:
+        raise ValueError(f"labels must be class indices >= 0, got {int(labels.min())}")
+    if labels.numel() and int(labels.max()) >= n_classes:
+        raise ValueError(f"labels go up to {int(labels.max())} but n_classes is {n_classes}")
+
+
+def _predict(model: nn.Module, inputs: torch.Tensor, forward: Callable | None, device: torch.device) -> torch.Tensor:
+    logits = forward(model, inputs) if forward else model(inputs)
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or logits.shape[0] != inputs.shape[0]:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(
+            f"the model must return logits of shape ({inputs.shape[0]}, classes) for inputs of shape "
+            f"{tuple(inputs.shape)}, got {shape}; pass forward=lambda model, x: ... to select them"
+        )
+    return logits.argmax(-1).to(device)
 
 
 @torch.no_grad()
@@ -106,18 +142,27 @@ def class_polysemanticity(
     -------
     Polysemanticity
     """
-    if not isinstance(layer, (MuMoE, MuMoEMLP)):
-        raise TypeError(f"layer must be a MuMoE or MuMoEMLP, got {type(layer).__name__}")
-    if labels.ndim != 1 or labels.shape[0] != inputs.shape[0]:
-        raise ValueError(f"labels must have shape ({inputs.shape[0]},), got {tuple(labels.shape)}")
-    n_classes = int(labels.max()) + 1 if n_classes is None else n_classes
+    model = check_model("model", model)
+    layer = check_layer("layer", layer)
+    check_inside(model, layer)
+    inputs = check_tensor("inputs", inputs, non_empty=True)
+    labels = check_tensor("labels", labels, ndim=1, kind="int")
+    if inputs.ndim < 1 or labels.shape[0] != inputs.shape[0]:
+        raise ValueError(f"labels must have shape ({inputs.shape[0]},) (one per input), got {tuple(labels.shape)}")
+    n_classes = int(labels.max()) + 1 if n_classes is None else check_int("n_classes", n_classes, minimum=1)
+    _check_labels(labels, n_classes)
+    max_rows = check_int("max_rows", max_rows, minimum=1)
+    check_callable("forward", forward)
     if experts is None:
         experts = list(itertools.product(*(range(n) for n in layer.expert_dims)))
-    experts = [(e,) if isinstance(e, int) else tuple(e) for e in experts]
+    else:
+        experts = ExpertAblation(layer.expert_dims, [experts]).groups[0]
+        if not experts:
+            raise ValueError("experts is empty: give at least one expert to ablate (or None for all)")
     was_training = model.training
     model.eval()
     try:
-        accuracy = class_accuracies(_predict(model, inputs, forward), labels, n_classes)
+        accuracy = class_accuracies(_predict(model, inputs, forward, labels.device), labels, n_classes)
         samples = inputs.shape[0]
         group = max(1, max_rows // samples)
         rows = []
@@ -125,7 +170,7 @@ def class_polysemanticity(
             chunk = experts[start : start + group]
             replicated = inputs.repeat(len(chunk), *([1] * (inputs.ndim - 1)))
             with ablate(layer, [[e] for e in chunk], group_size=samples):
-                predictions = _predict(model, replicated, forward).reshape(len(chunk), samples)
+                predictions = _predict(model, replicated, forward, labels.device).reshape(len(chunk), samples)
             rows += [class_accuracies(p, labels, n_classes) for p in predictions]
     finally:
         model.train(was_training)

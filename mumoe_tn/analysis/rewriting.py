@@ -15,6 +15,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mumoe_tn.analysis.validation import (
+    check_callable,
+    check_inside,
+    check_int,
+    check_layer,
+    check_model,
+    check_real,
+    check_tensor,
+)
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 
 __all__ = [
@@ -63,17 +72,37 @@ def mean_coefficients(
     torch.Tensor
         Shape ``(N_1, …, N_E)``.
     """
+    model = check_model("model", model)
+    layer = check_layer("layer", layer)
+    check_inside(model, layer)
+    check_callable("forward", forward)
+    if isinstance(batches, torch.Tensor) or not isinstance(batches, Iterable):
+        raise TypeError(
+            f"batches must be an iterable of model inputs (a list or DataLoader), got {type(batches).__name__}; "
+            "wrap a single tensor as [tensor]"
+        )
     total, rows = None, 0
     call = forward or (lambda m, batch: m(batch[0]) if isinstance(batch, (tuple, list)) else m(batch))
-    for batch in batches:
-        call(model, batch)
-        coefficients = [a.reshape(-1, a.shape[-1]).double() for a in layer.last_coefficients]
-        letters = "abcdefghijklmnopqrstuvw"[: len(coefficients)]
-        outer = torch.einsum(",".join(f"r{x}" for x in letters) + "->" + letters, *coefficients)
-        total = outer if total is None else total + outer
-        rows += coefficients[0].shape[0]
+    seen: list[tuple[torch.Tensor, ...]] = []
+    handle = layer.register_forward_hook(lambda module, args, output: seen.append(module.last_coefficients))
+    try:
+        for number, batch in enumerate(batches):
+            seen.clear()
+            call(model, batch)
+            if not seen:
+                raise ValueError(f"layer did not run on batch {number}: the batches must pass through it")
+            for recorded in seen:
+                coefficients = [a.reshape(-1, a.shape[-1]).double() for a in recorded]
+                letters = "abcdefghijklmnopqrstuvw"[: len(coefficients)]
+                outer = torch.einsum(",".join(f"r{x}" for x in letters) + "->" + letters, *coefficients)
+                total = outer if total is None else total + outer
+                rows += coefficients[0].shape[0]
+    finally:
+        handle.remove()
     if total is None:
-        raise ValueError("no batch was given")
+        raise ValueError("batches is empty: no batch was given")
+    if rows == 0:
+        raise ValueError("the batches hold no rows (every batch is empty)")
     return total / rows
 
 
@@ -95,12 +124,15 @@ def rewrite(layer: MuMoE | MuMoEMLP, head: int, mean: torch.Tensor, scale: float
     -------
     torch.utils.hooks.RemovableHandle
     """
-    if not isinstance(layer, (MuMoE, MuMoEMLP)):
-        raise TypeError(f"rewrite needs a MuMoE or MuMoEMLP layer, got {type(layer).__name__}")
+    layer = check_layer("layer", layer)
+    head = check_int("head", head)
+    mean = check_tensor("mean", mean, kind="float", finite=True)
+    scale = check_real("scale", scale)
     if tuple(mean.shape) != tuple(layer.expert_dims):
         raise ValueError(f"mean coefficients must have shape {tuple(layer.expert_dims)}, got {tuple(mean.shape)}")
     if not -layer.out_features <= head < layer.out_features:
         raise ValueError(f"head {head} is out of range for {layer.out_features} outputs")
+    mean = mean.detach().clone()  # later edits of the caller's tensor do not change the hook
 
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         shift = scale * _apply_mean(mean.to(output.device), module.last_coefficients)
@@ -113,18 +145,31 @@ def rewrite(layer: MuMoE | MuMoEMLP, head: int, mean: torch.Tensor, scale: float
 
 def blind_threshold(layer: MuMoE | MuMoEMLP, head: int, scale: float = 2.5) -> RemovableHandle:
     """The blind-threshold baseline: ``ā`` all ones, an unconditional shift of ``head``."""
+    layer = check_layer("layer", layer)
     return rewrite(layer, head, torch.ones(layer.expert_dims), scale)
 
 
-def _binary(*tensors: torch.Tensor) -> list[torch.Tensor]:
+def _binary(predictions: object, targets: object, sensitive: object) -> list[torch.Tensor]:
     result = []
-    for tensor in tensors:
-        tensor = torch.as_tensor(tensor).reshape(-1)
+    for name, values in (("predictions", predictions), ("targets", targets), ("sensitive", sensitive)):
+        try:
+            tensor = torch.as_tensor(values)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"{name} must be a 1-D tensor (or sequence) of 0/1 values, got {values!r}") from error
+        if tensor.ndim != 1:
+            raise ValueError(f"{name} must be 1-D (one value per sample), got shape {tuple(tensor.shape)}")
+        if tensor.numel() == 0:
+            raise ValueError(f"{name} is empty")
+        if tensor.dtype.is_complex:
+            raise TypeError(f"{name} must hold real 0/1 values, got dtype {tensor.dtype}")
         if tensor.dtype == torch.bool:
             tensor = tensor.long()
         if not bool(((tensor == 0) | (tensor == 1)).all()):
-            raise ValueError("fairness metrics take binary (0/1) predictions, targets and sensitive attributes")
-        result.append(tensor.long())
+            raise ValueError(
+                f"fairness metrics take binary (0/1) predictions, targets and sensitive attributes; {name} holds "
+                f"{sorted(set(tensor.unique().tolist()) - {0, 1})[:5]}"
+            )
+        result.append(tensor.long().cpu())
     if len({t.shape[0] for t in result}) != 1:
         raise ValueError(f"predictions, targets and sensitive attributes differ in length: {[len(t) for t in result]}")
     return result

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mumoe_tn.analysis.validation import check_layer, check_real, check_tensor
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 
 __all__ = ["steer"]
@@ -31,10 +32,12 @@ def steer(layer: MuMoE | MuMoEMLP, direction: torch.Tensor, strength: float = 1.
     torch.utils.hooks.RemovableHandle
         Call ``.remove()`` to stop steering.
     """
-    if not isinstance(layer, (MuMoE, MuMoEMLP)):
-        raise TypeError(f"steer needs a MuMoE or MuMoEMLP layer, got {type(layer).__name__}")
+    layer = check_layer("layer", layer)
+    direction = check_tensor("direction", direction, kind="float", finite=True)
+    strength = check_real("strength", strength)
     if direction.ndim != 1 or direction.shape[0] != layer.in_features:
         raise ValueError(f"the steering direction must have shape ({layer.in_features},), got {tuple(direction.shape)}")
+    direction = direction.detach().clone()
 
     def hook(module: nn.Module, args: tuple) -> tuple:
         x = args[0]
