@@ -66,8 +66,10 @@ def resolve_network(
     -------
     ExpertNetwork
     """
-    check_size("in_features", in_features)
-    check_size("out_features", out_features)
+    for what, size in (("in_features", in_features), ("out_features", out_features)):
+        check_size(what, size)
+        if size >= _MAX_FEATURES:
+            raise ValueError(f"{what}={size} is too large for a layer (at most {_MAX_FEATURES - 1:,})")
     check_bool("bias", bias)
     width = in_features + int(bias)
     return resolve_decomposition(decomposition, expert_dims, width, out_features, rank, options=options, resize=resize)
@@ -148,6 +150,7 @@ def check_allocatable(network: ExpertNetwork) -> None:
 
 
 _MAX_ELEMENTS = 1 << 63
+_MAX_FEATURES = 1 << 40
 
 
 #: Batch size of the plan used while ``torch.compile`` traces a layer (made at construction).
@@ -641,6 +644,10 @@ class MuMoEMLP(_GatedExperts):
         layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
         self.experts1 = FactorizedExperts(first, fan_in=in_features, **layer)
         self.experts2 = FactorizedExperts(second, fan_in=hidden_features, **layer)
+        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
+            raise TypeError(
+                f"hidden_activation must be an nn.Module instance such as nn.GELU(), got {hidden_activation!r}"
+            )
         self.hidden_activation = nn.GELU() if hidden_activation is None else hidden_activation
 
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:

@@ -224,19 +224,21 @@ def compare(
     n_experts = 1
     for size in dims:
         n_experts *= size
+    if top_k > n_experts:
+        raise ValueError(f"top_k={top_k} cannot exceed the number of experts {n_experts} (the sparse MoE baseline)")
     if block:
         reference = mlp(in_features, out_features, in_features, bias=bias)
         baselines = [
             reference,
             moe_block(n_experts, n_experts, in_features, out_features, in_features, bias=bias, gate=gate),
-            moe_block(n_experts, min(top_k, n_experts), in_features, out_features, in_features, bias=bias, gate=gate),
+            moe_block(n_experts, top_k, in_features, out_features, in_features, bias=bias, gate=gate),
         ]
     else:
         reference = linear(in_features, out_features, bias=bias)
         baselines = [
             reference,
             dense_moe(n_experts, in_features, out_features, bias=bias, gate=gate),
-            sparse_moe(n_experts, min(top_k, n_experts), in_features, out_features, bias=bias, gate=gate),
+            sparse_moe(n_experts, top_k, in_features, out_features, bias=bias, gate=gate),
         ]
     if match is None or match in ("linear", "mlp"):
         target = reference.params
