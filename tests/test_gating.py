@@ -45,7 +45,7 @@ def test_resolve_activation():
     x = torch.randn(5, 9, dtype=torch.float64)
     torch.testing.assert_close(resolve_activation(1.5)(x), entmax15(x), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(resolve_activation("softmax")(x), torch.softmax(x, -1))
-    with pytest.raises(ValueError, match=r"alpha must be > 1.*got 1.0"):
+    with pytest.raises(ValueError, match=r"alpha must be a finite number > 1.*got 1.0"):
         resolve_activation(1.0)
     with pytest.raises(ValueError, match=r"unknown activation 'relu'"):
         resolve_activation("relu")
