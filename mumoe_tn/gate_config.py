@@ -166,8 +166,9 @@ class TopKGate(_LinearLogits):
     norm : str, optional
         Normalisation of the logits (default ``"none"``, as in Switch/Mixtral routers).
     init : {"default", "zeros"}, optional
-        As for :class:`Gate`. With zero logits the top ``k`` are the first ``k`` experts
-        (ties go to the lower index), each weighted ``1/k``.
+        As for :class:`Gate`. Zero logits all tie: ``k`` experts (``torch.topk`` picks which)
+        get ``1/k`` each, so unlike a dense gate a zero-initialised router starts by training
+        only those; the balance loss then spreads the routing.
     balance_loss, z_loss : bool, optional
         As for :class:`Gate`; the balance loss uses the router's full softmax and the top-k
         dispatch fractions.

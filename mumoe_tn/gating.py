@@ -23,8 +23,9 @@ gradient from the first step. The layers keep nn.Linear's default init as the de
 BatchNorm is scaled by ``1/√eps`` (about 316), which a random start avoids.
 
 **Auxiliary losses** (opt in with ``balance_loss=True`` / ``z_loss=True``), recorded after
-each forward pass for the calling thread and returned by :meth:`ExpertGate.losses`, in float32
-and not detached, so a training loop adds them to its loss:
+each forward pass for the calling thread and returned by :meth:`ExpertGate.losses`, in the
+gate's compute dtype (float32, or the input's when wider) and not detached, so a training
+loop adds them to its loss:
 
 - ``"balance"``: Switch-style ``N_e · Σ_i f_i · P_i`` per mode, averaged over modes, where
   ``f_i`` is the fraction of the batch's routing slots dispatched to expert ``i`` (the top-k
@@ -304,15 +305,15 @@ class ExpertGate(PerThreadRecords):
         if self.balance_loss:
             terms = []
             for mode, (part, a) in enumerate(zip(logits, coefficients, strict=True)):
-                probabilities, dispatch = self._balance_terms(part.float(), a.float(), mode)
+                probabilities, dispatch = self._balance_terms(part, a, mode)
                 terms.append(part.shape[-1] * (dispatch.mean(0) * probabilities.mean(0)).sum())
             losses["balance"] = torch.stack(terms).mean()
         if self.z_loss:
-            losses["z"] = torch.stack([torch.logsumexp(part.float(), dim=-1).square().mean() for part in logits]).mean()
+            losses["z"] = torch.stack([torch.logsumexp(part, dim=-1).square().mean() for part in logits]).mean()
         self._remember("losses", losses)
 
     def losses(self) -> dict[str, torch.Tensor]:
-        """The auxiliary losses of this thread's last forward pass (float32 scalars, with grad).
+        """The auxiliary losses of this thread's last forward pass (float32+ scalars, with grad).
 
         Returns
         -------
