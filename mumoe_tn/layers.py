@@ -395,8 +395,8 @@ class _GatedExperts(PerThreadRecords):
         Returns
         -------
         dict of str to torch.Tensor
-            ``"balance"`` (load balancing) and/or ``"z"`` (router z-loss), float32 scalars
-            that carry gradients to the gate: ``loss = task + λ * layer.gate_losses()["balance"]``.
+            ``"balance"`` (load balancing) and/or ``"z"`` (router z-loss), scalars in float32
+            (or wider) that carry gradients to the gate: ``loss = task + λ * layer.gate_losses()["balance"]``.
         """
         losses = getattr(self.gate, "losses", None)
         return {} if losses is None else losses()
@@ -439,6 +439,11 @@ class _GatedExperts(PerThreadRecords):
         z = self.input_norm(x)
         gated = x if self.gate_input == "raw" else z
         coefficients = self.gate(gated) if self.ablation is None else self.ablation.gate(self.gate, gated)
+        if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, Sequence):
+            raise TypeError(
+                f"the gate {type(self.gate).__name__} must return a tuple of tensors, one per expert mode, "
+                f"got {type(coefficients).__name__}"
+            )
         self._remember("coefficients", tuple(a.detach() for a in coefficients))
         if not torch.is_autocast_enabled(z.device.type):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)

@@ -312,6 +312,17 @@ def test_input_validated_before_the_gate_runs(bad, error, message):
     assert layer.gate.calls == 0
 
 
+class _OneTensor(AffineSoftmaxGate):
+    def build(self, in_features, expert_dims, *, device=None, dtype=None):
+        return nn.Linear(in_features, sum(expert_dims), device=device, dtype=dtype)
+
+
+def test_gate_returning_a_tensor_instead_of_a_tuple():
+    layer = MuMoE(6, 4, 5, "cp", 2, gate=_OneTensor())
+    with pytest.raises(TypeError, match=r"the gate Linear must return a tuple of tensors.*got Tensor"):
+        layer(torch.randn(3, 6))
+
+
 def test_batch_of_one_with_batch_norm():
     layer = MuMoE(6, 4, 5, "cp", 2)
     with pytest.raises(ValueError, match=r"at least 2 tokens.*got 1: use gate_norm='layer'.*layer.eval\(\)"):
@@ -401,3 +412,23 @@ def test_last_coefficients_are_per_thread():
         thread.join()
     assert not failures
     assert layer.last_coefficients is None  # the main thread ran no forward pass
+
+
+ODD_VALUES = st.one_of(
+    st.sampled_from(["entmax15", "softmax", "batch", "layer", "none", "zeros", "default", "", "relu", "BATCH"]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-3, 3),
+    st.booleans(),
+    st.none(),
+    st.lists(st.integers(0, 2), max_size=2),
+)
+
+
+@given(activation=ODD_VALUES, gate_norm=ODD_VALUES, gate_init=ODD_VALUES)
+def test_odd_gate_options_give_only_library_errors(activation, gate_norm, gate_init):
+    try:
+        layer = MuMoE(4, 3, 3, "cp", 2, activation=activation, gate_norm=gate_norm, gate_init=gate_init)
+    except (TypeError, ValueError) as error:
+        assert any(repr(v) in str(error) for v in (activation, gate_norm, gate_init) if v is not None), error
+        return
+    assert layer(torch.randn(5, 4)).shape == (5, 3)
