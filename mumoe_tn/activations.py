@@ -13,6 +13,13 @@ is recomputed with a larger ``k``, so the result is always exact. Under ``torch.
 ``torch.func`` transforms the full sort is used, because the fallback is data-dependent control
 flow. The Functions define ``setup_context`` and generate their vmap rule, so ``torch.func``
 (``vmap``, ``grad``, ``jacrev``, …) works through them.
+
+Non-finite logits behave as in ``torch.softmax``: a row holding NaN or ``+inf`` (or only
+``-inf``) gives NaN in that row only, and ``-inf`` entries of other rows get probability 0.
+Huge finite logits (``3e38``) do not overflow: after subtracting the row maximum, entries
+below :data:`FLOOR` are clamped to it. That is exact, because every entry of the support lies
+within 1 (sparsemax) or 2 (1.5-entmax) of the maximum, so a clamped entry stays outside the
+support and leaves the threshold unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ __all__ = ["entmax15", "sparsemax"]
 
 #: Size of the first partial sort in eager mode.
 FIRST_K = 64
+
+#: Floor of the max-shifted logits; the supports of both maps lie within 2 of the maximum.
+FLOOR = -4.0
 
 
 def _largest(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:
@@ -54,6 +64,17 @@ def _threshold(x: torch.Tensor, dim: int, rule) -> torch.Tensor:
         k = min(2 * k, size)
 
 
+def _shifted(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` minus its row maximum, floored at :data:`FLOOR`, and the rows softmax makes NaN.
+
+    A row is bad when the shift yields NaN: a NaN entry, ``+inf`` (``inf - inf``) or only
+    ``-inf``. Bad rows are replaced by zeros so the threshold search stays in bounds.
+    """
+    shifted = (x - x.amax(dim=dim, keepdim=True)).clamp(min=FLOOR)
+    bad = shifted.isnan().any(dim=dim, keepdim=True)
+    return torch.where(bad, 0.0, shifted), bad
+
+
 def _prefix(ordered: torch.Tensor, dim: int) -> torch.Tensor:
     shape = [1] * ordered.ndim
     shape[dim] = -1
@@ -80,8 +101,9 @@ class _Sparsemax(Function):
 
     @staticmethod
     def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
-        x = x - x.amax(dim=dim, keepdim=True)
-        return torch.clamp(x - _threshold(x, dim, _sparsemax_rule), min=0)
+        x, bad = _shifted(x, dim)
+        y = torch.clamp(x - _threshold(x, dim, _sparsemax_rule), min=0)
+        return torch.where(bad, torch.nan, y)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
@@ -101,8 +123,10 @@ class _Entmax15(Function):
 
     @staticmethod
     def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
-        x = (x - x.amax(dim=dim, keepdim=True)) / 2
-        return torch.clamp(x - _threshold(x, dim, _entmax15_rule), min=0) ** 2
+        x, bad = _shifted(x, dim)
+        x = x / 2
+        y = torch.clamp(x - _threshold(x, dim, _entmax15_rule), min=0) ** 2
+        return torch.where(bad, torch.nan, y)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:

@@ -1,8 +1,48 @@
-"""Expert gating: ``a_e = φ(norm(G_eᵀ z))`` for every expert mode, computed in float32 or wider."""
+"""Expert gating modules: ``a_e = φ(norm(G_eᵀ z))`` per expert mode, in float32 or wider.
+
+The modules here are what the descriptors of :mod:`mumoe_tn.gate_config` build. Activations
+(:data:`ACTIVATIONS`) and logit norms (:data:`GATE_NORMS`) are registries: add an entry to
+make a new name available to :class:`~mumoe_tn.gate_config.Gate`. Everything stored in a gate
+is a module-level function or an ``nn.Module``, so gates pickle, deep-copy and
+``torch.save`` as whole modules.
+
+**What the gate sees.** By default a layer gates on the same ``z`` its experts receive: with
+``input_norm=True`` that is ``LayerNorm(x)``. The authors' GPT-2 configuration gates on the
+raw ``x`` instead (``gate_input="raw"``). mumoe_tn keeps ``"normed"`` as the default because it
+is the paper's formulation (``a = φ(Gᵀz)`` with the experts' ``z``) and because it makes the
+gate independent of the scale of the input: the residual stream of a transformer grows with
+depth, and without a scale-free input ``gate_norm="none"``/``"layer"`` gates would get sharper
+(sparser, for entmax) layer by layer for no reason the model chose. With ``gate_norm="batch"``
+the two choices differ only through the LayerNorm's per-token centring. With
+``input_norm=False`` both are the same.
+
+**Zero initialisation.** ``init="zeros"`` starts every projection at 0: entmax15, sparsemax
+and softmax all map equal logits to ``1/N_e`` with full support, so every expert gets
+gradient from the first step. The layers keep nn.Linear's default init as the default: with
+``gate_norm="batch"`` zero logits have zero batch variance, and the first gradient through
+BatchNorm is scaled by ``1/√eps`` (about 316), which a random start avoids.
+
+**Auxiliary losses** (opt in with ``balance_loss=True`` / ``z_loss=True``), recorded after
+each forward pass for the calling thread and returned by :meth:`ExpertGate.losses`, in the
+gate's compute dtype (float32, or the input's when wider) and not detached, so a training
+loop adds them to its loss:
+
+- ``"balance"``: Switch-style ``N_e · Σ_i f_i · P_i`` per mode, averaged over modes, where
+  ``f_i`` is the fraction of the batch's routing slots dispatched to expert ``i`` (the top-k
+  experts of a :class:`TopKRouter`, the arg-max expert of a dense gate) and ``P_i`` the mean
+  router probability of expert ``i`` (the full softmax of a router, the coefficients of a
+  dense gate). It is 1 for perfectly balanced routing; gradients flow through ``P``.
+- ``"z"``: the router z-loss ``mean_tokens (logsumexp logits)²``, averaged over modes, on
+  the logits that enter φ (after the norm).
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from entmax import entmax_bisect
@@ -10,19 +50,72 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.activations import entmax15, sparsemax
+from mumoe_tn.gate_config import GATE_INITS
 from mumoe_tn.network import expert_leg, normalize_expert_dims
 
-__all__ = ["ACTIVATIONS", "GATE_NORMS", "ExpertGate", "resolve_activation"]
+__all__ = [
+    "ACTIVATIONS",
+    "GATE_NORMS",
+    "ExpertGate",
+    "LogitBatchNorm",
+    "PerThreadRecords",
+    "TopKRouter",
+    "gate_losses",
+    "resolve_activation",
+]
 
-#: Named gate activations; a float ``α > 1`` selects α-entmax (bisection).
+
+def _entmax15_last(x: torch.Tensor) -> torch.Tensor:
+    return entmax15(x, dim=-1)
+
+
+def _sparsemax_last(x: torch.Tensor) -> torch.Tensor:
+    return sparsemax(x, dim=-1)
+
+
+def _softmax_last(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, dim=-1)
+
+
+#: Named gate activations (module-level functions, so gates pickle); a float ``α > 1`` selects α-entmax.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "entmax15": lambda x: entmax15(x, dim=-1),
-    "sparsemax": lambda x: sparsemax(x, dim=-1),
-    "softmax": lambda x: torch.softmax(x, dim=-1),
+    "entmax15": _entmax15_last,
+    "sparsemax": _sparsemax_last,
+    "softmax": _softmax_last,
 }
 
-#: Normalisations applied to the gate logits before the activation.
-GATE_NORMS = ("batch", "layer", "none")
+
+class LogitBatchNorm(nn.BatchNorm1d):
+    """BatchNorm of gate logits without affine parameters that explains a batch of one."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalise ``(rows, N)`` logits; in training mode ``rows`` must be at least 2."""
+        if self.training and input.shape[0] < 2:
+            raise ValueError(
+                f"gate_norm='batch' needs at least 2 tokens per batch in training mode, got {input.shape[0]}: "
+                "use gate_norm='layer' (or 'none'), or call layer.eval() for single-token inference"
+            )
+        return super().forward(input)
+
+
+def _batch_norm(n: int, factory: dict[str, Any]) -> nn.Module:
+    return LogitBatchNorm(n, affine=False, **factory)
+
+
+def _layer_norm(n: int, factory: dict[str, Any]) -> nn.Module:
+    return nn.LayerNorm(n, elementwise_affine=False, **factory)
+
+
+def _no_norm(n: int, factory: dict[str, Any]) -> nn.Module:
+    return nn.Identity()
+
+
+#: Normalisations of the gate logits: name -> ``factory(N_e, {"device": …, "dtype": …})``.
+GATE_NORMS: dict[str, Callable[[int, dict[str, Any]], nn.Module]] = {
+    "batch": _batch_norm,
+    "layer": _layer_norm,
+    "none": _no_norm,
+}
 
 
 def resolve_activation(activation: str | float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -31,35 +124,75 @@ def resolve_activation(activation: str | float) -> Callable[[torch.Tensor], torc
     Parameters
     ----------
     activation : str or float
-        ``"entmax15"`` (the paper's default), ``"sparsemax"``, ``"softmax"``, or a float
-        ``α > 1`` for α-entmax computed by bisection (``α = 1.5`` equals entmax15, ``α = 2``
-        sparsemax).
+        A name of :data:`ACTIVATIONS` (``"entmax15"``, the paper's default, ``"sparsemax"``,
+        ``"softmax"``), or a finite float ``α > 1`` for α-entmax computed by bisection
+        (``α = 1.5`` equals entmax15, ``α = 2`` sparsemax).
 
     Returns
     -------
     Callable
-        A function mapping logits ``(…, N)`` to coefficients on the simplex along the last dim.
+        A picklable function mapping logits ``(…, N)`` to coefficients on the simplex along
+        the last dim.
     """
     if isinstance(activation, bool):
         raise TypeError(f"activation must be a name or a float alpha, got {activation!r}")
     if isinstance(activation, (int, float)):
         alpha = float(activation)
-        if alpha <= 1.0:
-            raise ValueError(f"entmax alpha must be > 1 (1 is softmax: use 'softmax'), got {alpha}")
-        return lambda x: entmax_bisect(x, alpha=alpha, dim=-1)
+        if not (math.isfinite(alpha) and alpha > 1.0):
+            raise ValueError(
+                f"entmax alpha must be a finite number > 1 (1 is softmax: use 'softmax'), got {activation!r}"
+            )
+        return functools.partial(entmax_bisect, alpha=alpha, dim=-1)
+    if not isinstance(activation, str):
+        raise TypeError(f"activation must be a name or a float alpha, got {activation!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; choose one of {sorted(ACTIVATIONS)} or a float alpha > 1")
     return ACTIVATIONS[activation]
 
 
-class ExpertGate(nn.Module):
+class _ThreadStore(threading.local):
+    """Thread-local attributes that pickle and deep-copy as empty."""
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (type(self), ())
+
+
+class PerThreadRecords(nn.Module):
+    """An ``nn.Module`` that records per-forward values separately for every thread.
+
+    Values recorded in eager mode live in thread-local storage, so concurrent forward passes
+    on one module never see each other's records. While ``torch.compile`` traces the module
+    (dynamo cannot trace thread-local storage) they are kept on the module, shared by threads.
+    Records are dropped by pickling, ``copy.deepcopy`` and ``torch.save``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._thread_records = _ThreadStore()
+
+    def _remember(self, name: str, value: Any) -> None:
+        if torch.compiler.is_compiling():
+            setattr(self, f"_compiled_{name}", value)
+        else:
+            setattr(self._thread_records, name, value)
+
+    def _recall(self, name: str) -> Any:
+        value = getattr(self._thread_records, name, None)
+        return self.__dict__.get(f"_compiled_{name}") if value is None else value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if not key.startswith("_compiled_")}
+
+
+class ExpertGate(PerThreadRecords):
     """Gating of every expert mode: ``a_e = φ(norm(G_eᵀ z))`` (paper Eq. 1 / hierarchy-sum).
 
     One bias-free projection ``G_e ∈ R^{I×N_e}`` per expert mode (stored as
-    ``projections.n<e>.weight``), a per-mode normalisation of the logits (BatchNorm without
-    affine parameters, as in the paper; LayerNorm without affine; or none), then φ. The
-    computation runs with autocast disabled in ``float32`` (or the input's dtype when wider):
-    entmax row sums drift by about 1 % in bfloat16.
+    ``projections.n<e>.weight``), a per-mode normalisation of the logits from
+    :data:`GATE_NORMS` (BatchNorm without affine parameters, as in the paper; LayerNorm without
+    affine; or none), then φ. The computation runs with autocast disabled in ``float32`` (or
+    the input's dtype when wider): entmax row sums drift by about 1 % in bfloat16. A row of
+    non-finite logits gives NaN coefficients in that row only.
 
     Parameters
     ----------
@@ -69,8 +202,12 @@ class ExpertGate(nn.Module):
         ``N_1 … N_E``.
     activation : str or float, optional
         See :func:`resolve_activation`; ``"entmax15"`` by default.
-    norm : {"batch", "layer", "none"}, optional
-        Normalisation of the logits, ``"batch"`` by default.
+    norm : str, optional
+        A name of :data:`GATE_NORMS`, ``"batch"`` by default.
+    init : {"default", "zeros"}, optional
+        nn.Linear's init, or zero projections (every coefficient starts at ``1/N_e``).
+    balance_loss, z_loss : bool, optional
+        Record the auxiliary losses after each forward pass (see the module docstring).
     device, dtype : optional
         Factory arguments for the parameters.
     """
@@ -82,18 +219,31 @@ class ExpertGate(nn.Module):
         activation: str | float = "entmax15",
         norm: str = "batch",
         *,
+        init: str = "default",
+        balance_loss: bool = False,
+        z_loss: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
+        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
+            raise ValueError(f"in_features must be a positive int, got {in_features!r}")
+        if not isinstance(norm, str) or norm not in GATE_NORMS:
+            raise ValueError(f"unknown gate norm {norm!r}; choose one of {list(GATE_NORMS)}")
+        if init not in GATE_INITS:
+            raise ValueError(f"unknown gate init {init!r}; choose one of {list(GATE_INITS)}")
+        for name, flag in (("balance_loss", balance_loss), ("z_loss", z_loss)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.in_features = in_features
         self.expert_dims = normalize_expert_dims(expert_dims)
         self.activation = activation
         self._phi = resolve_activation(activation)
-        if norm not in GATE_NORMS:
-            raise ValueError(f"unknown gate norm {norm!r}; choose one of {list(GATE_NORMS)}")
         self.norm = norm
+        self.init = init
+        self.balance_loss = balance_loss
+        self.z_loss = z_loss
         legs = [expert_leg(m) for m in range(1, len(self.expert_dims) + 1)]
         self.projections = nn.ModuleDict(
             {
@@ -102,15 +252,31 @@ class ExpertGate(nn.Module):
             }
         )
         self.norms = nn.ModuleDict(
-            {leg: self._make_norm(n, factory) for leg, n in zip(legs, self.expert_dims, strict=True)}
+            {leg: GATE_NORMS[norm](n, factory) for leg, n in zip(legs, self.expert_dims, strict=True)}
         )
+        self.reset_parameters()
 
-    def _make_norm(self, n: int, factory: dict) -> nn.Module:
-        if self.norm == "batch":
-            return nn.BatchNorm1d(n, affine=False, **factory)
-        if self.norm == "layer":
-            return nn.LayerNorm(n, elementwise_affine=False, **factory)
-        return nn.Identity()
+    def reset_parameters(self) -> None:
+        """Re-initialise the projections (by ``init``) and the norms' running statistics."""
+        for projection in self.projections.values():
+            if self.init == "zeros":
+                nn.init.zeros_(projection.weight)
+            else:
+                projection.reset_parameters()
+        for norm in self.norms.values():
+            if hasattr(norm, "reset_parameters"):
+                norm.reset_parameters()
+
+    def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
+        """Coefficients ``(rows, N_e)`` of expert mode ``mode`` from its normalised logits."""
+        return self._phi(logits)
+
+    def _balance_terms(
+        self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router probabilities ``P`` and dispatch fractions ``f`` per row (each row sums to 1)."""
+        top = coefficients.argmax(dim=-1)
+        return coefficients, F.one_hot(top, coefficients.shape[-1]).to(coefficients.dtype)
 
     def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Expert coefficients for input ``z`` of shape ``(…, I)``.
@@ -126,13 +292,139 @@ class ExpertGate(nn.Module):
             flat = z.reshape(-1, z.shape[-1]).to(compute)
             weights = [projection.weight.to(compute) for projection in self.projections.values()]
             logits = F.linear(flat, weights[0] if len(weights) == 1 else torch.cat(weights))
-            coefficients = []
-            for part, norm in zip(logits.split(self.expert_dims, dim=-1), self.norms.values(), strict=True):
-                coefficients.append(self._phi(norm(part)).reshape(*lead, part.shape[-1]))
-        return tuple(coefficients)
+            split = logits.split(self.expert_dims, dim=-1)
+            parts = [norm(part) for part, norm in zip(split, self.norms.values(), strict=True)]
+            coefficients = [self._activate(part, mode) for mode, part in enumerate(parts)]
+            self._record_losses(parts, coefficients)
+        return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
+
+    def _record_losses(self, logits: list[torch.Tensor], coefficients: list[torch.Tensor]) -> None:
+        if not (self.balance_loss or self.z_loss):
+            return
+        losses = {}
+        if self.balance_loss:
+            terms = []
+            for mode, (part, a) in enumerate(zip(logits, coefficients, strict=True)):
+                probabilities, dispatch = self._balance_terms(part, a, mode)
+                terms.append(part.shape[-1] * (dispatch.mean(0) * probabilities.mean(0)).sum())
+            losses["balance"] = torch.stack(terms).mean()
+        if self.z_loss:
+            losses["z"] = torch.stack([torch.logsumexp(part, dim=-1).square().mean() for part in logits]).mean()
+        self._remember("losses", losses)
+
+    def losses(self) -> dict[str, torch.Tensor]:
+        """The auxiliary losses of this thread's last forward pass (float32+ scalars, with grad).
+
+        Returns
+        -------
+        dict of str to torch.Tensor
+            ``"balance"`` and/or ``"z"``, as enabled; empty when none is.
+        """
+        if not (self.balance_loss or self.z_loss):
+            return {}
+        losses = self._recall("losses")
+        if losses is None:
+            raise ValueError("no forward pass of this gate in this thread yet: call the layer first, then its losses")
+        return dict(losses)
 
     def extra_repr(self) -> str:
+        defaults = {"init": "default", "balance_loss": False, "z_loss": False}
+        extras = "".join(
+            f", {key}={getattr(self, key)!r}" for key, off in defaults.items() if getattr(self, key) != off
+        )
         return (
             f"in_features={self.in_features}, expert_dims={self.expert_dims}, "
-            f"activation={self.activation!r}, norm={self.norm!r}"
+            f"activation={self.activation!r}, norm={self.norm!r}{extras}"
         )
+
+
+class TopKRouter(ExpertGate):
+    """Softmax top-k routing per expert mode: the ``k`` largest logits, renormalised.
+
+    Coefficients are dense ``(…, N_e)`` tensors with exactly ``k`` non-zeros per row, equal to
+    ``softmax`` over the top-``k`` logits (the full softmax restricted to them and
+    renormalised). A row with non-finite logits gives NaN in that row only.
+
+    Parameters
+    ----------
+    in_features : int
+        Width ``I`` of the input.
+    expert_dims : int or Sequence[int]
+        ``N_1 … N_E``.
+    k : int or Sequence[int], optional
+        Experts kept per token: one for every mode, or one per mode (each ``1 ≤ k ≤ N_e``).
+    norm : str, optional
+        A name of :data:`GATE_NORMS`, ``"none"`` by default.
+    init, balance_loss, z_loss, device, dtype
+        As for :class:`ExpertGate`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        expert_dims: int | Sequence[int],
+        k: int | Sequence[int] = 1,
+        norm: str = "none",
+        *,
+        init: str = "default",
+        balance_loss: bool = False,
+        z_loss: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        options = {"init": init, "balance_loss": balance_loss, "z_loss": z_loss, "device": device, "dtype": dtype}
+        super().__init__(in_features, expert_dims, "softmax", norm, **options)
+        ks = tuple(k) if isinstance(k, Sequence) and not isinstance(k, str) else (k,) * len(self.expert_dims)
+        if len(ks) != len(self.expert_dims):
+            raise ValueError(f"k={k!r} needs one entry per expert mode {self.expert_dims}")
+        for kk, n in zip(ks, self.expert_dims, strict=True):
+            if isinstance(kk, bool) or not isinstance(kk, int) or not 1 <= kk <= n:
+                raise ValueError(f"k must be an int in [1, N_e] for every expert mode {self.expert_dims}, got k={k!r}")
+        self.k = ks
+
+    def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
+        values, indices = logits.topk(self.k[mode], dim=-1)
+        weights = torch.softmax(values, dim=-1)
+        routed = torch.zeros_like(logits).scatter(-1, indices, weights)
+        finite = torch.isfinite(logits).all(dim=-1, keepdim=True)
+        return torch.where(finite, routed, torch.nan)
+
+    def _balance_terms(
+        self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k[mode]
+        indices = logits.topk(k, dim=-1).indices
+        dispatch = torch.zeros_like(logits).scatter(-1, indices, 1.0 / k)
+        return torch.softmax(logits, dim=-1), dispatch
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, k={self.k}"
+
+
+def gate_losses(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Sum every gate's auxiliary losses over the μMoE layers of ``model`` (this thread's last pass).
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any module; every submodule with a ``gate_losses()`` method (MuMoE, MuMoEMLP)
+        contributes.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        ``"balance"`` and/or ``"z"`` summed over layers (empty if no layer records any).
+
+    Examples
+    --------
+    >>> loss = task_loss + 0.01 * gate_losses(model)["balance"]  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    totals: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        method = getattr(module, "gate_losses", None)
+        if callable(method):
+            for name, value in method().items():
+                totals[name] = totals[name] + value if name in totals else value
+    return totals

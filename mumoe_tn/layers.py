@@ -18,7 +18,8 @@ from mumoe_tn.costs.baselines import mlp as mlp_cost
 from mumoe_tn.costs.matching import match_block, match_layer, resolve_target
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.decompositions.resolve import resolve_network as resolve_decomposition
-from mumoe_tn.gating import ExpertGate
+from mumoe_tn.gate_config import GateSpec, gate_from_options
+from mumoe_tn.gating import PerThreadRecords
 from mumoe_tn.init import INIT_RULES, init_cores
 from mumoe_tn.network import INPUT_LEG, ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
@@ -367,13 +368,18 @@ class FactorizedExperts(nn.Module):
         )
 
 
-class _GatedExperts(nn.Module):
+#: What the gate of a layer reads: the experts' (normalised) input, or the raw input.
+GATE_INPUTS = ("normed", "raw")
+
+
+class _GatedExperts(PerThreadRecords):
     """What MuMoE and MuMoEMLP share: the gate, the input norm, recording and ablation."""
 
     in_features: int
     bias: bool
     input_norm: nn.Module
-    gate: ExpertGate
+    gate: nn.Module
+    gate_spec: GateSpec
 
     def _setup_gate(
         self,
@@ -381,39 +387,106 @@ class _GatedExperts(nn.Module):
         expert_dims: tuple[int, ...],
         *,
         bias: bool,
-        activation: str | float,
-        gate_norm: str,
+        gate: GateSpec,
+        gate_input: str,
         input_norm: bool,
         factory: dict,
     ) -> None:
+        if gate_input not in GATE_INPUTS:
+            raise ValueError(f"gate_input must be one of {list(GATE_INPUTS)}, got {gate_input!r}")
         self.in_features = in_features
         self.bias = bias
         self.expert_dims = expert_dims
+        self.gate_input = gate_input
         self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
-        self.gate = ExpertGate(in_features, expert_dims, activation, gate_norm, **factory)
-        self.last_coefficients: tuple[torch.Tensor, ...] | None = None
+        self.gate_spec = gate
+        module = gate.build(in_features, expert_dims, **factory)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"the gate descriptor {gate!r} built {type(module).__name__}, not an nn.Module")
+        self.gate = module
         self.ablation: Any = None
+
+    @property
+    def last_coefficients(self) -> tuple[torch.Tensor, ...] | None:
+        """The (detached) coefficients of this thread's last forward pass, one per expert mode."""
+        return self._recall("coefficients")
+
+    @last_coefficients.setter
+    def last_coefficients(self, value: tuple[torch.Tensor, ...] | None) -> None:
+        self._remember("coefficients", value)
 
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         raise NotImplementedError
 
     def reset_parameters(self) -> None:
         """Re-initialise the gate, the input norm and the expert cores."""
-        for module in (*self.gate.projections.values(), *self.gate.norms.values(), self.input_norm):
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        if hasattr(self.gate, "reset_parameters"):
+            self.gate.reset_parameters()
+        else:
+            for module in self.gate.modules():
+                if module is not self.gate and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+        if hasattr(self.input_norm, "reset_parameters"):
+            self.input_norm.reset_parameters()
         for experts in self._expert_layers():
             experts.reset_parameters()
 
-    def _gate(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Validate ``x``, normalise it, compute and record the coefficients, apply any ablation mask."""
+    def gate_losses(self) -> dict[str, torch.Tensor]:
+        """The gate's auxiliary losses from this thread's last forward pass (empty if it has none).
+
+        Returns
+        -------
+        dict of str to torch.Tensor
+            ``"balance"`` (load balancing) and/or ``"z"`` (router z-loss), scalars in float32
+            (or wider) that carry gradients to the gate: ``loss = task + λ * layer.gate_losses()["balance"]``.
+        """
+        losses = getattr(self.gate, "losses", None)
+        return {} if losses is None else losses()
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the last forward pass (needs a gate with ``balance_loss=True``)."""
+        return self._named_loss("balance", "balance_loss")
+
+    def z_loss(self) -> torch.Tensor:
+        """The router z-loss of the last forward pass (needs a gate with ``z_loss=True``)."""
+        return self._named_loss("z", "z_loss")
+
+    def _named_loss(self, key: str, option: str) -> torch.Tensor:
+        losses = self.gate_losses()
+        if key not in losses:
+            raise ValueError(
+                f"this layer's gate {self.gate_spec!r} does not record the {key!r} loss: build it with {option}=True"
+            )
+        return losses[key]
+
+    def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.is_complex() or not x.is_floating_point():
+            raise TypeError(f"input must be a real floating-point tensor, got dtype {x.dtype}")
         if x.ndim < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
+        weight = next(iter(self._expert_layers()[0].cores.values()))
+        if x.device != weight.device:
+            raise ValueError(f"input is on {x.device} but the layer's parameters are on {weight.device}")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"input has dtype {x.dtype} but the layer's parameters have dtype {weight.dtype}: "
+                f"cast the input (x.to({weight.dtype})) or the layer (layer.to({x.dtype}))"
+            )
+
+    def _gate(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Validate ``x``, normalise it, compute and record the coefficients, apply any ablation mask."""
+        self._check_input(x)
         z = self.input_norm(x)
-        coefficients = self.gate(z) if self.ablation is None else self.ablation.gate(self.gate, z)
-        self.last_coefficients = tuple(a.detach() for a in coefficients)
+        gated = x if self.gate_input == "raw" else z
+        coefficients = self.gate(gated) if self.ablation is None else self.ablation.gate(self.gate, gated)
+        if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, Sequence):
+            raise TypeError(
+                f"the gate {type(self.gate).__name__} must return a tuple of tensors, one per expert mode, "
+                f"got {type(coefficients).__name__}"
+            )
+        self._remember("coefficients", tuple(a.detach() for a in coefficients))
         if not torch.is_autocast_enabled(z.device.type):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)
         if self.ablation is not None:
@@ -465,9 +538,17 @@ class MuMoE(_GatedExperts):
         Fold a per-expert bias into the input leg (default True).
     activation : str or float, optional
         Gate activation φ: ``"entmax15"`` (default), ``"sparsemax"``, ``"softmax"`` or an
-        entmax ``α``.
+        entmax ``α`` (shorthand for ``gate=Gate(activation=…)``).
     gate_norm : {"batch", "layer", "none"}, optional
         Normalisation of the gate logits (default ``"batch"``, as in the paper).
+    gate_init : {"default", "zeros"}, optional
+        Gate projection init (default nn.Linear's; ``"zeros"`` starts every coefficient at 1/N).
+    gate : GateSpec, optional
+        A gate descriptor (:class:`~mumoe_tn.gate_config.Gate`,
+        :class:`~mumoe_tn.gate_config.TopKGate` or your own); excludes the three options above.
+    gate_input : {"normed", "raw"}, optional
+        Gate on the experts' input (default; ``LayerNorm(x)`` with ``input_norm=True``) or on
+        the raw ``x`` (the authors' GPT-2 configuration); see :mod:`mumoe_tn.gating`.
     input_norm : bool, optional
         Apply a LayerNorm (with affine parameters) to the input first (default False).
     init : {"auto", "paper", "linear"}, optional
@@ -484,8 +565,8 @@ class MuMoE(_GatedExperts):
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
-        The (detached) expert coefficients of the last forward pass, one per expert mode
-        (before any ablation).
+        The (detached) expert coefficients of the last forward pass in the calling thread,
+        one per expert mode (before any ablation).
     ablation : object or None
         An active counterfactual ablation (see :mod:`mumoe_tn.analysis.ablation`): it masks
         coefficients inside the contraction, or removes single experts' contributions, and
@@ -503,8 +584,11 @@ class MuMoE(_GatedExperts):
         match: Match = None,
         match_bonds: Sequence[str] | None = None,
         bias: bool = True,
-        activation: str | float = "entmax15",
-        gate_norm: str = "batch",
+        activation: str | float | None = None,
+        gate_norm: str | None = None,
+        gate_init: str | None = None,
+        gate: GateSpec | None = None,
+        gate_input: str = "normed",
         input_norm: bool = False,
         init: str = "auto",
         expert_noise: Sequence[float] | None = None,
@@ -515,6 +599,7 @@ class MuMoE(_GatedExperts):
     ) -> None:
         super().__init__()
         factory = check_factory(device, dtype)
+        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
         rank, match = _split_rank(rank, match, "MuMoE")
         build_rank = 1 if match is not None and rank is None else rank
         network = resolve_network(
@@ -523,13 +608,14 @@ class MuMoE(_GatedExperts):
         if match is not None:
             reference = linear_cost(in_features, out_features, bias=bias).params
             target = _match_target(match, reference, "linear", "MuMoE")
-            network = match_layer(network, target, bonds=match_bonds, bias=bias, input_norm=input_norm).networks[0]
+            matched = match_layer(network, target, bonds=match_bonds, bias=bias, gate=gate, input_norm=input_norm)
+            network = matched.networks[0]
         elif match_bonds is not None:
             raise ValueError("match_bonds= names the bonds match= scales; give match= too")
         check_allocatable(network)
         self.out_features = out_features
-        gate = {"activation": activation, "gate_norm": gate_norm, "input_norm": input_norm, "factory": factory}
-        self._setup_gate(in_features, network.expert_dims, bias=bias, **gate)
+        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        self._setup_gate(in_features, network.expert_dims, bias=bias, **gating)
         self.experts = FactorizedExperts(
             network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize, **factory
         )
@@ -579,10 +665,8 @@ class MuMoEMLP(_GatedExperts):
         The bonds ``match=`` scales in both layers.
     bias : bool, optional
         Fold a bias into both layers' input legs (default True).
-    activation : str or float, optional
-        Gate activation φ (default ``"entmax15"``).
-    gate_norm : {"batch", "layer", "none"}, optional
-        Normalisation of the gate logits.
+    activation, gate_norm, gate_init, gate, gate_input : optional
+        The one gate shared by both layers, as for :class:`MuMoE`.
     input_norm : bool, optional
         LayerNorm on the block's input first.
     hidden_activation : nn.Module, optional
@@ -593,7 +677,7 @@ class MuMoEMLP(_GatedExperts):
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
-        The (detached) shared coefficients of the last forward pass.
+        The (detached) shared coefficients of the last forward pass in the calling thread.
     ablation : object or None
         An active counterfactual ablation, applied to both layers (see :class:`MuMoE`).
     """
@@ -610,8 +694,11 @@ class MuMoEMLP(_GatedExperts):
         match: Match = None,
         match_bonds: Sequence[str] | None = None,
         bias: bool = True,
-        activation: str | float = "entmax15",
-        gate_norm: str = "batch",
+        activation: str | float | None = None,
+        gate_norm: str | None = None,
+        gate_init: str | None = None,
+        gate: GateSpec | None = None,
+        gate_input: str = "normed",
         input_norm: bool = False,
         hidden_activation: nn.Module | None = None,
         init: str = "auto",
@@ -625,6 +712,7 @@ class MuMoEMLP(_GatedExperts):
         factory = check_factory(device, dtype)
         out_features = in_features if out_features is None else out_features
         check_size("hidden_features", hidden_features)
+        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
         rank, match = _split_rank(rank, match, "MuMoEMLP")
         build_rank = 1 if match is not None and rank is None else rank
         shared = {"bias": bias, "options": decomposition_options, "resize": True}
@@ -633,14 +721,15 @@ class MuMoEMLP(_GatedExperts):
         if match is not None:
             reference = mlp_cost(in_features, hidden_features, out_features, bias=bias).params
             target = _match_target(match, reference, "mlp", "MuMoEMLP")
-            first, second = match_block(first, second, target, bonds=match_bonds, bias=bias).networks
+            matched = match_block(first, second, target, bonds=match_bonds, bias=bias, gate=gate)
+            first, second = matched.networks
         elif match_bonds is not None:
             raise ValueError("match_bonds= names the bonds match= scales; give match= too")
         check_allocatable(first)
         check_allocatable(second)
         self.hidden_features, self.out_features = hidden_features, out_features
-        gate = {"activation": activation, "gate_norm": gate_norm, "input_norm": input_norm, "factory": factory}
-        self._setup_gate(in_features, first.expert_dims, bias=bias, **gate)
+        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
         layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
         self.experts1 = FactorizedExperts(first, fan_in=in_features, **layer)
         self.experts2 = FactorizedExperts(second, fan_in=hidden_features, **layer)

@@ -418,7 +418,6 @@ def test_malformed_constructor_arguments_get_own_errors(case):
     check(*case)
 
 
-@pytest.mark.xfail(strict=False, reason=f"validation order before the gate: gates helper, {OWNED}")
 @given(cases(INPUTS))
 def test_malformed_inputs_get_own_errors(case):
     check(*case)
@@ -430,7 +429,6 @@ def test_malformed_cost_arguments_get_own_errors(case):
     check(*case)
 
 
-@pytest.mark.xfail(strict=False, reason=f"non-finite gate logits: gates helper, {OWNED}")
 @given(
     st.sampled_from(["entmax15", "sparsemax", "softmax"]),
     st.sampled_from(["layer", "none", "batch"]),

@@ -1,5 +1,8 @@
 """Gate activations and the expert gate."""
 
+import math
+import pickle
+
 import entmax
 import pytest
 import torch
@@ -7,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mumoe_tn.activations import entmax15, sparsemax
-from mumoe_tn.gating import ExpertGate, resolve_activation
+from mumoe_tn.gating import ACTIVATIONS, GATE_NORMS, ExpertGate, resolve_activation
 
 
 @given(st.integers(1, 8), st.integers(1, 40), st.floats(0.1, 20), st.integers(0, 2**16))
@@ -45,7 +48,7 @@ def test_resolve_activation():
     x = torch.randn(5, 9, dtype=torch.float64)
     torch.testing.assert_close(resolve_activation(1.5)(x), entmax15(x), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(resolve_activation("softmax")(x), torch.softmax(x, -1))
-    with pytest.raises(ValueError, match=r"alpha must be > 1.*got 1.0"):
+    with pytest.raises(ValueError, match=r"alpha must be a finite number > 1.*got 1.0"):
         resolve_activation(1.0)
     with pytest.raises(ValueError, match=r"unknown activation 'relu'"):
         resolve_activation("relu")
@@ -82,3 +85,81 @@ def test_gate_is_float32_under_autocast():
 def test_gate_errors():
     with pytest.raises(ValueError, match=r"unknown gate norm 'group'"):
         ExpertGate(4, 3, norm="group")
+
+
+@st.composite
+def logits_with_non_finite_entries(draw):
+    """A (rows, width) float64 batch with NaN / ±inf / huge finite entries in some rows."""
+    rows, width = draw(st.integers(2, 6)), draw(st.integers(1, 9))
+    seed = draw(st.integers(0, 2**16))
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+    for _ in range(draw(st.integers(1, 4))):
+        row, col = draw(st.integers(0, rows - 1)), draw(st.integers(0, width - 1))
+        x[row, col] = draw(st.sampled_from([math.nan, math.inf, -math.inf, 3e38, -3e38]))
+    return x
+
+
+def _softmax_would_be_nan(x):
+    return torch.softmax(x, dim=-1).isnan().any(-1)
+
+
+@given(logits_with_non_finite_entries())
+@pytest.mark.parametrize(("ours", "reference"), [(entmax15, entmax.entmax15), (sparsemax, entmax.sparsemax)])
+def test_non_finite_logits_poison_their_rows_only(ours, reference, x):
+    y = ours(x)
+    bad = x.isnan().any(-1) | (x == math.inf).any(-1) | (x == -math.inf).all(-1)
+    assert torch.equal(bad, _softmax_would_be_nan(x))  # the rule is softmax's
+    assert y[bad].isnan().all()
+    for row in (~bad).nonzero().flatten().tolist():
+        # shift invariance, and entries more than 2 below the maximum lie outside the support
+        shifted = (x[row] - x[row].max()).clamp(min=-10)
+        torch.testing.assert_close(y[row], reference(shifted, dim=-1), rtol=1e-12, atol=1e-12)
+
+
+def test_huge_finite_and_infinite_logits_examples():
+    x = torch.tensor([[3e38, -3e38, 1.0], [3e38, 3e38, -3e38], [0.0, -math.inf, 1.0], [math.nan, 0.0, 1.0]])
+    for fn in (entmax15, sparsemax):
+        y = fn(x)
+        torch.testing.assert_close(y[0], torch.tensor([1.0, 0.0, 0.0]))
+        torch.testing.assert_close(y[1], torch.tensor([0.5, 0.5, 0.0]))
+        assert y[2, 1] == 0 and torch.isclose(y[2].sum(), torch.tensor(1.0))
+        assert y[3].isnan().all()
+
+
+def test_gradients_of_good_rows_unaffected_by_a_bad_row():
+    x = torch.randn(3, 5, dtype=torch.float64)
+    x[1, 2] = math.nan
+    for fn in (entmax15, sparsemax):
+        leaf = x.clone().requires_grad_(True)
+        y = fn(leaf)
+        weights = torch.randn_like(y)
+        (y[[0, 2]] * weights[[0, 2]]).sum().backward()
+        clean = x[[0, 2]].clone().requires_grad_(True)
+        (fn(clean) * weights[[0, 2]]).sum().backward()
+        torch.testing.assert_close(leaf.grad[[0, 2]], clean.grad)
+
+
+@pytest.mark.parametrize("activation", ["entmax15", "sparsemax", "softmax"])
+def test_gate_with_overflowing_logits_keeps_other_rows(activation):
+    gate = ExpertGate(4, 6, activation, "none")
+    z = torch.randn(5, 4)
+    clean = gate(z)[0]
+    z[2] = 3e38  # the logits of row 2 overflow float32 to ±inf (or NaN)
+    a = gate(z)[0]
+    assert a[2].isnan().all() or torch.isclose(a[2].sum(), torch.tensor(1.0))
+    torch.testing.assert_close(a[[0, 1, 3, 4]], clean[[0, 1, 3, 4]], rtol=0, atol=0)
+
+
+def test_entmax_and_sparsemax_at_zero_logits_are_uniform_with_full_support():
+    x = torch.zeros(2, 7)
+    for fn in (entmax15, sparsemax):
+        torch.testing.assert_close(fn(x), torch.full((2, 7), 1 / 7))
+
+
+def test_registries_are_mappings_of_picklable_functions():
+    assert set(GATE_NORMS) == {"batch", "layer", "none"}
+    for name, phi in ACTIVATIONS.items():
+        assert pickle.loads(pickle.dumps(phi)) is phi, name
+    alpha = pickle.loads(pickle.dumps(resolve_activation(1.3)))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(alpha(x), entmax.entmax_bisect(x, alpha=1.3, dim=-1))

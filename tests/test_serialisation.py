@@ -79,24 +79,20 @@ def assert_same_function(original, clone):
             assert torch.equal(original(x), expected)  # the original is untouched
 
 
-NOT_PICKLABLE = "lambdas in the gate and a mappingproxy in ExpertNetwork (issue 11: lead and gates helper fix these)"
 
 
-@pytest.mark.xfail(strict=False, reason=NOT_PICKLABLE)
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_pickle_round_trip(name):
     layer = trained(name)
     assert_same_function(layer, _pickle(layer))
 
 
-@pytest.mark.xfail(strict=False, reason=NOT_PICKLABLE)
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_deepcopy_round_trip(name):
     layer = trained(name)
     assert_same_function(layer, copy.deepcopy(layer))
 
 
-@pytest.mark.xfail(strict=False, reason=NOT_PICKLABLE)
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_torch_save_module_round_trip(name):
     layer = trained(name)
@@ -109,12 +105,7 @@ def test_state_dict_round_trip_with_weights_only(name):
     assert_same_function(layer, _state_dict(layer, name))
 
 
-PROXY = pytest.mark.xfail(strict=False, reason="a mappingproxy in ExpertNetwork (issue 11: the lead fixes it)")
-
-
-@pytest.mark.parametrize(
-    "copier", [pytest.param(_pickle, marks=PROXY), pytest.param(copy.deepcopy, marks=PROXY), copy.copy]
-)
+@pytest.mark.parametrize("copier", [_pickle, copy.deepcopy, copy.copy])
 def test_expert_network_round_trip(copier):
     network = ExpertNetwork.from_spec(
         SPEC, expert_dims=(3, 2), in_features=5, out_features=3, ranks={"a": 2, "b": 3, "c": 4}

@@ -14,6 +14,7 @@ from typing import Any
 
 from mumoe_tn.contractions.plan import plan_dense, plan_forward
 from mumoe_tn.costs.params import layer_in_features
+from mumoe_tn.gate_config import GateSpec, gate_fma_per_token
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_size
 
@@ -32,9 +33,13 @@ def matmul_fma(m: int, k: int, n: int) -> int:
     return m * k * n
 
 
-def gate_fma(network: ExpertNetwork, *, bias: bool = True) -> int:
-    """FMAs of the gate logits ``G_eᵀ z`` for one token: ``I·ΣN_e``."""
-    return layer_in_features(network, bias) * sum(network.expert_dims)
+def gate_fma(network: ExpertNetwork, *, bias: bool = True, gate: bool | GateSpec = True) -> int:
+    """FMAs of the gate for one token.
+
+    ``gate=True`` counts the default gate's logits ``G_eᵀ z`` (``I·ΣN_e``), ``False`` gives 0,
+    and a gate descriptor (:mod:`mumoe_tn.gate_config`) reports its own count.
+    """
+    return gate_fma_per_token(gate, layer_in_features(network, bias), network.expert_dims)
 
 
 def materialize_fma(network: ExpertNetwork) -> int:
@@ -96,7 +101,12 @@ class LayerFlops:
 
 
 def layer_flops(
-    network: ExpertNetwork, *, batch: int = 1, bias: bool = True, gate: bool = True, optimize: Any = "dp"
+    network: ExpertNetwork,
+    *,
+    batch: int = 1,
+    bias: bool = True,
+    gate: bool | GateSpec = True,
+    optimize: Any = "dp",
 ) -> LayerFlops:
     """FLOPs of one μMoE layer on ``batch`` tokens, from the plan the layer would run.
 
@@ -108,8 +118,8 @@ def layer_flops(
         Number of tokens (the plan depends on it).
     bias : bool, optional
         Whether leg ``i`` holds a folded bias column (affects the gate's width).
-    gate : bool, optional
-        Count the gate logits.
+    gate : bool or GateSpec, optional
+        Count the gate: the default's logits (``True``), nothing (``False``), or a descriptor.
     optimize : str or object, optional
         Path optimizer, as for the layers.
 
@@ -127,7 +137,7 @@ def layer_flops(
     return LayerFlops(
         batch=batch,
         planned=plan.fma,
-        gate=batch * gate_fma(network, bias=bias) if gate else 0,
+        gate=batch * gate_fma(network, bias=bias, gate=gate),
         closed_form=None if closed is None else batch * closed,
         hand_order=None if hand is None else batch * hand,
         peak_elements=plan.largest_intermediate,

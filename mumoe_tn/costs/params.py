@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mumoe_tn.gate_config import GateSpec, gate_parameter_count
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_bool
 
@@ -58,7 +59,7 @@ def layer_in_features(network: ExpertNetwork, bias: bool) -> int:
 
 
 def layer_parameters(
-    network: ExpertNetwork, *, bias: bool = True, gate: bool = True, input_norm: bool = False
+    network: ExpertNetwork, *, bias: bool = True, gate: bool | GateSpec = True, input_norm: bool = False
 ) -> ParameterCount:
     """Parameters of a :class:`~mumoe_tn.layers.MuMoE` layer built on ``network``.
 
@@ -68,8 +69,9 @@ def layer_parameters(
         The expert network (leg ``i`` includes the bias column when ``bias``).
     bias : bool, optional
         Whether leg ``i`` holds a folded bias column.
-    gate : bool, optional
-        Count the gating parameters ``I·ΣN_e``.
+    gate : bool or GateSpec, optional
+        ``True``: count the default gate's ``I·ΣN_e``; ``False``: do not count gating; a gate
+        descriptor (:mod:`mumoe_tn.gate_config`): count what it reports.
     input_norm : bool, optional
         Count an input LayerNorm (``2·I``).
 
@@ -78,12 +80,12 @@ def layer_parameters(
     ParameterCount
     """
     in_features = layer_in_features(network, bias)
-    gating = in_features * sum(network.expert_dims) if gate else 0
+    gating = gate_parameter_count(gate, in_features, network.expert_dims)
     return ParameterCount(dict(network.core_params), gating, 2 * in_features if input_norm else 0)
 
 
 def block_parameters(
-    first: ExpertNetwork, second: ExpertNetwork, *, bias: bool = True, gate: bool = True
+    first: ExpertNetwork, second: ExpertNetwork, *, bias: bool = True, gate: bool | GateSpec = True
 ) -> ParameterCount:
     """Parameters of a two-layer μMoE block sharing one set of coefficients (one gate).
 
@@ -93,8 +95,8 @@ def block_parameters(
         The networks of the two layers (``I → H`` and ``H → O``), with equal expert dims.
     bias : bool, optional
         Whether both input legs hold a folded bias column.
-    gate : bool, optional
-        Count the one gate ``I·ΣN_e``.
+    gate : bool or GateSpec, optional
+        Count the one gate: ``True`` the default (``I·ΣN_e``), ``False`` none, or a descriptor.
 
     Returns
     -------
@@ -110,5 +112,5 @@ def block_parameters(
             f"({first.out_features})"
         )
     cores = {f"1.{k}": v for k, v in first.core_params.items()} | {f"2.{k}": v for k, v in second.core_params.items()}
-    gating = layer_in_features(first, bias) * sum(first.expert_dims) if gate else 0
+    gating = gate_parameter_count(gate, layer_in_features(first, bias), first.expert_dims)
     return ParameterCount(cores, gating, 0)

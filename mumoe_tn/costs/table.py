@@ -17,6 +17,7 @@ from mumoe_tn.costs.rank import rank_bound
 from mumoe_tn.decompositions.format import Format
 from mumoe_tn.decompositions.registry import get_format, normalize_ranks
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, is_spec, resolve_network
+from mumoe_tn.gate_config import GateSpec, gate_fma_per_token, gate_parameter_count
 from mumoe_tn.network import ExpertNetwork, normalize_expert_dims
 from mumoe_tn.validation import check_bool, check_size
 
@@ -168,7 +169,7 @@ def compare(
     match: str | int | float | None = "linear",
     bonds: Mapping[str, Sequence[str]] | None = None,
     bias: bool = True,
-    gate: bool = True,
+    gate: bool | GateSpec = True,
     batch: int = 1,
     top_k: int = 2,
 ) -> CostTable:
@@ -197,8 +198,10 @@ def compare(
         Bonds to scale per row label (default: the format's, or every bond of a custom network).
     bias : bool, optional
         Fold a bias into the input leg, and give baselines a bias.
-    gate : bool, optional
-        Count gating/router parameters and FMAs.
+    gate : bool or GateSpec, optional
+        Count gating/router parameters and FMAs: True (the default gate), False, or a gate
+        descriptor (see :mod:`mumoe_tn.gate_config`) that reports its own counts. MoE baselines
+        count a plain ``I·N`` router whenever gating is counted.
     batch : int, optional
         Tokens per forward pass, for the planned FMAs and the peak intermediate.
     top_k : int, optional
@@ -211,7 +214,8 @@ def compare(
     """
     dims = normalize_expert_dims(expert_dims)
     check_bool("bias", bias)
-    check_bool("gate", gate)
+    if not isinstance(gate, bool):
+        gate_parameter_count(gate, in_features, dims)  # checks that gate is a GateSpec
     check_size("batch", batch)
     check_size("in_features", in_features)
     check_size("out_features", out_features)
@@ -263,20 +267,20 @@ def compare(
             layers.append(entry.make(dims, out_features + int(bias), in_features, given))
         if given is None and match is not None:
             matched: Match = (
-                match_block(*layers, target, bonds=scaled, bias=bias, gate=gate)
+                match_block(*layers, target, bonds=scaled, bias=bias, gate=bool(gate))
                 if block
-                else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=gate)
+                else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=bool(gate))
             )
             layers = list(matched.networks)
         elif given is None and not entry.sized:
             raise ValueError(f"no rank given for {entry.label!r} and match=None")
         count: ParameterCount = (
-            block_parameters(*layers, bias=bias, gate=gate)
+            block_parameters(*layers, bias=bias, gate=bool(gate))
             if block
-            else layer_parameters(layers[0], bias=bias, gate=gate)
+            else layer_parameters(layers[0], bias=bias, gate=bool(gate))
         )
         flops = [layer_flops(net, batch=batch, bias=bias, gate=False) for net in layers]
-        gate_fma = in_features * sum(dims) if gate else 0
+        gate_fma = gate_fma_per_token(gate, in_features, dims)
         closed = None if any(f.closed_form is None for f in flops) else sum(f.closed_form for f in flops) / batch
         planned = sum(f.planned for f in flops) / batch + gate_fma
         label = f"{entry.label} μMoE{' block' if block else ''}"
@@ -310,7 +314,7 @@ def compare(
         "target_params": target,
         "reference": reference.name,
         "bias": bias,
-        "gate": gate,
+        "gate": gate if isinstance(gate, bool) else repr(gate),
         "batch": batch,
         "top_k": top_k,
     }

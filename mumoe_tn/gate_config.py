@@ -1,0 +1,316 @@
+"""Gate descriptors: what a μMoE layer's gate is, what it costs, and how to build it (torch-free).
+
+A gate turns a token ``z ∈ R^I`` into one coefficient vector ``a_e ∈ R^{N_e}`` per expert mode.
+A *descriptor* is a small immutable object that answers three questions without torch:
+
+- ``parameter_count(in_features, expert_dims)`` — trainable parameters of the gate;
+- ``fma_per_token(in_features, expert_dims)`` — fused multiply-adds per token;
+- ``build(in_features, expert_dims, *, device=None, dtype=None)`` — the ``nn.Module`` (torch is
+  imported only here). Its ``forward(z)`` maps ``(…, I)`` to a tuple of ``(…, N_e)`` tensors;
+  it may define ``losses() -> dict[str, Tensor]`` (auxiliary training losses of the last
+  forward pass in the calling thread) and ``reset_parameters()``.
+
+Anything with these three methods is a gate (:class:`GateSpec` is the protocol): the layers
+(``MuMoE(…, gate=spec)``) and the cost model (``layer_parameters(net, gate=spec)``,
+``gate_fma(net, gate=spec)``) use it with no edits to the package. The cost model also takes
+``True`` (the default gate, ``I·ΣN_e`` parameters and FMAs) and ``False`` (gating not counted).
+
+Shipped descriptors: :class:`Gate` (entmax15 / sparsemax / softmax / α-entmax with batch,
+layer or no normalisation of the logits) and :class:`TopKGate` (a softmax top-k router). Both
+count ``I·ΣN_e`` parameters (the logit norms have no affine parameters) and ``I·ΣN_e`` FMAs
+(the logits; the norm and φ are elementwise and not counted, as in the paper's tables).
+Activation and norm *names* are checked against the registries of :mod:`mumoe_tn.gating` when
+the gate is built (the layer's constructor), so registering a new norm needs no edit here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "DEFAULT_GATE",
+    "GATE_INITS",
+    "Gate",
+    "GateSpec",
+    "TopKGate",
+    "gate_fma_per_token",
+    "gate_from_options",
+    "gate_parameter_count",
+]
+
+#: Initialisations of the gate projections: nn.Linear's default, or all zeros (uniform start).
+GATE_INITS = ("default", "zeros")
+
+
+@runtime_checkable
+class GateSpec(Protocol):
+    """What the layers and the cost model ask of a gate descriptor."""
+
+    def parameter_count(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
+        """Trainable parameters of the gate for input width ``I`` and expert dims ``N_1 … N_E``."""
+        ...
+
+    def fma_per_token(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
+        """Fused multiply-adds the gate spends on one token."""
+        ...
+
+    def build(
+        self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
+    ) -> nn.Module:
+        """The gate module: ``forward(z)`` returns one ``(…, N_e)`` tensor per expert mode."""
+        ...
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_name(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a non-empty name, got {value!r}")
+
+
+class _LinearLogits:
+    """Costs shared by gates whose logits are one bias-free ``I × N_e`` projection per mode."""
+
+    def parameter_count(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
+        """``I·ΣN_e``: the projections (the logit norms have no affine parameters)."""
+        return in_features * sum(expert_dims)
+
+    def fma_per_token(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
+        """``I·ΣN_e``: the logits ``G_eᵀ z``."""
+        return in_features * sum(expert_dims)
+
+
+@dataclass(frozen=True)
+class Gate(_LinearLogits):
+    """The paper's gate ``a_e = φ(norm(G_eᵀ z))`` for every expert mode (the default).
+
+    Parameters
+    ----------
+    activation : str or float, optional
+        φ: ``"entmax15"`` (default, the paper's), ``"sparsemax"``, ``"softmax"``, or a finite
+        float ``α > 1`` for α-entmax by bisection.
+    norm : str, optional
+        Normalisation of the logits: ``"batch"`` (default, BatchNorm without affine as in the
+        paper), ``"layer"`` (LayerNorm without affine) or ``"none"``.
+    init : {"default", "zeros"}, optional
+        ``"default"``: nn.Linear's initialisation; ``"zeros"``: all projections zero, so every
+        coefficient starts at ``1/N_e`` (the authors' GPT-2 configuration; entmax15, sparsemax
+        and softmax all map equal logits to the uniform vector, with the full support).
+    balance_loss : bool, optional
+        Record a Switch-style load-balancing loss after each forward pass (see
+        :class:`mumoe_tn.gating.ExpertGate`).
+    z_loss : bool, optional
+        Record the router z-loss (mean squared logsumexp of the logits).
+    """
+
+    activation: str | float = "entmax15"
+    norm: str = "batch"
+    init: str = "default"
+    balance_loss: bool = False
+    z_loss: bool = False
+
+    def __post_init__(self) -> None:
+        activation = self.activation
+        if isinstance(activation, bool) or not isinstance(activation, (str, int, float)):
+            raise TypeError(f"activation must be a name or a float alpha, got {activation!r}")
+        if isinstance(activation, (int, float)) and not (math.isfinite(activation) and activation > 1):
+            raise ValueError(
+                f"entmax alpha must be a finite number > 1 (1 is softmax: use 'softmax'), got {activation!r}"
+            )
+        _check_name("norm", self.norm)
+        if self.init not in GATE_INITS:
+            raise ValueError(f"unknown gate init {self.init!r}; choose one of {list(GATE_INITS)}")
+        _check_flag("balance_loss", self.balance_loss)
+        _check_flag("z_loss", self.z_loss)
+
+    def build(
+        self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
+    ) -> nn.Module:
+        """An :class:`~mumoe_tn.gating.ExpertGate` with these options."""
+        from mumoe_tn.gating import ExpertGate
+
+        return ExpertGate(
+            in_features,
+            expert_dims,
+            self.activation,
+            self.norm,
+            init=self.init,
+            balance_loss=self.balance_loss,
+            z_loss=self.z_loss,
+            device=device,
+            dtype=dtype,
+        )
+
+
+@dataclass(frozen=True)
+class TopKGate(_LinearLogits):
+    """A softmax top-k router per expert mode: the ``k`` largest logits, renormalised.
+
+    Every token keeps ``k`` experts of each mode, weighted by the softmax of their logits
+    (the softmax of all logits restricted to the top ``k`` and renormalised); the others get
+    exactly 0. With hierarchical expert dims each mode routes on its own.
+
+    Parameters
+    ----------
+    k : int or Sequence[int], optional
+        Experts kept per token, one int for every mode or one per mode (default 1).
+    norm : str, optional
+        Normalisation of the logits (default ``"none"``, as in Switch/Mixtral routers).
+    init : {"default", "zeros"}, optional
+        As for :class:`Gate`. Zero logits all tie: ``k`` experts (``torch.topk`` picks which)
+        get ``1/k`` each, so unlike a dense gate a zero-initialised router starts by training
+        only those; the balance loss then spreads the routing.
+    balance_loss, z_loss : bool, optional
+        As for :class:`Gate`; the balance loss uses the router's full softmax and the top-k
+        dispatch fractions.
+    """
+
+    k: int | tuple[int, ...] = 1
+    norm: str = "none"
+    init: str = "default"
+    balance_loss: bool = False
+    z_loss: bool = False
+
+    def __post_init__(self) -> None:
+        ks = self.k if isinstance(self.k, Sequence) and not isinstance(self.k, str) else (self.k,)
+        for k in ks:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(
+                    f"k must be a positive int or a sequence of them (one per expert mode), got {self.k!r}"
+                )
+        if not isinstance(self.k, int):
+            object.__setattr__(self, "k", tuple(ks))
+        _check_name("norm", self.norm)
+        if self.init not in GATE_INITS:
+            raise ValueError(f"unknown gate init {self.init!r}; choose one of {list(GATE_INITS)}")
+        _check_flag("balance_loss", self.balance_loss)
+        _check_flag("z_loss", self.z_loss)
+
+    def build(
+        self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
+    ) -> nn.Module:
+        """A :class:`~mumoe_tn.gating.TopKRouter` with these options."""
+        from mumoe_tn.gating import TopKRouter
+
+        return TopKRouter(
+            in_features,
+            expert_dims,
+            self.k,
+            self.norm,
+            init=self.init,
+            balance_loss=self.balance_loss,
+            z_loss=self.z_loss,
+            device=device,
+            dtype=dtype,
+        )
+
+
+#: The gate every layer uses unless told otherwise: entmax15 on BatchNorm'd logits.
+DEFAULT_GATE = Gate()
+
+
+def _as_spec(gate: object) -> GateSpec | None:
+    if gate is True:
+        return DEFAULT_GATE
+    if gate is False:
+        return None
+    if not isinstance(gate, GateSpec):
+        raise TypeError(
+            "gate must be True (the default gate), False (not counted) or a gate descriptor with "
+            f"parameter_count, fma_per_token and build (see mumoe_tn.gate_config.GateSpec), got {gate!r}"
+        )
+    return gate
+
+
+def _checked_count(gate: GateSpec, what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"the gate {gate!r} reported {what} = {value!r}; it must be a non-negative int")
+    return value
+
+
+def gate_parameter_count(gate: bool | GateSpec, in_features: int, expert_dims: Sequence[int]) -> int:
+    """Parameters of ``gate`` (``True``: the default gate, ``False``: 0) for ``I`` and ``N_1 … N_E``.
+
+    Parameters
+    ----------
+    gate : bool or GateSpec
+        What to count.
+    in_features : int
+        Width ``I`` of the gate's input.
+    expert_dims : Sequence[int]
+        ``N_1 … N_E``.
+
+    Returns
+    -------
+    int
+    """
+    spec = _as_spec(gate)
+    if spec is None:
+        return 0
+    return _checked_count(spec, "parameter_count", spec.parameter_count(in_features, tuple(expert_dims)))
+
+
+def gate_fma_per_token(gate: bool | GateSpec, in_features: int, expert_dims: Sequence[int]) -> int:
+    """FMAs per token of ``gate`` (``True``: the default gate, ``False``: 0).
+
+    Parameters
+    ----------
+    gate : bool or GateSpec
+        What to count.
+    in_features : int
+        Width ``I`` of the gate's input.
+    expert_dims : Sequence[int]
+        ``N_1 … N_E``.
+
+    Returns
+    -------
+    int
+    """
+    spec = _as_spec(gate)
+    if spec is None:
+        return 0
+    return _checked_count(spec, "fma_per_token", spec.fma_per_token(in_features, tuple(expert_dims)))
+
+
+def gate_from_options(
+    gate: GateSpec | None = None,
+    *,
+    activation: str | float | None = None,
+    norm: str | None = None,
+    init: str | None = None,
+) -> GateSpec:
+    """The descriptor a layer uses: ``gate`` itself, or a :class:`Gate` from the short options.
+
+    Parameters
+    ----------
+    gate : GateSpec, optional
+        A ready descriptor; then the other options must be left unset.
+    activation, norm, init : optional
+        :class:`Gate` fields (defaults ``"entmax15"``, ``"batch"``, ``"default"``).
+
+    Returns
+    -------
+    GateSpec
+    """
+    if gate is None:
+        options = {"activation": activation, "norm": norm, "init": init}
+        return Gate(**{key: value for key, value in options.items() if value is not None})
+    if isinstance(gate, bool) or not isinstance(gate, GateSpec):
+        raise TypeError(
+            "gate must be a gate descriptor with parameter_count, fma_per_token and build "
+            f"(e.g. mumoe_tn.gate_config.Gate or TopKGate), got {gate!r}"
+        )
+    options = {"activation": activation, "gate_norm": norm, "gate_init": init}
+    given = [name for name, value in options.items() if value is not None]
+    if given:
+        raise TypeError(f"pass either gate= or {', '.join(given)}, not both (the descriptor {gate!r} holds them)")
+    return gate
