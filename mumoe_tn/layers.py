@@ -398,6 +398,7 @@ class _GatedExperts(PerThreadRecords):
         self.bias = bias
         self.expert_dims = expert_dims
         self.gate_input = gate_input
+        check_bool("input_norm", input_norm)
         self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
         self.gate_spec = gate
         module = gate.build(in_features, expert_dims, **factory)
