@@ -164,3 +164,20 @@ def test_quick_run_json_through_the_cli(capsys, tmp_path):
     for row in result["table"]:
         assert row["seeds"] == len(config.seeds)
         assert row["test_accuracy_min"] <= row["test_accuracy"] <= row["test_accuracy_max"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--epochs", "-1"], "epochs must be a positive integer, got -1"),
+        (["demo", "--epochs", "0"], "epochs must be a positive integer, got 0"),
+        (["demo", "--experts", "8", "0"], "expert_counts must be positive integers"),
+        (["demo", "--plot", "/nonexistent-folder/p.png"], "does not exist"),
+    ],
+)
+def test_demo_rejects_arguments_that_would_report_an_untrained_model(argv, message, capsys):
+    """Issue 11: ``demo --epochs -1`` printed an untrained model's figures as results."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
