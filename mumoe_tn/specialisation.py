@@ -317,6 +317,8 @@ def measure_model(layer: MuMoE, features: Features) -> dict:
     -------
     dict
         ``test_accuracy``; ``experts_used`` (non-zero coefficient on some test sample);
+        ``experts_per_sample`` (mean count of non-zero coefficients of a test sample) and
+        ``top_coefficient`` (mean largest coefficient of a test sample);
         ``experts_changing_a_class`` (the paper's footnote filter) and their
         ``mean_polysemanticity``; ``mean_polysemanticity_all`` (every expert; an expert that
         changes nothing has ``d = 0`` and ``p = 1``); for the filtered experts the mean largest
@@ -332,6 +334,8 @@ def measure_model(layer: MuMoE, features: Features) -> dict:
     return {
         "test_accuracy": float((effects.accuracy * counts).sum() / counts.sum()),
         "experts_used": int((coefficients > 0).any(0).sum()),
+        "experts_per_sample": float((coefficients > 0).sum(1).double().mean()),
+        "top_coefficient": float(coefficients.max(1).values.double().mean()),
         "experts_changing_a_class": int(changed.sum()),
         "mean_polysemanticity": effects.mean if any_changed else None,
         "mean_polysemanticity_all": float(effects.polysemanticity.mean()),
@@ -352,6 +356,8 @@ def _linear_probe_accuracy(features: Features, config: ExperimentConfig, seed: i
 _SUMMARY = (
     "test_accuracy",
     "experts_used",
+    "experts_per_sample",
+    "top_coefficient",
     "experts_changing_a_class",
     "mean_polysemanticity",
     "mean_polysemanticity_all",
@@ -458,6 +464,8 @@ _COLUMNS = (
     ("experts", "N", None),
     ("test_accuracy", "test acc.", 3),
     ("experts_used", "experts used", 1),
+    ("experts_per_sample", "experts per sample", 1),
+    ("top_coefficient", "top coefficient", 2),
     ("experts_changing_a_class", "experts changing a class", 1),
     ("mean_polysemanticity", "mean p (changing experts)", 3),
     ("mean_polysemanticity_all", "mean p (all experts)", 3),

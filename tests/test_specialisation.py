@@ -153,6 +153,8 @@ def test_quick_run_json_through_the_cli(capsys, tmp_path):
     for run in result["runs"]:
         n = run["experts"]
         assert 0 <= run["experts_changing_a_class"] <= run["experts_used"] <= n
+        assert 1 <= run["experts_per_sample"] <= run["experts_used"]
+        assert 1 / n - 1e-9 <= run["top_coefficient"] <= 1 + 1e-9
         assert len(run["max_drops"]) == run["experts_changing_a_class"]
         # experts that change nothing have p = 1: the unfiltered mean mixes them in
         changing = run["experts_changing_a_class"]
