@@ -574,6 +574,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     parser.add_argument("--gates", nargs="+", choices=list(GATES), help="gate settings (default all three)")
     parser.add_argument("--seeds", type=int, nargs="+", help=f"model seeds (default {list(defaults.seeds)})")
+    parser.add_argument("--classes", type=int, help=f"generated classes (default {defaults.classes})")
+    parser.add_argument("--superclasses", type=int, help=f"superclasses (default {defaults.superclasses})")
     parser.add_argument("--epochs", type=int, help=f"training epochs (default {defaults.epochs})")
     parser.add_argument("--rank", type=int, help=f"CP rank of the head (default {defaults.rank})")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: fastest on a shared machine)")
@@ -591,6 +593,8 @@ def _config_from(args: argparse.Namespace) -> ExperimentConfig:
         "expert_counts": tuple(args.experts) if args.experts else None,
         "gates": tuple(args.gates) if args.gates else None,
         "seeds": tuple(args.seeds) if args.seeds else None,
+        "classes": args.classes,
+        "superclasses": args.superclasses,
         "epochs": args.epochs,
         "rank": args.rank,
     }
