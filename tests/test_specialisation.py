@@ -66,12 +66,12 @@ def test_one_expert_polysemanticity_is_the_hand_computed_value():
 
 
 def test_hand_computed_polysemanticity_on_a_constructed_head():
-    """Two classes, two experts, gate fixed by hand: expert 0 alone serves class 0, expert 1 class 1.
+    """Two classes, two experts, every weight set by hand; the expected d and p worked out below.
 
-    Softmax-free sparse gate (gate_norm none, sparsemax with a gap of 10 between logits) selects
-    expert 0 for x₀ > 0 and expert 1 otherwise. Ablating expert 0 zeroes the logits of class-0
-    samples (prediction: class 0 by argmax ties, still correct!) — so the head is built so that
-    class-0 samples are labelled 1 and class 1 samples 0: each expert alone is needed for one class.
+    The gate (no normalisation, sparsemax, logits ±10·x₀) selects expert 0 alone for x₀ > 0 and
+    expert 1 alone for x₀ < 0. Expert 0 gives class 1 the logit x₀, expert 1 gives class 0 the
+    logit −x₀, so every sample is classified correctly. Ablating an expert zeroes its samples'
+    logits, and argmax of a zero row is class 0.
     """
     layer = MuMoE(2, 2, 2, "cp", 2, activation="sparsemax", gate_norm="none", bias=False, dtype=DTYPE)
     gate = next(iter(layer.gate.projections.values()))
