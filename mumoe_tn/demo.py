@@ -88,12 +88,27 @@ def run_demo(
     list of dict
         Per expert count: test accuracy, experts whose ablation changes some class, mean
         polysemanticity.
+
+    Raises
+    ------
+    ValueError
+        If ``epochs``, ``rank``, ``hidden`` or an expert count is not a positive integer (an
+        untrained model would be reported as if trained), or ``plot``'s folder does not exist
+        (checked before training).
     """
     from tqdm import tqdm
 
+    for name, value in (("epochs", epochs), ("rank", rank), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    counts = list(expert_counts)
+    if not counts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise ValueError(f"expert_counts must be positive integers, got {counts!r}")
+    if plot is not None and not Path(plot).resolve().parent.is_dir():
+        raise ValueError(f"plot {str(plot)!r}: folder {str(Path(plot).resolve().parent)!r} does not exist")
     x_train, y_train, x_test, y_test = load_digits(seed)
     rows = []
-    for n in tqdm(list(expert_counts), desc="expert counts", disable=not progress):
+    for n in tqdm(counts, desc="expert counts", disable=not progress):
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(64, hidden), nn.GELU(), MuMoE(hidden, 10, n, "cp", rank))
         _train(model, x_train, y_train, epochs, seed)
