@@ -11,7 +11,7 @@ bonds,
   (bonds renamed, shared physical legs summed), and
 * the right-hand side ``R[P, B]`` is the contraction of the target with the other cores,
 
-both planned like any other contraction; then ``core[P, B] = R[P, :] · G⁻¹`` (a ridge of
+both planned once, like any other contraction; then ``core[P, B] = R[P, :] · G⁻¹`` (a ridge of
 ``1e-12·tr(G)/|B|`` keeps ``G`` invertible). One sweep updates every core in turn; sweeps stop
 when the relative error falls below ``tol`` or stops improving.
 """
@@ -27,6 +27,9 @@ from mumoe_tn.contractions.execute import run_plan
 from mumoe_tn.contractions.plan import plan_contraction
 
 __all__ = ["als_fit"]
+
+#: A sweep that lowers the relative error by less than this fraction of it ends the fit.
+_STAGNATION = 1e-4
 
 Labels = tuple[str, ...]
 
@@ -59,7 +62,8 @@ def als_fit(
     n_iter_max : int, optional
         Maximum number of sweeps.
     tol : float, optional
-        Stop once the relative error is below ``tol``, or improves by less than ``tol`` in a sweep.
+        Stop once the relative error is below ``tol``, or when a sweep improves it by less than
+        0.01 % of its value (stagnation).
     random_state : int, optional
         Seed of the random start (ignored with ``initial``).
     initial : Mapping[str, torch.Tensor], optional
@@ -91,52 +95,58 @@ def als_fit(
         return {name: torch.zeros_like(value) for name, value in values.items()}, 0.0
 
     dense_plan = plan_contraction(list(cores.values()), physical, sizes)
+    solvers = {name: _CoreSolver(name, cores, sizes, physical) for name in cores}
     error = math.inf
     for _ in range(n_iter_max):
         for name in cores:
-            values[name] = _solve_core(name, cores, sizes, values, data, physical)
+            values[name] = solvers[name].solve(values, data)
         fitted = run_plan(dense_plan, [values[n] for n in cores])
         new_error = float((fitted - data).norm()) / norm
         improved = error - new_error
         error = new_error
-        if error < tol or improved < tol:
+        if error < tol or improved < _STAGNATION * error:
             break
     return values, error
 
 
-def _solve_core(
-    name: str,
-    cores: Mapping[str, Labels],
-    sizes: Mapping[str, int],
-    values: Mapping[str, torch.Tensor],
-    data: torch.Tensor,
-    physical: Labels,
-) -> torch.Tensor:
-    labels = cores[name]
-    own_physical = tuple(x for x in labels if x in physical)
-    bonds = tuple(x for x in labels if x not in physical)
-    others = [other for other in cores if other != name]
-    if not others:
-        # A single core holds the whole tensor: it is the target itself.
-        return data.permute(*(physical.index(x) for x in labels)).clone()
+class _CoreSolver:
+    """The normal equations of one core, planned once: ``core[P, B] = R[P, :] · G⁻¹``."""
 
-    def primed(x: str) -> str:
-        return x if x in physical else f"{x}'"
+    def __init__(self, name: str, cores: Mapping[str, Labels], sizes: Mapping[str, int], physical: Labels) -> None:
+        labels = cores[name]
+        self.name, self.labels, self.physical = name, labels, physical
+        self.own_physical = tuple(x for x in labels if x in physical)
+        self.bonds = tuple(x for x in labels if x not in physical)
+        self.others = [other for other in cores if other != name]
+        self.sizes = sizes
+        if not self.others:
+            return
 
-    other_labels = [cores[other] for other in others]
-    other_values = [values[other] for other in others]
-    prime_sizes = {**sizes, **{f"{x}'": sizes[x] for x in sizes if x not in physical}}
-    gram_inputs = [*other_labels, *[tuple(primed(x) for x in labels_) for labels_ in other_labels]]
-    gram_output = (*bonds, *(primed(x) for x in bonds))
-    gram = run_plan(plan_contraction(gram_inputs, gram_output, prime_sizes), other_values + other_values)
-    rhs_plan = plan_contraction([physical, *other_labels], (*own_physical, *bonds), sizes)
-    rhs = run_plan(rhs_plan, [data, *other_values])
-    n_bonds = math.prod(sizes[x] for x in bonds)
-    n_physical = math.prod(sizes[x] for x in own_physical)
-    gram = gram.reshape(n_bonds, n_bonds)
-    ridge = 1e-12 * float(gram.diagonal().sum()) / n_bonds + 1e-300
-    gram = gram + ridge * torch.eye(n_bonds, dtype=gram.dtype, device=gram.device)
-    solution = torch.linalg.solve(gram, rhs.reshape(n_physical, n_bonds).T).T
-    solution = solution.reshape(*(sizes[x] for x in own_physical), *(sizes[x] for x in bonds))
-    order = (*own_physical, *bonds)
-    return solution.permute(*(order.index(x) for x in labels)).contiguous()
+        def primed(x: str) -> str:
+            return x if x in physical else f"{x}'"
+
+        other_labels = [cores[other] for other in self.others]
+        prime_sizes = {**sizes, **{f"{x}'": sizes[x] for x in sizes if x not in physical}}
+        gram_inputs = [*other_labels, *[tuple(primed(x) for x in each) for each in other_labels]]
+        gram_output = (*self.bonds, *(primed(x) for x in self.bonds))
+        self.gram_plan = plan_contraction(gram_inputs, gram_output, prime_sizes)
+        self.rhs_plan = plan_contraction([physical, *other_labels], (*self.own_physical, *self.bonds), sizes)
+
+    def solve(self, values: Mapping[str, torch.Tensor], data: torch.Tensor) -> torch.Tensor:
+        """The least-squares core given the current values of the others."""
+        if not self.others:
+            # A single core holds the whole tensor: it is the target itself.
+            return data.permute(*(self.physical.index(x) for x in self.labels)).clone()
+        sizes = self.sizes
+        other_values = [values[other] for other in self.others]
+        gram = run_plan(self.gram_plan, other_values + other_values)
+        rhs = run_plan(self.rhs_plan, [data, *other_values])
+        n_bonds = math.prod(sizes[x] for x in self.bonds)
+        n_physical = math.prod(sizes[x] for x in self.own_physical)
+        gram = gram.reshape(n_bonds, n_bonds)
+        ridge = 1e-12 * float(gram.diagonal().sum()) / n_bonds + 1e-300
+        gram = gram + ridge * torch.eye(n_bonds, dtype=gram.dtype, device=gram.device)
+        solution = torch.linalg.solve(gram, rhs.reshape(n_physical, n_bonds).T).T
+        solution = solution.reshape(*(sizes[x] for x in self.own_physical), *(sizes[x] for x in self.bonds))
+        order = (*self.own_physical, *self.bonds)
+        return solution.permute(*(order.index(x) for x in self.labels)).contiguous()
