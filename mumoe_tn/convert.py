@@ -223,7 +223,8 @@ def _upcycle(choice: _Choice, layers: dict[str, FactorizedExperts], bias: bool) 
             )
         matrix = view.matrix(bias_row=bias)
         if not torch.isfinite(matrix).all():
-            raise ValueError(f"cannot upcycle {choice.paths[0]!r}: the {role} layer's weights contain NaN or inf")
+            what = "its weights" if role == "layer" else f"its {role} layer's weights"
+            raise ValueError(f"cannot upcycle {choice.paths[0]!r}: {what} contain NaN or inf")
         matrices[role] = matrix
     return max(upcycle_experts(layers[role], matrix) for role, matrix in matrices.items())
 
@@ -299,7 +300,11 @@ def convert(
         raise ValueError("no module was selected: check the linears=/mlps= patterns (see find_mlp_blocks(model))")
     built = []
     for choice in choices:
-        new, layers = _new_module(choice, expert_dims, decomposition, rank, layer_options)
+        try:
+            new, layers = _new_module(choice, expert_dims, decomposition, rank, layer_options)
+        except (ValueError, TypeError) as error:
+            kind = TypeError if isinstance(error, TypeError) else ValueError
+            raise kind(f"cannot convert {choice.paths[0]!r}: {error}") from error
         error = _upcycle(choice, layers, new.bias) if upcycle else None
         if all(view.frozen for view in choice.layers.values()):
             new.requires_grad_(False)
