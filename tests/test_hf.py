@@ -155,11 +155,11 @@ def test_bert_split_mlps_upcycle_exactly():
 
 
 def test_timm_mixer_converts_and_trains():
-    timm = pytest.importorskip("timm", exc_type=ImportError)  # timm imports torchvision at import time
+    pytest.importorskip("timm", exc_type=ImportError)  # timm imports torchvision at import time
     torch.manual_seed(0)
-    model = timm.create_model(
-        "mixer_s16_224", pretrained=False, num_classes=4, img_size=32, patch_size=8, num_blocks=2, embed_dim=32
-    )
+    from timm.models.mlp_mixer import MlpMixer
+
+    model = MlpMixer(num_classes=4, img_size=32, patch_size=8, num_blocks=2, embed_dim=32)
     blocks = find_mlp_blocks(model)
     assert blocks == [f"blocks.{k}.{mlp}" for k in range(2) for mlp in ("mlp_tokens", "mlp_channels")]
     convert(model, expert_dims=(4, 4), mlps=r"mlp_channels$")
@@ -173,3 +173,19 @@ def test_timm_mixer_converts_and_trains():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("layer", ["Mlp", "GluMlp", "SwiGLU", "SwiGLUPacked"])
+def test_timm_mlps_upcycle_exactly(layer):
+    pytest.importorskip("timm", exc_type=ImportError)
+    from timm.layers import mlp
+
+    torch.manual_seed(0)
+    original = getattr(mlp, layer)(8, 16).to(DTYPE).eval()
+    model = torch.nn.Sequential(copy.deepcopy(original))
+    report = convert(model, expert_dims=4, mlps=".", rank=17, upcycle=True)
+    assert report.replacements[0].kind == ("mlp" if layer == "Mlp" else "gated")
+    _randomize_gates(model)
+    x = torch.randn(3, 8, dtype=DTYPE)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), original(x))
