@@ -90,8 +90,9 @@ class ConversionReport:
         for r in self.replacements:
             error = "" if r.upcycle_error is None else f"{r.upcycle_error:.2e}"
             experts = "×".join(map(str, r.expert_dims))
+            name = r.name + "".join(f" (= {alias})" for alias in r.aliases)
             lines.append(
-                f"| {r.name} | {r.kind} | {r.params_before:,} | {r.params_after:,} | {experts} | {r.ranks} | {error} |"
+                f"| {name} | {r.kind} | {r.params_before:,} | {r.params_after:,} | {experts} | {r.ranks} | {error} |"
             )
         lines.append(f"| **total** | | {self.params_before:,} | {self.params_after:,} | | | |")
         return "\n".join(lines)

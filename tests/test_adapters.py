@@ -265,6 +265,7 @@ def test_a_shared_module_is_replaced_at_every_path():
     report = convert(model, expert_dims=2, linears=r"^0$")
     assert isinstance(model[0], MuMoE) and model[2] is model[0]
     assert [(r.name, r.aliases) for r in report.replacements] == [("0", ("2",))]
+    assert "| 0 (= 2) | linear |" in report.to_markdown()
     block = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
     model = nn.ModuleDict({"a": block, "b": block})
     convert(model, expert_dims=2, mlps=".")
