@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.pretrain_steps = 20, 20
+        args.steps, args.pretrain_steps = 15, 15
         args.width, args.depth, args.heads, args.context, args.batch = 64, 2, 2, 32, 8
-        args.lr, args.eval_batches = 3e-3, 4
+        args.lr, args.eval_batches = 3e-3, 3
     torch.manual_seed(args.seed)
     model, tokens = load_model(args)
     model.to(args.device)
