@@ -160,6 +160,14 @@ class MuMoEGatedMLP(nn.Module):
 
         return resized(solve_rank(count, target, what=f"a gated {first.name} block scaling {bonds}"))
 
+    def reset_parameters(self) -> None:
+        """Re-initialise the gate, the input norm and the three factorized layers."""
+        for module in (*self.gate.projections.values(), *self.gate.norms.values(), self.input_norm):
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        for experts in self.expert_layers.values():
+            experts.reset_parameters()
+
     @property
     def expert_layers(self) -> dict[str, FactorizedExperts]:
         """The three factorized layers by role: ``gate``, ``up``, ``down``."""

@@ -166,6 +166,10 @@ def test_gated_block_equals_dense_reference():
     up = dense_forward(block.up_proj.to_dense(), a, z)
     expected = dense_forward(block.down_proj.to_dense(), a, torch.cat([nn.functional.gelu(gate) * up, ones], -1))
     torch.testing.assert_close(y, expected.reshape(2, 6, 4))
+    assert [c.shape for c in block.last_coefficients] == [(2, 6, 3), (2, 6, 2)]  # one gate, shared
+    cores = {name: core.detach().clone() for name, core in block.up_proj.cores.items()}
+    block.reset_parameters()
+    assert any(not torch.equal(core, block.up_proj.cores[name]) for name, core in cores.items())
 
 
 @pytest.mark.parametrize("name", NAMED)
