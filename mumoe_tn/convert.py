@@ -298,7 +298,20 @@ def convert(
         raise TypeError(f"upcycle must be a bool, got {upcycle!r}")
     choices = _choose(model, select_linear, select_mlp)
     if not choices:
-        raise ValueError("no module was selected: check the linears=/mlps= patterns (see find_mlp_blocks(model))")
+        hint = ""
+        if mlp_parts(model) is not None or linear_view(model) is not None:
+            hint = "; convert replaces submodules, not the model itself: wrap it, e.g. nn.Sequential(model)"
+        raise ValueError(
+            f"no module was selected: check the linears=/mlps= patterns (see find_mlp_blocks(model)){hint}"
+        )
+    for choice in choices:
+        for role, view in choice.layers.items():
+            if not view.dtype.is_floating_point:
+                what = "its weight" if role == "layer" else f"its {role} layer's weight"
+                raise TypeError(
+                    f"cannot convert {choice.paths[0]!r}: {what} has dtype {view.dtype}, not a floating dtype "
+                    "(dequantize the model first)"
+                )
     built = []
     for choice in choices:
         try:

@@ -299,5 +299,11 @@ def test_non_finite_weights_are_refused_before_any_change():
         convert(model, expert_dims=2, linears="1", upcycle=True)
     with pytest.raises(ValueError, match=r"cannot convert '0': target of \d+ parameters is below"):
         convert(nn.Sequential(nn.Linear(2, 2)), expert_dims=2, linears=".")  # too small to match
+    quantized = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    quantized[0][2].weight = nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(TypeError, match=r"cannot convert '0': its down layer's weight has dtype torch.int8"):
+        convert(quantized, expert_dims=2, mlps=".", rank=2)
+    with pytest.raises(ValueError, match=r"no module was selected.*wrap it, e.g. nn.Sequential\(model\)"):
+        convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)), expert_dims=2, mlps=".")
     with pytest.raises(TypeError, match=r"upcycle must be a bool, got 1"):
         convert(model, expert_dims=2, linears="0", upcycle=1)
