@@ -23,3 +23,14 @@ def test_gpt2_upcycle_quick(monkeypatch):
     assert mumoe["loss_after"] < mumoe["loss_before"]  # fine-tuning helps
     assert dense["loss_after"] < dense["loss_before"]
     assert mumoe["tokens_per_s"] > 0
+
+
+def test_gpt2_upcycle_from_local_weights(monkeypatch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import gpt2_upcycle
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)  # a local checkpoint, no tokenizer
+    dense, mumoe = gpt2_upcycle.main(["--quick", "--weights", str(tmp_path), "--experts", "4", "4"])
+    assert mumoe["experts"] == 16 and abs(mumoe["params"] - dense["params"]) / dense["params"] < 0.02
