@@ -8,11 +8,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
-from mumoe_tn.layers import Decomposition, MuMoE, MuMoEMLP
+from mumoe_tn.adapters import LinearView, linear_view
+from mumoe_tn.gated import MuMoEGatedMLP
+from mumoe_tn.layers import Decomposition, FactorizedExperts, MuMoE, MuMoEMLP
+from mumoe_tn.mlp_blocks import MLPParts, mlp_parts
 from mumoe_tn.network import ExpertNetwork
-from mumoe_tn.upcycling import decompose_dense, upcycle_linear
+from mumoe_tn.upcycling import decompose_dense, upcycle_experts, upcycle_linear
 
 __all__ = [
     "ConversionReport",
@@ -30,7 +34,28 @@ Selector = str | Callable[[str, nn.Module], bool] | None
 # ----------------------------------------------------------------------------- conversion
 @dataclass(frozen=True)
 class Replacement:
-    """One replaced module."""
+    """One replaced module.
+
+    Attributes
+    ----------
+    name : str
+        Qualified name of the replaced module (an MLP block's name for blocks).
+    kind : {"linear", "mlp", "gated", "split"}
+        A linear layer, a plain MLP block, a gated (SwiGLU/GeGLU) block, or a BERT-style block
+        split across two sibling modules (see :mod:`mumoe_tn.mlp_blocks`).
+    params_before, params_after : int
+        Parameters of the replaced layers and of their μMoE replacement.
+    expert_dims : tuple of int
+        Experts of the replacement.
+    ranks : str
+        Bond sizes of its (first) expert network.
+    upcycle_error : float or None
+        With ``upcycle=True``: the largest relative error ``‖M − Ŵ_n‖_F / ‖M‖_F`` over the
+        replaced layers' matrices (0 up to rounding when every expert equals them).
+    aliases : tuple of str
+        Further names of the same module (a module shared at several paths is replaced at
+        every one of them by the same new module).
+    """
 
     name: str
     kind: str
@@ -39,6 +64,7 @@ class Replacement:
     expert_dims: tuple[int, ...]
     ranks: str
     upcycle_error: float | None = None
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass
@@ -64,8 +90,9 @@ class ConversionReport:
         for r in self.replacements:
             error = "" if r.upcycle_error is None else f"{r.upcycle_error:.2e}"
             experts = "×".join(map(str, r.expert_dims))
+            name = r.name + "".join(f" (= {alias})" for alias in r.aliases)
             lines.append(
-                f"| {r.name} | {r.kind} | {r.params_before:,} | {r.params_after:,} | {experts} | {r.ranks} | {error} |"
+                f"| {name} | {r.kind} | {r.params_before:,} | {r.params_after:,} | {experts} | {r.ranks} | {error} |"
             )
         lines.append(f"| **total** | | {self.params_before:,} | {self.params_after:,} | | | |")
         return "\n".join(lines)
@@ -74,52 +101,139 @@ class ConversionReport:
         return self.to_markdown()
 
 
-def _select(selector: Selector) -> Callable[[str, nn.Module], bool]:
+def _select(selector: Selector, argument: str) -> Callable[[str, nn.Module], bool]:
     if selector is None:
         return lambda name, module: False
     if isinstance(selector, str):
-        pattern = re.compile(selector)
+        try:
+            pattern = re.compile(selector)
+        except re.error as error:
+            raise ValueError(f"{argument}= is not a valid regular expression: {selector!r} ({error})") from None
         return lambda name, module: pattern.search(name) is not None
     if callable(selector):
         return selector
-    raise TypeError(f"a module selector is a regex string or a callable (name, module) -> bool, got {selector!r}")
-
-
-def _mlp_parts(module: nn.Module) -> tuple[nn.Linear, nn.Module | None, nn.Linear] | None:
-    """``(first, activation, second)`` when ``module`` is an MLP block, else None.
-
-    An MLP block has exactly two ``nn.Linear`` children (direct, in registration order) whose
-    sizes chain ``I → H → O``, and no other child with parameters (so an attention block with
-    two projections, e.g. ``nn.TransformerEncoderLayer``, is not one); the activation is the
-    first other child between them that is not a Dropout.
-    """
-    children = list(module.children())
-    positions = [k for k, child in enumerate(children) if isinstance(child, nn.Linear)]
-    if len(positions) != 2:
-        return None
-    others = [child for k, child in enumerate(children) if k not in positions]
-    if any(next(child.parameters(), None) is not None for child in others):
-        return None
-    first, second = children[positions[0]], children[positions[1]]
-    if first.out_features != second.in_features:
-        return None
-    between = [c for c in children[positions[0] + 1 : positions[1]] if not isinstance(c, (nn.Linear, nn.Dropout))]
-    if not between:
-        between = [c for c in children if not isinstance(c, (nn.Linear, nn.Dropout))]
-    return first, (between[0] if between else None), second
+    raise TypeError(f"{argument}= must be a regex string or a callable (name, module) -> bool, got {selector!r}")
 
 
 def find_mlp_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the modules of ``model`` that :func:`convert` treats as MLP blocks."""
-    return [name for name, module in model.named_modules() if name and _mlp_parts(module) is not None]
+    """Qualified names of the modules of ``model`` that :func:`convert` treats as MLP blocks.
+
+    Plain two-layer MLPs (``nn.Linear``, Hugging Face ``Conv1D`` or any layer type registered
+    with :func:`mumoe_tn.adapters.register_adapter`), gated MLPs (Llama-style
+    ``gate_proj/up_proj/down_proj``, timm ``SwiGLU``/``GluMlp``) and BERT-style layers whose MLP
+    is split into ``intermediate`` and ``output`` (the layer's name is listed); see
+    :mod:`mumoe_tn.mlp_blocks`.
+    """
+    return [name for name, module in model.named_modules() if name and mlp_parts(module) is not None]
 
 
 def _ranks(network: ExpertNetwork) -> str:
     return ", ".join(f"{bond}={network.sizes[bond]}" for bond in network.bonds)
 
 
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _count(modules: Sequence[nn.Module]) -> int:
+    unique = {id(p): p for module in modules for p in module.parameters()}
+    return sum(p.numel() for p in unique.values())
+
+
+def _join(prefix: str, child: str) -> str:
+    return f"{prefix}.{child}" if child else prefix
+
+
+@dataclass
+class _Choice:
+    """A module chosen for replacement, with every path it sits at."""
+
+    kind: str
+    module: nn.Module
+    layers: dict[str, LinearView]
+    parts: MLPParts | None
+    paths: list[str]
+
+
+def _choose(model: nn.Module, select_linear: Callable, select_mlp: Callable) -> list[_Choice]:
+    choices: dict[int, _Choice] = {}
+    taken: list[str] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not name or any(name == t or name.startswith(t + ".") for t in taken):
+            continue
+        known = choices.get(id(module))
+        if known is not None:  # the same module at a second path
+            known.paths.append(name)
+            if known.parts is not None:
+                taken.extend(_join(name, child) for child in known.parts.replaced)
+            continue
+        parts = mlp_parts(module)
+        if parts is not None and select_mlp(name, module):
+            choices[id(module)] = _Choice(parts.kind, module, parts.layers, parts, [name])
+            taken.extend(_join(name, child) for child in parts.replaced)
+            continue
+        view = linear_view(module)
+        if view is not None and select_linear(name, module):
+            choices[id(module)] = _Choice("linear", module, {"layer": view}, None, [name])
+    return list(choices.values())
+
+
+def _new_module(
+    choice: _Choice,
+    expert_dims: int | Sequence[int],
+    decomposition: Decomposition,
+    rank: int | Sequence[int] | str,
+    options: dict[str, Any],
+) -> tuple[nn.Module, dict[str, FactorizedExperts]]:
+    """The μMoE replacement of ``choice`` and its factorized layers by role."""
+    views = choice.layers
+    first = views.get("up", views.get("layer"))
+    factory = {"device": first.device, "dtype": first.dtype}
+    bias = any(view.bias is not None for view in views.values())
+    if choice.kind == "linear":
+        layer = MuMoE(
+            first.in_features,
+            first.out_features,
+            expert_dims,
+            decomposition,
+            "linear" if rank == "match" else rank,
+            bias=bias,
+            **factory,
+            **options,
+        )
+        return layer, {"layer": layer.experts}
+    down, activation = views["down"], choice.parts.activation
+    block = {
+        "bias": bias,
+        "hidden_activation": nn.Identity() if activation is None else copy.deepcopy(activation),
+        **factory,
+        **options,
+    }
+    sizes = (first.in_features, first.out_features, down.out_features, expert_dims, decomposition)
+    if choice.kind == "gated":
+        gated = MuMoEGatedMLP(*sizes, "mlp" if rank == "match" else rank, **block)
+        return gated, gated.expert_layers
+    mlp = MuMoEMLP(*sizes, "mlp" if rank == "match" else rank, **block)
+    return mlp, {"up": mlp.experts1, "down": mlp.experts2}
+
+
+def _upcycle(choice: _Choice, layers: dict[str, FactorizedExperts], bias: bool) -> float:
+    """Set every expert of each new layer to the replaced layer's matrix; the largest error."""
+    matrices = {}
+    for role, view in choice.layers.items():
+        if view.device.type == "meta":
+            raise ValueError(
+                f"cannot upcycle {choice.paths[0]!r}: its weights are on the meta device (load them first, "
+                "or convert with upcycle=False)"
+            )
+        matrix = view.matrix(bias_row=bias)
+        if not torch.isfinite(matrix).all():
+            what = "its weights" if role == "layer" else f"its {role} layer's weights"
+            raise ValueError(f"cannot upcycle {choice.paths[0]!r}: {what} contain NaN or inf")
+        matrices[role] = matrix
+    return max(upcycle_experts(layers[role], matrix) for role, matrix in matrices.items())
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_name, _, child = path.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
 
 
 def convert(
@@ -133,7 +247,14 @@ def convert(
     upcycle: bool = False,
     **layer_options: Any,
 ) -> ConversionReport:
-    """Replace chosen ``nn.Linear`` layers and MLP blocks of ``model`` with μMoE layers, in place.
+    """Replace chosen linear layers and MLP blocks of ``model`` with μMoE layers, in place.
+
+    Linear layers are any module with an adapter (``nn.Linear``, Hugging Face ``Conv1D``, or a
+    type registered with :func:`mumoe_tn.adapters.register_adapter`). Every replacement is
+    built (and upcycled) before the model is touched, so a failing conversion leaves the model
+    as it was. A replacement keeps the replaced module's train/eval mode; it is frozen
+    (``requires_grad=False`` on all its parameters) when every parameter it replaces was
+    frozen. A module shared at several paths is replaced at every path by one new module.
 
     Parameters
     ----------
@@ -142,81 +263,81 @@ def convert(
     expert_dims : int or Sequence[int]
         Experts of every new layer.
     linears : str or Callable, optional
-        ``nn.Linear`` modules to replace with :class:`~mumoe_tn.layers.MuMoE`: a regex searched
-        in the qualified module name, or a predicate ``(name, module) -> bool``.
+        Linear layers to replace with :class:`~mumoe_tn.layers.MuMoE`: a regex searched in the
+        qualified module name, or a predicate ``(name, module) -> bool``.
     mlps : str or Callable, optional
-        MLP blocks (see :func:`find_mlp_blocks`) to replace with
-        :class:`~mumoe_tn.layers.MuMoEMLP`, selected the same way. A block is replaced by its
-        two linears and activation; dropout inside it is not carried over.
+        MLP blocks (see :func:`find_mlp_blocks`) to replace, selected the same way: plain
+        blocks by :class:`~mumoe_tn.layers.MuMoEMLP`, gated ones by
+        :class:`~mumoe_tn.gated.MuMoEGatedMLP`. Dropout inside a block is not carried over.
     decomposition : str or Callable, optional
         Decomposition of every new layer.
     rank : int or Sequence[int] or "match", optional
         ``"match"`` (default) parameter-matches each replacement to what it replaces (gating
         counted); otherwise explicit ranks.
     upcycle : bool, optional
-        Start each replaced Linear's experts as that Linear (:func:`upcycle_linear`); with
-        matched ranks this is the best approximation of its rank, and the report gives the error.
+        Start every expert of each new layer as the layer it replaces (for blocks: each of the
+        block's layers; see :func:`mumoe_tn.upcycling.upcycle_experts`). Exact when the rank
+        holds the layer's matrix (the converted model then computes what the original did, for
+        any gate output); otherwise the best approximation of that rank. The report gives the
+        error.
     **layer_options
         Further layer arguments (activation, gate_norm, input_norm, …).
 
     Returns
     -------
     ConversionReport
+
+    Raises
+    ------
+    ValueError
+        An invalid regex, nothing selected, weights with NaN/inf or on the meta device when
+        upcycling.
     """
-    select_linear, select_mlp = _select(linears), _select(mlps)
-    chosen: list[tuple[str, str, nn.Module]] = []
-    taken: list[str] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(prefix + ".") for prefix in taken):
-            continue
-        if _mlp_parts(module) is not None and select_mlp(name, module):
-            chosen.append((name, "mlp", module))
-            taken.append(name)
-        elif isinstance(module, nn.Linear) and select_linear(name, module):
-            chosen.append((name, "linear", module))
-    if not chosen:
-        raise ValueError("no module was selected: check the linears=/mlps= patterns (see find_mlp_blocks(model))")
-    report = ConversionReport()
-    for name, kind, module in chosen:
-        error = None
-        if kind == "linear":
-            layer_rank = "linear" if rank == "match" else rank
-            if upcycle:
-                new, error = upcycle_linear(module, expert_dims, decomposition, layer_rank, **layer_options)
-            else:
-                new = MuMoE(
-                    module.in_features,
-                    module.out_features,
-                    expert_dims,
-                    decomposition,
-                    layer_rank,
-                    bias=module.bias is not None,
-                    device=module.weight.device,
-                    dtype=module.weight.dtype,
-                    **layer_options,
+    select_linear, select_mlp = _select(linears, "linears"), _select(mlps, "mlps")
+    if not isinstance(upcycle, bool):
+        raise TypeError(f"upcycle must be a bool, got {upcycle!r}")
+    choices = _choose(model, select_linear, select_mlp)
+    if not choices:
+        hint = ""
+        if mlp_parts(model) is not None or linear_view(model) is not None:
+            hint = "; convert replaces submodules, not the model itself: wrap it, e.g. nn.Sequential(model)"
+        raise ValueError(
+            f"no module was selected: check the linears=/mlps= patterns (see find_mlp_blocks(model)){hint}"
+        )
+    for choice in choices:
+        for role, view in choice.layers.items():
+            if not view.dtype.is_floating_point:
+                what = "its weight" if role == "layer" else f"its {role} layer's weight"
+                raise TypeError(
+                    f"cannot convert {choice.paths[0]!r}: {what} has dtype {view.dtype}, not a floating dtype "
+                    "(dequantize the model first)"
                 )
-            network = new.network
-        else:
-            first, activation, second = _mlp_parts(module)
-            new = MuMoEMLP(
-                first.in_features,
-                first.out_features,
-                second.out_features,
-                expert_dims,
-                decomposition,
-                "mlp" if rank == "match" else rank,
-                bias=first.bias is not None,
-                hidden_activation=copy.deepcopy(activation) if activation is not None else None,
-                device=first.weight.device,
-                dtype=first.weight.dtype,
-                **layer_options,
-            )
-            network = new.experts1.network
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        before = _count(module)
-        setattr(parent, child, new)
+    built = []
+    for choice in choices:
+        try:
+            new, layers = _new_module(choice, expert_dims, decomposition, rank, layer_options)
+        except (ValueError, TypeError) as error:
+            kind = TypeError if isinstance(error, TypeError) else ValueError
+            raise kind(f"cannot convert {choice.paths[0]!r}: {error}") from error
+        error = _upcycle(choice, layers, new.bias) if upcycle else None
+        if all(view.frozen for view in choice.layers.values()):
+            new.requires_grad_(False)
+        new.train(choice.module.training)
+        built.append((choice, new, layers, error))
+    report = ConversionReport()
+    for choice, new, layers, error in built:
+        bypass = () if choice.parts is None else choice.parts.bypass
+        target = "" if choice.parts is None else choice.parts.target
+        for path in choice.paths:
+            _set(model, _join(path, target), new)
+            for child in bypass:
+                _set(model, _join(path, child), nn.Identity())
+        network = next(iter(layers.values())).network
+        before = _count([view.module for view in choice.layers.values()])
+        name, *aliases = choice.paths
         report.replacements.append(
-            Replacement(name, kind, before, _count(new), network.expert_dims, _ranks(network), error)
+            Replacement(
+                name, choice.kind, before, _count([new]), network.expert_dims, _ranks(network), error, tuple(aliases)
+            )
         )
     return report

@@ -171,7 +171,7 @@ def test_convert_errors():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"no module was selected"):
         convert(model, expert_dims=4, linears="nothing")
-    with pytest.raises(TypeError, match=r"a module selector is a regex string or a callable"):
+    with pytest.raises(TypeError, match=r"linears= must be a regex string or a callable"):
         convert(model, expert_dims=4, linears=3)
 
 
