@@ -192,7 +192,7 @@ def _new_module(
             first.out_features,
             expert_dims,
             decomposition,
-            "linear" if rank == "match" else rank,
+            **_ranks_or_match(rank, "linear"),
             bias=bias,
             **factory,
             **options,
@@ -207,10 +207,15 @@ def _new_module(
     }
     sizes = (first.in_features, first.out_features, down.out_features, expert_dims, decomposition)
     if choice.kind == "gated":
-        gated = MuMoEGatedMLP(*sizes, "mlp" if rank == "match" else rank, **block)
+        gated = MuMoEGatedMLP(*sizes, **_ranks_or_match(rank, "mlp"), **block)
         return gated, gated.expert_layers
-    mlp = MuMoEMLP(*sizes, "mlp" if rank == "match" else rank, **block)
+    mlp = MuMoEMLP(*sizes, **_ranks_or_match(rank, "mlp"), **block)
     return mlp, {"up": mlp.experts1, "down": mlp.experts2}
+
+
+def _ranks_or_match(rank: object, target: str) -> dict[str, object]:
+    """``rank="match"`` parameter-matches (``match=target``); anything else gives explicit ranks."""
+    return {"match": target} if rank == "match" else {"rank": rank}
 
 
 def _upcycle(choice: _Choice, layers: dict[str, FactorizedExperts], bias: bool) -> float:

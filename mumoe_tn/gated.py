@@ -9,31 +9,44 @@ import torch
 from torch import nn
 
 from mumoe_tn.costs import layer_parameters, linear, scaled_bonds, solve_rank
-from mumoe_tn.gating import ExpertGate
-from mumoe_tn.layers import Decomposition, FactorizedExperts, Rank, resolve_network
+from mumoe_tn.decompositions.resolve import Decomposition, Rank
+from mumoe_tn.gate_config import GateSpec, gate_from_options
+from mumoe_tn.layer_options import (
+    Match,
+    check_allocatable,
+    check_factory,
+    match_target,
+    resolve_network,
+    split_rank_and_match,
+)
+from mumoe_tn.layers import FactorizedExperts, SharedGateLayers
 from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.validation import check_size
 
 __all__ = ["MuMoEGatedMLP", "gated_mlp_parameters"]
 
 
 def gated_mlp_parameters(
-    gate: ExpertNetwork,
+    gate_layer: ExpertNetwork,
     up: ExpertNetwork,
     down: ExpertNetwork,
     *,
     bias: bool = True,
+    gate: bool | GateSpec = True,
     input_norm: bool = False,
 ) -> int:
     """Parameters of a :class:`MuMoEGatedMLP` on these networks: three expert tensors, one gate.
 
     Parameters
     ----------
-    gate, up : ExpertNetwork
+    gate_layer, up : ExpertNetwork
         The layers ``I → H`` (gate and up projections).
     down : ExpertNetwork
         The layer ``H → O``.
     bias : bool, optional
         Whether leg ``i`` of each network holds a folded bias column.
+    gate : bool or GateSpec, optional
+        The shared gate, counted once (see :mod:`mumoe_tn.gate_config`).
     input_norm : bool, optional
         Count an input LayerNorm.
 
@@ -41,22 +54,14 @@ def gated_mlp_parameters(
     -------
     int
     """
-    shared = layer_parameters(gate, bias=bias, gate=True, input_norm=input_norm).total
+    shared = layer_parameters(gate_layer, bias=bias, gate=gate, input_norm=input_norm).total
     return shared + sum(layer_parameters(net, bias=bias, gate=False).total for net in (up, down))
 
 
-def _scaled(network: ExpertNetwork) -> tuple[str, ...]:
-    """The bonds matching scales: the format's default, else every bond (as for Tucker)."""
-    try:
-        return scaled_bonds(network)
-    except ValueError:
-        return network.bonds
-
-
-class MuMoEGatedMLP(nn.Module):
+class MuMoEGatedMLP(SharedGateLayers):
     """Gated μMoE MLP block: ``y = down(act(gate(z)) ⊙ up(z))`` with μMoE layers.
 
-    ``a = φ(norm(Gᵀ z))`` is computed once per token and shared by the three factorized layers
+    One set of expert coefficients per token is shared by the three factorized layers
     ``gate_proj``, ``up_proj`` (``I → H``) and ``down_proj`` (``H → O``) — a drop-in for the
     SwiGLU/GeGLU MLP of Llama, Mistral, Qwen, Gemma (``act`` SiLU or GELU).
 
@@ -68,19 +73,20 @@ class MuMoEGatedMLP(nn.Module):
         Output size (default ``in_features``).
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``, shared by the three layers.
-    decomposition : str or Callable, optional
-        As for :class:`~mumoe_tn.layers.MuMoE` (a name, spec string or builder).
-    rank : int or Sequence[int] or Mapping[str, int] or "mlp"
-        Ranks of the three layers, or ``"mlp"`` to parameter-match the gated MLP block
-        ``2·(I·H + H) + H·O + O`` (one rank for all three layers, the one gate counted).
+    decomposition : str or Format or ExpertNetwork or Callable, optional
+        As for :class:`~mumoe_tn.layers.MuMoE` (a ready network gives the structure and bond
+        sizes; its legs are set to each layer's sizes).
+    rank : int or Sequence[int] or Mapping[str, int], optional
+        Ranks of the three layers (with ``match=``: the bonds matching leaves alone).
+    match : "mlp" or int or float, optional
+        Parameter-match the gated MLP block ``2·(I·H + H) + H·O + O`` (one rank for all three
+        layers, the one gate counted), a parameter budget, or a fraction of the block's count.
+    match_bonds : Sequence[str], optional
+        The bonds ``match=`` scales (default: the format's, or every bond).
     bias : bool, optional
         Fold a bias into every layer's input leg (default True; Llama's MLP has none).
-    activation : str or float, optional
-        Gate activation φ (default ``"entmax15"``).
-    gate_norm : {"batch", "layer", "none"}, optional
-        Normalisation of the gate logits.
-    input_norm : bool, optional
-        LayerNorm on the block's input first.
+    gate, activation, gate_norm, gate_init, gate_input, input_norm : optional
+        The shared gate, as for :class:`~mumoe_tn.layers.MuMoE`.
     hidden_activation : nn.Module, optional
         The ``act`` of the gate projection (default ``nn.SiLU()``: SwiGLU).
     init, expert_noise, optimize, device, dtype, **decomposition_options
@@ -89,7 +95,7 @@ class MuMoEGatedMLP(nn.Module):
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
-        The (detached) shared coefficients of the last forward pass.
+        The (detached) shared coefficients of this thread's last forward pass.
     """
 
     def __init__(
@@ -99,11 +105,16 @@ class MuMoEGatedMLP(nn.Module):
         out_features: int | None = None,
         expert_dims: int | Sequence[int] | None = None,
         decomposition: Decomposition = "cp",
-        rank: Rank = None,
+        rank: Rank | None = None,
         *,
+        match: Match = None,
+        match_bonds: Sequence[str] | None = None,
         bias: bool = True,
-        activation: str | float = "entmax15",
-        gate_norm: str = "batch",
+        activation: str | float | None = None,
+        gate_norm: str | None = None,
+        gate_init: str | None = None,
+        gate: GateSpec | None = None,
+        gate_input: str = "normed",
         input_norm: bool = False,
         hidden_activation: nn.Module | None = None,
         init: str = "auto",
@@ -114,82 +125,76 @@ class MuMoEGatedMLP(nn.Module):
         **decomposition_options: Any,
     ) -> None:
         super().__init__()
-        if isinstance(decomposition, ExpertNetwork):
-            raise TypeError(
-                "MuMoEGatedMLP builds three networks: pass a name, a spec string or a builder, not one network"
-            )
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias must be a bool, got {bias!r}")
-        if isinstance(rank, str) and rank != "mlp":
-            raise ValueError(f"MuMoEGatedMLP matches rank='mlp' (the gated MLP block it replaces), got {rank!r}")
-        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
-            raise TypeError(f"hidden_activation must be an nn.Module, got {type(hidden_activation).__name__}")
-        factory = {"device": device, "dtype": dtype}
+        factory = check_factory(device, dtype)
         out_features = in_features if out_features is None else out_features
-        self.in_features, self.hidden_features, self.out_features = in_features, hidden_features, out_features
-        self.bias = bias
-        shared = {"bias": bias, "options": decomposition_options}
-        first = resolve_network(decomposition, expert_dims, in_features, hidden_features, rank, **shared)
-        second = resolve_network(decomposition, expert_dims, hidden_features, out_features, rank, **shared)
-        if rank == "mlp":
-            first, second = self._match(first, second, bias=bias, input_norm=input_norm)
-        self.expert_dims = first.expert_dims
-        self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
-        self.gate = ExpertGate(in_features, first.expert_dims, activation, gate_norm, **factory)
+        check_size("hidden_features", hidden_features)
+        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
+            raise TypeError(f"hidden_activation must be an nn.Module such as nn.SiLU(), got {hidden_activation!r}")
+        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+        rank, match = split_rank_and_match(rank, match, "MuMoEGatedMLP")
+        build_rank = 1 if match is not None and rank is None else rank
+        shared = {"bias": bias, "options": decomposition_options, "resize": True}
+        first = resolve_network(decomposition, expert_dims, in_features, hidden_features, build_rank, **shared)
+        second = resolve_network(decomposition, expert_dims, hidden_features, out_features, build_rank, **shared)
+        if match is not None:
+            reference = 2 * linear(in_features, hidden_features, bias=bias).params
+            reference += linear(hidden_features, out_features, bias=bias).params
+            target = match_target(match, reference, "mlp", "MuMoEGatedMLP")
+            first, second = _match(first, second, target, match_bonds, bias=bias, gate=gate, input_norm=input_norm)
+        elif match_bonds is not None:
+            raise ValueError("match_bonds= names the bonds match= scales; give match= too")
+        check_allocatable(first)
+        check_allocatable(second)
+        self.hidden_features, self.out_features = hidden_features, out_features
+        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
         layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
         self.gate_proj = FactorizedExperts(first, fan_in=in_features, **layer)
         self.up_proj = FactorizedExperts(first, fan_in=in_features, **layer)
         self.down_proj = FactorizedExperts(second, fan_in=hidden_features, **layer)
         self.hidden_activation = nn.SiLU() if hidden_activation is None else hidden_activation
-        self.last_coefficients: tuple[torch.Tensor, ...] | None = None
-
-    def _match(
-        self, first: ExpertNetwork, second: ExpertNetwork, *, bias: bool, input_norm: bool
-    ) -> tuple[ExpertNetwork, ExpertNetwork]:
-        """Scale the bonds of all three layers by one rank to the gated block's parameter count."""
-        bonds = _scaled(first)
-        in_f, hidden, out_f = self.in_features, self.hidden_features, self.out_features
-        target = 2 * linear(in_f, hidden, bias=bias).params + linear(hidden, out_f, bias=bias).params
-
-        def resized(r: int) -> tuple[ExpertNetwork, ExpertNetwork]:
-            return first.with_sizes(**dict.fromkeys(bonds, r)), second.with_sizes(**dict.fromkeys(bonds, r))
-
-        def count(r: int) -> int:
-            up, down = resized(r)
-            return gated_mlp_parameters(up, up, down, bias=bias, input_norm=input_norm)
-
-        return resized(solve_rank(count, target, what=f"a gated {first.name} block scaling {bonds}"))
-
-    def reset_parameters(self) -> None:
-        """Re-initialise the gate, the input norm and the three factorized layers."""
-        for module in (*self.gate.projections.values(), *self.gate.norms.values(), self.input_norm):
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        for experts in self.expert_layers.values():
-            experts.reset_parameters()
 
     @property
     def expert_layers(self) -> dict[str, FactorizedExperts]:
         """The three factorized layers by role: ``gate``, ``up``, ``down``."""
         return {"gate": self.gate_proj, "up": self.up_proj, "down": self.down_proj}
 
+    def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.gate_proj, self.up_proj, self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
-        if x.ndim < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
-        z = self.input_norm(x)
-        coefficients = self.gate(z)
-        self.last_coefficients = tuple(a.detach() for a in coefficients)
-        if not torch.is_autocast_enabled(z.device.type):
-            coefficients = tuple(a.to(z.dtype) for a in coefficients)
-        gate = self.gate_proj(z, coefficients, append_one=self.bias)
-        up = self.up_proj(z, coefficients, append_one=self.bias)
-        return self.down_proj(self.hidden_activation(gate) * up, coefficients, append_one=self.bias)
+        z, coefficients = self._gate(x)
+        gate = self._contract(self.gate_proj, z, coefficients)
+        up = self._contract(self.up_proj, z, coefficients)
+        return self._contract(self.down_proj, self.hidden_activation(gate) * up, coefficients)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
             f"out_features={self.out_features}, bias={self.bias}"
         )
+
+
+def _match(
+    first: ExpertNetwork,
+    second: ExpertNetwork,
+    target: int,
+    bonds: Sequence[str] | None,
+    *,
+    bias: bool,
+    gate: GateSpec,
+    input_norm: bool,
+) -> tuple[ExpertNetwork, ExpertNetwork]:
+    """Scale the bonds of all three layers by one rank to ``target`` parameters."""
+    names = scaled_bonds(first, bonds)
+    scaled_bonds(second, names)
+
+    def resized(r: int) -> tuple[ExpertNetwork, ExpertNetwork]:
+        return first.with_sizes(**dict.fromkeys(names, r)), second.with_sizes(**dict.fromkeys(names, r))
+
+    def count(r: int) -> int:
+        up, down = resized(r)
+        return gated_mlp_parameters(up, up, down, bias=bias, gate=gate, input_norm=input_norm)
+
+    return resized(solve_rank(count, target, what=f"a gated {first.name} block scaling {names}"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,144 +14,23 @@ from mumoe_tn.contractions.execute import run_plan
 from mumoe_tn.contractions.plan import ContractionPlan, plan_forward, resolve_optimizer
 from mumoe_tn.costs.baselines import linear as linear_cost
 from mumoe_tn.costs.baselines import mlp as mlp_cost
-from mumoe_tn.costs.matching import match_block, match_layer, resolve_target
+from mumoe_tn.costs.matching import match_block, match_layer
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
-from mumoe_tn.decompositions.resolve import resolve_network as resolve_decomposition
 from mumoe_tn.gate_config import GateSpec, gate_from_options
 from mumoe_tn.gating import PerThreadRecords
 from mumoe_tn.init import INIT_RULES, init_cores
+from mumoe_tn.layer_options import (
+    Match,
+    check_allocatable,
+    check_factory,
+    match_target,
+    resolve_network,
+    split_rank_and_match,
+)
 from mumoe_tn.network import INPUT_LEG, ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
-__all__ = ["FactorizedExperts", "MuMoE", "MuMoEMLP", "check_allocatable", "check_factory", "resolve_network"]
-
-#: What ``match=`` accepts: a target name, a number of parameters, or a fraction of the replaced layer's.
-Match = str | int | float | None
-
-
-def resolve_network(
-    decomposition: Decomposition,
-    expert_dims: int | Sequence[int] | None,
-    in_features: int,
-    out_features: int,
-    rank: Rank | None,
-    *,
-    bias: bool = True,
-    options: Mapping[str, Any] | None = None,
-    resize: bool = False,
-) -> ExpertNetwork:
-    """The expert network of a layer ``in_features -> out_features`` (leg ``i`` = in + bias).
-
-    Parameters
-    ----------
-    decomposition : str or Format or ExpertNetwork or Callable
-        A registered name, a :class:`~mumoe_tn.decompositions.Format`, a spec string
-        (``"n1 a b, a i c, b c o"``), a ready network whose legs must match, or a builder
-        ``(expert_dims, i, o, rank, **options)``; see
-        :func:`mumoe_tn.decompositions.resolve_network`.
-    expert_dims : int or Sequence[int] or None
-        Expert mode sizes (optional with a ready network, where they must match).
-    in_features, out_features : int
-        The layer's sizes.
-    rank : int or Sequence[int] or Mapping[str, int] or None
-        The decomposition's ranks.
-    bias : bool, optional
-        Whether leg ``i`` has a folded bias column.
-    options : Mapping[str, Any], optional
-        Extra format or builder options.
-    resize : bool, optional
-        Give a ready network this layer's leg sizes instead of requiring them.
-
-    Returns
-    -------
-    ExpertNetwork
-    """
-    for what, size in (("in_features", in_features), ("out_features", out_features)):
-        check_size(what, size)
-        if size >= _MAX_FEATURES:
-            raise ValueError(f"{what}={size} is too large for a layer (at most {_MAX_FEATURES - 1:,})")
-    check_bool("bias", bias)
-    width = in_features + int(bias)
-    return resolve_decomposition(decomposition, expert_dims, width, out_features, rank, options=options, resize=resize)
-
-
-def _split_rank(rank: object, match: object, layer: str) -> tuple[object, object]:
-    """Separate ``rank=`` from ``match=``; the old ``rank="linear"/"mlp"`` still works, with a warning."""
-    if isinstance(rank, str):
-        if rank not in ("linear", "mlp", "match"):
-            raise ValueError(
-                f"rank must be ranks (int, sequence or mapping), got the string {rank!r}; "
-                "use match= to match parameters"
-            )
-        warnings.warn(
-            f"rank={rank!r} is deprecated: pass match={rank!r} (rank= now only takes ranks)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if match is not None:
-            raise ValueError(f"{layer}: give match= once (rank={rank!r} is its deprecated spelling)")
-        return None, rank
-    return rank, match
-
-
-def _match_target(match: object, reference: int, allowed: str, layer: str) -> int:
-    """The parameter budget of ``match=`` for a layer whose natural reference is ``allowed``."""
-    if isinstance(match, str):
-        if match in (allowed, "match"):
-            return reference
-        raise ValueError(
-            f"{layer}: match={match!r} is not a target here; use {allowed!r}, a number of parameters (int) or a "
-            "fraction of the replaced layer's parameters (float)"
-        )
-    return resolve_target(match, reference)
-
-
-def check_factory(device: object, dtype: object) -> dict[str, Any]:
-    """Validate ``device=``/``dtype=`` factory arguments before they reach torch.
-
-    Parameters
-    ----------
-    device : torch.device or str or int or None
-        Where the parameters live.
-    dtype : torch.dtype or None
-        A floating-point dtype.
-
-    Returns
-    -------
-    dict
-        ``{"device": …, "dtype": …}`` for the factory calls.
-    """
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float32, got {dtype!r}")
-    if device is not None:
-        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-            raise TypeError(
-                f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or None, got {device!r}"
-            )
-        try:
-            parsed = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
-        if parsed.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} asks for CUDA, but torch.cuda.is_available() is False here")
-        if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r}: there are only {torch.cuda.device_count()} CUDA device(s)")
-    return {"device": device, "dtype": dtype}
-
-
-def check_allocatable(network: ExpertNetwork) -> None:
-    """Raise ``ValueError`` if a core of ``network`` has more elements than a tensor can index."""
-    for core, count in network.core_params.items():
-        if count >= _MAX_ELEMENTS:
-            raise ValueError(
-                f"core {core!r} of shape {network.core_shape(core)} has {count:.3g} elements, more than a tensor "
-                f"can hold (2**63); lower the sizes or ranks"
-            )
-
-
-_MAX_ELEMENTS = 1 << 63
-_MAX_FEATURES = 1 << 40
-
+__all__ = ["FactorizedExperts", "MuMoE", "MuMoEMLP", "SharedGateLayers", "resolve_network"]
 
 #: Batch size of the plan used while ``torch.compile`` traces a layer (made at construction).
 COMPILE_PLAN_BATCH = 1024
@@ -372,8 +250,14 @@ class FactorizedExperts(nn.Module):
 GATE_INPUTS = ("normed", "raw")
 
 
-class _GatedExperts(PerThreadRecords):
-    """What MuMoE and MuMoEMLP share: the gate, the input norm, recording and ablation."""
+class SharedGateLayers(PerThreadRecords):
+    """Base of layers whose factorized expert layers share one gate: MuMoE, MuMoEMLP, MuMoEGatedMLP.
+
+    It holds the gate, the input norm, the per-thread record of the coefficients and any
+    active ablation. A subclass calls ``_setup_gate`` in its constructor, lists its factorized
+    layers in ``_expert_layers`` and, in ``forward``, gets ``z, coefficients = self._gate(x)``
+    and contracts each layer with ``self._contract(experts, z, coefficients)``.
+    """
 
     in_features: int
     bias: bool
@@ -503,7 +387,7 @@ class _GatedExperts(PerThreadRecords):
         return self.ablation.correct(experts, z, coefficients, y, append_one=self.bias)
 
 
-class MuMoE(_GatedExperts):
+class MuMoE(SharedGateLayers):
     """A μMoE layer: a drop-in replacement for ``nn.Linear(in_features, out_features)``.
 
     ``a_e = φ(norm(G_eᵀ z))`` for every expert mode ``e``, then
@@ -601,14 +485,14 @@ class MuMoE(_GatedExperts):
         super().__init__()
         factory = check_factory(device, dtype)
         gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
-        rank, match = _split_rank(rank, match, "MuMoE")
+        rank, match = split_rank_and_match(rank, match, "MuMoE")
         build_rank = 1 if match is not None and rank is None else rank
         network = resolve_network(
             decomposition, expert_dims, in_features, out_features, build_rank, bias=bias, options=decomposition_options
         )
         if match is not None:
             reference = linear_cost(in_features, out_features, bias=bias).params
-            target = _match_target(match, reference, "linear", "MuMoE")
+            target = match_target(match, reference, "linear", "MuMoE")
             matched = match_layer(network, target, bonds=match_bonds, bias=bias, gate=gate, input_norm=input_norm)
             network = matched.networks[0]
         elif match_bonds is not None:
@@ -638,7 +522,7 @@ class MuMoE(_GatedExperts):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"
 
 
-class MuMoEMLP(_GatedExperts):
+class MuMoEMLP(SharedGateLayers):
     """The paper's two-layer μMoE block (Section "Large language/vision μMoE networks").
 
     ``a = φ(norm(Gᵀ z))`` once per token, shared by both layers:
@@ -714,14 +598,14 @@ class MuMoEMLP(_GatedExperts):
         out_features = in_features if out_features is None else out_features
         check_size("hidden_features", hidden_features)
         gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
-        rank, match = _split_rank(rank, match, "MuMoEMLP")
+        rank, match = split_rank_and_match(rank, match, "MuMoEMLP")
         build_rank = 1 if match is not None and rank is None else rank
         shared = {"bias": bias, "options": decomposition_options, "resize": True}
         first = resolve_network(decomposition, expert_dims, in_features, hidden_features, build_rank, **shared)
         second = resolve_network(decomposition, expert_dims, hidden_features, out_features, build_rank, **shared)
         if match is not None:
             reference = mlp_cost(in_features, hidden_features, out_features, bias=bias).params
-            target = _match_target(match, reference, "mlp", "MuMoEMLP")
+            target = match_target(match, reference, "mlp", "MuMoEMLP")
             matched = match_block(first, second, target, bonds=match_bonds, bias=bias, gate=gate)
             first, second = matched.networks
         elif match_bonds is not None:

@@ -175,7 +175,7 @@ def test_gated_block_equals_dense_reference():
 @pytest.mark.parametrize("name", NAMED)
 @pytest.mark.parametrize("bias", [True, False])
 def test_gated_block_matching(name, bias):
-    block = MuMoEGatedMLP(24, 64, 24, (4, 4), name, "mlp", bias=bias)
+    block = MuMoEGatedMLP(24, 64, 24, (4, 4), name, match="mlp", bias=bias)
     count = sum(p.numel() for p in block.parameters())
     networks = [block.gate_proj.network, block.up_proj.network, block.down_proj.network]
     assert gated_mlp_parameters(*networks, bias=bias) == count
@@ -213,8 +213,8 @@ def test_upcycled_packed_block_computes_the_original():
 
 
 def test_gated_block_errors():
-    with pytest.raises(ValueError, match=r"matches rank='mlp'.*got 'linear'"):
-        MuMoEGatedMLP(4, 8, 4, 2, "cp", "linear")
+    with pytest.raises(ValueError, match=r"match='linear' is not a target here; use 'mlp'"):
+        MuMoEGatedMLP(4, 8, 4, 2, "cp", match="linear")
     with pytest.raises(TypeError, match=r"bias must be a bool, got 1"):
         MuMoEGatedMLP(4, 8, 4, 2, "cp", 2, bias=1)
     with pytest.raises(TypeError, match=r"hidden_activation must be an nn.Module"):

@@ -78,9 +78,9 @@ def test_custom_gate_drives_layer_and_costs():
 
 def test_custom_gate_counted_when_matching_a_linear_layer():
     # nn.Linear(7, 11) has 88 parameters; the biased gate's 3 extra ones tip the CP rank 4 -> 3.
-    assert MuMoE(7, 11, 2, "cp", "linear").network.sizes["r"] == 4
+    assert MuMoE(7, 11, 2, "cp", match="linear").network.sizes["r"] == 4
     spec = AffineSoftmaxGate()
-    layer = MuMoE(7, 11, 2, "cp", "linear", gate=spec)
+    layer = MuMoE(7, 11, 2, "cp", match="linear", gate=spec)
     assert layer.network.sizes["r"] == 3
     total = sum(p.numel() for p in layer.parameters())
     assert total == layer_parameters(layer.network, gate=spec).total

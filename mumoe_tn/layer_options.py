@@ -1,0 +1,180 @@
+"""Checks and resolution of the arguments every μMoE layer shares (network, ranks, matching, factory)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mumoe_tn.costs.matching import resolve_target
+from mumoe_tn.decompositions.resolve import Decomposition, Rank
+from mumoe_tn.decompositions.resolve import resolve_network as resolve_decomposition
+from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.validation import check_bool, check_size
+
+__all__ = [
+    "Match",
+    "check_allocatable",
+    "check_factory",
+    "match_target",
+    "resolve_network",
+    "split_rank_and_match",
+]
+
+#: What ``match=`` accepts: a target name, a number of parameters, or a fraction of the replaced layer's.
+Match = str | int | float | None
+
+
+def resolve_network(
+    decomposition: Decomposition,
+    expert_dims: int | Sequence[int] | None,
+    in_features: int,
+    out_features: int,
+    rank: Rank | None,
+    *,
+    bias: bool = True,
+    options: Mapping[str, Any] | None = None,
+    resize: bool = False,
+) -> ExpertNetwork:
+    """The expert network of a layer ``in_features -> out_features`` (leg ``i`` = in + bias).
+
+    Parameters
+    ----------
+    decomposition : str or Format or ExpertNetwork or Callable
+        A registered name, a :class:`~mumoe_tn.decompositions.Format`, a spec string
+        (``"n1 a b, a i c, b c o"``), a ready network whose legs must match, or a builder
+        ``(expert_dims, i, o, rank, **options)``; see
+        :func:`mumoe_tn.decompositions.resolve_network`.
+    expert_dims : int or Sequence[int] or None
+        Expert mode sizes (optional with a ready network, where they must match).
+    in_features, out_features : int
+        The layer's sizes.
+    rank : int or Sequence[int] or Mapping[str, int] or None
+        The decomposition's ranks.
+    bias : bool, optional
+        Whether leg ``i`` has a folded bias column.
+    options : Mapping[str, Any], optional
+        Extra format or builder options.
+    resize : bool, optional
+        Give a ready network this layer's leg sizes instead of requiring them.
+
+    Returns
+    -------
+    ExpertNetwork
+    """
+    for what, size in (("in_features", in_features), ("out_features", out_features)):
+        check_size(what, size)
+        if size >= _MAX_FEATURES:
+            raise ValueError(f"{what}={size} is too large for a layer (at most {_MAX_FEATURES - 1:,})")
+    check_bool("bias", bias)
+    width = in_features + int(bias)
+    return resolve_decomposition(decomposition, expert_dims, width, out_features, rank, options=options, resize=resize)
+
+
+def split_rank_and_match(rank: object, match: object, layer: str) -> tuple[object, object]:
+    """Separate ``rank=`` from ``match=``; the old ``rank="linear"/"mlp"`` still works, with a warning.
+
+    Parameters
+    ----------
+    rank, match : object
+        The layer's ``rank=`` and ``match=`` arguments.
+    layer : str
+        The layer's name, for messages.
+
+    Returns
+    -------
+    tuple
+        ``(rank, match)``.
+    """
+    if isinstance(rank, str):
+        if rank not in ("linear", "mlp", "match"):
+            raise ValueError(
+                f"rank must be ranks (int, sequence or mapping), got the string {rank!r}; "
+                "use match= to match parameters"
+            )
+        warnings.warn(
+            f"rank={rank!r} is deprecated: pass match={rank!r} (rank= now only takes ranks)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if match is not None:
+            raise ValueError(f"{layer}: give match= once (rank={rank!r} is its deprecated spelling)")
+        return None, rank
+    return rank, match
+
+
+def match_target(match: object, reference: int, allowed: str, layer: str) -> int:
+    """The parameter budget of ``match=`` for a layer whose natural reference is ``allowed``.
+
+    Parameters
+    ----------
+    match : str or int or float
+        ``allowed`` (or ``"match"``): the reference; an int: a budget; a float: a fraction.
+    reference : int
+        Parameters of what the layer replaces.
+    allowed : str
+        The target name this layer accepts (``"linear"`` or ``"mlp"``).
+    layer : str
+        The layer's name, for messages.
+
+    Returns
+    -------
+    int
+    """
+    if isinstance(match, str):
+        if match in (allowed, "match"):
+            return reference
+        raise ValueError(
+            f"{layer}: match={match!r} is not a target here; use {allowed!r}, a number of parameters (int) or a "
+            "fraction of the replaced layer's parameters (float)"
+        )
+    return resolve_target(match, reference)
+
+
+def check_factory(device: object, dtype: object) -> dict[str, Any]:
+    """Validate ``device=``/``dtype=`` factory arguments before they reach torch.
+
+    Parameters
+    ----------
+    device : torch.device or str or int or None
+        Where the parameters live.
+    dtype : torch.dtype or None
+        A floating-point dtype.
+
+    Returns
+    -------
+    dict
+        ``{"device": …, "dtype": …}`` for the factory calls.
+    """
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.float32, got {dtype!r}")
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+            raise TypeError(
+                f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or None, got {device!r}"
+            )
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda', 'cuda:1' or 'mps'") from None
+        if parsed.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} asks for CUDA, but torch.cuda.is_available() is False here")
+        if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: there are only {torch.cuda.device_count()} CUDA device(s)")
+    return {"device": device, "dtype": dtype}
+
+
+def check_allocatable(network: ExpertNetwork) -> None:
+    """Raise ``ValueError`` if a core of ``network`` has more elements than a tensor can index."""
+    for core, count in network.core_params.items():
+        if count >= _MAX_ELEMENTS:
+            raise ValueError(
+                f"core {core!r} of shape {network.core_shape(core)} has {count:.3g} elements, more than a tensor "
+                f"can hold (2**63); lower the sizes or ranks"
+            )
+
+
+_MAX_ELEMENTS = 1 << 63
+_MAX_FEATURES = 1 << 40
