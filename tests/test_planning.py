@@ -3,6 +3,7 @@ checked paths, and the module's plan cache (LRU, thread-safe, fresh optimizers, 
 
 import itertools
 import re
+import sys
 import threading
 import time
 from functools import cache
@@ -224,7 +225,16 @@ def test_plan_cache_is_least_recently_used():
     assert module.plan(4) is not second
 
 
-def test_concurrent_forwards_with_a_one_plan_cache():
+def test_concurrent_forwards_with_a_one_plan_cache(monkeypatch):
+    import mumoe_tn.layers
+
+    real = mumoe_tn.layers.plan_forward
+
+    def slow_plan_forward(*args, **kwargs):  # planning yields the GIL: threads interleave
+        time.sleep(0.002)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mumoe_tn.layers, "plan_forward", slow_plan_forward)
     torch.manual_seed(0)
     module = FactorizedExperts(build("tr", (3, 2), 4, 5, 2), max_plans=1, dtype=DTYPE)
     calls = [random_call(module.network, batch, seed=batch) for batch in (1, 3, 5, 9, 17, 33, 65, 129)]
@@ -240,10 +250,15 @@ def test_concurrent_forwards_with_a_one_plan_cache():
             errors.append(error)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: races show up in a short test
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
     assert not errors, errors
     for k, value in enumerate(expected):
         torch.testing.assert_close(results[k], value)
