@@ -3,6 +3,7 @@ checked paths, and the module's plan cache (LRU, thread-safe, fresh optimizers, 
 
 import itertools
 import re
+import string
 import sys
 import threading
 import time
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import named_networks
 
-from mumoe_tn import MuMoE
+from mumoe_tn import ExpertNetwork, MuMoE
 from mumoe_tn.contractions import (
     forward_candidates,
     plan_contraction,
@@ -51,7 +52,7 @@ def sweep_reference(network, cores, coefficients, z):
         for k, (tensor, other) in enumerate(tensors[1:], start=1):
             later = {x for _, rest in tensors[k + 1 :] for x in rest} | {"o"}
             result = [x for x in dict.fromkeys(labels + other) if x in later]
-            symbol = {x: chr(97 + n) for n, x in enumerate(dict.fromkeys(labels + other))}
+            symbol = dict(zip(dict.fromkeys(labels + other), string.ascii_letters, strict=False))
             equation = "".join(symbol[x] for x in labels) + "," + "".join(symbol[x] for x in other)
             running = torch.einsum(equation + "->" + "".join(symbol[x] for x in result), running, tensor)
             labels = result
@@ -97,6 +98,24 @@ def test_large_networks_build_and_run_and_match_a_sweep(name, modes, rank):
     with torch.no_grad():
         expected = sweep_reference(network, module.cores, coefficients, z)
     torch.testing.assert_close(y, expected)
+
+
+def test_a_custom_54_label_star_builds_runs_and_matches_a_sweep():
+    # A centre core holding i, o and 26 bonds, each bond to a leaf core holding one expert leg.
+    leaves = 26
+    spec = {"centre": ("i", "o", *(f"b{k}" for k in range(leaves)))}
+    spec |= {f"leaf{k}": (f"b{k}", f"n{k + 1}") for k in range(leaves)}
+    sizes = {"i": 3, "o": 2, **{f"b{k}": 2 if k < 6 else 1 for k in range(leaves)}}
+    sizes |= {f"n{k + 1}": 2 for k in range(leaves)}
+    network = ExpertNetwork(spec, sizes, name="custom")
+    assert len(network.sizes) == 54
+    start = time.perf_counter()
+    module = FactorizedExperts(network, dtype=DTYPE)
+    coefficients, z = random_call(network, 4)
+    y = module(z, coefficients)
+    assert time.perf_counter() - start < 2 * GENEROUS_SECONDS
+    with torch.no_grad():
+        torch.testing.assert_close(y, sweep_reference(network, module.cores, coefficients, z))
 
 
 def test_every_step_equation_uses_only_letters_torch_accepts():
