@@ -17,7 +17,7 @@ from mumoe_tn.contractions.dense import expert_matrix, materialize
 from mumoe_tn.contractions.execute import constant_intermediates, run_plan
 from mumoe_tn.contractions.plan import (
     ContractionPlan,
-    forward_candidates,
+    autotune_candidates,
     plan_forward,
     plan_inference,
     resolve_optimizer,
@@ -159,8 +159,9 @@ class FactorizedExperts(nn.Module):
     optimize : str or object, optional
         Path optimizer, see :func:`mumoe_tn.contractions.resolve_optimizer` (default
         ``"auto"``: bounded planning time, FMA-optimal on small networks). ``"autotune"``
-        also times the cheapest candidate paths on the first batch of each bucket and keeps
-        the fastest. Named optimizers are resolved afresh for every plan.
+        also times the cheapest candidate paths, batch-leading and in their natural layout, on
+        the first batch of each bucket and keeps the fastest (see
+        :func:`mumoe_tn.contractions.autotune_candidates`). Named optimizers are resolved afresh for every plan.
     max_plans : int, optional
         Size of the plan cache (default 16 batch-size buckets).
     chunk_size : int, optional
@@ -328,7 +329,7 @@ class FactorizedExperts(nn.Module):
 
         def make() -> ContractionPlan:
             if self.optimize == "autotune" and operands is not None:
-                candidates = forward_candidates(self.network, bucket)
+                candidates = autotune_candidates(self.network, bucket)
                 return fastest_plan(candidates, operands, ones_appended=ones_appended)
             return plan_forward(self.network, bucket, self._path_optimizer())
 

@@ -18,12 +18,14 @@ from strategies import named_networks
 
 from mumoe_tn import ExpertNetwork, MuMoE
 from mumoe_tn.contractions import (
+    autotune_candidates,
     forward_candidates,
     plan_contraction,
     plan_forward,
     run_plan,
 )
-from mumoe_tn.contractions.autotune import AUTOTUNE_CANDIDATES, fastest_plan
+from mumoe_tn.contractions.autotune import fastest_plan
+from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK
 from mumoe_tn.decompositions import build, tt
 from mumoe_tn.layers import FactorizedExperts
 from mumoe_tn.network import _BATCH
@@ -316,8 +318,8 @@ def test_autotune_picks_one_of_the_cheapest_candidates_and_is_exact():
     with torch.no_grad():
         torch.testing.assert_close(y, sweep_reference(module.network, module.cores, coefficients, z))
     chosen = module.plan(50)
-    candidates = forward_candidates(module.network, 64)[:AUTOTUNE_CANDIDATES]
-    assert chosen.path in {plan.path for plan in candidates}
+    candidates = autotune_candidates(module.network, 64)
+    assert any(chosen.steps == plan.steps for plan in candidates)
     assert module.plan(50) is chosen  # timed once per bucket, then cached
 
 
@@ -331,6 +333,22 @@ def test_fastest_plan_returns_a_given_plan_and_checks_its_arguments():
         fastest_plan([], operands)
     with pytest.raises(ValueError, match="repeats"):
         fastest_plan(plans, operands, repeats=0)
+
+
+def test_autotune_candidates_are_the_cheapest_paths_in_both_layouts():
+    network = build("tr", (4, 3), 6, 5, 3)
+    plans = forward_candidates(network, 64)
+    candidates = autotune_candidates(network, 64)
+    paths = list(dict.fromkeys(plan.path for plan in candidates))
+    expected = [p.path for p in plans if p.fma <= AUTOTUNE_FMA_SLACK * plans[0].fma][:AUTOTUNE_CANDIDATES]
+    assert paths == expected
+    assert len({plan.steps for plan in candidates}) == len(candidates) <= 2 * len(paths)
+    gen = torch.Generator().manual_seed(0)
+    cores = {name: torch.randn(shape, generator=gen, dtype=DTYPE) for name, shape in network.core_shapes.items()}
+    coefficients, z = random_call(network, 64)
+    expected_y = sweep_reference(network, cores, coefficients, z)
+    for plan in candidates:  # every layout computes the same result
+        torch.testing.assert_close(run_plan(plan, [*cores.values(), *coefficients, z]), expected_y)
 
 
 def test_candidates_are_distinct_valid_paths_cheapest_first():

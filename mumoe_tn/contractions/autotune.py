@@ -11,12 +11,7 @@ import torch
 from mumoe_tn.contractions.execute import run_plan
 from mumoe_tn.contractions.plan import ContractionPlan
 
-__all__ = ["AUTOTUNE_CANDIDATES", "fastest_plan"]
-
-#: How many of the cheapest candidate plans (by FMA count) autotuning times.
-AUTOTUNE_CANDIDATES = 3
-#: Candidates costing more than this multiple of the cheapest plan's FMAs are not timed.
-AUTOTUNE_FMA_SLACK = 4.0
+__all__ = ["fastest_plan"]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -31,16 +26,16 @@ def fastest_plan(
     ones_appended: str | None = None,
     repeats: int = 3,
 ) -> ContractionPlan:
-    """The plan among ``plans`` whose forward pass runs fastest on ``operands`` (median time).
+    """The plan among ``plans`` whose contraction runs fastest on ``operands`` (median time).
 
-    Only the :data:`AUTOTUNE_CANDIDATES` cheapest plans within :data:`AUTOTUNE_FMA_SLACK` of the
-    cheapest are timed, each once to warm up and then ``repeats`` times, without gradients.
+    Each plan runs once to warm up and then ``repeats`` times, without gradients; ties go to
+    the earlier plan.
 
     Parameters
     ----------
     plans : Sequence of ContractionPlan
-        Candidate plans for the same contraction, cheapest first (as
-        :func:`mumoe_tn.contractions.forward_candidates` returns them).
+        Candidate plans for the same contraction (e.g. from
+        :func:`mumoe_tn.contractions.autotune_candidates`).
     operands : Sequence of torch.Tensor
         The operands the plans contract (timed as given, on their device).
     ones_appended : str, optional
@@ -57,8 +52,7 @@ def fastest_plan(
         raise ValueError("autotuning needs at least one candidate plan")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-    cheapest = plans[0].fma
-    timed = [plan for plan in plans if plan.fma <= AUTOTUNE_FMA_SLACK * cheapest][:AUTOTUNE_CANDIDATES]
+    timed = list(plans)
     if len(timed) == 1:
         return timed[0]
     device = operands[0].device

@@ -24,6 +24,7 @@ __all__ = [
     "OPTIMIZERS",
     "ContractionPlan",
     "ContractionStep",
+    "autotune_candidates",
     "candidate_plans",
     "constant_elements",
     "constant_steps",
@@ -437,6 +438,42 @@ def forward_candidates(network: ExpertNetwork, batch_size: int, *, thorough: boo
     inputs, output = network.forward_equation()
     sizes = {**network.sizes, _BATCH: batch_size}
     return candidate_plans(inputs, output, sizes, lead=_BATCH, thorough=thorough)
+
+
+#: How many of the cheapest candidate paths (by FMA count) autotuning times, each in two layouts.
+AUTOTUNE_CANDIDATES = 3
+#: Candidate paths costing more than this multiple of the cheapest one's FMAs are not timed.
+AUTOTUNE_FMA_SLACK = 4.0
+
+
+def autotune_candidates(network: ExpertNetwork, batch_size: int) -> list[ContractionPlan]:
+    """The plans autotuning times: the cheapest few paths, each batch-leading and as found.
+
+    Up to :data:`AUTOTUNE_CANDIDATES` distinct paths within :data:`AUTOTUNE_FMA_SLACK` of the
+    cheapest, each laid out with the batch leading every intermediate (batched matrix
+    products) and with the labels in the order the operands bring them; identical layouts
+    appear once.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        The decomposition.
+    batch_size : int
+        Rows of the flattened batch.
+
+    Returns
+    -------
+    list of ContractionPlan
+        Cheapest path first; the same FMA count for both layouts of a path.
+    """
+    plans = forward_candidates(network, batch_size)
+    cheapest = plans[0].fma
+    chosen = [plan for plan in plans if plan.fma <= AUTOTUNE_FMA_SLACK * cheapest][:AUTOTUNE_CANDIDATES]
+    found: dict[tuple[ContractionStep, ...], ContractionPlan] = {}
+    for plan in chosen:
+        for variant in (plan, _layout(plan.inputs, plan.output, plan.sizes, plan.path, None)):
+            found.setdefault(variant.steps, variant)
+    return list(found.values())
 
 
 #: Batch multipliers at which inference planning also searches: at a larger batch the finders

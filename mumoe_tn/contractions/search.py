@@ -153,4 +153,5 @@ def candidate_paths(
             rest_finders.append(opt_einsum.paths.DynamicProgramming(search_outer=True))
         for optimizer in rest_finders:
             found.append(absorbed + _search(rest, output, sizes, optimizer) if len(rest) > 1 else absorbed)
-    return list(dict.fromkeys(found))
+    # Positions within a step are a set: (0, 4) and (4, 0) are the same contraction.
+    return list(dict.fromkeys(tuple(tuple(sorted(step)) for step in path) for path in found))
