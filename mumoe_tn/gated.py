@@ -119,7 +119,7 @@ class MuMoEGatedMLP(SharedGateLayers):
         hidden_activation: nn.Module | None = None,
         init: str = "auto",
         expert_noise: Sequence[float] | None = None,
-        optimize: Any = "dp",
+        optimize: Any = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,

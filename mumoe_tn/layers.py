@@ -3,22 +3,32 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from mumoe_tn.contractions.autotune import fastest_plan
 from mumoe_tn.contractions.dense import expert_matrix, materialize
-from mumoe_tn.contractions.execute import run_plan
-from mumoe_tn.contractions.plan import ContractionPlan, plan_forward, resolve_optimizer
+from mumoe_tn.contractions.execute import constant_intermediates, run_plan
+from mumoe_tn.contractions.plan import (
+    ContractionPlan,
+    autotune_candidates,
+    plan_forward,
+    plan_inference,
+    resolve_optimizer,
+)
 from mumoe_tn.costs.baselines import linear as linear_cost
 from mumoe_tn.costs.baselines import mlp as mlp_cost
 from mumoe_tn.costs.matching import match_block, match_layer
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.gate_config import GateSpec, gate_from_options
 from mumoe_tn.gating import PerThreadRecords
-from mumoe_tn.init import INIT_RULES, init_cores
+from mumoe_tn.init import INIT_RULES, check_expert_noise, init_cores
 from mumoe_tn.layer_options import (
     Match,
     check_allocatable,
@@ -31,6 +41,8 @@ from mumoe_tn.network import INPUT_LEG, ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
 __all__ = ["FactorizedExperts", "MuMoE", "MuMoEMLP", "SharedGateLayers", "resolve_network"]
+
+_MAX_FAN_IN = 1 << 40
 
 #: Batch size of the plan used while ``torch.compile`` traces a layer (made at construction).
 COMPILE_PLAN_BATCH = 1024
@@ -47,10 +59,15 @@ class FactorizedExperts(nn.Module):
     Every core is one ``nn.Parameter`` named after the core, so ``state_dict`` keys are the
     core names. The forward pass contracts the cores with the expert coefficients and the
     input along a path planned once per batch-size bucket (a power of two) and cached in a
-    bounded per-module cache; ``W`` is never materialised. While ``torch.compile`` traces the
-    module it uses one plan made at construction (for a batch of :data:`COMPILE_PLAN_BATCH`):
-    a plan's steps are valid for every batch size, so dynamic batch sizes neither replan
-    inside the trace nor recompile.
+    bounded, thread-safe, least-recently-used per-module cache; ``W`` is never materialised.
+    While ``torch.compile`` traces the module it uses one plan made at construction (for a
+    batch of :data:`COMPILE_PLAN_BATCH`): a plan's steps are valid for every batch size, so
+    dynamic batch sizes neither replan inside the trace nor recompile.
+
+    In eval mode with gradients off (``torch.no_grad`` or ``torch.inference_mode``) the
+    contraction is planned with the cores constant: core-only sub-networks are contracted
+    once and reused while the cores are unchanged (tracked by their version counters and
+    storage), when that saves FMAs per call. Results are exact either way.
 
     Parameters
     ----------
@@ -63,9 +80,21 @@ class FactorizedExperts(nn.Module):
     expert_noise : Sequence[float], optional
         ``σ_e`` per expert mode (default: 1 on the first mode, 0 on the others).
     optimize : str or object, optional
-        Path optimizer, see :func:`mumoe_tn.contractions.resolve_optimizer` (default ``"dp"``).
+        Path optimizer, see :func:`mumoe_tn.contractions.resolve_optimizer` (default
+        ``"auto"``: bounded planning time, FMA-optimal on small networks). ``"autotune"``
+        also times the cheapest candidate paths, batch-leading and in their natural layout, on
+        the first batch of each bucket and keeps the fastest (see
+        :func:`mumoe_tn.contractions.autotune_candidates`). Named optimizers are resolved afresh for every plan.
     max_plans : int, optional
         Size of the plan cache (default 16 batch-size buckets).
+    chunk_size : int, optional
+        Contract at most this many rows at a time (bounds the intermediates of huge batches;
+        exact). Default: the whole batch at once.
+    recompute : bool, optional
+        Save only the operands for backward and recompute the contraction's intermediates
+        there (``torch.utils.checkpoint``), trading time for activation memory. Exact.
+    precontract : bool, optional
+        Reuse core-only intermediates in inference as described above (default True).
     device, dtype : optional
         Factory arguments for the parameters.
     """
@@ -77,8 +106,11 @@ class FactorizedExperts(nn.Module):
         init: str = "auto",
         fan_in: int | None = None,
         expert_noise: Sequence[float] | None = None,
-        optimize: Any = "dp",
+        optimize: Any = "auto",
         max_plans: int = 16,
+        chunk_size: int | None = None,
+        recompute: bool = False,
+        precontract: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -89,19 +121,46 @@ class FactorizedExperts(nn.Module):
             raise ValueError(f"unknown init rule {init!r}; choose one of {list(INIT_RULES)}")
         if isinstance(max_plans, bool) or not isinstance(max_plans, int) or max_plans < 1:
             raise ValueError(f"max_plans must be a positive int, got {max_plans!r}")
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(f"chunk_size must be a positive int (rows per chunk) or None, got {chunk_size!r}")
+        for flag, value in (("recompute", recompute), ("precontract", precontract)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        factory = check_factory(device, dtype)
+        check_allocatable(network)
         self.network = network
         self.init = init
+        if fan_in is not None and check_size("fan_in", fan_in) >= _MAX_FAN_IN:
+            raise ValueError(f"fan_in={fan_in} is too large (at most {_MAX_FAN_IN - 1:,}); it is a layer's input width")
         self.fan_in = fan_in
-        self.expert_noise = None if expert_noise is None else tuple(expert_noise)
-        self.optimize = resolve_optimizer(optimize)
+        self.expert_noise = None if expert_noise is None else check_expert_noise(expert_noise, network.n_expert_modes)
+        resolve_optimizer(optimize)  # validates; names are resolved afresh for every plan
+        self.optimize = optimize
         self.max_plans = max_plans
-        self._plans: dict[int, ContractionPlan] = {}
-        self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, self.optimize)
+        self.chunk_size = chunk_size
+        self.recompute = recompute
+        self.precontract = precontract
+        self._plans: OrderedDict[tuple, Any] = OrderedDict()
+        self._plans_lock = threading.Lock()
+        self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, self._path_optimizer())
         for name, shape in network.core_shapes.items():
             if hasattr(self, name):
                 raise ValueError(f"core name {name!r} clashes with an attribute of FactorizedExperts; rename the core")
-            self.register_parameter(name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, **factory)))
         self.reset_parameters()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Locks do not pickle; plans and cached intermediates are rebuilt on demand.
+        state = dict(super().__getstate__())
+        state.pop("_plans_lock", None)
+        state["_plans"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._plans_lock = threading.Lock()
 
     @classmethod
     def from_tensors(
@@ -110,7 +169,7 @@ class FactorizedExperts(nn.Module):
         tensors: Mapping[str, torch.Tensor],
         *,
         name: str = "custom",
-        optimize: Any = "dp",
+        optimize: Any = "auto",
     ) -> FactorizedExperts:
         """Build the module from existing core tensors (sizes inferred, bond sizes checked).
 
@@ -153,16 +212,84 @@ class FactorizedExperts(nn.Module):
             generator=generator,
         )
 
-    def plan(self, batch_size: int) -> ContractionPlan:
-        """The cached contraction plan used for a flattened batch of ``batch_size`` rows."""
+    def _path_optimizer(self) -> Any:
+        """A fresh optimizer for one plan (``"autotune"`` plans like ``"auto"`` without operands)."""
+        return "auto" if self.optimize == "autotune" else resolve_optimizer(self.optimize)
+
+    def _cached(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """Look ``key`` up in the LRU plan cache, making and inserting it on a miss."""
+        with self._plans_lock:
+            found = self._plans.get(key)
+            if found is not None:
+                self._plans.move_to_end(key)
+                return found
+            found = make()
+            self._plans[key] = found
+            while len(self._plans) > self.max_plans:
+                self._plans.popitem(last=False)
+            return found
+
+    def plan(
+        self,
+        batch_size: int,
+        operands: Sequence[torch.Tensor] | None = None,
+        *,
+        ones_appended: str | None = None,
+    ) -> ContractionPlan:
+        """The cached contraction plan used for a flattened batch of ``batch_size`` rows.
+
+        Parameters
+        ----------
+        batch_size : int
+            Rows of the flattened batch.
+        operands : Sequence of torch.Tensor, optional
+            The call's operands; with ``optimize="autotune"`` the first call of a bucket times
+            the candidate plans on them (without them it plans like ``"auto"``).
+        ones_appended : str, optional
+            As for :func:`mumoe_tn.contractions.run_plan`, when timing ``operands``.
+
+        Returns
+        -------
+        ContractionPlan
+        """
         bucket = _batch_bucket(batch_size)
-        plan = self._plans.get(bucket)
-        if plan is None:
-            if len(self._plans) >= self.max_plans:
-                self._plans.pop(next(iter(self._plans)))
-            plan = plan_forward(self.network, bucket, self.optimize)
-            self._plans[bucket] = plan
-        return plan
+
+        def make() -> ContractionPlan:
+            if self.optimize == "autotune" and operands is not None:
+                candidates = autotune_candidates(self.network, bucket)
+                return fastest_plan(candidates, operands, ones_appended=ones_appended)
+            return plan_forward(self.network, bucket, self._path_optimizer())
+
+        return self._cached(("train", bucket), make)
+
+    def _core_versions(self) -> tuple | None:
+        """What identifies the cores' current values, or None where it cannot be tracked."""
+        try:
+            return tuple((p._version, p.data_ptr(), p.device, p.dtype, p.shape) for p in self.cores.values())
+        except RuntimeError:  # inference tensors have no version counter
+            return None
+
+    def _inference_constants(self, batch: int) -> tuple[ContractionPlan, dict[int, torch.Tensor]] | None:
+        """The inference plan for ``batch`` and its core-only intermediates, if worth caching."""
+        versions = self._core_versions()
+        if versions is None:
+            return None
+        bucket = _batch_bucket(batch)
+        plan, steps = self._cached(("inference", bucket), lambda: plan_inference(self.network, bucket))
+        if not steps:
+            return None
+        key = ("constants", bucket)
+        with self._plans_lock:
+            found = self._plans.get(key)
+            if found is not None and found[0] == versions:
+                self._plans.move_to_end(key)
+                return plan, found[1]
+        constants = constant_intermediates(plan, list(self.cores.values()), steps)
+        with self._plans_lock:
+            self._plans[key] = (versions, constants)
+            while len(self._plans) > self.max_plans:
+                self._plans.popitem(last=False)
+        return plan, constants
 
     def forward(
         self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], *, append_one: bool = False
@@ -189,12 +316,39 @@ class FactorizedExperts(nn.Module):
         self._check_inputs(z, coefficients, append_one)
         lead = z.shape[:-1]
         batch = math.prod(lead)
-        operands = [*self.cores.values()]
-        operands += [a.reshape(batch, a.shape[-1]) for a in coefficients]
-        operands.append(z.reshape(batch, z.shape[-1]))
-        plan = self._compile_plan if torch.compiler.is_compiling() else self.plan(batch)
-        y = run_plan(plan, operands, ones_appended=INPUT_LEG if append_one else None)
+        rows = [a.reshape(batch, a.shape[-1]) for a in coefficients]
+        rows.append(z.reshape(batch, z.shape[-1]))
+        ones = INPUT_LEG if append_one else None
+        if torch.compiler.is_compiling():
+            y = self._contract(self._compile_plan, rows, ones, None)
+        elif self.chunk_size is not None and batch > self.chunk_size:
+            chunks = zip(*(tensor.split(self.chunk_size) for tensor in rows), strict=True)
+            y = torch.cat([self._contract_rows(list(chunk), ones) for chunk in chunks])
+        else:
+            y = self._contract_rows(rows, ones)
         return y.reshape(*lead, self.network.out_features)
+
+    def _contract_rows(self, rows: list[torch.Tensor], ones: str | None) -> torch.Tensor:
+        """Contract the cores with one block of flattened rows (coefficients, then input)."""
+        batch = rows[-1].shape[0]
+        if self.precontract and not self.training and not torch.is_grad_enabled():
+            cached = self._inference_constants(max(batch, 1))
+            if cached is not None:
+                return self._contract(cached[0], rows, ones, cached[1])
+        operands = [*self.cores.values(), *rows]
+        return self._contract(self.plan(max(batch, 1), operands, ones_appended=ones), rows, ones, None)
+
+    def _contract(
+        self,
+        plan: ContractionPlan,
+        rows: list[torch.Tensor],
+        ones: str | None,
+        constants: dict[int, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        operands = [*self.cores.values(), *rows]
+        if self.recompute and constants is None and torch.is_grad_enabled():
+            return checkpoint(_run_plan_operands, plan, ones, *operands, use_reentrant=False)
+        return run_plan(plan, operands, ones_appended=ones, constants=constants)
 
     def _check_inputs(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], append_one: bool) -> None:
         net = self.network
@@ -244,6 +398,11 @@ class FactorizedExperts(nn.Module):
             f"{net.name!r}, '{net.to_spec()}', experts={dims}, in={net.in_features}, "
             f"out={net.out_features}, params={net.n_params:,}"
         )
+
+
+def _run_plan_operands(plan: ContractionPlan, ones: str | None, *operands: torch.Tensor) -> torch.Tensor:
+    """:func:`run_plan` with the operands positional (for ``torch.utils.checkpoint``)."""
+    return run_plan(plan, operands, ones_appended=ones)
 
 
 #: What the gate of a layer reads: the experts' (normalised) input, or the raw input.
@@ -441,7 +600,8 @@ class MuMoE(SharedGateLayers):
     expert_noise : Sequence[float], optional
         ``σ_e`` per expert mode for the initialisation.
     optimize : str or object, optional
-        Path optimizer for the factorized contraction (default ``"dp"``).
+        Path optimizer for the factorized contraction (default ``"auto"``, see
+        :class:`FactorizedExperts`).
     device, dtype : optional
         Factory arguments.
     **decomposition_options
@@ -477,7 +637,7 @@ class MuMoE(SharedGateLayers):
         input_norm: bool = False,
         init: str = "auto",
         expert_noise: Sequence[float] | None = None,
-        optimize: Any = "dp",
+        optimize: Any = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,
@@ -588,7 +748,7 @@ class MuMoEMLP(SharedGateLayers):
         hidden_activation: nn.Module | None = None,
         init: str = "auto",
         expert_noise: Sequence[float] | None = None,
-        optimize: Any = "dp",
+        optimize: Any = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,

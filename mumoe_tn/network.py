@@ -490,7 +490,6 @@ class ExpertNetwork:
         )
 
 
-_BATCH = BATCH_LABEL  # alias kept until every module uses BATCH_LABEL
 
 
 def _prod(values: Iterable[int]) -> int:

@@ -412,7 +412,7 @@ def test_malformed_declarations_get_own_errors(case):
     check(*case)
 
 
-@pytest.mark.xfail(strict=False, reason=f"dtype/device/rank/activation checks: lead and gates helper, {OWNED}")
+
 @given(cases(CONSTRUCTORS))
 def test_malformed_constructor_arguments_get_own_errors(case):
     check(*case)
@@ -423,7 +423,7 @@ def test_malformed_inputs_get_own_errors(case):
     check(*case)
 
 
-@pytest.mark.xfail(strict=False, reason=f"cost and planning arguments: lead and plan helper, {OWNED}")
+
 @given(cases(COSTS))
 def test_malformed_cost_arguments_get_own_errors(case):
     check(*case)

@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
 from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
 
-__all__ = ["run_plan"]
+__all__ = ["constant_intermediates", "run_plan"]
 
 
 def run_plan(
-    plan: ContractionPlan, operands: Sequence[torch.Tensor], *, ones_appended: str | None = None
+    plan: ContractionPlan,
+    operands: Sequence[torch.Tensor],
+    *,
+    ones_appended: str | None = None,
+    constants: Mapping[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Contract ``operands`` following ``plan``.
 
     Each step is one ``torch.einsum`` over at most two operands, so torch never searches a
     path at call time, ``torch.compile(fullgraph=True)`` traces it, and autocast applies per
-    step. Operands are used as given (no caching of parameter-only intermediates), so
-    gradients and in-place parameter updates are always seen.
+    step. Operands are used as given unless ``constants`` supplies precomputed results of
+    some steps (see :func:`constant_intermediates`).
 
     Parameters
     ----------
@@ -32,6 +36,9 @@ def run_plan(
         folded bias: the input ``z`` lacks the trailing 1 of leg ``i``). The step that
         contracts it computes ``einsum(z, T[:I]) + T[I]`` instead of concatenating a column
         of ones onto ``z``.
+    constants : Mapping[int, torch.Tensor], optional
+        Step index -> that step's result, computed earlier from operands that have not
+        changed since; those steps are skipped.
 
     Returns
     -------
@@ -40,7 +47,12 @@ def run_plan(
     """
     current = list(operands)
     short = len(current) - 1 if ones_appended is not None else -1
-    for step in plan.steps:
+    for number, step in enumerate(plan.steps):
+        if constants is not None and number in constants:
+            for k in step.positions:
+                current.pop(k)
+            current.append(constants[number])
+            continue
         if short in step.positions:
             picked = [current.pop(k) for k in step.positions]
             current.append(_affine_step(step, picked, step.positions.index(short), ones_appended))
@@ -50,6 +62,38 @@ def run_plan(
         picked = [current.pop(k) for k in step.positions]
         current.append(torch.einsum(step.equation, *picked))
     return current[0]
+
+
+def constant_intermediates(
+    plan: ContractionPlan, operands: Sequence[torch.Tensor], steps: Collection[int]
+) -> dict[int, torch.Tensor]:
+    """Compute the results of ``steps``, which must depend only on ``operands``.
+
+    Parameters
+    ----------
+    plan : ContractionPlan
+        The plan.
+    operands : Sequence of torch.Tensor
+        The first ``len(operands)`` operands of the plan (e.g. the cores).
+    steps : Collection of int
+        Step indices whose inputs descend from ``operands`` only, as given by
+        :func:`mumoe_tn.contractions.plan.constant_steps`.
+
+    Returns
+    -------
+    dict of int to torch.Tensor
+        Step index -> result, for :func:`run_plan`'s ``constants``.
+    """
+    current: list[torch.Tensor | None] = [*operands, *([None] * (len(plan.inputs) - len(operands)))]
+    results = {}
+    for number, step in enumerate(plan.steps):
+        picked = [current.pop(k) for k in step.positions]
+        if number in steps:
+            if any(tensor is None for tensor in picked):
+                raise ValueError(f"step {number} of the plan depends on operands beyond the {len(operands)} given")
+            results[number] = torch.einsum(step.equation, *picked)
+        current.append(results.get(number))
+    return results
 
 
 def _affine_step(step: ContractionStep, picked: list[torch.Tensor], which: int, label: str) -> torch.Tensor:

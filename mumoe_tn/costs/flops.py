@@ -106,7 +106,7 @@ def layer_flops(
     batch: int = 1,
     bias: bool = True,
     gate: bool | GateSpec = True,
-    optimize: Any = "dp",
+    optimize: Any = "auto",
 ) -> LayerFlops:
     """FLOPs of one μMoE layer on ``batch`` tokens, from the plan the layer would run.
 

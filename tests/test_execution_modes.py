@@ -1,0 +1,134 @@
+"""Execution options of FactorizedExperts: inference pre-contraction, row chunks, recomputation.
+
+All are exact: each is compared with the plain contraction and with a dense reference.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import named_networks
+
+from mumoe_tn.contractions import constant_steps, dense_forward, per_call_fma, plan_forward, plan_inference
+from mumoe_tn.decompositions import build
+from mumoe_tn.layers import FactorizedExperts
+
+DTYPE = torch.float64
+
+
+def call(network, batch, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    coefficients = [torch.rand(batch, n, generator=gen, dtype=DTYPE) for n in network.expert_dims]
+    return coefficients, torch.randn(batch, network.in_features, generator=gen, dtype=DTYPE)
+
+
+def reference(module, coefficients, z):
+    with torch.no_grad():
+        return dense_forward(module.to_dense(), coefficients, z)
+
+
+# ---------------------------------------------------------------- inference pre-contraction
+@settings(max_examples=25, deadline=None)
+@given(named_networks(max_modes=3), st.sampled_from([1, 3, 64, 300]))
+def test_inference_plan_costs_no_more_per_call_and_is_exact(network, batch):
+    plan, steps = plan_inference(network, batch)
+    assert steps == constant_steps(plan, len(network.cores))
+    assert per_call_fma(plan, steps) <= plan_forward(network, batch).fma
+    module = FactorizedExperts(network, dtype=DTYPE).eval()
+    coefficients, z = call(network, batch)
+    with torch.no_grad():
+        torch.testing.assert_close(module(z, coefficients), reference(module, coefficients, z))
+
+
+def test_inference_saves_fmas_where_core_ranks_exceed_expert_counts():
+    # Expert factors (2, 8) feed an 8×8×4×4 core: contracting them once (2×2×4×4 result)
+    # beats lifting every row's coefficients to rank 8.
+    network = build("tucker", (2, 2), 16, 16, (8, 8, 4, 4))
+    plan, steps = plan_inference(network, 16)
+    assert steps
+    assert per_call_fma(plan, steps) < plan_forward(network, 16).fma
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_cached_intermediates_follow_in_place_updates_and_load_state_dict(context):
+    network = build("tucker", (2, 2), 6, 5, (4, 4, 3, 3))
+    module = FactorizedExperts(network, dtype=DTYPE).eval()
+    assert plan_inference(network, 16)[1], "the test needs a network with core-only steps"
+    other = FactorizedExperts(network, dtype=DTYPE)
+    coefficients, z = call(network, 16)
+    with context():
+        torch.testing.assert_close(module(z, coefficients), reference(module, coefficients, z))
+        before = module(z, coefficients)
+    with torch.no_grad():
+        module.core.mul_(-2.0)  # in place: same storage, new version
+    with context():
+        after = module(z, coefficients)
+    torch.testing.assert_close(after, reference(module, coefficients, z))
+    assert not torch.allclose(after, before)
+    module.load_state_dict(other.state_dict())
+    with context():
+        torch.testing.assert_close(module(z, coefficients), reference(other, coefficients, z))
+
+
+def test_training_mode_and_gradients_never_use_cached_intermediates():
+    network = build("tucker", (4, 3), 6, 5, 3)
+    module = FactorizedExperts(network, dtype=DTYPE).eval()
+    coefficients, z = call(network, 8)
+    with torch.no_grad():
+        module(z, coefficients)  # fills the cache
+    y = module(z, coefficients)  # eval, but gradients on: must reach the cores
+    y.sum().backward()
+    assert all(core.grad is not None and core.grad.abs().sum() > 0 for core in module.cores.values())
+
+
+# ---------------------------------------------------------------- chunks
+@settings(max_examples=15, deadline=None)
+@given(named_networks(max_modes=2), st.integers(1, 40), st.integers(1, 16), st.booleans())
+def test_chunked_forward_and_gradients_equal_the_whole_batch(network, batch, chunk, append_one):
+    whole = FactorizedExperts(network, dtype=DTYPE)
+    chunked = FactorizedExperts(network, dtype=DTYPE, chunk_size=chunk)
+    chunked.load_state_dict(whole.state_dict())
+    coefficients, z = call(network, batch)
+    if append_one:
+        z = z[:, :-1]
+    z = z.reshape(batch, 1, -1).requires_grad_()
+    coefficients = [a.reshape(batch, 1, -1) for a in coefficients]
+    y_whole = whole(z, coefficients, append_one=append_one)
+    grads_whole = torch.autograd.grad(y_whole.square().sum(), [z, *whole.cores.values()])
+    y_chunked = chunked(z, coefficients, append_one=append_one)
+    grads_chunked = torch.autograd.grad(y_chunked.square().sum(), [z, *chunked.cores.values()])
+    torch.testing.assert_close(y_chunked, y_whole)
+    for got, expected in zip(grads_chunked, grads_whole, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -1, 2.0, True])
+def test_chunk_size_must_be_a_positive_int(chunk_size):
+    with pytest.raises(ValueError, match="chunk_size"):
+        FactorizedExperts(build("cp", 3, 4, 5, 2), chunk_size=chunk_size)
+
+
+# ---------------------------------------------------------------- recomputation
+@pytest.mark.parametrize("name", ["cp", "tr"])
+def test_recompute_gives_exact_gradients(name):
+    network = build(name, (3, 2), 4, 5, 2)
+    module = FactorizedExperts(network, dtype=DTYPE, recompute=True)
+    coefficients, z = call(network, 4)
+    cores = list(module.cores.values())
+    names = list(module.cores)
+
+    def forward(z, *tensors):
+        return torch.func.functional_call(module, dict(zip(names, tensors, strict=True)), (z, coefficients))
+
+    assert torch.autograd.gradcheck(forward, (z.requires_grad_(), *[c.detach().requires_grad_() for c in cores]))
+    plain = FactorizedExperts(network, dtype=DTYPE)
+    plain.load_state_dict(module.state_dict())
+    for m in (module, plain):
+        m(z, coefficients).sin().sum().backward()
+    for a, b in zip(module.cores.values(), plain.cores.values(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_recompute_flag_must_be_a_bool():
+    with pytest.raises(TypeError, match="recompute"):
+        FactorizedExperts(build("cp", 3, 4, 5, 2), recompute=1)

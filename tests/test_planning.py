@@ -1,0 +1,378 @@
+"""The planner: bounded planning time, FMA-optimality on small networks, any number of labels,
+checked paths, and the module's plan cache (LRU, thread-safe, fresh optimizers, autotune)."""
+
+import itertools
+import re
+import string
+import sys
+import threading
+import time
+from functools import cache
+
+import opt_einsum
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import named_networks
+
+from mumoe_tn import ExpertNetwork, MuMoE
+from mumoe_tn.contractions import (
+    autotune_candidates,
+    forward_candidates,
+    plan_contraction,
+    plan_forward,
+    run_plan,
+)
+from mumoe_tn.contractions.autotune import fastest_plan
+from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK
+from mumoe_tn.decompositions import build, tt
+from mumoe_tn.layers import FactorizedExperts
+from mumoe_tn.network import BATCH_LABEL
+
+DTYPE = torch.float64
+#: Hang guards, not benchmarks: planning takes well under a second on an idle core.
+GENEROUS_SECONDS = 15.0
+
+
+def sweep_reference(network, cores, coefficients, z):
+    """y computed row by row: vectors absorbed into their cores, then cores contracted left to
+    right in declaration order (einsum symbols assigned here, per call) — no path search."""
+    legs = dict(zip(network.expert_legs, range(len(coefficients)), strict=True))
+    rows = []
+    for b in range(z.shape[0]):
+        tensors = []
+        for name, labels in network.cores.items():
+            tensor, kept = cores[name], list(labels)
+            for label in labels:
+                if label in legs or label == "i":
+                    vector = coefficients[legs[label]][b] if label in legs else z[b]
+                    tensor = torch.tensordot(tensor, vector, dims=([kept.index(label)], [0]))
+                    kept.remove(label)
+            tensors.append((tensor, kept))
+        running, labels = tensors[0]
+        for k, (tensor, other) in enumerate(tensors[1:], start=1):
+            later = {x for _, rest in tensors[k + 1 :] for x in rest} | {"o"}
+            result = [x for x in dict.fromkeys(labels + other) if x in later]
+            symbol = dict(zip(dict.fromkeys(labels + other), string.ascii_letters, strict=False))
+            equation = "".join(symbol[x] for x in labels) + "," + "".join(symbol[x] for x in other)
+            running = torch.einsum(equation + "->" + "".join(symbol[x] for x in result), running, tensor)
+            labels = result
+        rows.append(running)
+    return torch.stack(rows)
+
+
+def random_call(network, batch, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    coefficients = [torch.rand(batch, n, generator=gen, dtype=DTYPE) for n in network.expert_dims]
+    return coefficients, torch.randn(batch, network.in_features, generator=gen, dtype=DTYPE)
+
+
+# ---------------------------------------------------------------- bounded planning time
+@pytest.mark.parametrize("name", ["cp", "tucker"])
+def test_eight_expert_modes_build_and_run_in_bounded_time(name):
+    start = time.perf_counter()
+    layer = MuMoE(8, 8, (2,) * 8, name, 4 if name == "cp" else 2, dtype=DTYPE)
+    y = layer(torch.randn(6, 8, dtype=DTYPE))
+    assert time.perf_counter() - start < GENEROUS_SECONDS
+    experts = layer.experts
+    z = layer.input_norm(torch.randn(3, 8, dtype=DTYPE))
+    coefficients = [torch.rand(3, 2, dtype=DTYPE) for _ in range(8)]
+    cores = experts.cores
+    expected = sweep_reference(experts.network, cores, coefficients, torch.cat([z, torch.ones(3, 1, dtype=DTYPE)], 1))
+    torch.testing.assert_close(experts(z, coefficients, append_one=True), expected)
+    assert y.shape == (6, 8)
+
+
+@pytest.mark.parametrize(
+    ("name", "modes", "rank"),
+    [("cp", 51, 3), ("tt", 58, 2), ("tt", 24, 2)],
+    ids=["star-54-labels", "chain-60-cores", "chain-26-cores"],
+)
+def test_large_networks_build_and_run_and_match_a_sweep(name, modes, rank):
+    network = build(name, (2,) * modes, 3, 4, rank)
+    assert name != "cp" or len(network.sizes) == 54
+    start = time.perf_counter()
+    module = FactorizedExperts(network, dtype=DTYPE)  # init contracts the squared norm (2× bond labels)
+    coefficients, z = random_call(network, 5)
+    y = module(z, coefficients)
+    assert time.perf_counter() - start < 2 * GENEROUS_SECONDS
+    with torch.no_grad():
+        expected = sweep_reference(network, module.cores, coefficients, z)
+    torch.testing.assert_close(y, expected)
+
+
+def test_a_custom_54_label_star_builds_runs_and_matches_a_sweep():
+    # A centre core holding i, o and 26 bonds, each bond to a leaf core holding one expert leg.
+    leaves = 26
+    spec = {"centre": ("i", "o", *(f"b{k}" for k in range(leaves)))}
+    spec |= {f"leaf{k}": (f"b{k}", f"n{k + 1}") for k in range(leaves)}
+    sizes = {"i": 3, "o": 2, **{f"b{k}": 2 if k < 6 else 1 for k in range(leaves)}}
+    sizes |= {f"n{k + 1}": 2 for k in range(leaves)}
+    network = ExpertNetwork(spec, sizes, name="custom")
+    assert len(network.sizes) == 54
+    start = time.perf_counter()
+    module = FactorizedExperts(network, dtype=DTYPE)
+    coefficients, z = random_call(network, 4)
+    y = module(z, coefficients)
+    assert time.perf_counter() - start < 2 * GENEROUS_SECONDS
+    with torch.no_grad():
+        torch.testing.assert_close(y, sweep_reference(network, module.cores, coefficients, z))
+
+
+def test_every_step_equation_uses_only_letters_torch_accepts():
+    network = build("tt", (2,) * 58, 3, 4, 2)
+    assert len(network.sizes) > 52
+    plan = plan_forward(network, 8)
+    for step in plan.steps:
+        assert re.fullmatch(r"[a-zA-Z,]+->[a-zA-Z]*", step.equation), step.equation
+
+
+def test_a_step_beyond_52_labels_is_a_clear_error():
+    labels = [f"x{k}" for k in range(53)]
+    sizes = dict.fromkeys(labels, 1)
+    with pytest.raises(ValueError, match="at most 52"):
+        plan_contraction([labels[:30], labels[20:]], labels, sizes, "greedy")
+
+
+# ---------------------------------------------------------------- FMA-optimality
+def _step_fma(labels_a, labels_b, sizes):
+    total = 1
+    for x in set(labels_a) | set(labels_b):
+        total *= sizes[x]
+    return total
+
+
+def exact_minimum_fma(inputs, output, sizes):
+    """FMA-minimal pairwise contraction over all orders (subset DP, outer products included)."""
+    n = len(inputs)
+    full = (1 << n) - 1
+
+    def labels_of(subset):
+        inside = {x for k in range(n) if subset >> k & 1 for x in inputs[k]}
+        outside = {x for k in range(n) if not subset >> k & 1 for x in inputs[k]} | set(output)
+        return frozenset(inside & outside)
+
+    @cache
+    def best(subset):
+        if subset & (subset - 1) == 0:
+            return 0
+        found = None
+        low = subset & -subset
+        part = (subset - 1) & subset
+        while part:
+            if part & low:  # each split once
+                rest = subset ^ part
+                cost = best(part) + best(rest) + _step_fma(labels_of(part), labels_of(rest), sizes)
+                found = cost if found is None else min(found, cost)
+            part = (part - 1) & subset
+        return found
+
+    return best(full)
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    named_networks(names=("cp", "tr", "tt"), max_modes=2, max_size=5, max_rank=4) | named_networks(("tucker",), 1),
+    st.sampled_from([1, 2, 7, 64, 1024]),
+)
+def test_auto_is_fma_optimal_on_small_networks(network, batch):
+    inputs, output = network.forward_equation()
+    sizes = {**network.sizes, BATCH_LABEL: batch}
+    assert len(inputs) <= 7
+    auto = plan_forward(network, batch)
+    assert auto.fma == exact_minimum_fma([tuple(x) for x in inputs], tuple(output), sizes)
+    assert auto.fma <= plan_forward(network, batch, "optimal").fma
+    assert auto.fma <= plan_forward(network, batch, "dp").fma
+
+
+def test_auto_beats_dp_where_dp_misses_outer_products():
+    network = tt(6, 2, 10, (2, 7))
+    auto, dp = plan_forward(network, 64), plan_forward(network, 64, "dp")
+    assert auto.fma < dp.fma
+
+
+@settings(max_examples=30, deadline=None)
+@given(named_networks(max_modes=3), st.sampled_from([1, 16, 512]))
+def test_auto_never_costs_more_than_dp(network, batch):
+    assert plan_forward(network, batch).fma <= plan_forward(network, batch, "dp").fma
+
+
+# ---------------------------------------------------------------- checked arguments
+@pytest.mark.parametrize("batch", [0, -5, 2.5, True, "8", None])
+def test_plan_forward_rejects_a_batch_that_is_not_a_positive_int(batch):
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        plan_forward(build("cp", 3, 4, 5, 2), batch)
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [
+        (((0, 9), (0, 1), (0, 1), (0, 1), (0, 1), (0, 1)), "outside"),
+        (((0, 1),), "leaves 6 operand"),
+        (((0, 1),) * 7, "outside"),
+        (((0, 0), (0, 1)), "distinct"),
+        (((),), "non-empty"),
+        ((("a", 1),), "int positions"),
+        ((), "leaves 7 operand"),
+    ],
+)
+def test_explicit_paths_are_checked(path, match):
+    network = build("cp", (3, 2), 4, 5, 2)
+    with pytest.raises(ValueError, match=match):
+        plan_forward(network, 4, path)
+
+
+def test_a_valid_explicit_path_is_followed_and_correct():
+    network = build("cp", (3, 2), 4, 5, 2)
+    path = ((0, 1), (0, 1), (0, 1), (0, 1), (0, 1), (0, 1))
+    plan = plan_forward(network, 4, [list(step) for step in path])
+    assert plan.path == path
+    gen = torch.Generator().manual_seed(0)
+    cores = {name: torch.randn(shape, generator=gen, dtype=DTYPE) for name, shape in network.core_shapes.items()}
+    coefficients, z = random_call(network, 4)
+    y = run_plan(plan, [*cores.values(), *coefficients, z])
+    torch.testing.assert_close(y, sweep_reference(network, cores, coefficients, z))
+
+
+# ---------------------------------------------------------------- the module's plan cache
+def test_plan_cache_is_least_recently_used():
+    module = FactorizedExperts(build("cp", (3, 2), 4, 5, 2), max_plans=2)
+    first = module.plan(1)
+    second = module.plan(4)
+    assert module.plan(1) is first  # touched: now the most recent
+    module.plan(16)  # evicts bucket 4, the least recently used
+    assert module.plan(1) is first
+    assert module.plan(4) is not second
+
+
+def test_concurrent_forwards_with_a_one_plan_cache(monkeypatch):
+    import mumoe_tn.layers
+
+    real = mumoe_tn.layers.plan_forward
+
+    def slow_plan_forward(*args, **kwargs):  # planning yields the GIL: threads interleave
+        time.sleep(0.002)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mumoe_tn.layers, "plan_forward", slow_plan_forward)
+    torch.manual_seed(0)
+    module = FactorizedExperts(build("tr", (3, 2), 4, 5, 2), max_plans=1, dtype=DTYPE)
+    calls = [random_call(module.network, batch, seed=batch) for batch in (1, 3, 5, 9, 17, 33, 65, 129)]
+    with torch.no_grad():
+        expected = [sweep_reference(module.network, module.cores, a, z) for a, z in calls]
+    errors, results = [], {}
+
+    def work(k):
+        try:
+            for _ in range(15):
+                results[k] = module(calls[k][1], calls[k][0])
+        except Exception as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(calls))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: races show up in a short test
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    for k, value in enumerate(expected):
+        torch.testing.assert_close(results[k], value)
+
+
+def test_named_optimizers_are_fresh_for_every_plan():
+    pytest.importorskip("cotengra")
+    network = tt(6, 3, 10, (2, 7))
+    module = FactorizedExperts(network, optimize="cotengra")
+    module.plan(3)  # a stateful shared optimizer would keep the tree found here
+    stale_tree_fma = 1_130_496  # what the tree for another batch size costs at batch 8192
+    assert module.plan(8192).fma < stale_tree_fma
+
+
+def test_cached_plans_are_not_pickled_and_the_module_round_trips():
+    import copy
+    import pickle
+
+    module = FactorizedExperts(build("cp", (3, 2), 4, 5, 2), dtype=DTYPE)
+    try:
+        pickle.dumps(module.network)
+    except TypeError:
+        pytest.skip("ExpertNetwork itself does not pickle yet (issue 11, state)")
+    coefficients, z = random_call(module.network, 3)
+    y = module(z, coefficients)
+    for clone in (pickle.loads(pickle.dumps(module)), copy.deepcopy(module)):
+        torch.testing.assert_close(clone(z, coefficients), y)
+
+
+# ---------------------------------------------------------------- autotune
+def test_autotune_picks_one_of_the_cheapest_candidates_and_is_exact():
+    torch.manual_seed(0)
+    module = FactorizedExperts(build("tr", (4, 3), 6, 5, 3), optimize="autotune", dtype=DTYPE)
+    coefficients, z = random_call(module.network, 50)
+    y = module(z, coefficients)
+    with torch.no_grad():
+        torch.testing.assert_close(y, sweep_reference(module.network, module.cores, coefficients, z))
+    chosen = module.plan(50)
+    candidates = autotune_candidates(module.network, 64)
+    assert any(chosen.steps == plan.steps for plan in candidates)
+    assert module.plan(50) is chosen  # timed once per bucket, then cached
+
+
+def test_fastest_plan_returns_a_given_plan_and_checks_its_arguments():
+    network = build("cp", (3, 2), 4, 5, 2)
+    plans = forward_candidates(network, 8)
+    operands = [torch.randn(s) for s in network.core_shapes.values()]
+    operands += [torch.rand(8, n) for n in network.expert_dims] + [torch.randn(8, 4)]
+    assert fastest_plan(plans, operands, repeats=1) in plans
+    with pytest.raises(ValueError, match="at least one"):
+        fastest_plan([], operands)
+    with pytest.raises(ValueError, match="repeats"):
+        fastest_plan(plans, operands, repeats=0)
+
+
+def test_autotune_candidates_are_the_cheapest_paths_in_both_layouts():
+    network = build("tr", (4, 3), 6, 5, 3)
+    plans = forward_candidates(network, 64)
+    candidates = autotune_candidates(network, 64)
+    paths = list(dict.fromkeys(plan.path for plan in candidates))
+    expected = [p.path for p in plans if p.fma <= AUTOTUNE_FMA_SLACK * plans[0].fma][:AUTOTUNE_CANDIDATES]
+    assert paths == expected
+    assert len({plan.steps for plan in candidates}) == len(candidates) <= 2 * len(paths)
+    gen = torch.Generator().manual_seed(0)
+    cores = {name: torch.randn(shape, generator=gen, dtype=DTYPE) for name, shape in network.core_shapes.items()}
+    coefficients, z = random_call(network, 64)
+    expected_y = sweep_reference(network, cores, coefficients, z)
+    for plan in candidates:  # every layout computes the same result
+        torch.testing.assert_close(run_plan(plan, [*cores.values(), *coefficients, z]), expected_y)
+
+
+def test_candidates_are_distinct_valid_paths_cheapest_first():
+    network = build("tucker", (3, 2), 4, 5, 2)
+    plans = forward_candidates(network, 16)
+    assert len({plan.path for plan in plans}) == len(plans)
+    assert [plan.fma for plan in plans] == sorted(plan.fma for plan in plans)
+    inputs, _ = network.forward_equation()
+    for plan in plans:  # every path contracts every operand exactly once
+        used = list(itertools.chain.from_iterable(plan.path))
+        assert len(plan.path) == len(inputs) - 1 and len(used) == 2 * (len(inputs) - 1)
+
+
+def test_opt_einsum_cost_cross_check():
+    # Our FMA count of opt_einsum's own path: every pairwise step of the forward network sums
+    # an index or not; opt_einsum counts 2 per multiply-add where an index is summed, else 1.
+    network = build("cp", (3, 2), 4, 5, 2)
+    plan = plan_forward(network, 8, "optimal")
+    inputs, output = network.forward_equation()
+    sizes = {**network.sizes, BATCH_LABEL: 8}
+    symbol = {x: opt_einsum.get_symbol(k) for k, x in enumerate(sizes)}
+    equation = ",".join("".join(symbol[x] for x in labels) for labels in inputs)
+    equation += "->" + "".join(symbol[x] for x in output)
+    shapes = [tuple(sizes[x] for x in labels) for labels in inputs]
+    _, info = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize=list(plan.path))
+    summed = sum(step.fma for step in plan.steps if set().union(*step.operands) - set(step.output))
+    assert int(info.opt_cost) == plan.fma + summed
