@@ -30,7 +30,7 @@ from mumoe_tn.layers import FactorizedExperts, MuMoEMLP
 
 #: Registry package that provides each peer model, for the "not installed" message.
 PEER_PACKAGES = {"peer": "PEER-pytorch", "soft_moe": "soft-moe-pytorch", "st_moe": "st-moe-pytorch"}
-_PEER_MODULES = {"peer": "PEER_pytorch", "soft_moe": "soft_moe_pytorch", "st_moe": "st_moe_pytorch"}
+PEER_MODULES = {"peer": "PEER_pytorch", "soft_moe": "soft_moe_pytorch", "st_moe": "st_moe_pytorch"}
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Case:
 
 def missing_package(case: Case) -> str | None:
     """The registry package a case needs and that is not installed, else None."""
-    module = _PEER_MODULES.get(case.model)
+    module = PEER_MODULES.get(case.model)
     if module is not None and importlib.util.find_spec(module) is None:
         return PEER_PACKAGES[case.model]
     return None

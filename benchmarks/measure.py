@@ -1,13 +1,17 @@
 """Timing (alternating rounds, medians) and peak memory (a fresh process per case).
 
 Run as ``python -m benchmarks.measure CASE_JSON --device cpu --threads 2`` it builds one case,
-runs one forward+backward and prints the peak bytes that call added.
+runs one forward+backward and prints the peak bytes that call added. With ``--serve`` it reads
+one case per line and forks a fresh child for each (see :class:`MemoryProbe`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -162,7 +166,84 @@ def peak_bytes(case: Case, device: torch.device, threads: int) -> int | None:
     return int(result.stdout.strip().splitlines()[-1])
 
 
+class MemoryProbe:
+    """Peak memory per case, each in a fresh child of one pristine process.
+
+    Starting Python and importing torch, the library and the peers takes seconds (much longer on
+    a busy machine), so a server process imports them once, computes nothing, and forks one child
+    per case: the child starts from that clean state, builds the case, runs one forward+backward
+    and reports its peak (see :func:`peak_bytes_here`). On CUDA, or where ``os.fork`` is missing,
+    each case gets a new interpreter instead (:func:`peak_bytes`).
+    """
+
+    def __init__(self, device: torch.device, threads: int, preload: Iterable[str] = ()) -> None:
+        self.device, self.threads = device, threads
+        self.process: subprocess.Popen | None = None
+        if device.type == "cpu" and hasattr(os, "fork"):
+            command = [sys.executable, "-m", "benchmarks.measure", "--serve", "--threads", str(threads)]
+            command += [f"--preload={module}" for module in preload]
+            self.process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def peak(self, case: Case) -> int | None:
+        """Peak bytes of one forward+backward of ``case``; None if it failed."""
+        if self.process is None:
+            return peak_bytes(case, self.device, self.threads)
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps(case.to_json()) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline().strip()
+        if not answer.isdigit():
+            print(f"peak memory of {case.label!r} failed: {answer}", file=sys.stderr)
+            return None
+        return int(answer)
+
+    def close(self) -> None:
+        """Stop the server."""
+        if self.process is not None:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()  # type: ignore[union-attr]
+            self.process.wait(timeout=60)
+            self.process = None
+
+    def __enter__(self) -> MemoryProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve(threads: int, preload: list[str]) -> None:
+    """Fork one child per case read from stdin; print each child's answer on one line."""
+    for module in preload:  # import once, here, so that children start warm
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: measure, answer, leave without running the parent's cleanup
+            os.close(read_end)
+            try:
+                torch.set_num_threads(threads)
+                answer = str(_probe(Case.from_json(json.loads(line)), torch.device("cpu")))
+            except BaseException as error:  # reported to the parent, which carries on
+                answer = f"error: {type(error).__name__}: {error}"
+            os.write(write_end, answer.replace("\n", " ").encode())
+            os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            answer = pipe.read().decode()
+        os.waitpid(pid, 0)
+        print(answer or "error: the child died", flush=True)
+
+
 def _probe(case: Case, device: torch.device) -> int:
+    # Start torch's thread pools, autograd engine and allocator first on a tiny problem, so that
+    # their one-off footprint (tens of MiB) is not charged to the case.
+    warm = torch.nn.Linear(4, 4).to(device)
+    warm(torch.randn(2, 4, device=device, requires_grad=True)).sum().backward()
+    del warm
     module = build_module(case, device)
     module.train()
     _, args = make_inputs(case, module, device)
@@ -177,10 +258,17 @@ def _probe(case: Case, device: torch.device) -> int:
 def main(argv: Iterable[str] | None = None) -> int:
     """Print the peak bytes of one forward+backward of the case given as JSON."""
     parser = argparse.ArgumentParser(description="peak memory of one case, in a fresh process")
-    parser.add_argument("case", help="the case as JSON (Case.to_json())")
+    parser.add_argument("case", nargs="?", help="the case as JSON (Case.to_json())")
+    parser.add_argument("--serve", action="store_true", help="read cases from stdin, fork a child for each")
+    parser.add_argument("--preload", action="append", default=[], help="module the server imports first")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(None if argv is None else list(argv))
+    if args.serve:
+        _serve(args.threads, args.preload)
+        return 0
+    if args.case is None:
+        parser.error("give a case as JSON, or --serve")
     torch.set_num_threads(args.threads)
     print(_probe(Case.from_json(json.loads(args.case)), torch.device(args.device)))
     return 0

@@ -117,8 +117,9 @@ def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
         "Every ratio divides two medians measured in the same run, alternating the cases (A B C … A B C …) "
         "so that a slow phase hits all alike. Inputs require grad (as inside a network). fwd+bwd runs in "
         "train mode; fwd is inference (eval mode, no grad). Peak memory is that of one fwd+bwd in a fresh "
-        "process (CPU: resident-set high-water mark `VmHWM` above the process's size before the call, so "
-        "parameter gradients count; CUDA: `torch.cuda.max_memory_allocated`). This CPU machine is shared "
+        "process (CPU: a child forked from a process that imported everything and computed nothing; "
+        "resident-set high-water mark `VmHWM` above the child's size before the call, so parameter "
+        "gradients count; CUDA: `torch.cuda.max_memory_allocated`). This CPU machine is shared "
         "with other jobs (see the load average of each section): absolute times vary run to run, and "
         "ratios by several percent.",
         "",
@@ -151,11 +152,14 @@ def plot(store: dict, path: Path) -> Path | None:
     figure, axes = plt.subplots(len(panels), 1, figsize=(8.5, sum(heights)), height_ratios=heights, squeeze=False)
     for ax, section in zip(axes[:, 0], panels, strict=True):
         measured = [row for row in section["rows"] if row.get("train_s") is not None]
+        reference_params = next(row["params"] for row in section["rows"] if row["label"] == row["reference"])
         labels = [f"{row['label']}  ({_short(row['params'])} params)" for row in measured]
         y = range(len(measured))
-        for offset, (metric, name, _) in zip((-0.27, 0.0, 0.27), METRICS, strict=True):
+        for offset, (metric, name, _) in zip((-0.3, -0.1, 0.1), METRICS, strict=True):
             values = [row.get("ratios", {}).get(metric) or 0.0 for row in measured]
-            ax.barh([k + offset for k in y], values, height=0.26, label=name.split(" (")[0])
+            ax.barh([k + offset for k in y], values, height=0.2, label=name.split(" (")[0])
+        params = [row["params"] / reference_params if row.get("params") else 0.0 for row in measured]
+        ax.barh([k + 0.3 for k in y], params, height=0.2, label="parameters")
         ax.axvline(1.0, color="grey", linewidth=1)
         ax.set_yticks(list(y), labels, fontsize=8)
         ax.invert_yaxis()

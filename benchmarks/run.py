@@ -24,8 +24,8 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import report
-from benchmarks.baselines import PEER_PACKAGES, Case, count_params, fp32_bytes, missing_package
-from benchmarks.measure import Runner, Timing, alternate, peak_bytes
+from benchmarks.baselines import PEER_MODULES, PEER_PACKAGES, Case, count_params, fp32_bytes, missing_package
+from benchmarks.measure import MemoryProbe, Runner, Timing, alternate
 from benchmarks.sections import FULL, QUICK, SECTIONS, Section, Sizes, make_sections
 
 HERE = Path(__file__).resolve().parent
@@ -101,11 +101,14 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
     steps = (len(runnable) if memory else 0) + len(runnable) + args.rounds * len(runnable)
     progress = tqdm(total=steps, desc=section.name, leave=False, file=sys.stderr, mininterval=0.5)
     runners: dict[str, Runner] = {}
+    if memory:
+        preload = {PEER_MODULES[case.model] for case in runnable if case.model in PEER_MODULES}
+        with MemoryProbe(device, threads, sorted(preload)) as probe:
+            for case in runnable:
+                progress.set_postfix_str(f"peak memory: {case.label}")
+                rows[case.label]["peak_bytes"] = probe.peak(case)
+                progress.update()
     for case in runnable:
-        if memory:
-            progress.set_postfix_str(f"peak memory: {case.label}")
-            rows[case.label]["peak_bytes"] = peak_bytes(case, device, threads)
-            progress.update()
         progress.set_postfix_str(f"building: {case.label}")
         try:
             runners[case.label] = Runner(case, device)

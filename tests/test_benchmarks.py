@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import run  # noqa: E402
 from benchmarks.baselines import Case, HandwrittenLayer, build_module, count_params, make_inputs  # noqa: E402
-from benchmarks.measure import Timing, alternate, peak_bytes  # noqa: E402
+from benchmarks.measure import MemoryProbe, Timing, alternate  # noqa: E402
 from benchmarks.sections import FULL, SECTIONS, make_sections  # noqa: E402
 
 LAYER = {"in_features": 6, "out_features": 5, "rank": 3}
@@ -74,11 +74,16 @@ def test_alternate_interleaves_the_cases_and_takes_medians():
     assert Timing([1.0, 3.0], [2.0]).infer_s == 2.0
 
 
-def test_peak_memory_is_measured_in_a_fresh_process():
-    case = Case("linear", "linear", {"in_features": 8, "out_features": 4096}, 4, 1024)
-    peak = peak_bytes(case, torch.device("cpu"), 1)
-    output = 4 * 1024 * 4096 * 4  # float32 output; its gradient is as large again
-    assert peak is not None and 1.5 * output <= peak <= 20 * output
+def test_peak_memory_is_measured_in_fresh_processes():
+    small = Case("linear", "linear", {"in_features": 8, "out_features": 4096}, 2, 1024)
+    large = Case("linear", "linear", {"in_features": 8, "out_features": 4096}, 8, 1024)
+    output = 2 * 1024 * 4096 * 4  # float32 output of the small case; its gradient is as large again
+    cpu = torch.device("cpu")
+    with MemoryProbe(cpu, 1) as probe:  # forked children of one pristine server
+        forked = [probe.peak(small), probe.peak(large), probe.peak(small)]
+    assert 1.5 * output <= forked[0] <= 20 * output
+    assert 2.5 * forked[0] <= forked[1]  # four times the tokens
+    assert abs(forked[2] - forked[0]) <= 0.2 * forked[0]  # a large case before leaves no trace
 
 
 def test_peers_at_matched_parameters_hold_about_the_mlp_parameters():
