@@ -85,10 +85,10 @@ def section_markdown(section: dict, level: str = "##") -> list[str]:
     info = section["machine"]
     lines = [f"{level} {section['title']}", "", section["description"], ""]
     lines.append(
-        f"*Measured {info['date']} on {info['device']} ({info['processor']}, {info['threads']} threads"
+        f"*Measured {info['date']} on {info['device']} ({info['processor']}, threads {info['threads']}"
         + (f", load average {info['load average']}" if "load average" in info else "")
         + f"); torch {info['torch']}, mumoe_tn {info['mumoe_tn']}, path optimizer {section['optimize']}; "
-        + f"median of {section['samples']} alternating samples per case.*"
+        + f"median of {section['samples']} alternating samples per case; `{section.get('command', '')}`.*"
     )
     lines += ["", "| case | params | fwd+bwd (ms) | × | fwd (ms) | × | peak fwd+bwd (MiB) | × | note |"]
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -112,7 +112,12 @@ def section_markdown(section: dict, level: str = "##") -> list[str]:
 def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
     """The whole report."""
     sections = [store["sections"][name] for name in order if name in store["sections"]]
-    lines = ["# mumoe_tn benchmarks", "", f"Regenerate with `{command}`.", ""]
+    lines = [
+        "# mumoe_tn benchmarks",
+        "",
+        f"Regenerate with `{command}` (each section names the command that measured it).",
+        "",
+    ]
     lines += [
         "Every ratio divides two medians measured in the same run, alternating the cases (A B C … A B C …) "
         "so that a slow phase hits all alike. Inputs require grad (as inside a network). fwd+bwd runs in "
@@ -121,7 +126,9 @@ def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
         "resident-set high-water mark `VmHWM` above the child's size before the call, so parameter "
         "gradients count; CUDA: `torch.cuda.max_memory_allocated`). This CPU machine is shared "
         "with other jobs (see the load average of each section): absolute times vary run to run, and "
-        "ratios by several percent.",
+        "ratios by several percent. While the load average is well above the 2 cores, a 2-thread OpenMP "
+        "region stalls whenever one of its threads is descheduled, which distorts ratios far more than "
+        "running on one thread does: `--threads 1` is then the fairer setting.",
         "",
     ]
     summary = [t for section in sections for t in section["targets"]]
@@ -136,6 +143,15 @@ def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
     for section in sections:
         lines += section_markdown(section)
     return "\n".join(lines)
+
+
+def _measured(sections: list[dict]) -> str:
+    info = sections[0]["machine"]
+    return (
+        f"Measured {info['date']} on {info['device']} ({info['processor']}, threads {info['threads']}, "
+        f"load average {info.get('load average', '?')}) with `{sections[0].get('command', '')}`; the machine "
+        "is shared with other jobs."
+    )
 
 
 def plot(store: dict, path: Path) -> Path | None:
@@ -191,6 +207,7 @@ def update_docs(store: dict, order: tuple[str, ...], device: str, image: str, co
         return False
     sections = [store["sections"][name] for name in order if name in store["sections"]]
     body = [start, "", f"`{command}` regenerates this block, `benchmarks/results-{device}.md` and the plot.", ""]
+    body += ["*" + _measured(sections) + "*", ""] if sections else []
     summary = [t for section in sections for t in section["targets"]]
     if summary:
         body += ["| target (issue 16) | measured | limit | met |", "|---|---:|---:|:---:|"]

@@ -144,6 +144,7 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
         "description": section.description,
         "reference_text": "each row's paper-einsum counterpart" if section.pairs else section.reference,
         "machine": report.machine(device),
+        "command": getattr(args, "command", COMMAND),
         "optimize": args.optimize or "library default",
         "samples": args.rounds * section.reps,
         "rows": [rows[label] for label in section.labels()],
@@ -164,6 +165,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/)")
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process peak-memory probes")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the block in docs/results.md")
+    parser.add_argument("--report-only", action="store_true", help="rewrite report, plot and docs from the JSON")
     parser.add_argument("--memory-limit", type=float, default=4.0,
                         help="GiB of fp32 weights + gradients above which a peer is listed, not run")  # fmt: skip
     args = parser.parse_args(argv)
@@ -177,6 +179,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the selected sections and write the results."""
     args = parse(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join([COMMAND, *given])
+    args.command = command
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -191,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     store = report.load(stem.with_suffix(".json"))
     info = report.machine(device)
     print(f"mumoe_tn benchmarks on {device} ({info['processor']}, {args.threads} threads); writing {stem}.md")
-    for section in make_sections(args.only, sizes, extra, int(args.memory_limit * 2**30)):
+    for section in [] if args.report_only else make_sections(args.only, sizes, extra, int(args.memory_limit * 2**30)):
         store["sections"][section.name] = run_section(section, sizes, args, device, store)
         report.save(stem.with_suffix(".json"), store)
         stem.with_suffix(".md").write_text(report.markdown(store, SECTIONS, COMMAND))
+    stem.with_suffix(".md").write_text(report.markdown(store, SECTIONS, COMMAND))
     image = report.plot(store, stem.with_suffix(".png"))
     if image is not None and not args.quick and not args.no_docs:
         docs_image = report.DOCS_PAGE.parent / "img" / f"benchmarks-{kind}.png"

@@ -196,7 +196,9 @@ def params_section(s: Sizes, extra: dict) -> Section:
         f"Matched parameters: MLP block {d} → {4 * d} → {d}",
         f'{s.batch}×{s.seq} tokens (inputs requiring grad). μMoE blocks `MuMoEMLP(..., rank="mlp")`; peers at '
         "the dense MLP's parameter count where their configuration allows (soft-MoE and st-moe by narrower "
-        "experts), else the nearest (PEER: its 8-head query projection alone is the MLP's budget).",
+        "experts), else the nearest (PEER: its 8-head query projection alone is the MLP's budget). At equal "
+        "parameters soft-MoE and st-moe do far less arithmetic per token (each slot or token passes one or two "
+        f"experts 1/{s.few} of the MLP's width), the μMoE the MLP's full amount.",
         mlp.label,
         (mlp, cp, tr, hier, peer, soft, st),
         targets=targets,
