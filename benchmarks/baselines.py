@@ -1,107 +1,282 @@
-"""Layers the μMoE is measured against.
+"""What the benchmarks measure: the μMoE, nn.Linear / MLP, the paper's einsums and peer MoEs.
 
-- The paper's appendix "Fast μMoE implementations", transcribed with ``torch.einsum`` (the
-  paper uses ``einops.einsum``, which calls it) over the same cores as a
-  :class:`~mumoe_tn.layers.FactorizedExperts`: the hand-written baseline.
-- A dense MoE that materialises ``W`` and evaluates every expert (paper Eq. 1).
-- A sparse top-K MoE that routes each token to its K best experts (a loop over experts).
+Every case is a JSON-serialisable :class:`Case` (so that a fresh process can rebuild it to
+measure its peak memory). μMoE layers are built only through the public constructors
+(``MuMoE(...)``, ``MuMoEMLP(...)``); nothing here looks at a network's name. The peers come
+from the package registry (``pip install -e ".[bench]"``) and are configured as their
+authors' READMEs show; a peer that is not installed is reported, not faked.
+
+- ``soft-moe-pytorch``: ``SoftMoE(dim, seq_len=…, num_experts=…, expert_mult=…)``.
+- ``PEER-pytorch``: ``PEER(dim, heads=8, num_experts=<square>, num_experts_per_head=16)``.
+- ``st-moe-pytorch``: ``MoE(dim, num_experts=…, gating_top_n=2, expert_hidden_mult=…)``, a
+  top-2 router with capacity factors (ST-MoE); its auxiliary losses are not back-propagated.
+- The paper's appendix "Fast μMoE implementations" (CP and TR, one and two expert modes),
+  transcribed with ``torch.einsum`` (the paper's ``einops.einsum`` calls it) over the very
+  cores of a :class:`~mumoe_tn.layers.FactorizedExperts`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from mumoe_tn import FactorizedExperts, MuMoE
-from mumoe_tn.gating import ExpertGate
+from mumoe_tn import MuMoE
+from mumoe_tn.layers import FactorizedExperts, MuMoEMLP
 
-
-class HandwrittenCP(nn.Module):
-    """``einsum(G_o, a@G_n.T, …, z@G_i.T, 'r o, b r, …, b r -> b o')`` over shared CP cores."""
-
-    def __init__(self, experts: FactorizedExperts) -> None:
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, z: torch.Tensor, coefficients: list[torch.Tensor]) -> torch.Tensor:
-        net, cores = self.experts.network, self.experts.cores
-        terms = [a @ cores[f"U_{leg}"] for a, leg in zip(coefficients, net.expert_legs, strict=True)]
-        terms.append(z @ cores["U_i"])
-        equation = "ro," + ",".join("br" for _ in terms) + "->bo"
-        return torch.einsum(equation, cores["U_o"].T, *terms)
+#: Registry package that provides each peer model, for the "not installed" message.
+PEER_PACKAGES = {"peer": "PEER-pytorch", "soft_moe": "soft-moe-pytorch", "st_moe": "st-moe-pytorch"}
+PEER_MODULES = {"peer": "PEER_pytorch", "soft_moe": "soft_moe_pytorch", "st_moe": "st_moe_pytorch"}
 
 
-class HandwrittenTR(nn.Module):
-    """The paper's TR pseudocode for one or two expert modes over shared TR cores."""
+@dataclass(frozen=True)
+class Case:
+    """One configuration to time.
 
-    def __init__(self, experts: FactorizedExperts) -> None:
-        super().__init__()
-        if experts.network.n_expert_modes not in (1, 2):
-            raise ValueError("the paper gives TR pseudocode for one and two expert modes")
-        self.experts = experts
-
-    def forward(self, z: torch.Tensor, coefficients: list[torch.Tensor]) -> torch.Tensor:
-        cores = self.experts.cores
-        f1 = torch.einsum("bn,anc->bac", coefficients[0], cores["G_n1"])
-        if len(coefficients) == 1:
-            f2 = torch.einsum("bi,cid->bcd", z, cores["G_i"])
-            fout = torch.einsum("bac,bcd->bad", f1, f2)
-            return torch.einsum("doa,bad->bo", cores["G_o"], fout)
-        f2 = torch.einsum("bn,cnd->bcd", coefficients[1], cores["G_n2"])
-        f3 = torch.einsum("bi,die->bde", z, cores["G_i"])
-        fout = torch.einsum("bac,bcd->bad", f1, f2)
-        fout = torch.einsum("bad,bde->bae", fout, f3)
-        return torch.einsum("eoa,bae->bo", cores["G_o"], fout)
-
-
-class DenseMoE(nn.Module):
-    """Every expert evaluated on every token over a materialised ``W (N, I+1, O)`` (Eq. 1)."""
-
-    def __init__(self, in_features: int, out_features: int, n_experts: int) -> None:
-        super().__init__()
-        self.gate = ExpertGate(in_features, n_experts)
-        bound = in_features**-0.5
-        self.weight = nn.Parameter(torch.empty(n_experts, in_features + 1, out_features).uniform_(-bound, bound))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (a,) = self.gate(x)
-        z = torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
-        outputs = torch.einsum("bi,nio->bno", z, self.weight)  # every expert's output
-        return torch.einsum("bn,bno->bo", a, outputs)
-
-
-class SparseMoE(nn.Module):
-    """Top-K routing: softmax over each token's K best router logits, one Linear per expert.
-
-    Experts are separate ``nn.Linear`` modules (as in common MoE code), so each expert's
-    gradient is its own tensor; only experts that receive tokens run.
+    Attributes
+    ----------
+    label : str
+        Row label in the tables.
+    model : str
+        Key of :data:`BUILDERS`.
+    options : dict
+        Keyword arguments of the builder.
+    batch, seq : int
+        Inputs are ``(batch, seq, width)`` tokens (``batch·seq`` tokens in all).
+    inputs : str
+        ``"tokens"`` (one input of ``in_features``) or ``"contraction"`` (an input with the
+        bias column and one coefficient tensor per expert mode).
     """
 
-    def __init__(self, in_features: int, out_features: int, n_experts: int, top_k: int = 2) -> None:
+    label: str
+    model: str
+    options: dict = field(default_factory=dict)
+    batch: int = 8
+    seq: int = 512
+    inputs: str = "tokens"
+
+    def to_json(self) -> dict:
+        """The case as a JSON-ready dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Case:
+        """Rebuild a case from :meth:`to_json`."""
+        return cls(**data)
+
+
+def missing_package(case: Case) -> str | None:
+    """The registry package a case needs and that is not installed, else None."""
+    module = PEER_MODULES.get(case.model)
+    if module is not None and importlib.util.find_spec(module) is None:
+        return PEER_PACKAGES[case.model]
+    return None
+
+
+# ----------------------------------------------------------------------------- builders
+def _linear(in_features: int, out_features: int) -> nn.Module:
+    return nn.Linear(in_features, out_features)
+
+
+def _mlp(in_features: int, hidden_features: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(in_features, hidden_features), nn.GELU(), nn.Linear(hidden_features, in_features))
+
+
+def _mumoe(**options: Any) -> nn.Module:
+    return MuMoE(**options)
+
+
+def _mumoe_mlp(**options: Any) -> nn.Module:
+    return MuMoEMLP(**options)
+
+
+class PlannedContraction(nn.Module):
+    """The expert contraction alone, as the library plans and runs it."""
+
+    def __init__(self, **layer_options: Any) -> None:
         super().__init__()
-        self.router = nn.Linear(in_features, n_experts, bias=False)
-        self.top_k = top_k
-        self.out_features = out_features
-        self.experts = nn.ModuleList(nn.Linear(in_features, out_features) for _ in range(n_experts))
+        self.experts = MuMoE(**layer_options).experts
+
+    def forward(self, z: torch.Tensor, coefficients: list[torch.Tensor]) -> torch.Tensor:
+        return self.experts(z, coefficients)
+
+
+def _core(experts: FactorizedExperts, leg: str, order: tuple[str, ...]) -> torch.Tensor:
+    """The core holding ``leg``, its dimensions permuted to ``order`` (its own labels)."""
+    net = experts.network
+    name = net.core_of(leg)
+    labels = net.cores[name]
+    if sorted(order) != sorted(labels):
+        raise ValueError(f"core {name!r} has labels {labels}, expected a permutation of {order}")
+    return experts.cores[name].permute(*(labels.index(label) for label in order))
+
+
+def _bond(experts: FactorizedExperts, first: str, second: str) -> str:
+    """The one bond shared by the cores of legs ``first`` and ``second``."""
+    net = experts.network
+    a, b = net.cores[net.core_of(first)], net.cores[net.core_of(second)]
+    shared = [label for label in a if label in b and label in net.bonds]
+    if len(shared) != 1:
+        raise ValueError(f"the paper's einsums need one bond between the cores of {first!r} and {second!r}")
+    return shared[0]
+
+
+def handwritten_cp(experts: FactorizedExperts, z: torch.Tensor, coefficients: list[torch.Tensor]) -> torch.Tensor:
+    """Paper appendix, CPμMoE: ``einsum(G_o, a[0]@G1.T, …, z@G_i.T, 'r o, b t r, …, b t r -> b t o')``."""
+    net = experts.network
+    (rank,) = net.bonds
+    if any(len(labels) != 2 for labels in net.cores.values()):
+        raise ValueError("the paper's CP einsum needs one factor matrix per leg and one shared rank")
+    terms = [a @ _core(experts, leg, (leg, rank)) for a, leg in zip(coefficients, net.expert_legs, strict=True)]
+    terms.append(z @ _core(experts, "i", ("i", rank)))
+    equation = "ro," + ",".join("btr" for _ in terms) + "->bto"
+    return torch.einsum(equation, _core(experts, "o", (rank, "o")), *terms)
+
+
+def handwritten_tr(experts: FactorizedExperts, z: torch.Tensor, coefficients: list[torch.Tensor]) -> torch.Tensor:
+    """Paper appendix, TRμMoE with one or two expert modes (batched tensor-vector products)."""
+    net = experts.network
+    legs = net.expert_legs
+    if len(legs) not in (1, 2):
+        raise ValueError("the paper gives TR einsums for one and two expert modes")
+    ring = [*legs, "i", "o"]
+    bonds = [_bond(experts, ring[k - 1], ring[k]) for k in range(len(ring))]  # bonds[k] joins ring[k-1], ring[k]
+    cores = [_core(experts, leg, (bonds[k], leg, bonds[(k + 1) % len(ring)])) for k, leg in enumerate(ring)]
+    factors = [torch.einsum("btn,pnq->btpq", a, core) for a, core in zip(coefficients, cores, strict=False)]
+    factors.append(torch.einsum("bti,piq->btpq", z, cores[len(legs)]))
+    chain = factors[0]
+    for factor in factors[1:]:
+        chain = torch.einsum("btpq,btqs->btps", chain, factor)
+    return torch.einsum("sop,btps->bto", cores[-1], chain)
+
+
+class HandwrittenContraction(nn.Module):
+    """The paper's einsums over the cores of the same (seeded) layer as :class:`PlannedContraction`."""
+
+    def __init__(self, formula: str, **layer_options: Any) -> None:
+        super().__init__()
+        self.experts = MuMoE(**layer_options).experts
+        self.formula = {"cp": handwritten_cp, "tr": handwritten_tr}[formula]
+
+    def forward(self, z: torch.Tensor, coefficients: list[torch.Tensor]) -> torch.Tensor:
+        return self.formula(self.experts, z, coefficients)
+
+
+class HandwrittenLayer(nn.Module):
+    """A whole μMoE layer whose contraction is the paper's einsum.
+
+    The layer's own gate, a column of ones for the bias, then :func:`handwritten_cp` or
+    :func:`handwritten_tr`.
+    """
+
+    def __init__(self, formula: str, **layer_options: Any) -> None:
+        super().__init__()
+        self.layer = MuMoE(**layer_options)
+        self.formula = {"cp": handwritten_cp, "tr": handwritten_tr}[formula]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        values, chosen = self.router(x).topk(self.top_k, dim=-1)
-        weights = F.softmax(values, dim=-1)
-        y = x.new_zeros(x.shape[0], self.out_features)
-        for expert in torch.unique(chosen).tolist():
-            token, slot = (chosen == expert).nonzero(as_tuple=True)
-            out = self.experts[expert](x[token])
-            y = y.index_add(0, token, out * weights[token, slot, None])
-        return y
+        z = self.layer.input_norm(x)
+        coefficients = self.layer.gate(z)
+        z = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
+        return self.formula(self.layer.experts, z, list(coefficients))
 
 
-def matched_layer(name: str, in_features: int, out_features: int, expert_dims: tuple[int, ...]) -> MuMoE:
-    """A μMoE layer parameter-matched (gating counted) to ``nn.Linear(in, out)``."""
-    from mumoe_tn.costs import linear, match_layer
-    from mumoe_tn.decompositions import build
+def _peer(**options: Any) -> nn.Module:
+    from PEER_pytorch import PEER
 
-    network = build(name, expert_dims, in_features + 1, out_features, 1)
-    bonds = network.bonds if name == "tucker" else None
-    matched = match_layer(network, linear(in_features, out_features).params, bonds=bonds)
-    return MuMoE(in_features, out_features, decomposition=matched.networks[0], input_norm=True)
+    return PEER(**options)
+
+
+def _soft_moe(**options: Any) -> nn.Module:
+    from soft_moe_pytorch import SoftMoE
+
+    return SoftMoE(**options)
+
+
+class TopKMoE(nn.Module):
+    """st-moe-pytorch's ``MoE`` returning only its output (its auxiliary losses are dropped)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        from st_moe_pytorch import MoE
+
+        self.moe = MoE(**options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)[0]
+
+
+BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "linear": _linear,
+    "mlp": _mlp,
+    "mumoe": _mumoe,
+    "mumoe_mlp": _mumoe_mlp,
+    "planned": PlannedContraction,
+    "handwritten": HandwrittenContraction,
+    "handwritten_layer": HandwrittenLayer,
+    "peer": _peer,
+    "soft_moe": _soft_moe,
+    "st_moe": TopKMoE,
+}
+
+
+def build_module(case: Case, device: torch.device | str = "cpu") -> nn.Module:
+    """The module of a case, seeded, on ``device``."""
+    if case.model not in BUILDERS:
+        raise ValueError(f"unknown model {case.model!r}; choose one of {list(BUILDERS)}")
+    torch.manual_seed(0)
+    return BUILDERS[case.model](**case.options).to(device)
+
+
+def count_params(case: Case) -> int:
+    """Parameters of a case's module, counted on the meta device (nothing is allocated)."""
+    try:
+        with torch.device("meta"):
+            module = BUILDERS[case.model](**case.options)
+    except (NotImplementedError, RuntimeError):  # an init that needs real data
+        module = BUILDERS[case.model](**case.options)
+    return sum(p.numel() for p in module.parameters())
+
+
+def make_inputs(case: Case, module: nn.Module, device: torch.device | str = "cpu") -> tuple[list[torch.Tensor], tuple]:
+    """Inputs that require grad (as inside a network), and the forward's positional arguments."""
+    generator = torch.Generator().manual_seed(1)
+    lead = (case.batch, case.seq)
+    if case.inputs == "tokens":
+        x = torch.randn(*lead, input_width(case), generator=generator).to(device).requires_grad_()
+        return [x], (x,)
+    if case.inputs == "contraction":
+        net = module.experts.network
+        z = torch.randn(*lead, net.in_features, generator=generator).to(device).requires_grad_()
+        coefficients = [
+            torch.softmax(torch.randn(*lead, n, generator=generator), -1).to(device).requires_grad_()
+            for n in net.expert_dims
+        ]
+        return [z, *coefficients], (z, coefficients)
+    raise ValueError(f"unknown inputs {case.inputs!r}")
+
+
+def input_width(case: Case) -> int:
+    """Feature width of a ``"tokens"`` case's input."""
+    options = case.options
+    for key in ("in_features", "dim"):
+        if key in options:
+            return int(options[key])
+    raise ValueError(f"case {case.label!r} names no input width (in_features or dim)")
+
+
+def fp32_bytes(params: int) -> int:
+    """Bytes of float32 weights plus their gradients."""
+    return 2 * 4 * params
+
+
+def human(count: float) -> str:
+    """``4.72 M``-style count."""
+    for scale, suffix in ((1e9, " B"), (1e6, " M"), (1e3, " k")):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}"
+    return f"{count:g}"

@@ -6,13 +6,18 @@ blocks, with μMoE blocks (CP and TR, 64 experts) parameter-matched to them, and
 hierarchical CP μMoE block of 32×32×32×32 = 1,048,576 experts at about the same parameter
 count. Each run prints its parameter count and train/validation loss.
 
-Run: ``python examples/char_gpt.py`` (a few minutes on 2 CPU cores); ``--steps 5`` for a smoke run.
+Each variant's row prints as soon as it has trained, with its median time per training step and
+that time relative to the first variant (the MLP).
+
+Run: ``python examples/char_gpt.py`` (a few minutes on 2 CPU cores); ``--quick`` for a tiny run
+of a few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -96,27 +101,44 @@ def train(name: str, make_mlp, data: dict, args: argparse.Namespace) -> dict:
     mlp_params = sum(p.numel() for block in model.blocks for p in block.mlp.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     stream = batches(data["train"], args.context, args.batch, torch.Generator().manual_seed(0))
+    warmup = max(1, min(50, args.steps // 10))
     start = time.perf_counter()
+    step_seconds, first_loss = [], None
     progress = tqdm(range(args.steps), desc=name, leave=False, mininterval=1.0)
     for step in progress:
-        lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = next(stream)
+        tic = time.perf_counter()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        step_seconds.append(time.perf_counter() - tic)
+        first_loss = loss.item() if first_loss is None else first_loss
         progress.set_postfix(loss=f"{loss.item():.3f}")
     return {
         "model": name,
         "params": sum(p.numel() for p in model.parameters()),
         "mlp_params": mlp_params,
+        "first_loss": first_loss,
         "train_loss": evaluate(model, data["train"], args.context),
         "val_loss": evaluate(model, data["val"], args.context),
+        "step_ms": 1e3 * statistics.median(step_seconds[min(5, len(step_seconds) - 1) :]),
         "seconds": time.perf_counter() - start,
     }
+
+
+def print_row(row: dict, first: dict) -> None:
+    """One markdown row, printed as soon as its variant has trained."""
+    relative = row["step_ms"] / first["step_ms"]
+    print(
+        f"| {row['model']} | {row['params']:,} | {row['mlp_params']:,} | {row['train_loss']:.3f} | "
+        f"{row['val_loss']:.3f} | {row['step_ms']:.1f} | {relative:.2f}× | {row['seconds']:.0f} |",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -129,21 +151,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and 40 steps: a run of seconds")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.quick:
+        args.steps, args.batch, args.context, args.width, args.depth = 40, 8, 16, 32, 1
+    torch.set_num_threads(args.threads)
     text = corpus()
     chars = sorted(set(text))
     encoded = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     split = int(0.9 * len(encoded))
     data = {"vocab": len(chars), "train": encoded[:split], "val": encoded[split:]}
-    print(f"pydoc_data topics: {len(text):,} characters, vocabulary {len(chars)}; {args.steps} steps")
-    rows = [train(name, VARIANTS[name], data, args) for name in args.variants]
-    print("\n| model | params | MLP-block params | train loss | val loss | time (s) |\n|---|---:|---:|---:|---:|---:|")
-    for row in rows:
-        print(
-            f"| {row['model']} | {row['params']:,} | {row['mlp_params']:,} | {row['train_loss']:.3f} | "
-            f"{row['val_loss']:.3f} | {row['seconds']:.0f} |"
-        )
+    print(
+        f"pydoc_data topics: {len(text):,} characters, vocabulary {len(chars)}; {args.steps} steps of "
+        f"{args.batch}×{args.context} tokens, width {args.width}, depth {args.depth}"
+    )
+    print(
+        "\n| model | params | MLP-block params | train loss | val loss | ms/step | step ÷ first | time (s) |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        flush=True,
+    )
+    rows = []
+    for name in args.variants:
+        rows.append(train(name, VARIANTS[name], data, args))
+        print_row(rows[-1], rows[0])
     return rows
 
 

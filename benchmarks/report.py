@@ -1,0 +1,227 @@
+"""Results files: the JSON store, the markdown report, the plot and the docs page section."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import opt_einsum
+import torch
+
+import mumoe_tn
+
+DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "results.md"
+METRICS = (("train_s", "fwd+bwd (ms)", 1e3), ("infer_s", "fwd (ms)", 1e3), ("peak_bytes", "peak (MiB)", 2**-20))
+
+
+def machine(device: torch.device) -> dict:
+    """Versions and hardware, recorded with every section."""
+    info = {
+        "device": str(device),
+        "processor": _cpu_name(),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "opt_einsum": opt_einsum.__version__,
+        "mumoe_tn": mumoe_tn.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    try:
+        info["load average"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load(path: Path) -> dict:
+    """The stored results (``{"sections": {name: …}}``), empty if none."""
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"sections": {}}
+
+
+def save(path: Path, store: dict) -> None:
+    """Write the JSON store."""
+    path.write_text(json.dumps(store, indent=1, ensure_ascii=False) + "\n")
+
+
+def ratio(row: dict, reference: dict | None, metric: str) -> float | None:
+    """``row[metric] ÷ reference[metric]``, None when either is missing."""
+    if reference is None or row.get(metric) is None or not reference.get(metric):
+        return None
+    return row[metric] / reference[metric]
+
+
+def fmt_ratio(value: float | None) -> str:
+    """``1.07×`` or an empty cell."""
+    return "" if value is None else f"{value:.2f}×"
+
+
+def fmt_value(row: dict, metric: str, scale: float) -> str:
+    """A metric scaled for display, empty when missing."""
+    value = row.get(metric)
+    if value is None:
+        return ""
+    shown = value * scale
+    return f"{shown:,.1f}" if shown >= 10 else f"{shown:.3g}"
+
+
+def section_markdown(section: dict, level: str = "##") -> list[str]:
+    """One section as markdown: title, description, machine, table, targets."""
+    info = section["machine"]
+    lines = [f"{level} {section['title']}", "", section["description"], ""]
+    lines.append(
+        f"*Measured {info['date']} on {info['device']} ({info['processor']}, threads {info['threads']}"
+        + (f", load average {info['load average']}" if "load average" in info else "")
+        + f"); torch {info['torch']}, mumoe_tn {info['mumoe_tn']}, path optimizer {section['optimize']}; "
+        + f"median of {section['samples']} alternating samples per case; `{section.get('command', '')}`.*"
+    )
+    lines += ["", "| case | params | fwd+bwd (ms) | × | fwd (ms) | × | peak fwd+bwd (MiB) | × | note |"]
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for row in section["rows"]:
+        cells = [row["label"], f"{row['params']:,}" if row.get("params") is not None else ""]
+        for metric, _, scale in METRICS:
+            cells += [fmt_value(row, metric, scale), fmt_ratio(row.get("ratios", {}).get(metric))]
+        cells.append(row.get("note", ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "× = ratio to " + (section["reference_text"]) + "."]
+    if section["targets"]:
+        lines += ["", "| target | measured | limit | met |", "|---|---:|---:|:---:|"]
+        for target in section["targets"]:
+            value = target["value"]
+            shown = "not measured" if value is None else f"{value:.2f}×"
+            met = "—" if value is None else ("met" if value <= target["limit"] else "**missed**")
+            lines.append(f"| {target['name']} | {shown} | ≤ {target['limit']}× | {met} |")
+    return [*lines, ""]
+
+
+def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
+    """The whole report."""
+    sections = [store["sections"][name] for name in order if name in store["sections"]]
+    lines = [
+        "# mumoe_tn benchmarks",
+        "",
+        f"Regenerate with `{command}` (each section names the command that measured it).",
+        "",
+    ]
+    lines += [
+        "Every ratio divides two medians measured in the same run, alternating the cases (A B C … A B C …) "
+        "so that a slow phase hits all alike. Inputs require grad (as inside a network). fwd+bwd runs in "
+        "train mode; fwd is inference (eval mode, no grad). Peak memory is that of one fwd+bwd in a fresh "
+        "process (CPU: a child forked from a process that imported everything and computed nothing; "
+        "resident-set high-water mark `VmHWM` above the child's size before the call, so parameter "
+        "gradients count; CUDA: `torch.cuda.max_memory_allocated`). This CPU machine is shared "
+        "with other jobs (see the load average of each section): absolute times vary run to run, and "
+        "ratios by several percent. While the load average is well above the 2 cores, a 2-thread OpenMP "
+        "region stalls whenever one of its threads is descheduled, which distorts ratios far more than "
+        "running on one thread does: `--threads 1` is then the fairer setting.",
+        "",
+    ]
+    summary = [t for section in sections for t in section["targets"]]
+    if summary:
+        lines += ["## Targets (issue 16)", "", "| target | measured | limit | met |", "|---|---:|---:|:---:|"]
+        for target in summary:
+            value = target["value"]
+            shown = "not measured" if value is None else f"{value:.2f}×"
+            met = "—" if value is None else ("met" if value <= target["limit"] else "**missed**")
+            lines.append(f"| {target['name']} | {shown} | ≤ {target['limit']}× | {met} |")
+        lines.append("")
+    for section in sections:
+        lines += section_markdown(section)
+    return "\n".join(lines)
+
+
+def _measured(sections: list[dict]) -> str:
+    info = sections[0]["machine"]
+    return (
+        f"Measured {info['date']} on {info['device']} ({info['processor']}, threads {info['threads']}, "
+        f"load average {info.get('load average', '?')}) with `{sections[0].get('command', '')}`; the machine "
+        "is shared with other jobs."
+    )
+
+
+def plot(store: dict, path: Path) -> Path | None:
+    """Bars of fwd+bwd time, fwd time and peak memory as ratios to the dense MLP, per table."""
+    panels = [store["sections"][name] for name in ("params", "experts") if name in store["sections"]]
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heights = [max(2.0, 0.32 * len(section["rows"]) + 1.2) for section in panels]
+    figure, axes = plt.subplots(len(panels), 1, figsize=(8.5, sum(heights)), height_ratios=heights, squeeze=False)
+    for ax, section in zip(axes[:, 0], panels, strict=True):
+        measured = [row for row in section["rows"] if row.get("train_s") is not None]
+        reference_params = next(row["params"] for row in section["rows"] if row["label"] == row["reference"])
+        labels = [f"{row['label']}  ({_short(row['params'])} params)" for row in measured]
+        y = range(len(measured))
+        for offset, (metric, name, _) in zip((-0.3, -0.1, 0.1), METRICS, strict=True):
+            values = [row.get("ratios", {}).get(metric) or 0.0 for row in measured]
+            ax.barh([k + offset for k in y], values, height=0.2, label=name.split(" (")[0])
+        params = [row["params"] / reference_params if row.get("params") else 0.0 for row in measured]
+        ax.barh([k + 0.3 for k in y], params, height=0.2, label="parameters")
+        ax.axvline(1.0, color="grey", linewidth=1)
+        ax.set_yticks(list(y), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ratio to the dense MLP (log scale; < 1 is faster / smaller)")
+        ax.set_title(section["title"], fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _short(count: int | None) -> str:
+    if count is None:
+        return "?"
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}"
+    return str(count)
+
+
+def update_docs(store: dict, order: tuple[str, ...], device: str, image: str, command: str, page: Path) -> bool:
+    """Replace the marked benchmark block of the results page; False when its markers are missing."""
+    start, end = f"<!-- benchmarks-{device}:start -->", f"<!-- benchmarks-{device}:end -->"
+    text = page.read_text()
+    if start not in text or end not in text:
+        return False
+    sections = [store["sections"][name] for name in order if name in store["sections"]]
+    body = [start, "", f"`{command}` regenerates this block, `benchmarks/results-{device}.md` and the plot.", ""]
+    body += ["*" + _measured(sections) + "*", ""] if sections else []
+    summary = [t for section in sections for t in section["targets"]]
+    if summary:
+        body += ["| target (issue 16) | measured | limit | met |", "|---|---:|---:|:---:|"]
+        for target in summary:
+            value = target["value"]
+            shown = "not measured" if value is None else f"{value:.2f}×"
+            met = "—" if value is None else ("met" if value <= target["limit"] else "**missed**")
+            body.append(f"| {target['name']} | {shown} | ≤ {target['limit']}× | {met} |")
+        body.append("")
+    for name in ("params", "experts"):
+        if name in store["sections"]:
+            body += section_markdown(store["sections"][name], level="###")
+    body += [f"![benchmark ratios to the dense MLP]({image})", "", end]
+    before, rest = text.split(start, 1)
+    after = rest.split(end, 1)[1]
+    page.write_text(before + "\n".join(body) + after)
+    return True

@@ -1,0 +1,290 @@
+"""The benchmark sections: which cases each one times, its reference row and its targets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.baselines import Case
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes of a run (full or ``--quick``)."""
+
+    width: int  # d, the model width (MLP block d → 4d → d; layer d → 4d)
+    batch: int  # sequences
+    seq: int  # tokens per sequence
+    experts: int  # N of the single-mode μMoE layers and of PEER at matched parameters
+    hierarchy: tuple[int, ...]  # a hierarchical μMoE with prod(hierarchy) experts
+    few: int  # the expert count every peer can run at its authors' default width
+    paper_seq: int  # tokens per sequence of the hand-written einsum comparison (GPT-2: 8×128)
+    small_width: int  # the char-GPT example's width
+    small_experts: int
+    small_batch: int
+    small_seq: int
+    peer_heads: int = 8
+    peer_topk: int = 16
+
+
+FULL = Sizes(768, 8, 512, 256, (32, 32, 32, 32), 16, 128, 64, 64, 32, 64)
+QUICK = Sizes(32, 2, 16, 16, (4, 4, 4), 4, 16, 16, 8, 2, 16, peer_heads=2, peer_topk=4)
+
+
+@dataclass(frozen=True)
+class Target:
+    """``numerator ÷ denominator`` of ``metric`` must be ≤ ``limit``."""
+
+    name: str
+    numerator: str
+    denominator: str
+    metric: str  # "train_s", "infer_s" or "peak_bytes"
+    limit: float
+
+
+@dataclass(frozen=True)
+class Section:
+    """One table of the report."""
+
+    name: str
+    title: str
+    description: str
+    reference: str  # label of the row every ratio divides by (unless `pairs` says otherwise)
+    cases: tuple[Case, ...]
+    memory: bool = True
+    reps: int = 1
+    targets: tuple[Target, ...] = ()
+    not_run: tuple[Case, ...] = ()  # listed with their parameter count, never built
+    pairs: tuple[tuple[str, str], ...] = ()  # (row, its own reference row)
+    borrowed: tuple[tuple[str, str], ...] = ()  # (row label, section measuring the same configuration)
+    order: tuple[str, ...] = ()  # row order of the table when not cases, not_run, borrowed
+
+    def labels(self) -> list[str]:
+        """Row labels in table order."""
+        default = [case.label for case in (*self.cases, *self.not_run)] + [label for label, _ in self.borrowed]
+        return list(self.order) or default
+
+    def __post_init__(self) -> None:
+        labels = [case.label for case in (*self.cases, *self.not_run)] + [label for label, _ in self.borrowed]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"section {self.name!r} repeats a row label: {labels}")
+        if self.order and sorted(self.order) != sorted(labels):
+            raise ValueError(f"section {self.name!r}: order {self.order} does not list its rows {labels}")
+
+    def reference_of(self, label: str) -> str:
+        """The row that ``label``'s ratios divide by."""
+        return dict(self.pairs).get(label, self.reference)
+
+
+def _mlp(s: Sizes, batch: int, seq: int) -> Case:
+    return Case("dense MLP", "mlp", {"in_features": s.width, "hidden_features": 4 * s.width}, batch, seq)
+
+
+def _block(label: str, s: Sizes, dims: int | tuple[int, ...], name: str, batch: int, seq: int, **extra) -> Case:
+    options = {"in_features": s.width, "hidden_features": 4 * s.width, "expert_dims": dims, "decomposition": name}
+    return Case(label, "mumoe_mlp", {**options, "rank": "mlp", **extra}, batch, seq)
+
+
+def _peer(s: Sizes, experts: int, per_head: int, batch: int, seq: int) -> Case:
+    options = {"dim": s.width, "heads": s.peer_heads, "num_experts": experts, "num_experts_per_head": per_head}
+    return Case(f"PEER {experts:,} experts", "peer", options, batch, seq)
+
+
+def _dims(dims: tuple[int, ...]) -> str:
+    return "×".join(map(str, dims)) if len(dims) > 1 else str(dims[0])
+
+
+def layer_section(s: Sizes, extra: dict) -> Section:
+    """Param-matched μMoE layers (entmax15 + BatchNorm gate) against ``nn.Linear``."""
+    i, o, tokens = s.width, 4 * s.width, (s.batch, s.seq)
+    linear = Case("nn.Linear", "linear", {"in_features": i, "out_features": o}, *tokens)
+    layers = tuple(
+        Case(
+            f"{name.upper()} μMoE, {s.experts} experts",
+            "mumoe",
+            {"in_features": i, "out_features": o, "expert_dims": s.experts, "decomposition": name, "rank": "linear"}
+            | extra,
+            *tokens,
+        )
+        for name in ("cp", "tr")
+    )
+    targets = []
+    for case in layers:
+        targets.append(Target(f"{case.label} ÷ nn.Linear, fwd+bwd time", case.label, linear.label, "train_s", 1.15))
+        targets.append(Target(f"{case.label} ÷ nn.Linear, peak memory", case.label, linear.label, "peak_bytes", 1.3))
+    return Section(
+        "layer",
+        f"μMoE layer vs nn.Linear({i}, {o})",
+        f"{s.batch * s.seq:,} tokens, inputs requiring grad; μMoE layers parameter-matched to nn.Linear "
+        '(`rank="linear"`, gate counted), entmax15 + BatchNorm gate.',
+        linear.label,
+        (linear, *layers),
+        targets=tuple(targets),
+    )
+
+
+def handwritten_section(s: Sizes, extra: dict) -> Section:
+    """The planned contraction against the paper's appendix einsums, same weights."""
+    i, o, tokens = s.width, 4 * s.width, (s.batch, s.paper_seq)
+    root = round(s.experts**0.5)
+    cases, targets, pairs = [], [], []
+    for name in ("cp", "tr"):
+        for dims in ((s.experts,), (root, root)):
+            layer = {"in_features": i, "out_features": o, "expert_dims": list(dims), "decomposition": name}
+            layer |= {"rank": "linear"}
+            tag = f"{name.upper()} E={len(dims)} ({_dims(dims)})"
+            planned = Case(f"{tag} contraction, planned", "planned", layer | extra, *tokens, inputs="contraction")
+            hand_options = {"formula": name, **layer}
+            hand = Case(f"{tag} contraction, paper einsum", "handwritten", hand_options, *tokens, inputs="contraction")
+            whole = Case(f"{tag} layer, planned", "mumoe", layer | extra, *tokens)
+            whole_hand = Case(f"{tag} layer, paper einsum", "handwritten_layer", {"formula": name, **layer}, *tokens)
+            cases += [hand, planned, whole_hand, whole]  # each reference first: its row prints first
+            pairs += [(planned.label, hand.label), (whole.label, whole_hand.label)]
+            pairs += [(hand.label, hand.label), (whole_hand.label, whole_hand.label)]
+            name_ = f"{tag} contraction: planned ÷ paper einsum, fwd+bwd"
+            targets.append(Target(name_, planned.label, hand.label, "train_s", 0.95))
+    return Section(
+        "handwritten",
+        "Planned contraction vs the paper's hand-written einsums",
+        f"GPT-2 setting: {i} → {o}, {s.batch}×{s.paper_seq} tokens, ranks matched to nn.Linear; the paper's "
+        "appendix einsums (torch.einsum) over the very same cores. Contraction alone: the input (with its bias "
+        "column) and the coefficients require grad. Layer: the same gate, then either contraction. Ratios: "
+        "each planned row ÷ its paper-einsum row.",
+        cases[0].label,
+        tuple(cases),
+        memory=False,
+        targets=tuple(targets),
+        pairs=tuple(pairs),
+    )
+
+
+def params_section(s: Sizes, extra: dict) -> Section:
+    """MLP blocks at (about) the dense MLP's parameter count."""
+    d, tokens = s.width, (s.batch, s.seq)
+    mlp = _mlp(s, *tokens)
+    cp = _block(f"μMoE CP, {s.experts} experts", s, s.experts, "cp", *tokens, **extra)
+    tr = _block(f"μMoE TR, {s.experts} experts", s, s.experts, "tr", *tokens, **extra)
+    n = 1
+    for size in s.hierarchy:
+        n *= size
+    hier = _block(f"μMoE CP, {_dims(s.hierarchy)} = {n:,} experts", s, s.hierarchy, "cp", *tokens, **extra)
+    # PEER's query projection alone (d → 2·heads·d/2) holds d·d·heads parameters: with the authors'
+    # 8 heads that is the whole MLP budget, so the fewest experts its 16-per-head product keys allow
+    # (16² = 256) is the nearest configuration.
+    peer = _peer(s, s.peer_topk**2, s.peer_topk, *tokens)
+    # The MLP's 8·d² parameters split over `few` experts: soft-MoE's d → d·mult → d experts hold
+    # 2·d²·mult each, st-moe's GEGLU experts 3·d·h with h = d·mult·2/3, so mult = 4 / few for both.
+    few, mult = s.few, 4 / s.few
+    soft = Case(
+        f"soft-MoE, {few} experts of width {int(d * mult)}",
+        "soft_moe",
+        {"dim": d, "seq_len": s.seq, "num_experts": few, "expert_mult": mult},
+        *tokens,
+    )
+    st = Case(
+        f"st-moe top-2, {few} experts of width {int(d * mult * 2 / 3)}",
+        "st_moe",
+        {"dim": d, "num_experts": few, "expert_hidden_mult": mult},
+        *tokens,
+    )
+    targets = (
+        Target(f"{cp.label} block ÷ dense MLP, fwd+bwd", cp.label, mlp.label, "train_s", 1.05),
+        Target(f"{tr.label} block ÷ dense MLP, fwd+bwd", tr.label, mlp.label, "train_s", 1.05),
+        Target(f"{hier.label} block ÷ dense MLP, fwd+bwd", hier.label, mlp.label, "train_s", 1.2),
+    )
+    return Section(
+        "params",
+        f"Matched parameters: MLP block {d} → {4 * d} → {d}",
+        f'{s.batch}×{s.seq} tokens (inputs requiring grad). μMoE blocks `MuMoEMLP(..., rank="mlp")`; peers at '
+        "the dense MLP's parameter count where their configuration allows (soft-MoE and st-moe by narrower "
+        "experts), else the nearest (PEER: its 8-head query projection alone is the MLP's budget). At equal "
+        "parameters soft-MoE and st-moe do far less arithmetic per token (each slot or token passes one or two "
+        f"experts 1/{s.few} of the MLP's width), the μMoE the MLP's full amount.",
+        mlp.label,
+        (mlp, cp, tr, hier, peer, soft, st),
+        targets=targets,
+    )
+
+
+def experts_section(s: Sizes, extra: dict, memory_limit: int) -> Section:
+    """Every model at the same expert counts, at its authors' default expert width."""
+    d, tokens = s.width, (s.batch, s.seq)
+    n_hier = 1
+    for size in s.hierarchy:
+        n_hier *= size
+    mlp = _mlp(s, *tokens)
+    few = f"{s.few:,}"
+    cases: list[Case] = [mlp]
+    cases += [_block(f"μMoE {name.upper()}, {few} experts", s, s.few, name, *tokens, **extra) for name in ("cp", "tr")]
+    cases.append(_peer(s, s.few, min(s.peer_topk, round(s.few**0.5)), *tokens))
+    soft = {"dim": d, "seq_len": s.seq, "num_experts": s.few}
+    cases.append(Case(f"soft-MoE, {few} experts", "soft_moe", soft, *tokens))
+    cases.append(Case(f"st-moe top-2, {few} experts", "st_moe", {"dim": d, "num_experts": s.few}, *tokens))
+    # The same configurations as in the matched-parameter table are not timed twice.
+    params = params_section(s, extra)
+    borrowed = tuple((case.label, "params") for case in params.cases[1:5])
+    order = [case.label for case in cases]
+    not_run = []
+    for k, n in enumerate((s.experts, n_hier)):
+        group = [Case(f"soft-MoE, {n:,} experts", "soft_moe", {"dim": d, "seq_len": s.seq, "num_experts": n})]
+        group.append(Case(f"st-moe top-2, {n:,} experts", "st_moe", {"dim": d, "num_experts": n}))
+        if k == 1:
+            group.append(_peer(s, n_hier, s.peer_topk, *tokens))
+        mine = [label for label, _ in borrowed if f" {n:,} experts" in label or f"= {n:,} experts" in label]
+        order += mine + [case.label for case in group]
+        not_run += group
+    return Section(
+        "experts",
+        "Matched expert counts",
+        f"MLP block {d} → {4 * d} → {d}, {s.batch}×{s.seq} tokens; peers at their authors' default expert "
+        f"width, μMoE blocks parameter-matched to the dense MLP at every count. PEER's experts are single "
+        f"neurons; at {few} experts it retrieves {min(s.peer_topk, round(s.few**0.5))} per head (its product "
+        f"keys cannot return more than √N). Rows at {s.experts:,} and {n_hier:,} experts that also appear in "
+        "the matched-parameter table are taken from it (same configuration, timed there, ratios to its dense "
+        f"MLP). Configurations whose fp32 weights and gradients exceed {memory_limit / 2**30:.0f} GiB are "
+        "listed with their parameter count, not run.",
+        mlp.label,
+        tuple(cases),
+        not_run=tuple(not_run),
+        borrowed=borrowed,
+        order=tuple(order),
+    )
+
+
+def small_section(s: Sizes, extra: dict) -> Section:
+    """The char-GPT example's MLP blocks (d = 64): per-call overhead against small matrices."""
+    d, tokens = s.small_width, (s.small_batch, s.small_seq)
+    small = Sizes(d, *tokens, s.small_experts, s.hierarchy, s.few, s.paper_seq, d, s.small_experts, *tokens)
+    mlp = _mlp(small, *tokens)
+    cp = _block(f"μMoE CP, {s.small_experts} experts", small, s.small_experts, "cp", *tokens, **extra)
+    tr = _block(f"μMoE TR, {s.small_experts} experts", small, s.small_experts, "tr", *tokens, **extra)
+    hier = _block(f"μMoE CP, {_dims(s.hierarchy)} experts", small, s.hierarchy, "cp", *tokens, **extra)
+    targets = tuple(
+        Target(f"{case.label} block ÷ dense MLP (d={d}), fwd+bwd", case.label, mlp.label, "train_s", 1.3)
+        for case in (cp, tr)
+    )
+    return Section(
+        "small",
+        f"Small blocks: the char-GPT example's MLP {d} → {4 * d} → {d}",
+        f"{s.small_batch}×{s.small_seq} tokens, as in `examples/char_gpt.py`: the matrices are small, so "
+        "per-call overhead (gate, plan look-up, many small einsums) shows.",
+        mlp.label,
+        (mlp, cp, tr, hier),
+        memory=False,
+        reps=10,
+        targets=targets,
+    )
+
+
+SECTIONS = ("layer", "handwritten", "params", "experts", "small")
+
+
+def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int) -> list[Section]:
+    """The selected sections, in report order."""
+    builders = {
+        "layer": lambda: layer_section(sizes, extra),
+        "handwritten": lambda: handwritten_section(sizes, extra),
+        "params": lambda: params_section(sizes, extra),
+        "experts": lambda: experts_section(sizes, extra, memory_limit),
+        "small": lambda: small_section(sizes, extra),
+    }
+    return [builders[name]() for name in SECTIONS if name in names]

@@ -1,0 +1,121 @@
+"""The benchmark machinery: the paper's einsums, alternation, peak memory, the smoke run."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import run  # noqa: E402
+from benchmarks.baselines import Case, HandwrittenLayer, build_module, count_params, make_inputs  # noqa: E402
+from benchmarks.measure import MemoryProbe, Timing, alternate  # noqa: E402
+from benchmarks.sections import FULL, SECTIONS, make_sections  # noqa: E402
+
+LAYER = {"in_features": 6, "out_features": 5, "rank": 3}
+
+
+@pytest.mark.parametrize("formula", ["cp", "tr"])
+@pytest.mark.parametrize("dims", [[4], [3, 2]])
+def test_paper_einsums_equal_the_dense_expert_tensor(formula, dims):
+    """The transcribed appendix einsums against y = W ×_1 a_1 … ×_E a_E ×_{E+1} z with W materialised."""
+    options = {**LAYER, "expert_dims": dims, "decomposition": formula}
+    if formula == "tr":
+        options["rank"] = [2] * (len(dims) + 2)
+    case = Case("h", "handwritten", {"formula": formula, **options}, 2, 3, inputs="contraction")
+    module = build_module(case)
+    _, (z, coefficients) = make_inputs(case, module)
+    dense = module.experts.to_dense()  # (N_1, …, N_E, I, O)
+    letters = "nm"[: len(dims)]
+    equation = f"{letters}io," + ",".join(f"bt{c}" for c in letters) + ",bti->bto"
+    expected = torch.einsum(equation, dense, *coefficients, z)
+    torch.testing.assert_close(module(z, coefficients), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("formula", ["cp", "tr"])
+def test_handwritten_layer_equals_the_planned_layer(formula):
+    options = {**LAYER, "expert_dims": [4], "decomposition": formula}
+    if formula == "tr":
+        options["rank"] = [2, 2, 3]
+    hand = build_module(Case("h", "handwritten_layer", {"formula": formula, **options}))
+    assert isinstance(hand, HandwrittenLayer)
+    x = torch.randn(2, 3, 6)
+    hand.eval()
+    torch.testing.assert_close(hand(x), hand.layer(x), rtol=1e-4, atol=1e-5)
+
+
+def test_alternate_interleaves_the_cases_and_takes_medians():
+    calls = []
+
+    class Fake:
+        def __init__(self, name, seconds):
+            self.name, self.seconds = name, iter(seconds)
+
+        def train_step(self):
+            calls.append(self.name)
+
+        def infer_step(self):
+            pass
+
+        def time(self, step, *, train):
+            step()
+            return next(self.seconds) if train else 0.0
+
+    runners = {"A": Fake("A", [9, 1, 5, 3]), "B": Fake("B", [9, 2, 4, 6])}
+    finished = []
+    timings = alternate(runners, rounds=3, reps=1, done=lambda label, t: finished.append(label))
+    assert calls == ["A", "A", "B", "B", "A", "B", "A", "B"]  # warm-up, then A B A B A B
+    assert timings["A"].train == [1, 5, 3] and timings["A"].train_s == 3  # warm-up (9) dropped
+    assert timings["B"].train_s == 4 and finished == ["A", "B"]
+    assert Timing([1.0, 3.0], [2.0]).infer_s == 2.0
+
+
+def test_peak_memory_is_measured_in_fresh_processes():
+    small = Case("linear", "linear", {"in_features": 8, "out_features": 4096}, 2, 1024)
+    large = Case("linear", "linear", {"in_features": 8, "out_features": 4096}, 8, 1024)
+    output = 2 * 1024 * 4096 * 4  # float32 output of the small case; its gradient is as large again
+    cpu = torch.device("cpu")
+    with MemoryProbe(cpu, 1) as probe:  # forked children of one pristine server
+        forked = [probe.peak(small), probe.peak(large), probe.peak(small)]
+    assert 1.5 * output <= forked[0] <= 20 * output
+    assert 2.5 * forked[0] <= forked[1]  # four times the tokens
+    assert abs(forked[2] - forked[0]) <= 0.2 * forked[0]  # a large case before leaves no trace
+
+
+def test_peers_at_matched_parameters_hold_about_the_mlp_parameters():
+    for module in ("PEER_pytorch", "soft_moe_pytorch", "st_moe_pytorch"):
+        pytest.importorskip(module)
+    (section,) = make_sections(["params"], FULL, {}, 4 << 30)
+    mlp = 2 * 768 * 3072 + 3072 + 768
+    peers = [case for case in section.cases if case.model in ("peer", "soft_moe", "st_moe")]
+    assert len(peers) == 3
+    for case in peers:
+        assert abs(count_params(case) - mlp) <= 0.12 * mlp, case.label
+
+
+def test_quick_run_prints_rows_and_writes_targets(tmp_path, capsys):
+    assert run.main(["--quick", "--only", "layer", "--no-memory", "--threads", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.index("nn.Linear ") < out.index("Targets")  # rows print before the summary
+    store = json.loads((tmp_path / "results-cpu.json").read_text())
+    rows = store["sections"]["layer"]["rows"]
+    assert [r["label"] for r in rows] == ["nn.Linear", "CP μMoE, 16 experts", "TR μMoE, 16 experts"]
+    for row in rows:
+        assert row["train_s"] > 0 and row["infer_s"] > 0
+        linear = rows[0]
+        assert math.isclose(row["ratios"]["train_s"], row["train_s"] / linear["train_s"])
+    report = (tmp_path / "results-cpu.md").read_text()
+    assert "| target | measured | limit | met |" in report and "≤ 1.15×" in report
+
+
+def test_sections_have_unique_rows_and_known_names():
+    for section in make_sections(list(SECTIONS), FULL, {"optimize": "greedy"}, 4 << 30):
+        labels = section.labels()
+        assert len(labels) == len(set(labels))
+        for case in section.cases:
+            if case.model.startswith("mumoe") or case.model in ("planned",):
+                assert case.options.get("optimize") == "greedy", case.label  # --optimize reaches every μMoE
