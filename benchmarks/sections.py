@@ -81,7 +81,7 @@ def _mlp(s: Sizes, batch: int, seq: int) -> Case:
 
 def _block(label: str, s: Sizes, dims: int | tuple[int, ...], name: str, batch: int, seq: int, **extra) -> Case:
     options = {"in_features": s.width, "hidden_features": 4 * s.width, "expert_dims": dims, "decomposition": name}
-    return Case(label, "mumoe_mlp", {**options, "rank": "mlp", **extra}, batch, seq)
+    return Case(label, "mumoe_mlp", {**options, "match": "mlp", **extra}, batch, seq)
 
 
 def _peer(s: Sizes, experts: int, per_head: int, batch: int, seq: int) -> Case:
@@ -101,7 +101,7 @@ def layer_section(s: Sizes, extra: dict) -> Section:
         Case(
             f"{name.upper()} μMoE, {s.experts} experts",
             "mumoe",
-            {"in_features": i, "out_features": o, "expert_dims": s.experts, "decomposition": name, "rank": "linear"}
+            {"in_features": i, "out_features": o, "expert_dims": s.experts, "decomposition": name, "match": "linear"}
             | extra,
             *tokens,
         )
@@ -115,7 +115,7 @@ def layer_section(s: Sizes, extra: dict) -> Section:
         "layer",
         f"μMoE layer vs nn.Linear({i}, {o})",
         f"{s.batch * s.seq:,} tokens, inputs requiring grad; μMoE layers parameter-matched to nn.Linear "
-        '(`rank="linear"`, gate counted), entmax15 + BatchNorm gate.',
+        '(`match="linear"`, gate counted), entmax15 + BatchNorm gate.',
         linear.label,
         (linear, *layers),
         targets=tuple(targets),
@@ -130,7 +130,7 @@ def handwritten_section(s: Sizes, extra: dict) -> Section:
     for name in ("cp", "tr"):
         for dims in ((s.experts,), (root, root)):
             layer = {"in_features": i, "out_features": o, "expert_dims": list(dims), "decomposition": name}
-            layer |= {"rank": "linear"}
+            layer |= {"match": "linear"}
             tag = f"{name.upper()} E={len(dims)} ({_dims(dims)})"
             planned = Case(f"{tag} contraction, planned", "planned", layer | extra, *tokens, inputs="contraction")
             hand_options = {"formula": name, **layer}
@@ -194,7 +194,7 @@ def params_section(s: Sizes, extra: dict) -> Section:
     return Section(
         "params",
         f"Matched parameters: MLP block {d} → {4 * d} → {d}",
-        f'{s.batch}×{s.seq} tokens (inputs requiring grad). μMoE blocks `MuMoEMLP(..., rank="mlp")`; peers at '
+        f'{s.batch}×{s.seq} tokens (inputs requiring grad). μMoE blocks `MuMoEMLP(..., match="mlp")`; peers at '
         "the dense MLP's parameter count where their configuration allows (soft-MoE and st-moe by narrower "
         "experts), else the nearest (PEER: its 8-head query projection alone is the MLP's budget). At equal "
         "parameters soft-MoE and st-moe do far less arithmetic per token (each slot or token passes one or two "

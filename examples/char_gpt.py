@@ -69,9 +69,9 @@ def mlp_block(width: int) -> nn.Module:
 
 VARIANTS = {
     "MLP": lambda w: mlp_block(w),
-    "CP μMoE (64 experts)": lambda w: MuMoEMLP(w, 4 * w, w, 64, "cp", "mlp"),
-    "TR μMoE (64 experts)": lambda w: MuMoEMLP(w, 4 * w, w, 64, "tr", "mlp"),
-    "CP μMoE (32×32×32×32 experts)": lambda w: MuMoEMLP(w, 4 * w, w, (32, 32, 32, 32), "cp", "mlp"),
+    "CP μMoE (64 experts)": lambda w: MuMoEMLP(w, 4 * w, w, 64, "cp", match="mlp"),
+    "TR μMoE (64 experts)": lambda w: MuMoEMLP(w, 4 * w, w, 64, "tr", match="mlp"),
+    "CP μMoE (32×32×32×32 experts)": lambda w: MuMoEMLP(w, 4 * w, w, (32, 32, 32, 32), "cp", match="mlp"),
 }
 
 

@@ -69,8 +69,8 @@ class Mixer(nn.Module):
 
 VARIANTS = {
     "MLP": mlp,
-    "CP μMoE (16 experts)": lambda width, hidden: MuMoEMLP(width, hidden, width, 16, "cp", "mlp"),
-    "TR μMoE (16 experts)": lambda width, hidden: MuMoEMLP(width, hidden, width, 16, "tr", "mlp"),
+    "CP μMoE (16 experts)": lambda width, hidden: MuMoEMLP(width, hidden, width, 16, "cp", match="mlp"),
+    "TR μMoE (16 experts)": lambda width, hidden: MuMoEMLP(width, hidden, width, 16, "tr", match="mlp"),
 }
 
 
