@@ -490,8 +490,6 @@ class ExpertNetwork:
         )
 
 
-
-
 def _prod(values: Iterable[int]) -> int:
     total = 1
     for value in values:

@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -412,7 +411,6 @@ def test_malformed_declarations_get_own_errors(case):
     check(*case)
 
 
-
 @given(cases(CONSTRUCTORS))
 def test_malformed_constructor_arguments_get_own_errors(case):
     check(*case)
@@ -421,7 +419,6 @@ def test_malformed_constructor_arguments_get_own_errors(case):
 @given(cases(INPUTS))
 def test_malformed_inputs_get_own_errors(case):
     check(*case)
-
 
 
 @given(cases(COSTS))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import named_networks
+from strategies import any_network, named_networks
 
 from mumoe_tn.contractions import constant_steps, dense_forward, per_call_fma, plan_forward, plan_inference
 from mumoe_tn.decompositions import build
@@ -132,3 +132,20 @@ def test_recompute_gives_exact_gradients(name):
 def test_recompute_flag_must_be_a_bool():
     with pytest.raises(TypeError, match="recompute"):
         FactorizedExperts(build("cp", 3, 4, 5, 2), recompute=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(any_network(max_modes=3), st.sampled_from([1, 5, 64]))
+def test_inference_pre_contraction_with_the_folded_bias(network, batch):
+    # The input omits the last entry of leg i (the bias column): pre-contracted steps that come
+    # before the input's step must not lose track of where the input sits.
+    if network.in_features < 2:
+        network = network.with_sizes(i=2)
+    module = FactorizedExperts(network, dtype=DTYPE).eval()
+    coefficients, z = call(network, batch)
+    short = z[:, :-1]
+    ones = torch.ones(batch, 1, dtype=DTYPE)
+    expected = reference(module, coefficients, torch.cat([short, ones], -1))
+    with torch.no_grad():
+        torch.testing.assert_close(module(short, coefficients, append_one=True), expected)
+    torch.testing.assert_close(module(short, coefficients, append_one=True).detach(), expected)

@@ -49,6 +49,7 @@ def run_plan(
     short = len(current) - 1 if ones_appended is not None else -1
     for number, step in enumerate(plan.steps):
         if constants is not None and number in constants:
+            short -= sum(1 for k in step.positions if k < short)  # z is never part of a constant step
             for k in step.positions:
                 current.pop(k)
             current.append(constants[number])

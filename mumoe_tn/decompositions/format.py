@@ -34,7 +34,7 @@ A two-level hierarchical Tucker format for two expert modes, registered in a few
 ...         cores = {"U1": "n1 a", "U2": "n2 b", "Ui": "i c", "Uo": "o d", "L": "a b e", "R": "c d e"}
 ...         return ExpertNetwork(cores, {**sizes, "a": a, "b": b, "c": c, "d": d, "e": e})
 >>> HTucker.get().build((8, 8), 17, 16, 4).n_params
-832
+324
 >>> unregister("htucker_doc")
 """
 
