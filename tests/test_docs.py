@@ -38,12 +38,12 @@ def test_plain_code_blocks_run(page, monkeypatch, tmp_path):
             raise AssertionError(f"{page.name}, code block {number} failed: {error!r}\n{code}") from error
 
 
-def test_tutorials_are_executed_at_build_time():
+def test_docs_code_is_executed_at_build_time():
     assert len(TUTORIALS) == 4
     for page in TUTORIALS:
-        text = page.read_text()
-        assert EXEC_BLOCK.findall(text), f"{page.name} has no executed code block"
-        assert not PLAIN_BLOCK.findall(text), f"{page.name} has a ```python block that the build does not execute"
+        assert EXEC_BLOCK.findall(page.read_text()), f"{page.name} has no executed code block"
+    for page in ROOT.glob("docs/**/*.md"):
+        assert not PLAIN_BLOCK.findall(page.read_text()), f"{page.name} has a ```python block the build does not run"
 
 
 class _Text(HTMLParser):

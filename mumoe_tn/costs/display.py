@@ -20,10 +20,9 @@ __all__ = [
     "rich_table",
 ]
 
-#: Bytes per element of the dtypes a table can state memory in.
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+"""Bytes per element of the dtypes a table can state memory in."""
 
-#: Two-line column headers for the terminal; ``{dtype}`` is filled in.
 TERMINAL_HEADERS = {
     "name": "layer",
     "ranks": "ranks",
@@ -38,6 +37,7 @@ TERMINAL_HEADERS = {
     "params_vs_reference": "params\n÷ ref",
     "fma_vs_reference": "FMA\n÷ ref",
 }
+"""Two-line column headers for the terminal; ``{dtype}`` is filled in."""
 
 #: The order in which columns are kept when the terminal is narrow (first = kept longest).
 _PRIORITY = (
