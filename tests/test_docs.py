@@ -110,6 +110,9 @@ def test_site_has_no_raw_tex_or_remote_assets(site):
         html = page.read_text()
         text = _visible_text(html)
         assert not RAW_TEX.search(text), f"{page}: raw TeX {RAW_TEX.search(text).group()!r}"
+        # unrendered $`…`$ becomes $<code>…</code>$, an unrendered ```math fence a code block
+        leftover = re.search(r"\$<code>|</code>\$|language-math", html)
+        assert leftover is None, f"{page}: maths left unrendered ({leftover.group()!r})"
         remote = re.search(r'<(?:script|link|img)[^>]*(?:src|href)="(?:https?:)?//[^"]*"', html)
         assert remote is None, f"{page}: loads {remote.group()} from the network"
 
