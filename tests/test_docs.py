@@ -97,6 +97,9 @@ def test_site_renders_maths_at_build_time(site):
     assert maths.count('class="katex"') >= 40
     assert maths.count('class="katex-display"') >= 5
     assert "<math" in maths and "<msub>" in maths
+    # MathML Core (Chromium) ignores mathvariant: styled letters are Unicode characters instead
+    assert "<mi>ℝ</mi>" in maths and "<mi>𝒩</mi>" in maths and "<mi>𝔼</mi>" in maths
+    assert not re.search(r'mathvariant="(?:double-struck|script|bold|fraktur)"', maths)
     # the formula table is maths, not code
     table = maths[maths.index('id="parameter-and-flop-formulas"') :]
     table = table[: table.index("</table>")]
