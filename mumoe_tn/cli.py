@@ -224,11 +224,11 @@ def _print_rich(table: CostTable, dtype: str, wide: bool) -> None:
 
     console = Console()  # sized by the terminal (or $COLUMNS)
     rendered = table.to_rich(dtype=dtype, width=None if wide else console.width)
-    if wide:
-        needed = Measurement.get(console, console.options.update_width(10_000), rendered).minimum
-        console = Console(width=max(console.width, needed))
-    elif rendered.caption:
+    if rendered.caption and not wide:
         rendered.caption += "; --wide shows them"
+    needed = Measurement.get(console, console.options.update_width(10_000), rendered).minimum
+    if needed > console.width:  # --wide, or a terminal too narrow for even two columns: never cut a number
+        console = Console(width=needed)
     console.print(rendered)
 
 

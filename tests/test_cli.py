@@ -137,6 +137,16 @@ def test_compare_wide_shows_every_column_in_full(capsys, monkeypatch):
     assert "2,477,927,694,336" in out and "1,048,917×" in out
 
 
+def test_compare_in_a_very_narrow_terminal_still_never_cuts_a_number(capsys, monkeypatch):
+    rows = _json_rows(capsys, ["compare"])
+    monkeypatch.setenv("COLUMNS", "12")
+    assert main(["compare"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for row in rows:
+        assert f"{row['params_total']:,}" in out
+
+
 def test_compare_labels_batch_and_token_and_states_memory_for_the_dtype(capsys):
     assert main(["compare", "--batch", "64", "--dtype", "float64", "--markdown"]) == 0
     out = capsys.readouterr().out
