@@ -43,7 +43,7 @@ class Replacement:
 
 @dataclass
 class ConversionReport:
-    """What :func:`convert` replaced."""
+    """What [`convert`][mumoe_tn.convert.convert] replaced."""
 
     replacements: list[Replacement] = field(default_factory=list)
 
@@ -110,7 +110,7 @@ def _mlp_parts(module: nn.Module) -> tuple[nn.Linear, nn.Module | None, nn.Linea
 
 
 def find_mlp_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the modules of ``model`` that :func:`convert` treats as MLP blocks."""
+    """Qualified names of the modules of ``model`` that [`convert`][mumoe_tn.convert.convert] treats as MLP blocks."""
     return [name for name, module in model.named_modules() if name and _mlp_parts(module) is not None]
 
 
@@ -142,11 +142,11 @@ def convert(
     expert_dims : int or Sequence[int]
         Experts of every new layer.
     linears : str or Callable, optional
-        ``nn.Linear`` modules to replace with :class:`~mumoe_tn.layers.MuMoE`: a regex searched
+        ``nn.Linear`` modules to replace with [`MuMoE`][mumoe_tn.layers.MuMoE]: a regex searched
         in the qualified module name, or a predicate ``(name, module) -> bool``.
     mlps : str or Callable, optional
-        MLP blocks (see :func:`find_mlp_blocks`) to replace with
-        :class:`~mumoe_tn.layers.MuMoEMLP`, selected the same way. A block is replaced by its
+        MLP blocks (see [`find_mlp_blocks`][mumoe_tn.convert.find_mlp_blocks]) to replace with
+        [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP], selected the same way. A block is replaced by its
         two linears and activation; dropout inside it is not carried over.
     decomposition : str or Callable, optional
         Decomposition of every new layer.
@@ -154,8 +154,8 @@ def convert(
         ``"match"`` (default) parameter-matches each replacement to what it replaces (gating
         counted); otherwise explicit ranks.
     upcycle : bool, optional
-        Start each replaced Linear's experts as that Linear (:func:`upcycle_linear`); with
-        matched ranks this is the best approximation of its rank, and the report gives the error.
+        Start each replaced Linear's experts as that Linear ([`upcycle_linear`][mumoe_tn.upcycling.upcycle_linear]);
+        with matched ranks this is the best approximation of its rank, and the report gives the error.
     **layer_options
         Further layer arguments (activation, gate_norm, input_norm, …).
 

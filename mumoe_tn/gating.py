@@ -68,7 +68,7 @@ class ExpertGate(nn.Module):
     expert_dims : int or Sequence[int]
         ``N_1 … N_E``.
     activation : str or float, optional
-        See :func:`resolve_activation`; ``"entmax15"`` by default.
+        See [`resolve_activation`][mumoe_tn.gating.resolve_activation]; ``"entmax15"`` by default.
     norm : {"batch", "layer", "none"}, optional
         Normalisation of the logits, ``"batch"`` by default.
     device, dtype : optional

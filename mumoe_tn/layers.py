@@ -121,13 +121,13 @@ def _batch_bucket(batch: int) -> int:
 
 
 class FactorizedExperts(nn.Module):
-    """The expert tensor ``W`` of a μMoE layer, stored as the cores of an :class:`ExpertNetwork`.
+    """The expert tensor ``W`` of a μMoE layer, stored as the cores of an `ExpertNetwork`.
 
     Every core is one ``nn.Parameter`` named after the core, so ``state_dict`` keys are the
     core names. The forward pass contracts the cores with the expert coefficients and the
     input along a path planned once per batch-size bucket (a power of two) and cached in a
     bounded per-module cache; ``W`` is never materialised. While ``torch.compile`` traces the
-    module it uses one plan made at construction (for a batch of :data:`COMPILE_PLAN_BATCH`):
+    module it uses one plan made at construction (for a batch of [`COMPILE_PLAN_BATCH`][mumoe_tn.layers]):
     a plan's steps are valid for every batch size, so dynamic batch sizes neither replan
     inside the trace nor recompile.
 
@@ -136,13 +136,14 @@ class FactorizedExperts(nn.Module):
     network : ExpertNetwork
         The decomposition.
     init : {"auto", "paper", "linear"}, optional
-        Initialisation rule, see :func:`mumoe_tn.init.init_cores`.
+        Initialisation rule, see [`mumoe_tn.init.init_cores`][mumoe_tn.init.init_cores].
     fan_in : int, optional
         ``fan_in`` the ``"linear"`` rule targets (default: the size of leg ``i``).
     expert_noise : Sequence[float], optional
         ``σ_e`` per expert mode (default: 1 on the first mode, 0 on the others).
     optimize : str or object, optional
-        Path optimizer, see :func:`mumoe_tn.contractions.resolve_optimizer` (default ``"dp"``).
+        Path optimizer, see [`mumoe_tn.contractions.resolve_optimizer`][mumoe_tn.contractions.plan.resolve_optimizer]
+        (default ``"dp"``).
     max_plans : int, optional
         Size of the plan cache (default 16 batch-size buckets).
     device, dtype : optional
@@ -403,13 +404,14 @@ class MuMoE(_GatedExperts):
     decomposition : str or ExpertNetwork or Callable, optional
         A registered name (``"cp"`` default, ``"tr"``, ``"tt"``, ``"tucker"``), a spec string
         such as ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready
-        :class:`ExpertNetwork` whose legs match the layer, or a builder
+        [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork] whose legs match the layer, or a builder
         ``(expert_dims, in, out, rank) -> ExpertNetwork``.
     rank : int or Sequence[int] or Mapping[str, int] or "linear"
         Ranks for the decomposition (a mapping of bond -> size for spec strings), or
         ``"linear"`` to parameter-match ``nn.Linear(in_features, out_features)`` with gating
         counted (CP scales ``R``, TR/TT the input–output bond, Tucker all bonds; see
-        :mod:`mumoe_tn.costs.matching`). Not needed with an :class:`ExpertNetwork`.
+        [`mumoe_tn.costs.matching`][mumoe_tn.costs.matching]). Not needed with an
+        [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork].
     bias : bool, optional
         Fold a per-expert bias into the input leg (default True).
     activation : str or float, optional
@@ -420,7 +422,7 @@ class MuMoE(_GatedExperts):
     input_norm : bool, optional
         Apply a LayerNorm (with affine parameters) to the input first (default False).
     init : {"auto", "paper", "linear"}, optional
-        Core initialisation rule (see :mod:`mumoe_tn.init`).
+        Core initialisation rule (see [`mumoe_tn.init`][mumoe_tn.init]).
     expert_noise : Sequence[float], optional
         ``σ_e`` per expert mode for the initialisation.
     optimize : str or object, optional
@@ -436,7 +438,7 @@ class MuMoE(_GatedExperts):
         The (detached) expert coefficients of the last forward pass, one per expert mode
         (before any ablation).
     ablation : object or None
-        An active counterfactual ablation (see :mod:`mumoe_tn.analysis.ablation`): it masks
+        An active counterfactual ablation (see [`mumoe_tn.analysis.ablation`][mumoe_tn.analysis.ablation]): it masks
         coefficients inside the contraction, or removes single experts' contributions, and
         never touches the weights.
     """
@@ -510,7 +512,7 @@ class MuMoEMLP(_GatedExperts):
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``, shared by both layers.
     decomposition : str or Callable, optional
-        As for :class:`MuMoE` (a name, spec string or builder; both layers use it).
+        As for [`MuMoE`][mumoe_tn.layers.MuMoE] (a name, spec string or builder; both layers use it).
     rank : int or Sequence[int] or Mapping[str, int] or "mlp"
         Ranks of both layers, or ``"mlp"`` to parameter-match the MLP block ``I → H → O``
         (one rank for both layers, the one gate counted).
@@ -525,14 +527,14 @@ class MuMoEMLP(_GatedExperts):
     hidden_activation : nn.Module, optional
         Non-linearity between the layers (default ``nn.GELU()``).
     init, expert_noise, optimize, device, dtype, **decomposition_options
-        As for :class:`MuMoE`.
+        As for [`MuMoE`][mumoe_tn.layers.MuMoE].
 
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
         The (detached) shared coefficients of the last forward pass.
     ablation : object or None
-        An active counterfactual ablation, applied to both layers (see :class:`MuMoE`).
+        An active counterfactual ablation, applied to both layers (see [`MuMoE`][mumoe_tn.layers.MuMoE]).
     """
 
     def __init__(

@@ -121,10 +121,10 @@ def upcycle_linear(
     decomposition : {"cp", "tr", "tt", "tucker"}, optional
         The μMoE's decomposition.
     rank : int or Sequence[int] or "linear", optional
-        Ranks as for :class:`~mumoe_tn.layers.MuMoE`; by default the smallest that represents
+        Ranks as for [`MuMoE`][mumoe_tn.layers.MuMoE]; by default the smallest that represents
         ``W`` exactly (``min(I + 1, O)`` on the input–output bond).
     **layer_options
-        Further :class:`~mumoe_tn.layers.MuMoE` arguments (activation, gate_norm, …).
+        Further [`MuMoE`][mumoe_tn.layers.MuMoE] arguments (activation, gate_norm, …).
 
     Returns
     -------
@@ -161,7 +161,7 @@ def upcycle_experts(experts: FactorizedExperts, matrix: torch.Tensor) -> float:
         The expert cores to overwrite (e.g. ``layer.experts``).
     matrix : torch.Tensor
         Shape ``(I, O)`` in the μMoE's layout, leg ``i`` first: ``[Wᵀ; b]`` for a Linear with a
-        folded bias (see :func:`linear_matrix`).
+        folded bias (see [`linear_matrix`][mumoe_tn.upcycling.linear_matrix]).
 
     Returns
     -------
@@ -202,7 +202,7 @@ def decompose_dense(
 
     Uses tensorly's algorithms (``parafac`` for CP, ``tensor_ring`` (TR-SVD) for TR,
     ``tensor_train`` for TT, ``tucker`` for Tucker) in a pytorch backend context, and returns
-    the cores as a :class:`~mumoe_tn.layers.FactorizedExperts` on ``weight``'s device.
+    the cores as a [`FactorizedExperts`][mumoe_tn.layers.FactorizedExperts] on ``weight``'s device.
 
     Parameters
     ----------

@@ -1,8 +1,8 @@
 """Planning: an opt_einsum path turned into explicit pairwise steps.
 
 opt_einsum only *plans* here (it finds a path from shapes); the steps are executed by
-:func:`mumoe_tn.contractions.execute.run_plan` as plain ``torch.einsum`` calls, which keeps the
-forward pass compile-friendly (no backend import at call time), autocast-safe (no ``tensordot``
+[`mumoe_tn.contractions.execute.run_plan`][mumoe_tn.contractions.execute.run_plan] as plain ``torch.einsum`` calls,
+which keeps the forward pass compile-friendly (no backend import at call time), autocast-safe (no ``tensordot``
 on mixed dtypes) and free of per-call path searches. This module does not import torch.
 """
 
@@ -128,7 +128,7 @@ def resolve_optimizer(optimize: Any) -> Any:
     Parameters
     ----------
     optimize : str or opt_einsum.paths.PathOptimizer or callable
-        A name from :data:`OPTIMIZERS` (``"cotengra"`` builds a
+        A name from [`OPTIMIZERS`][mumoe_tn.contractions.plan] (``"cotengra"`` builds a
         ``cotengra.HyperOptimizer``), an optimizer object (opt_einsum or cotengra), or an
         explicit path as a sequence of position tuples.
 
@@ -171,8 +171,8 @@ def plan_contraction(
     sizes : Mapping[str, int]
         Size of every label.
     optimize : str or object, optional
-        Path optimizer (see :func:`resolve_optimizer`); ``"dp"`` by default, which handles
-        hyperedges well.
+        Path optimizer (see [`resolve_optimizer`][mumoe_tn.contractions.plan.resolve_optimizer]); ``"dp"`` by default,
+        which handles hyperedges well.
     lead : str, optional
         A label kept first in every intermediate that carries it (the batch label), so that
         pairwise steps run as batched matrix products with the batch leading.

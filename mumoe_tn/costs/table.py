@@ -68,7 +68,7 @@ class CostTable:
     rows : tuple of CostRow
         μMoE rows first, then the baselines.
     config : Mapping[str, Any]
-        The inputs of :func:`compare`.
+        The inputs of [`compare`][mumoe_tn.costs.table.compare].
     networks : Mapping[str, tuple of ExpertNetwork]
         The (matched) network(s) of every μMoE row, by row name.
     """

@@ -1,7 +1,7 @@
-"""Named decompositions (CP, TR, TT, Tucker) as builders of :class:`ExpertNetwork`.
+"""Named decompositions (CP, TR, TT, Tucker) as builders of [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork].
 
-Each builder is registered by name; :func:`build` looks one up. A new decomposition is one
-small module whose builder is decorated with :func:`register`.
+Each builder is registered by name; [`build`][mumoe_tn.decompositions.registry.build] looks one up. A new decomposition
+is one small module whose builder is decorated with [`register`][mumoe_tn.decompositions.registry.register].
 """
 
 from mumoe_tn.decompositions.cp import cp

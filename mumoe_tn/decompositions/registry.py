@@ -1,6 +1,6 @@
 """Registry of named decompositions.
 
-Each name maps to a builder that returns an :class:`ExpertNetwork`, and to the closed-form
+Each name maps to a builder that returns an [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork], and to the closed-form
 costs the paper gives (or that are derived here) for it.
 """
 
@@ -137,7 +137,7 @@ def build(
     rank: int | Sequence[int],
     **options: object,
 ) -> ExpertNetwork:
-    """Build the named decomposition's :class:`ExpertNetwork`.
+    """Build the named decomposition's [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork].
 
     Parameters
     ----------
