@@ -1,96 +1,169 @@
-"""The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a network's contraction."""
+"""The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a contraction, ``demo``.
+
+Every error — a bad argument, an output that cannot be written, a missing optional package, or
+an error from the library — is printed as one line naming the problem, with exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import math
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
-from mumoe_tn.costs.table import compare
+from mumoe_tn.costs.display import DTYPE_BYTES
+from mumoe_tn.costs.table import CostTable, compare
 from mumoe_tn.decompositions.registry import available
 
 __all__ = ["main"]
 
 
-def _rank(text: str) -> tuple[str, int | tuple[int, ...]]:
-    name, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--rank takes NAME=R or NAME=R1,R2,…, got {text!r}")
-    try:
-        ranks = tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--rank {text!r}: ranks must be integers") from None
-    return name.strip().lower(), ranks[0] if len(ranks) == 1 else ranks
+class UsageError(Exception):
+    """A problem with the command line's inputs or outputs, found before any work is done."""
 
 
-def _match(text: str) -> str | int:
-    if text in ("linear", "mlp"):
-        return text
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
     try:
-        value = int(float(text)) if "e" in text.lower() else int(text)
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--match takes 'linear', 'mlp' or a number of parameters, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
+def _ranks(text: str) -> tuple[int, ...]:
+    """``"4,4,64"`` -> ``(4, 4, 64)``; every rank a positive integer."""
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        ranks = tuple(int(part) for part in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"ranks must be positive integers such as 64 or 4,4,64, got {text!r}"
+        ) from None
+    if any(rank < 1 for rank in ranks):
+        raise argparse.ArgumentTypeError(f"ranks must be positive integers such as 64 or 4,4,64, got {text!r}")
+    return ranks
+
+
+def _named_rank(text: str) -> tuple[str, int | tuple[int, ...]]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"--rank takes NAME=R or NAME=R1,R2,…, got {text!r}")
+    ranks = _ranks(value)
+    return name.strip().lower(), ranks[0] if len(ranks) == 1 else ranks
+
+
+def _match(text: str) -> str | int | float:
+    if text in ("linear", "mlp"):
+        return text
+    message = f"--match takes 'linear', 'mlp', a number of parameters or a fraction such as 0.5, got {text!r}"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(message) from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(message)
+    return int(value) if value == int(value) and value >= 1 else value
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mumoe-tn", description="Multilinear mixture-of-experts tools.")
+    parser = _Parser(prog="mumoe-tn", description="Multilinear mixture-of-experts tools.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     cmp = commands.add_parser(
         "compare",
         help="cost table of μMoE decompositions against nn.Linear, MLP blocks and MoEs",
         description=(
-            "Parameters, FMAs (1 FMA = 1 FLOP), peak intermediate and expert-rank bounds. Defaults: the paper's "
-            "GPT-2 MLP layer, 768 -> 3072 with 256 experts, CP and TR parameter-matched to nn.Linear."
+            "Parameters, FMAs per token (1 FMA = 1 FLOP), the peak intermediate per batch and expert-rank "
+            "bounds. Defaults: the paper's GPT-2 MLP layer, 768 -> 3072 with 256 experts, CP and TR "
+            "parameter-matched to nn.Linear. The table fits the terminal: columns that do not fit are left "
+            "out (named under the table); --wide shows them all."
         ),
     )
-    cmp.add_argument("--in", dest="in_features", type=int, default=768, help="input features (default 768)")
-    cmp.add_argument("--out", dest="out_features", type=int, default=3072, help="output features (default 3072)")
-    cmp.add_argument("--experts", type=int, nargs="+", default=[256], help="experts per mode, e.g. 256 or 32 32 32 32")
+    cmp.add_argument("--in", dest="in_features", type=_positive, default=768, help="input features (default 768)")
+    cmp.add_argument("--out", dest="out_features", type=_positive, default=3072, help="output features (default 3072)")
+    cmp.add_argument(
+        "--experts", type=_positive, nargs="+", default=[256], help="experts per mode, e.g. 256 or 32 32 32 32"
+    )
     cmp.add_argument("--decompositions", nargs="+", default=["cp", "tr"], help=f"any of {available()} (default cp tr)")
     cmp.add_argument(
-        "--rank", type=_rank, action="append", default=[], help="explicit ranks, e.g. cp=512 or tr=4,4,128"
+        "--spec",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also a custom network, e.g. 'A: n1 a b, B: a i c, C: b c o' (repeatable)",
+    )
+    cmp.add_argument(
+        "--rank", type=_named_rank, action="append", default=[], help="explicit ranks, e.g. cp=512 or tr=4,4,128"
     )
     cmp.add_argument(
         "--match",
         type=_match,
         default="linear",
         help="parameter target for decompositions without --rank: linear (default), mlp (compare in->out->in blocks), "
-        "or a number. TR/TT scale the input-output bond, Tucker all its bonds.",
+        "a number of parameters, or a fraction of the reference's. TR/TT scale the input-output bond, Tucker all its "
+        "bonds.",
     )
     cmp.add_argument("--no-bias", dest="bias", action="store_false", help="no folded bias (and no baseline bias)")
     cmp.add_argument("--no-gating", dest="gate", action="store_false", help="do not count gating parameters/FMAs")
-    cmp.add_argument("--batch", type=int, default=1, help="tokens per forward for planned FMAs and peak memory")
-    cmp.add_argument("--top-k", type=int, default=2, help="K of the sparse MoE baseline (default 2)")
+    cmp.add_argument(
+        "--batch", type=_positive, default=1, help="tokens per forward, for the planned FMAs and the peak intermediate"
+    )
+    cmp.add_argument("--top-k", type=_positive, default=2, help="K of the sparse MoE baseline (default 2)")
+    cmp.add_argument(
+        "--dtype", choices=sorted(DTYPE_BYTES), default="float32", help="dtype of the memory column (default float32)"
+    )
+    cmp.add_argument("--wide", action="store_true", help="show every column, even wider than the terminal")
     output = cmp.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
-    output.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    output.add_argument("--markdown", action="store_true", help="print a Markdown table (every column)")
     output.add_argument("--csv", action="store_true", help="print CSV")
     cmp.add_argument("--plot", metavar="FILE.png", help="also save parameters vs number of experts (2 to 16,384)")
 
-    plan = commands.add_parser("plan", help="show the planned contraction of a decomposition or a spec string")
+    plan = commands.add_parser(
+        "plan",
+        help="show the planned contraction of a decomposition or a spec string",
+        description="The input leg i counts the folded bias (i = in + 1), as in compare; --no-bias for i = in.",
+    )
     plan.add_argument("network", help=f"a registered name {available()} or a spec such as 'n1 a b, a i c, b c o'")
-    plan.add_argument("--in", dest="in_features", type=int, default=768)
-    plan.add_argument("--out", dest="out_features", type=int, default=3072)
-    plan.add_argument("--experts", type=int, nargs="+", default=[256])
-    plan.add_argument("--rank", type=int, nargs="+", default=[64], help="rank(s) of the named builder, or every bond")
-    plan.add_argument("--batch", type=int, default=1)
-    plan.add_argument("--optimize", default="dp", help="path optimizer (dp, optimal, greedy, auto, cotengra, …)")
+    plan.add_argument("--in", dest="in_features", type=_positive, default=768)
+    plan.add_argument("--out", dest="out_features", type=_positive, default=3072)
+    plan.add_argument("--experts", type=_positive, nargs="+", default=[256])
+    plan.add_argument(
+        "--rank",
+        type=_ranks,
+        nargs="+",
+        default=[(64,)],
+        help="rank(s) of the named builder (64, 4,4,64 or 4 4 64), or one rank for every bond of a spec",
+    )
+    plan.add_argument("--batch", type=_positive, default=1, help="tokens per forward (default 1)")
+    plan.add_argument("--no-bias", dest="bias", action="store_false", help="no folded bias: i = in")
+    plan.add_argument("--optimize", default="auto", help="path optimizer (auto, dp, optimal, greedy, cotengra, …)")
 
     demo = commands.add_parser(
         "demo",
         help="mean expert polysemanticity vs number of experts on scikit-learn's digits",
         description="Trains a CP μMoE classification head per expert count on 8×8 digits, ablates every expert, "
-        "and prints test accuracy and mean class-level polysemanticity (paper Eq. polysemanticity).",
+        "and prints test accuracy and mean class-level polysemanticity (paper Eq. polysemanticity). "
+        "Writes no file unless --plot is given.",
     )
-    demo.add_argument("--experts", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
-    demo.add_argument("--epochs", type=int, default=40)
-    demo.add_argument("--rank", type=int, default=32)
+    demo.add_argument("--experts", type=_positive, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    demo.add_argument("--epochs", type=_positive, default=40)
+    demo.add_argument("--rank", type=_positive, default=32)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--plot", metavar="FILE.png", default="polysemanticity.png", help="plot file ('' for none)")
+    demo.add_argument("--plot", metavar="FILE.png", help="also save the curve to this file")
 
     from mumoe_tn.specialisation import configure_parser
 
@@ -105,14 +178,35 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_plot(path: str | None, extra: str) -> None:
+    """Fail before any work if ``path`` cannot be written or matplotlib is missing."""
+    if path is None:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(f"--plot needs matplotlib, which is not installed: pip install 'mumoe_tn[{extra}]'")
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise UsageError(f"--plot {path!r} is a directory; give a file name such as {str(target / 'plot.png')!r}")
+    if not folder.is_dir():
+        raise UsageError(f"--plot {path!r}: the directory {str(folder)!r} does not exist")
+    try:  # a real write: permission bits alone do not tell (root, read-only file systems)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".mumoe-tn-write-check-"):
+            pass
+    except OSError as error:
+        raise UsageError(f"--plot {path!r}: cannot write to the directory {str(folder)!r} ({error.strerror})") from None
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"--plot {path!r}: the file exists and is not writable")
+
+
 def _compare(args: argparse.Namespace) -> int:
-    ranks = dict(args.rank)
+    _check_plot(args.plot, "plot")
     table = compare(
         args.in_features,
         args.out_features,
         tuple(args.experts),
-        tuple(name.lower() for name in args.decompositions),
-        ranks=ranks,
+        (*(name.lower() for name in args.decompositions), *args.spec),
+        ranks=dict(args.rank),
         match=args.match,
         bias=args.bias,
         gate=args.gate,
@@ -122,13 +216,11 @@ def _compare(args: argparse.Namespace) -> int:
     if args.json:
         print(table.to_json())
     elif args.markdown:
-        print(table.title() + "\n\n" + table.to_markdown())
+        print(table.title() + "\n\n" + table.to_markdown(dtype=args.dtype))
     elif args.csv:
         print(table.to_csv(), end="")
     else:
-        from rich.console import Console
-
-        Console(width=200).print(table.to_rich())
+        _print_rich(table, args.dtype, args.wide)
     if args.plot:
         from mumoe_tn.plots import plot_parameters_vs_experts
 
@@ -137,37 +229,62 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_rich(table: CostTable, dtype: str, wide: bool) -> None:
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console()  # sized by the terminal (or $COLUMNS)
+    rendered = table.to_rich(dtype=dtype, width=None if wide else console.width)
+    if rendered.caption and not wide:
+        rendered.caption += "; --wide shows them"
+    needed = Measurement.get(console, console.options.update_width(10_000), rendered).minimum
+    if needed > console.width:  # --wide, or a terminal too narrow for even two columns: never cut a number
+        console = Console(width=needed)
+    console.print(rendered)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from mumoe_tn.contractions.plan import plan_forward
     from mumoe_tn.costs.rank import min_cut
     from mumoe_tn.decompositions.registry import build
     from mumoe_tn.network import ExpertNetwork
 
+    ranks = tuple(rank for group in args.rank for rank in group)
+    width = args.in_features + int(args.bias)
     if args.network.lower() in available():
-        rank = args.rank[0] if len(args.rank) == 1 else tuple(args.rank)
-        network = build(args.network, tuple(args.experts), args.in_features, args.out_features, rank)
+        rank = ranks[0] if len(ranks) == 1 else ranks
+        network = build(args.network.lower(), tuple(args.experts), width, args.out_features, rank)
     else:
-        if len(args.rank) != 1:
-            raise ValueError("a spec string takes one --rank for all of its bonds")
+        if len(ranks) != 1:
+            raise UsageError(f"a spec string takes one --rank for all of its bonds, got {','.join(map(str, ranks))}")
         network = ExpertNetwork.from_spec(
             args.network,
             expert_dims=tuple(args.experts),
-            in_features=args.in_features,
+            in_features=width,
             out_features=args.out_features,
-            ranks=args.rank[0],
+            ranks=ranks[0],
         )
     plan = plan_forward(network, args.batch, args.optimize)
     labels, bound = min_cut(network)
+    bias = f"{args.in_features} inputs + 1 folded bias, as in compare" if args.bias else "no bias"
+    print(f"i = {width} ({bias}); batch {args.batch:,}")
     print(network)
     print(plan)
-    print(f"largest intermediate: {plan.largest_intermediate:,} elements; expert rank <= {bound} (cut {labels})")
+    per_token = plan.fma / args.batch
+    print(f"largest intermediate per batch: {plan.largest_intermediate:,} elements; FMA per token: {per_token:,.0f}")
+    print(f"expert rank <= {bound} (cut {labels})")
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
+    _check_plot(args.plot, "examples")
+    if importlib.util.find_spec("sklearn") is None:
+        raise UsageError(
+            "the demo needs scikit-learn's digits, which is not installed: pip install 'mumoe_tn[examples]'"
+        )
     from mumoe_tn.demo import format_rows, run_demo
 
-    rows = run_demo(args.experts, epochs=args.epochs, rank=args.rank, seed=args.seed, plot=args.plot or None)
+    rows = run_demo(args.experts, epochs=args.epochs, rank=args.rank, seed=args.seed, plot=args.plot)
     print(format_rows(rows))
     if args.plot:
         print(f"saved {args.plot}", file=sys.stderr)
@@ -181,15 +298,17 @@ def _specialisation(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``mumoe-tn`` command; returns the exit status."""
+    """Run the ``mumoe-tn`` command; returns the exit status (2 for any error, printed as one line)."""
     parser = _parser()
     args = parser.parse_args(argv)
     commands = {"compare": _compare, "plan": _plan, "demo": _demo, "specialisation": _specialisation}
     try:
         return commands[args.command](args)
-    except (ValueError, TypeError) as error:
-        parser.exit(2, f"mumoe-tn {args.command}: error: {error}\n")
-    return 2
+    except Exception as error:  # the command line prints every failure as one line, never a traceback
+        kind = "" if isinstance(error, (UsageError, ValueError, TypeError)) else f"{type(error).__name__}: "
+        message = " ".join(str(error).split())
+        parser.exit(2, f"mumoe-tn {args.command}: error: {kind}{message}\n")
+    return 2  # pragma: no cover - parser.exit raises
 
 
 if __name__ == "__main__":

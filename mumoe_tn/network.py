@@ -1,6 +1,6 @@
 """The labelled expert network: the one abstraction every decomposition is built from.
 
-An :class:`ExpertNetwork` describes the expert weight tensor
+An [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork] describes the expert weight tensor
 ``W ∈ R^{N_1 × … × N_E × I × O}`` of a μMoE layer as a tensor network. Each core is a
 tuple of labels; a label is either a *physical leg* (an expert mode ``n1``…``nE``, the input
 leg ``i`` or the output leg ``o``) or a *bond* joining two or more cores (three or more make a
@@ -98,7 +98,7 @@ class ExpertNetwork:
     cores : Mapping[str, str | Sequence[str]]
         Ordered mapping of core name to its labels, either as a sequence of labels or as a
         whitespace-separated string (``"n1 r"``). Core names must be Python identifiers; they
-        become parameter names in :class:`mumoe_tn.layers.FactorizedExperts`.
+        become parameter names in [`mumoe_tn.layers.FactorizedExperts`][mumoe_tn.layers.FactorizedExperts].
     sizes : Mapping[str, int]
         Size of every label: the physical legs ``n1``…``nE`` (``N_e``), ``i`` (``I``, or ``I+1``
         when a bias is folded in), ``o`` (``O``) and every bond.
@@ -433,7 +433,7 @@ class ExpertNetwork:
         return list(self.cores.values()), (*self.expert_legs, INPUT_LEG, OUTPUT_LEG)
 
     def to_spec(self) -> str:
-        """The spec string of this network, as accepted by :meth:`from_spec`."""
+        """The spec string of this network, as accepted by [`from_spec`][mumoe_tn.network.ExpertNetwork.from_spec]."""
         return ", ".join(f"{core}: {' '.join(labels)}" for core, labels in self.cores.items())
 
     def with_sizes(self, **sizes: int) -> ExpertNetwork:

@@ -20,7 +20,7 @@ def expert_sweep(table: CostTable, low: int = 2, high: int = 16_384) -> dict[str
     Parameters
     ----------
     table : CostTable
-        A table from :func:`mumoe_tn.costs.compare`.
+        A table from [`mumoe_tn.costs.compare`][mumoe_tn.costs.table.compare].
     low, high : int, optional
         Range of total expert counts.
 
@@ -63,7 +63,7 @@ def plot_parameters_vs_experts(table: CostTable, path: str | Path) -> Path:
     Parameters
     ----------
     table : CostTable
-        A table from :func:`mumoe_tn.costs.compare`.
+        A table from [`mumoe_tn.costs.compare`][mumoe_tn.costs.table.compare].
     path : str or Path
         Output image (PNG by its suffix).
 

@@ -4,7 +4,8 @@ The μMoE output is linear in every coefficient vector, so zeroing coefficient `
 zeroing the slice ``W[…, n, …]`` of the dense tensor along mode ``e``. For one expert mode that
 *is* switching expert ``n`` off. In a hierarchical layer a single expert is a multi-index
 ``(n_1, …, n_E)``; its contribution ``a_{1,n_1}⋯a_{E,n_E}·W_{n_1…n_E}ᵀ z`` is subtracted, with
-its matrix computed from the cores (:meth:`FactorizedExperts.expert`), never from ``W``.
+its matrix computed from the cores ([`FactorizedExperts.expert`][mumoe_tn.layers.FactorizedExperts.expert]), never from
+``W``.
 
 Ablations can differ per group of samples: with ``group_size=B`` the first input dimension
 holds ``K·B`` samples and group ``k`` ablates the ``k``-th expert set — so ``K`` counterfactual

@@ -1,7 +1,7 @@
 """Expert coefficients of every μMoE layer of a model, collected with forward hooks.
 
-Nothing in the model is edited: a forward hook on each :class:`~mumoe_tn.layers.MuMoE` /
-:class:`~mumoe_tn.layers.MuMoEMLP` reads ``last_coefficients`` after every call. Memory stays
+Nothing in the model is edited: a forward hook on each [`MuMoE`][mumoe_tn.layers.MuMoE] /
+[`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP] reads ``last_coefficients`` after every call. Memory stays
 bounded for any expert count: per expert mode, running sums, a load count, a running top-k of
 activating rows, and the coefficient-weighted sum of the layer's inputs (for cluster centres).
 Rows are counted in the order the layer sees them (``row = sample · tokens + token`` for
@@ -163,8 +163,8 @@ def collect_coefficients(
     Parameters
     ----------
     model : nn.Module
-        Any model containing :class:`MuMoE` / :class:`MuMoEMLP` layers (put it in ``eval()``
-        mode yourself if its gates use BatchNorm).
+        Any model containing [`MuMoE`][mumoe_tn.layers.MuMoE] / [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP] layers (put it in
+        ``eval()`` mode yourself if its gates use BatchNorm).
     batches : Iterable
         Inputs (a DataLoader, a list …); each is passed to ``forward``.
     layers : Iterable of str, optional
@@ -176,7 +176,7 @@ def collect_coefficients(
         Top-activating rows kept per expert.
     centres : bool, optional
         Also accumulate coefficient-weighted input sums (``N × I`` per mode), for
-        :meth:`ExpertStatistics.centres` and steering.
+        [`ExpertStatistics.centres`][mumoe_tn.analysis.coefficients.ExpertStatistics.centres] and steering.
     forward : Callable, optional
         ``forward(model, batch)``; by default ``model(batch[0])`` for tuples/lists (an
         ``(inputs, labels)`` loader) and ``model(batch)`` otherwise.
@@ -184,7 +184,7 @@ def collect_coefficients(
     Returns
     -------
     dict
-        Layer name -> :class:`LayerCoefficients`.
+        Layer name -> [`LayerCoefficients`][mumoe_tn.analysis.coefficients.LayerCoefficients].
     """
     found = mumoe_layers(model)
     if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):

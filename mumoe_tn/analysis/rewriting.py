@@ -116,7 +116,7 @@ def rewrite(layer: MuMoE | MuMoEMLP, head: int, mean: torch.Tensor, scale: float
     head : int
         Output index ``o``.
     mean : torch.Tensor
-        ``ā`` of shape ``(N_1, …, N_E)`` (see :func:`mean_coefficients`).
+        ``ā`` of shape ``(N_1, …, N_E)`` (see [`mean_coefficients`][mumoe_tn.analysis.rewriting.mean_coefficients]).
     scale : float
         ``λ`` (its sign sets the direction of the correction; the paper uses ``λ = N``).
 

@@ -1,6 +1,6 @@
 """Planned factorized contractions and their dense references.
 
-:mod:`~mumoe_tn.contractions.plan` is torch-free; the executors load torch on first access.
+[`plan`][mumoe_tn.contractions.plan] is torch-free; the executors load torch on first access.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Execution of a :class:`ContractionPlan` on torch tensors, one pairwise einsum per step."""
+"""Execution of a `ContractionPlan` on torch tensors, one pairwise einsum per step."""
 
 from __future__ import annotations
 

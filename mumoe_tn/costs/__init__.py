@@ -1,6 +1,6 @@
 """Cost model: parameters, FLOPs (1 FMA = 1 FLOP), memory, rank bounds, baselines, matching.
 
-Everything here works from an :class:`~mumoe_tn.network.ExpertNetwork` alone — no torch, no
+Everything here works from an [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork] alone — no torch, no
 module — so cost tables are instant and hold for custom decompositions as for named ones.
 """
 

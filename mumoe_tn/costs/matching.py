@@ -204,11 +204,11 @@ def match_layer(
     network : ExpertNetwork
         A network whose other sizes stay fixed.
     target : int
-        Parameter budget (e.g. :func:`mumoe_tn.costs.linear` ``(I, O).params``).
+        Parameter budget (e.g. [`mumoe_tn.costs.linear`][mumoe_tn.costs.baselines.linear] ``(I, O).params``).
     bonds : Sequence[str], optional
         Bonds to scale; the format's default (every bond without a format) if omitted.
     bias, gate, input_norm : bool, optional
-        As for :func:`mumoe_tn.costs.layer_parameters`.
+        As for [`mumoe_tn.costs.layer_parameters`][mumoe_tn.costs.params.layer_parameters].
 
     Returns
     -------
@@ -242,11 +242,11 @@ def match_block(
     first, second : ExpertNetwork
         The layers ``I → H`` and ``H → O`` (same decomposition and expert dims).
     target : int
-        Parameter budget (e.g. :func:`mumoe_tn.costs.mlp` ``(I, H, O).params``).
+        Parameter budget (e.g. [`mumoe_tn.costs.mlp`][mumoe_tn.costs.baselines.mlp] ``(I, H, O).params``).
     bonds : Sequence[str], optional
         Bonds to scale in both layers; the format's default (every bond without a format) if omitted.
     bias, gate : bool, optional
-        As for :func:`mumoe_tn.costs.block_parameters`.
+        As for [`mumoe_tn.costs.block_parameters`][mumoe_tn.costs.params.block_parameters].
 
     Returns
     -------

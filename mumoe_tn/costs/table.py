@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mumoe_tn.costs.baselines import Baseline, dense_moe, linear, mlp, moe_block, sparse_moe
+from mumoe_tn.costs.display import cells, rich_table
 from mumoe_tn.costs.flops import layer_flops
 from mumoe_tn.costs.matching import Match, match_block, match_layer, resolve_target
 from mumoe_tn.costs.params import ParameterCount, block_parameters, layer_parameters
@@ -23,16 +24,17 @@ from mumoe_tn.validation import check_bool, check_size
 
 __all__ = ["COLUMNS", "CostRow", "CostTable", "compare"]
 
-#: Column keys and headers, in display order.
+#: Column keys and headers, in display order. FMAs are per token; the peak intermediate is
+#: the largest tensor of the planned contraction of one batch (the table's ``batch`` tokens).
 COLUMNS = {
     "name": "layer",
     "ranks": "ranks",
     "params_experts": "expert params",
     "params_gate": "gate params",
     "params_total": "total params",
-    "fma_closed_form": "FMA/token (closed form)",
-    "fma_planned": "FMA/token (planned)",
-    "peak_elements": "peak intermediate (elements)",
+    "fma_closed_form": "FMA per token (closed form)",
+    "fma_planned": "FMA per token (planned)",
+    "peak_elements": "peak intermediate per batch (elements)",
     "max_rank": "expert rank bound",
     "params_vs_reference": "params ÷ reference",
     "fma_vs_reference": "FMA ÷ reference",
@@ -76,7 +78,7 @@ class CostTable:
     rows : tuple of CostRow
         μMoE rows first, then the baselines.
     config : Mapping[str, Any]
-        The inputs of :func:`compare`.
+        The inputs of [`compare`][mumoe_tn.costs.table.compare].
     networks : Mapping[str, tuple of ExpertNetwork]
         The (matched) network(s) of every μMoE row, by row name.
     """
@@ -101,23 +103,40 @@ class CostTable:
         writer.writerows(self.records())
         return buffer.getvalue()
 
-    def to_markdown(self) -> str:
-        """The rows as a GitHub-flavoured Markdown table."""
-        lines = ["| " + " | ".join(COLUMNS.values()) + " |", "|" + "---|" * len(COLUMNS)]
-        for record in self.records():
-            lines.append("| " + " | ".join(_format(key, record[key]) for key in COLUMNS) + " |")
+    def to_markdown(self, *, dtype: str | None = None) -> str:
+        """The rows as a GitHub-flavoured Markdown table.
+
+        Parameters
+        ----------
+        dtype : str, optional
+            Add the peak intermediate's memory in bytes for this dtype (``"float32"``, …)
+            next to its element count.
+        """
+        keys = list(COLUMNS)
+        headers = dict(COLUMNS)
+        if dtype is not None:
+            keys.insert(keys.index("peak_elements") + 1, "peak_bytes")
+            headers["peak_bytes"] = f"peak intermediate per batch ({dtype})"
+        rule = "|" + "".join("---|" if key in ("name", "ranks") else "---:|" for key in keys)
+        lines = ["| " + " | ".join(headers[key] for key in keys) + " |", rule]
+        lines += ["| " + " | ".join(row) + " |" for row in cells(self.records(), keys, dtype)]
         return "\n".join(lines)
 
-    def to_rich(self) -> Any:
-        """The rows as a ``rich.table.Table`` for the terminal."""
-        from rich.table import Table
+    def to_rich(self, *, dtype: str | None = "float32", width: int | None = None) -> Any:
+        """The rows as a ``rich.table.Table`` for the terminal.
 
-        table = Table(title=self.title())
-        for key, header in COLUMNS.items():
-            table.add_column(header, justify="left" if key in ("name", "ranks") else "right")
-        for record in self.records():
-            table.add_row(*(_format(key, record[key]) for key in COLUMNS))
-        return table
+        Parameters
+        ----------
+        dtype : str, optional
+            Show the peak intermediate's memory for this dtype next to its element count
+            (None: elements only).
+        width : int, optional
+            The terminal's width: columns are left out, least important first, until every
+            number fits in full (the caption names them). None keeps every column.
+        """
+        keys = list(COLUMNS)
+        keys.insert(keys.index("peak_elements") + 1, "peak_bytes")
+        return rich_table(self.title(), self.records(), keys, dtype=dtype, width=width)
 
     def shape(self) -> str:
         """The compared layer's shape, e.g. ``768 → 3072`` or ``768 → 3072 → 768 block``."""
@@ -135,24 +154,13 @@ class CostTable:
         c = self.config
         return (
             f"μMoE costs: {self.shape()}, experts {self.experts()}, bias {'on' if c['bias'] else 'off'}, "
-            f"gating {'counted' if c['gate'] else 'not counted'}, batch {c['batch']}, "
-            f"ratios to {c['reference']} (1 FMA = 1 FLOP)"
+            f"gating {'counted' if c['gate'] else 'not counted'}; FMA per token (1 FMA = 1 FLOP), "
+            f"peak intermediate per batch of {c['batch']:,} token{'s' if c['batch'] != 1 else ''}; "
+            f"ratios to {c['reference']}"
         )
 
     def __str__(self) -> str:
         return self.title() + "\n" + self.to_markdown()
-
-
-def _format(key: str, value: Any) -> str:
-    if value is None:
-        return "—"
-    if key.endswith("_vs_reference"):
-        return f"{value:.3f}"
-    if isinstance(value, float):
-        return f"{value:,.0f}" if value == int(value) else f"{value:,.1f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
 
 
 def _ranks(network: ExpertNetwork) -> str:
