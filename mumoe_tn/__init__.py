@@ -1,11 +1,11 @@
 """mumoe_tn: multilinear mixture-of-experts layers over arbitrary tensor networks.
 
 The expert weight tensor ``W ∈ R^{N_1×…×N_E×I×O}`` of a μMoE layer is held as a labelled
-tensor network (:class:`ExpertNetwork`); the forward pass is one planned contraction of that
+tensor network (`ExpertNetwork`); the forward pass is one planned contraction of that
 network with the expert coefficients and the input, and ``W`` is never materialised.
 
-The torch-free parts (:mod:`mumoe_tn.network`, :mod:`mumoe_tn.decompositions`,
-:mod:`mumoe_tn.costs`) import without torch; the layers are loaded on first access.
+The torch-free parts (`mumoe_tn.network`, `mumoe_tn.decompositions`,
+`mumoe_tn.costs`) import without torch; the layers are loaded on first access.
 """
 
 from __future__ import annotations

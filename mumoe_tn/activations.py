@@ -17,7 +17,7 @@ flow. The Functions define ``setup_context`` and generate their vmap rule, so ``
 Non-finite logits behave as in ``torch.softmax``: a row holding NaN or ``+inf`` (or only
 ``-inf``) gives NaN in that row only, and ``-inf`` entries of other rows get probability 0.
 Huge finite logits (``3e38``) do not overflow: after subtracting the row maximum, entries
-below :data:`FLOOR` are clamped to it. That is exact, because every entry of the support lies
+below [`FLOOR`][mumoe_tn.activations] are clamped to it. That is exact, because every entry of the support lies
 within 1 (sparsemax) or 2 (1.5-entmax) of the maximum, so a clamped entry stays outside the
 support and leaves the threshold unchanged.
 """
@@ -65,7 +65,7 @@ def _threshold(x: torch.Tensor, dim: int, rule) -> torch.Tensor:
 
 
 def _shifted(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` minus its row maximum, floored at :data:`FLOOR`, and the rows softmax makes NaN.
+    """``x`` minus its row maximum, floored at [`FLOOR`][mumoe_tn.activations], and the rows softmax makes NaN.
 
     A row is bad when the shift yields NaN: a NaN entry, ``+inf`` (``inf - inf``) or only
     ``-inf``. Bad rows are replaced by zeros so the threshold search stays in bounds.

@@ -1,9 +1,10 @@
 """Read linear-like layers of any library: weight as ``(out, in)`` or ``(in, out)``, bias, sizes.
 
-:func:`convert <mumoe_tn.convert.convert>` and upcycling see every layer through a
-:class:`LinearView`, made by the :class:`LayerAdapter` registered for the layer's class (found
-along its MRO). ``nn.Linear`` is built in; Hugging Face ``transformers.pytorch_utils.Conv1D``
-(GPT-2's projections, weight stored ``(in, out)``) is registered by its qualified class name, so
+[`convert`][mumoe_tn.convert.convert] and upcycling see every layer through a
+[`LinearView`][mumoe_tn.adapters.LinearView], made by the [`LayerAdapter`][mumoe_tn.adapters.LayerAdapter] registered
+for the layer's class (found along its MRO). ``nn.Linear`` is built in; Hugging Face
+``transformers.pytorch_utils.Conv1D`` (GPT-2's projections, weight stored ``(in, out)``) is registered by its qualified
+class name, so
 this module never imports transformers. A user describes any other layer with a small adapter::
 
     register_adapter(MyProjection, LayerAdapter(layout="in_out", weight="kernel", bias="offset"))
@@ -55,7 +56,7 @@ class LayerAdapter:
                 raise TypeError(f"{what} must be an attribute name or a function module -> tensor, got {reader!r}")
 
     def view(self, module: nn.Module) -> LinearView:
-        """Read ``module`` as a :class:`LinearView`."""
+        """Read ``module`` as a [`LinearView`][mumoe_tn.adapters.LinearView]."""
         weight = _read(module, self.weight)
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
             raise ValueError(
@@ -149,7 +150,7 @@ _BY_NAME: dict[str, LayerAdapter] = {"transformers.pytorch_utils.Conv1D": LayerA
 
 
 def register_adapter(layer_type: type | str, adapter: LayerAdapter) -> None:
-    """Teach :func:`linear_view` (hence :func:`~mumoe_tn.convert.convert`) to read a layer class.
+    """Teach `linear_view` (hence `convert`) to read a layer class.
 
     Parameters
     ----------

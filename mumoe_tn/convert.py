@@ -42,7 +42,7 @@ class Replacement:
         Qualified name of the replaced module (an MLP block's name for blocks).
     kind : {"linear", "mlp", "gated", "split"}
         A linear layer, a plain MLP block, a gated (SwiGLU/GeGLU) block, or a BERT-style block
-        split across two sibling modules (see :mod:`mumoe_tn.mlp_blocks`).
+        split across two sibling modules (see [`mumoe_tn.mlp_blocks`][mumoe_tn.mlp_blocks]).
     params_before, params_after : int
         Parameters of the replaced layers and of their μMoE replacement.
     expert_dims : tuple of int
@@ -69,7 +69,7 @@ class Replacement:
 
 @dataclass
 class ConversionReport:
-    """What :func:`convert` replaced."""
+    """What [`convert`][mumoe_tn.convert.convert] replaced."""
 
     replacements: list[Replacement] = field(default_factory=list)
 
@@ -116,13 +116,13 @@ def _select(selector: Selector, argument: str) -> Callable[[str, nn.Module], boo
 
 
 def find_mlp_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the modules of ``model`` that :func:`convert` treats as MLP blocks.
+    """Qualified names of the modules of ``model`` that [`convert`][mumoe_tn.convert.convert] treats as MLP blocks.
 
     Plain two-layer MLPs (``nn.Linear``, Hugging Face ``Conv1D`` or any layer type registered
-    with :func:`mumoe_tn.adapters.register_adapter`), gated MLPs (Llama-style
+    with [`mumoe_tn.adapters.register_adapter`][mumoe_tn.adapters.register_adapter]), gated MLPs (Llama-style
     ``gate_proj/up_proj/down_proj``, timm ``SwiGLU``/``GluMlp``) and BERT-style layers whose MLP
     is split into ``intermediate`` and ``output`` (the layer's name is listed); see
-    :mod:`mumoe_tn.mlp_blocks`.
+    [`mumoe_tn.mlp_blocks`][mumoe_tn.mlp_blocks].
     """
     return [name for name, module in model.named_modules() if name and mlp_parts(module) is not None]
 
@@ -255,8 +255,8 @@ def convert(
     """Replace chosen linear layers and MLP blocks of ``model`` with μMoE layers, in place.
 
     Linear layers are any module with an adapter (``nn.Linear``, Hugging Face ``Conv1D``, or a
-    type registered with :func:`mumoe_tn.adapters.register_adapter`). Every replacement is
-    built (and upcycled) before the model is touched, so a failing conversion leaves the model
+    type registered with [`mumoe_tn.adapters.register_adapter`][mumoe_tn.adapters.register_adapter]). Every replacement
+    is built (and upcycled) before the model is touched, so a failing conversion leaves the model
     as it was. A replacement keeps the replaced module's train/eval mode; it is frozen
     (``requires_grad=False`` on all its parameters) when every parameter it replaces was
     frozen. A module shared at several paths is replaced at every path by one new module.
@@ -268,12 +268,12 @@ def convert(
     expert_dims : int or Sequence[int]
         Experts of every new layer.
     linears : str or Callable, optional
-        Linear layers to replace with :class:`~mumoe_tn.layers.MuMoE`: a regex searched in the
+        Linear layers to replace with [`MuMoE`][mumoe_tn.layers.MuMoE]: a regex searched in the
         qualified module name, or a predicate ``(name, module) -> bool``.
     mlps : str or Callable, optional
-        MLP blocks (see :func:`find_mlp_blocks`) to replace, selected the same way: plain
-        blocks by :class:`~mumoe_tn.layers.MuMoEMLP`, gated ones by
-        :class:`~mumoe_tn.gated.MuMoEGatedMLP`. Dropout inside a block is not carried over.
+        MLP blocks (see [`find_mlp_blocks`][mumoe_tn.convert.find_mlp_blocks]) to replace, selected the same way: plain
+        blocks by [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP], gated ones by
+        [`MuMoEGatedMLP`][mumoe_tn.gated.MuMoEGatedMLP]. Dropout inside a block is not carried over.
     decomposition : str or Callable, optional
         Decomposition of every new layer.
     rank : int or Sequence[int] or "match", optional
@@ -281,8 +281,8 @@ def convert(
         counted); otherwise explicit ranks.
     upcycle : bool, optional
         Start every expert of each new layer as the layer it replaces (for blocks: each of the
-        block's layers; see :func:`mumoe_tn.upcycling.upcycle_experts`). Exact when the rank
-        holds the layer's matrix (the converted model then computes what the original did, for
+        block's layers; see [`mumoe_tn.upcycling.upcycle_experts`][mumoe_tn.upcycling.upcycle_experts]). Exact when the
+        rank holds the layer's matrix (the converted model then computes what the original did, for
         any gate output); otherwise the best approximation of that rank. The report gives the
         error.
     **layer_options

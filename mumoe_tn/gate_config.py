@@ -10,16 +10,16 @@ A *descriptor* is a small immutable object that answers three questions without 
   it may define ``losses() -> dict[str, Tensor]`` (auxiliary training losses of the last
   forward pass in the calling thread) and ``reset_parameters()``.
 
-Anything with these three methods is a gate (:class:`GateSpec` is the protocol): the layers
+Anything with these three methods is a gate ([`GateSpec`][mumoe_tn.gate_config.GateSpec] is the protocol): the layers
 (``MuMoE(…, gate=spec)``) and the cost model (``layer_parameters(net, gate=spec)``,
 ``gate_fma(net, gate=spec)``) use it with no edits to the package. The cost model also takes
 ``True`` (the default gate, ``I·ΣN_e`` parameters and FMAs) and ``False`` (gating not counted).
 
-Shipped descriptors: :class:`Gate` (entmax15 / sparsemax / softmax / α-entmax with batch,
-layer or no normalisation of the logits) and :class:`TopKGate` (a softmax top-k router). Both
+Shipped descriptors: [`Gate`][mumoe_tn.gate_config.Gate] (entmax15 / sparsemax / softmax / α-entmax with batch,
+layer or no normalisation of the logits) and [`TopKGate`][mumoe_tn.gate_config.TopKGate] (a softmax top-k router). Both
 count ``I·ΣN_e`` parameters (the logit norms have no affine parameters) and ``I·ΣN_e`` FMAs
 (the logits; the norm and φ are elementwise and not counted, as in the paper's tables).
-Activation and norm *names* are checked against the registries of :mod:`mumoe_tn.gating` when
+Activation and norm *names* are checked against the registries of [`mumoe_tn.gating`][mumoe_tn.gating] when
 the gate is built (the layer's constructor), so registering a new norm needs no edit here.
 """
 
@@ -107,7 +107,7 @@ class Gate(_LinearLogits):
         and softmax all map equal logits to the uniform vector, with the full support).
     balance_loss : bool, optional
         Record a Switch-style load-balancing loss after each forward pass (see
-        :class:`mumoe_tn.gating.ExpertGate`).
+        [`mumoe_tn.gating.ExpertGate`][mumoe_tn.gating.ExpertGate]).
     z_loss : bool, optional
         Record the router z-loss (mean squared logsumexp of the logits).
     """
@@ -135,7 +135,7 @@ class Gate(_LinearLogits):
     def build(
         self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
     ) -> nn.Module:
-        """An :class:`~mumoe_tn.gating.ExpertGate` with these options."""
+        """An [`ExpertGate`][mumoe_tn.gating.ExpertGate] with these options."""
         from mumoe_tn.gating import ExpertGate
 
         return ExpertGate(
@@ -166,11 +166,11 @@ class TopKGate(_LinearLogits):
     norm : str, optional
         Normalisation of the logits (default ``"none"``, as in Switch/Mixtral routers).
     init : {"default", "zeros"}, optional
-        As for :class:`Gate`. Zero logits all tie: ``k`` experts (``torch.topk`` picks which)
+        As for [`Gate`][mumoe_tn.gate_config.Gate]. Zero logits all tie: ``k`` experts (``torch.topk`` picks which)
         get ``1/k`` each, so unlike a dense gate a zero-initialised router starts by training
         only those; the balance loss then spreads the routing.
     balance_loss, z_loss : bool, optional
-        As for :class:`Gate`; the balance loss uses the router's full softmax and the top-k
+        As for [`Gate`][mumoe_tn.gate_config.Gate]; the balance loss uses the router's full softmax and the top-k
         dispatch fractions.
     """
 
@@ -198,7 +198,7 @@ class TopKGate(_LinearLogits):
     def build(
         self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
     ) -> nn.Module:
-        """A :class:`~mumoe_tn.gating.TopKRouter` with these options."""
+        """A [`TopKRouter`][mumoe_tn.gating.TopKRouter] with these options."""
         from mumoe_tn.gating import TopKRouter
 
         return TopKRouter(
@@ -288,14 +288,14 @@ def gate_from_options(
     norm: str | None = None,
     init: str | None = None,
 ) -> GateSpec:
-    """The descriptor a layer uses: ``gate`` itself, or a :class:`Gate` from the short options.
+    """The descriptor a layer uses: ``gate`` itself, or a [`Gate`][mumoe_tn.gate_config.Gate] from the short options.
 
     Parameters
     ----------
     gate : GateSpec, optional
         A ready descriptor; then the other options must be left unset.
     activation, norm, init : optional
-        :class:`Gate` fields (defaults ``"entmax15"``, ``"batch"``, ``"default"``).
+        [`Gate`][mumoe_tn.gate_config.Gate] fields (defaults ``"entmax15"``, ``"batch"``, ``"default"``).
 
     Returns
     -------

@@ -35,7 +35,7 @@ def gated_mlp_parameters(
     gate: bool | GateSpec = True,
     input_norm: bool = False,
 ) -> int:
-    """Parameters of a :class:`MuMoEGatedMLP` on these networks: three expert tensors, one gate.
+    """Parameters of a `MuMoEGatedMLP` on these networks: three expert tensors, one gate.
 
     Parameters
     ----------
@@ -46,7 +46,7 @@ def gated_mlp_parameters(
     bias : bool, optional
         Whether leg ``i`` of each network holds a folded bias column.
     gate : bool or GateSpec, optional
-        The shared gate, counted once (see :mod:`mumoe_tn.gate_config`).
+        The shared gate, counted once (see [`mumoe_tn.gate_config`][mumoe_tn.gate_config]).
     input_norm : bool, optional
         Count an input LayerNorm.
 
@@ -74,7 +74,7 @@ class MuMoEGatedMLP(SharedGateLayers):
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``, shared by the three layers.
     decomposition : str or Format or ExpertNetwork or Callable, optional
-        As for :class:`~mumoe_tn.layers.MuMoE` (a ready network gives the structure and bond
+        As for [`MuMoE`][mumoe_tn.layers.MuMoE] (a ready network gives the structure and bond
         sizes; its legs are set to each layer's sizes).
     rank : int or Sequence[int] or Mapping[str, int], optional
         Ranks of the three layers (with ``match=``: the bonds matching leaves alone).
@@ -86,11 +86,11 @@ class MuMoEGatedMLP(SharedGateLayers):
     bias : bool, optional
         Fold a bias into every layer's input leg (default True; Llama's MLP has none).
     gate, activation, gate_norm, gate_init, gate_input, input_norm : optional
-        The shared gate, as for :class:`~mumoe_tn.layers.MuMoE`.
+        The shared gate, as for [`MuMoE`][mumoe_tn.layers.MuMoE].
     hidden_activation : nn.Module, optional
         The ``act`` of the gate projection (default ``nn.SiLU()``: SwiGLU).
     init, expert_noise, optimize, device, dtype, **decomposition_options
-        As for :class:`~mumoe_tn.layers.MuMoE`.
+        As for [`MuMoE`][mumoe_tn.layers.MuMoE].
 
     Attributes
     ----------

@@ -1,8 +1,8 @@
 """Expert gating modules: ``a_e = φ(norm(G_eᵀ z))`` per expert mode, in float32 or wider.
 
-The modules here are what the descriptors of :mod:`mumoe_tn.gate_config` build. Activations
-(:data:`ACTIVATIONS`) and logit norms (:data:`GATE_NORMS`) are registries: add an entry to
-make a new name available to :class:`~mumoe_tn.gate_config.Gate`. Everything stored in a gate
+The modules here are what the descriptors of [`mumoe_tn.gate_config`][mumoe_tn.gate_config] build. Activations
+([`ACTIVATIONS`][mumoe_tn.gating]) and logit norms ([`GATE_NORMS`][mumoe_tn.gating]) are registries: add an entry to
+make a new name available to [`Gate`][mumoe_tn.gate_config.Gate]. Everything stored in a gate
 is a module-level function or an ``nn.Module``, so gates pickle, deep-copy and
 ``torch.save`` as whole modules.
 
@@ -23,13 +23,13 @@ gradient from the first step. The layers keep nn.Linear's default init as the de
 BatchNorm is scaled by ``1/√eps`` (about 316), which a random start avoids.
 
 **Auxiliary losses** (opt in with ``balance_loss=True`` / ``z_loss=True``), recorded after
-each forward pass for the calling thread and returned by :meth:`ExpertGate.losses`, in the
-gate's compute dtype (float32, or the input's when wider) and not detached, so a training
+each forward pass for the calling thread and returned by [`ExpertGate.losses`][mumoe_tn.gating.ExpertGate.losses], in
+the gate's compute dtype (float32, or the input's when wider) and not detached, so a training
 loop adds them to its loss:
 
 - ``"balance"``: Switch-style ``N_e · Σ_i f_i · P_i`` per mode, averaged over modes, where
   ``f_i`` is the fraction of the batch's routing slots dispatched to expert ``i`` (the top-k
-  experts of a :class:`TopKRouter`, the arg-max expert of a dense gate) and ``P_i`` the mean
+  experts of a [`TopKRouter`][mumoe_tn.gating.TopKRouter], the arg-max expert of a dense gate) and ``P_i`` the mean
   router probability of expert ``i`` (the full softmax of a router, the coefficients of a
   dense gate). It is 1 for perfectly balanced routing; gradients flow through ``P``.
 - ``"z"``: the router z-loss ``mean_tokens (logsumexp logits)²``, averaged over modes, on
@@ -124,7 +124,7 @@ def resolve_activation(activation: str | float) -> Callable[[torch.Tensor], torc
     Parameters
     ----------
     activation : str or float
-        A name of :data:`ACTIVATIONS` (``"entmax15"``, the paper's default, ``"sparsemax"``,
+        A name of [`ACTIVATIONS`][mumoe_tn.gating] (``"entmax15"``, the paper's default, ``"sparsemax"``,
         ``"softmax"``), or a finite float ``α > 1`` for α-entmax computed by bisection
         (``α = 1.5`` equals entmax15, ``α = 2`` sparsemax).
 
@@ -189,7 +189,7 @@ class ExpertGate(PerThreadRecords):
 
     One bias-free projection ``G_e ∈ R^{I×N_e}`` per expert mode (stored as
     ``projections.n<e>.weight``), a per-mode normalisation of the logits from
-    :data:`GATE_NORMS` (BatchNorm without affine parameters, as in the paper; LayerNorm without
+    [`GATE_NORMS`][mumoe_tn.gating] (BatchNorm without affine parameters, as in the paper; LayerNorm without
     affine; or none), then φ. The computation runs with autocast disabled in ``float32`` (or
     the input's dtype when wider): entmax row sums drift by about 1 % in bfloat16. A row of
     non-finite logits gives NaN coefficients in that row only.
@@ -201,9 +201,9 @@ class ExpertGate(PerThreadRecords):
     expert_dims : int or Sequence[int]
         ``N_1 … N_E``.
     activation : str or float, optional
-        See :func:`resolve_activation`; ``"entmax15"`` by default.
+        See [`resolve_activation`][mumoe_tn.gating.resolve_activation]; ``"entmax15"`` by default.
     norm : str, optional
-        A name of :data:`GATE_NORMS`, ``"batch"`` by default.
+        A name of [`GATE_NORMS`][mumoe_tn.gating], ``"batch"`` by default.
     init : {"default", "zeros"}, optional
         nn.Linear's init, or zero projections (every coefficient starts at ``1/N_e``).
     balance_loss, z_loss : bool, optional
@@ -354,9 +354,9 @@ class TopKRouter(ExpertGate):
     k : int or Sequence[int], optional
         Experts kept per token: one for every mode, or one per mode (each ``1 ≤ k ≤ N_e``).
     norm : str, optional
-        A name of :data:`GATE_NORMS`, ``"none"`` by default.
+        A name of [`GATE_NORMS`][mumoe_tn.gating], ``"none"`` by default.
     init, balance_loss, z_loss, device, dtype
-        As for :class:`ExpertGate`.
+        As for [`ExpertGate`][mumoe_tn.gating.ExpertGate].
     """
 
     def __init__(

@@ -84,7 +84,7 @@ def init_cores(
     cores : Mapping[str, torch.Tensor]
         One tensor per core, shaped as ``network.core_shape(name)``.
     rule : {"auto", "paper", "linear"}, optional
-        ``"auto"`` uses the network's format's :attr:`~mumoe_tn.decompositions.Format.init_rule`
+        ``"auto"`` uses the network's format's [`init_rule`][mumoe_tn.decompositions.format.Format]
         (``"paper"`` for CP and TR) and ``"linear"`` for a network without a format.
     fan_in : int, optional
         ``fan_in`` of the ``nn.Linear`` whose variance the ``"linear"`` rule targets; the size

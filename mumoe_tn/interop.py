@@ -1,9 +1,8 @@
 """Conversion of expert tensors to and from tensorly-torch's ``FactorizedTensor`` classes.
 
-A format that has a tensorly-torch counterpart names it (:attr:`Format.tltorch_class
-<mumoe_tn.decompositions.Format>`): CP, TT and Tucker networks map to ``tltorch.CPTensor``,
-``TTTensor`` and ``TuckerTensor`` of shape ``(N_1, …, N_E, I, O)``; tltorch has no tensor-ring
-format, and a custom network has no counterpart. Cores are copied, not shared. tltorch sets
+A format that has a tensorly-torch counterpart names it ([`Format.tltorch_class`][mumoe_tn.decompositions.format]): CP,
+TT and Tucker networks map to ``tltorch.CPTensor``, ``TTTensor`` and ``TuckerTensor`` of shape ``(N_1, …, N_E, I, O)``;
+tltorch has no tensor-ring format, and a custom network has no counterpart. Cores are copied, not shared. tltorch sets
 tensorly's global backend to pytorch when it is first imported; mumoe_tn imports it lazily and
 restores the backend that was active, so reconstruct tltorch tensors inside
 ``tensorly.backend_context("pytorch")`` unless your code imports tltorch itself.

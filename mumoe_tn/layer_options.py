@@ -43,10 +43,10 @@ def resolve_network(
     Parameters
     ----------
     decomposition : str or Format or ExpertNetwork or Callable
-        A registered name, a :class:`~mumoe_tn.decompositions.Format`, a spec string
+        A registered name, a [`Format`][mumoe_tn.decompositions.format.Format], a spec string
         (``"n1 a b, a i c, b c o"``), a ready network whose legs must match, or a builder
         ``(expert_dims, i, o, rank, **options)``; see
-        :func:`mumoe_tn.decompositions.resolve_network`.
+        [`mumoe_tn.decompositions.resolve_network`][mumoe_tn.decompositions.resolve.resolve_network].
     expert_dims : int or Sequence[int] or None
         Expert mode sizes (optional with a ready network, where they must match).
     in_features, out_features : int

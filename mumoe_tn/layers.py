@@ -54,14 +54,14 @@ def _batch_bucket(batch: int) -> int:
 
 
 class FactorizedExperts(nn.Module):
-    """The expert tensor ``W`` of a μMoE layer, stored as the cores of an :class:`ExpertNetwork`.
+    """The expert tensor ``W`` of a μMoE layer, stored as the cores of an `ExpertNetwork`.
 
     Every core is one ``nn.Parameter`` named after the core, so ``state_dict`` keys are the
     core names. The forward pass contracts the cores with the expert coefficients and the
     input along a path planned once per batch-size bucket (a power of two) and cached in a
     bounded, thread-safe, least-recently-used per-module cache; ``W`` is never materialised.
     While ``torch.compile`` traces the module it uses one plan made at construction (for a
-    batch of :data:`COMPILE_PLAN_BATCH`): a plan's steps are valid for every batch size, so
+    batch of [`COMPILE_PLAN_BATCH`][mumoe_tn.layers]): a plan's steps are valid for every batch size, so
     dynamic batch sizes neither replan inside the trace nor recompile.
 
     In eval mode with gradients off (``torch.no_grad`` or ``torch.inference_mode``) the
@@ -74,17 +74,18 @@ class FactorizedExperts(nn.Module):
     network : ExpertNetwork
         The decomposition.
     init : {"auto", "paper", "linear"}, optional
-        Initialisation rule, see :func:`mumoe_tn.init.init_cores`.
+        Initialisation rule, see [`mumoe_tn.init.init_cores`][mumoe_tn.init.init_cores].
     fan_in : int, optional
         ``fan_in`` the ``"linear"`` rule targets (default: the size of leg ``i``).
     expert_noise : Sequence[float], optional
         ``σ_e`` per expert mode (default: 1 on the first mode, 0 on the others).
     optimize : str or object, optional
-        Path optimizer, see :func:`mumoe_tn.contractions.resolve_optimizer` (default
-        ``"auto"``: bounded planning time, FMA-optimal on small networks). ``"autotune"``
+        Path optimizer, see [`mumoe_tn.contractions.resolve_optimizer`][mumoe_tn.contractions.plan.resolve_optimizer]
+        (default ``"auto"``: bounded planning time, FMA-optimal on small networks). ``"autotune"``
         also times the cheapest candidate paths, batch-leading and in their natural layout, on
         the first batch of each bucket and keeps the fastest (see
-        :func:`mumoe_tn.contractions.autotune_candidates`). Named optimizers are resolved afresh for every plan.
+        [`mumoe_tn.contractions.autotune_candidates`][mumoe_tn.contractions.plan.autotune_candidates]). Named optimizers
+        are resolved afresh for every plan.
     max_plans : int, optional
         Size of the plan cache (default 16 batch-size buckets).
     chunk_size : int, optional
@@ -246,7 +247,7 @@ class FactorizedExperts(nn.Module):
             The call's operands; with ``optimize="autotune"`` the first call of a bucket times
             the candidate plans on them (without them it plans like ``"auto"``).
         ones_appended : str, optional
-            As for :func:`mumoe_tn.contractions.run_plan`, when timing ``operands``.
+            As for [`mumoe_tn.contractions.run_plan`][mumoe_tn.contractions.execute.run_plan], when timing ``operands``.
 
         Returns
         -------
@@ -401,7 +402,7 @@ class FactorizedExperts(nn.Module):
 
 
 def _run_plan_operands(plan: ContractionPlan, ones: str | None, *operands: torch.Tensor) -> torch.Tensor:
-    """:func:`run_plan` with the operands positional (for ``torch.utils.checkpoint``)."""
+    """`run_plan` with the operands positional (for ``torch.utils.checkpoint``)."""
     return run_plan(plan, operands, ones_appended=ones)
 
 
@@ -561,21 +562,21 @@ class MuMoE(SharedGateLayers):
         Number of experts ``N``, or ``(N_1, …, N_E)`` for a hierarchical layer.
     decomposition : str or Format or ExpertNetwork or Callable, optional
         A registered name (``"cp"`` default, ``"tr"``, ``"tt"``, ``"tucker"``, or any format you
-        registered), a :class:`~mumoe_tn.decompositions.Format`, a spec string such as
-        ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready :class:`ExpertNetwork`
+        registered), a [`Format`][mumoe_tn.decompositions.format.Format], a spec string such as
+        ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork]
         whose legs match the layer, or a builder ``(expert_dims, in, out, rank) -> ExpertNetwork``.
     rank : int or Sequence[int] or Mapping[str, int], optional
         Ranks for the decomposition (a mapping of bond -> size for spec strings). Not needed
-        with an :class:`ExpertNetwork`; with ``match=`` it sets the bonds matching leaves alone
-        (1 by default).
+        with an [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork]; with ``match=`` it sets the bonds matching leaves
+        alone (1 by default).
     match : "linear" or int or float, optional
         Parameter-match instead of giving ranks: ``"linear"`` matches
         ``nn.Linear(in_features, out_features)`` with gating counted, an int is a parameter
         budget, a float a fraction of the Linear's parameters (as tensorly-torch's
         ``rank=0.5``). The format chooses the bonds to scale (CP ``R``, TR/TT the input–output
         bond, Tucker and custom networks every bond) unless ``match_bonds`` names them; see
-        :mod:`mumoe_tn.costs.matching` (a :class:`~mumoe_tn.costs.MatchingWarning` reports a
-        missed target or collapsed experts).
+        [`mumoe_tn.costs.matching`][mumoe_tn.costs.matching] (a
+        [`MatchingWarning`][mumoe_tn.costs.matching.MatchingWarning] reports a missed target or collapsed experts).
     match_bonds : Sequence[str], optional
         The bonds ``match=`` scales.
     bias : bool, optional
@@ -588,20 +589,20 @@ class MuMoE(SharedGateLayers):
     gate_init : {"default", "zeros"}, optional
         Gate projection init (default nn.Linear's; ``"zeros"`` starts every coefficient at 1/N).
     gate : GateSpec, optional
-        A gate descriptor (:class:`~mumoe_tn.gate_config.Gate`,
-        :class:`~mumoe_tn.gate_config.TopKGate` or your own); excludes the three options above.
+        A gate descriptor ([`Gate`][mumoe_tn.gate_config.Gate],
+        [`TopKGate`][mumoe_tn.gate_config.TopKGate] or your own); excludes the three options above.
     gate_input : {"normed", "raw"}, optional
         Gate on the experts' input (default; ``LayerNorm(x)`` with ``input_norm=True``) or on
-        the raw ``x`` (the authors' GPT-2 configuration); see :mod:`mumoe_tn.gating`.
+        the raw ``x`` (the authors' GPT-2 configuration); see [`mumoe_tn.gating`][mumoe_tn.gating].
     input_norm : bool, optional
         Apply a LayerNorm (with affine parameters) to the input first (default False).
     init : {"auto", "paper", "linear"}, optional
-        Core initialisation rule (see :mod:`mumoe_tn.init`).
+        Core initialisation rule (see [`mumoe_tn.init`][mumoe_tn.init]).
     expert_noise : Sequence[float], optional
         ``σ_e`` per expert mode for the initialisation.
     optimize : str or object, optional
         Path optimizer for the factorized contraction (default ``"auto"``, see
-        :class:`FactorizedExperts`).
+        [`FactorizedExperts`][mumoe_tn.layers.FactorizedExperts]).
     device, dtype : optional
         Factory arguments.
     **decomposition_options
@@ -613,7 +614,7 @@ class MuMoE(SharedGateLayers):
         The (detached) expert coefficients of the last forward pass in the calling thread,
         one per expert mode (before any ablation).
     ablation : object or None
-        An active counterfactual ablation (see :mod:`mumoe_tn.analysis.ablation`): it masks
+        An active counterfactual ablation (see [`mumoe_tn.analysis.ablation`][mumoe_tn.analysis.ablation]): it masks
         coefficients inside the contraction, or removes single experts' contributions, and
         never touches the weights.
     """
@@ -698,7 +699,7 @@ class MuMoEMLP(SharedGateLayers):
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``, shared by both layers.
     decomposition : str or Format or ExpertNetwork or Callable, optional
-        As for :class:`MuMoE` (both layers use it; a ready network gives its structure and bond
+        As for [`MuMoE`][mumoe_tn.layers.MuMoE] (both layers use it; a ready network gives its structure and bond
         sizes, its legs are set to each layer's sizes).
     rank : int or Sequence[int] or Mapping[str, int], optional
         Ranks of both layers.
@@ -711,20 +712,20 @@ class MuMoEMLP(SharedGateLayers):
     bias : bool, optional
         Fold a bias into both layers' input legs (default True).
     activation, gate_norm, gate_init, gate, gate_input : optional
-        The one gate shared by both layers, as for :class:`MuMoE`.
+        The one gate shared by both layers, as for [`MuMoE`][mumoe_tn.layers.MuMoE].
     input_norm : bool, optional
         LayerNorm on the block's input first.
     hidden_activation : nn.Module, optional
         Non-linearity between the layers (default ``nn.GELU()``).
     init, expert_noise, optimize, device, dtype, **decomposition_options
-        As for :class:`MuMoE`.
+        As for [`MuMoE`][mumoe_tn.layers.MuMoE].
 
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
         The (detached) shared coefficients of the last forward pass in the calling thread.
     ablation : object or None
-        An active counterfactual ablation, applied to both layers (see :class:`MuMoE`).
+        An active counterfactual ablation, applied to both layers (see [`MuMoE`][mumoe_tn.layers.MuMoE]).
     """
 
     def __init__(

@@ -107,7 +107,7 @@ class ExpertNetwork:
         ``"custom"``. It is only a label: no tool reads meaning into it.
     format : Format, optional
         The registered decomposition format this network follows (set by the format's
-        builder, see :mod:`mumoe_tn.decompositions`); ``None`` for a custom network, which
+        builder, see `mumoe_tn.decompositions`); ``None`` for a custom network, which
         takes the generic path of every tool. A network given a format must have exactly the
         cores the format's builder makes.
 

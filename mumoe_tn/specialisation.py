@@ -8,11 +8,11 @@ that entmax15 and the gate's BatchNorm give lower values than softmax and no nor
 
 This module tests that claim where it can be tested on 2 CPU cores without downloads: a
 deterministic generator of frozen "backbone features" with ImageNet's kind of class structure
-(:func:`make_features`: superclasses of related classes, several modes per class, a fixed random
-ReLU feature map), a CP μMoE as the final layer, ``N`` from 16 to 1,024, three gate settings
+([`make_features`][mumoe_tn.specialisation.make_features]: superclasses of related classes, several modes per class, a
+fixed random ReLU feature map), a CP μMoE as the final layer, ``N`` from 16 to 1,024, three gate settings
 and several seeds. Every expert is switched off in turn with the exact linear identity the
-library's ablation relies on (:func:`expert_ablation_effects`), evaluating only the
-(sample, expert) pairs whose prediction a bound says could change.
+library's ablation relies on ([`expert_ablation_effects`][mumoe_tn.specialisation.expert_ablation_effects]), evaluating
+only the (sample, expert) pairs whose prediction a bound says could change.
 """
 
 from __future__ import annotations
@@ -82,18 +82,18 @@ class Features:
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """Sizes of one experiment (the defaults are the full run; :meth:`quick` a seconds-long one).
+    """Sizes of one experiment (the defaults are the full run; `quick` a seconds-long one).
 
     Attributes
     ----------
     expert_counts : tuple of int
         Numbers of experts ``N`` of the μMoE head.
     gates : tuple of str
-        Keys of :data:`GATES`.
+        Keys of [`GATES`][mumoe_tn.specialisation].
     seeds : tuple of int
         Model seeds (initialisation and batch order); the data are the same for every seed.
     classes, superclasses, modes, latent, features : int
-        Generator sizes (see :func:`make_features`).
+        Generator sizes (see [`make_features`][mumoe_tn.specialisation.make_features]).
     noise : float
         Within-mode standard deviation of the generator (sets how hard the task is).
     train_per_class, test_per_class : int
@@ -231,9 +231,9 @@ def expert_ablation_effects(
 ) -> tuple[Polysemanticity, torch.Tensor]:
     """Switch every expert of a one-mode μMoE *classifier* off in turn; class accuracy changes.
 
-    Gives what :func:`mumoe_tn.analysis.class_polysemanticity` gives for a layer whose outputs
-    are the logits, without its ``N`` counterfactual forward passes over all samples (``O(S·N²·R)``
-    work: minutes for ``N = 1,024``). The output is linear in the coefficients, so with expert
+    Gives what [`mumoe_tn.analysis.class_polysemanticity`][mumoe_tn.analysis.polysemanticity.class_polysemanticity]
+    gives for a layer whose outputs are the logits, without its ``N`` counterfactual forward passes over all samples
+    (``O(S·N²·R)`` work: minutes for ``N = 1,024``). The output is linear in the coefficients, so with expert
     ``n`` off sample ``s`` gets the logits ``l_s − a_{s,n} v_{s,n}`` with ``v_{s,n} = W_nᵀ [z_s; 1]``.
     The prediction can only change if ``2 a_{s,n} ‖v_{s,n}‖_∞`` reaches the margin between the top
     two logits of ``s``; ``‖v_{s,n}‖_∞ ≤ max_o ‖W_n[:, o]‖₂ · ‖[z_s; 1]‖₂`` bounds it, so only the
@@ -372,7 +372,7 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
     Parameters
     ----------
     runs : Sequence of dict
-        One dict per (gate, experts, seed) as made by :func:`run_experiment`.
+        One dict per (gate, experts, seed) as made by [`run_experiment`][mumoe_tn.specialisation.run_experiment].
 
     Returns
     -------
@@ -418,7 +418,8 @@ def run_experiment(config: ExperimentConfig, *, progress: bool = True) -> dict:
     -------
     dict
         ``config``, ``linear_probe_accuracy`` (per seed), ``runs`` (per model, see
-        :func:`measure_model`), ``table`` (:func:`aggregate`), ``seconds`` and ``machine``.
+        [`measure_model`][mumoe_tn.specialisation.measure_model]), ``table``
+        ([`aggregate`][mumoe_tn.specialisation.aggregate]), ``seconds`` and ``machine``.
     """
     from tqdm import tqdm
 
@@ -507,7 +508,7 @@ def plot_results(result: dict, path: str | Path) -> Path:
     Parameters
     ----------
     result : dict
-        As returned by :func:`run_experiment`.
+        As returned by [`run_experiment`][mumoe_tn.specialisation.run_experiment].
     path : str or Path
         PNG file.
 
@@ -616,7 +617,7 @@ def _check_plot_target(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the experiment for parsed arguments (see :func:`configure_parser`); returns 0."""
+    """Run the experiment for parsed arguments (see `configure_parser`); returns 0."""
     if isinstance(args.threads, bool) or args.threads < 1:
         raise ValueError(f"--threads must be a positive integer, got {args.threads!r}")
     config = _config_from(args)

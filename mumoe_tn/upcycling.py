@@ -2,7 +2,7 @@
 
 Both ask the network's format first (closed-form SVD upcycling and tensorly's decompositions
 for CP, TR, TT and Tucker) and otherwise take the generic path, alternating least squares
-over the labelled network (:func:`mumoe_tn.fitting.als_fit`), which works for any network and
+over the labelled network ([`mumoe_tn.fitting.als_fit`][mumoe_tn.fitting.als_fit]), which works for any network and
 reports the error it reaches.
 """
 
@@ -60,7 +60,7 @@ def upcycle_linear(
     Every expert's matrix is set to ``W = [Wᵀ; b]``; since each row of coefficients sums to one,
     the layer then computes ``linear(x)`` for any gate output, exactly when the network can hold
     ``W`` (for CP/TR/TT/Tucker: the input–output bond at least ``rank(W)``) and as the best fit
-    found otherwise (the relative error is returned). See :func:`upcycle_experts`.
+    found otherwise (the relative error is returned). See [`upcycle_experts`][mumoe_tn.upcycling.upcycle_experts].
 
     Parameters
     ----------
@@ -69,14 +69,14 @@ def upcycle_linear(
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``.
     decomposition : str or Format or ExpertNetwork or Callable, optional
-        The μMoE's decomposition, as for :class:`~mumoe_tn.layers.MuMoE` (any network works).
+        The μMoE's decomposition, as for [`MuMoE`][mumoe_tn.layers.MuMoE] (any network works).
     rank : int or Sequence[int] or Mapping[str, int], optional
         Ranks; by default (and without ``match``) the smallest ``R`` that holds ``W`` exactly,
         ``min(I + 1, O)``, for every bond.
     match : "linear" or int or float, optional
-        Parameter-match instead of giving ranks (see :class:`~mumoe_tn.layers.MuMoE`).
+        Parameter-match instead of giving ranks (see [`MuMoE`][mumoe_tn.layers.MuMoE]).
     **layer_options
-        Further :class:`~mumoe_tn.layers.MuMoE` arguments (activation, gate_norm, …).
+        Further [`MuMoE`][mumoe_tn.layers.MuMoE] arguments (activation, gate_norm, …).
 
     Returns
     -------
@@ -120,7 +120,7 @@ def upcycle_experts(experts: FactorizedExperts, matrix: torch.Tensor, *, n_iter_
         The expert cores to overwrite (e.g. ``layer.experts``).
     matrix : torch.Tensor
         Shape ``(I, O)`` in the μMoE's layout, leg ``i`` first: ``[Wᵀ; b]`` for a Linear with a
-        folded bias (see :func:`linear_matrix`).
+        folded bias (see [`linear_matrix`][mumoe_tn.upcycling.linear_matrix]).
     n_iter_max : int, optional
         Sweeps of the generic solver.
 
@@ -177,7 +177,7 @@ def decompose_dense(
     ``tensor_ring`` / ``tensor_ring_als`` for TR, ``tensor_train`` for TT, ``tucker`` for Tucker,
     in a pytorch backend context); any other network (a spec string, a ready network, a
     format without a decomposition) is fitted by alternating least squares. The cores come back
-    as a :class:`~mumoe_tn.layers.FactorizedExperts` on ``weight``'s device.
+    as a [`FactorizedExperts`][mumoe_tn.layers.FactorizedExperts] on ``weight``'s device.
 
     Parameters
     ----------

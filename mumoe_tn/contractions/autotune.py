@@ -35,11 +35,11 @@ def fastest_plan(
     ----------
     plans : Sequence of ContractionPlan
         Candidate plans for the same contraction (e.g. from
-        :func:`mumoe_tn.contractions.autotune_candidates`).
+        [`mumoe_tn.contractions.autotune_candidates`][mumoe_tn.contractions.plan.autotune_candidates]).
     operands : Sequence of torch.Tensor
         The operands the plans contract (timed as given, on their device).
     ones_appended : str, optional
-        As for :func:`mumoe_tn.contractions.run_plan`.
+        As for [`mumoe_tn.contractions.run_plan`][mumoe_tn.contractions.execute.run_plan].
     repeats : int, optional
         Timed runs per plan (default 3).
 

@@ -23,7 +23,7 @@ def run_plan(
     Each step is one ``torch.einsum`` over at most two operands, so torch never searches a
     path at call time, ``torch.compile(fullgraph=True)`` traces it, and autocast applies per
     step. Operands are used as given unless ``constants`` supplies precomputed results of
-    some steps (see :func:`constant_intermediates`).
+    some steps (see [`constant_intermediates`][mumoe_tn.contractions.execute.constant_intermediates]).
 
     Parameters
     ----------
@@ -78,12 +78,12 @@ def constant_intermediates(
         The first ``len(operands)`` operands of the plan (e.g. the cores).
     steps : Collection of int
         Step indices whose inputs descend from ``operands`` only, as given by
-        :func:`mumoe_tn.contractions.plan.constant_steps`.
+        [`mumoe_tn.contractions.plan.constant_steps`][mumoe_tn.contractions.plan.constant_steps].
 
     Returns
     -------
     dict of int to torch.Tensor
-        Step index -> result, for :func:`run_plan`'s ``constants``.
+        Step index -> result, for [`run_plan`][mumoe_tn.contractions.execute.run_plan]'s ``constants``.
     """
     current: list[torch.Tensor | None] = [*operands, *([None] * (len(plan.inputs) - len(operands)))]
     results = {}

@@ -1,8 +1,8 @@
 """Planning: an opt_einsum path turned into explicit pairwise steps.
 
 opt_einsum only *plans* here (it finds a path from shapes); the steps are executed by
-:func:`mumoe_tn.contractions.execute.run_plan` as plain ``torch.einsum`` calls, which keeps the
-forward pass compile-friendly (no backend import at call time), autocast-safe (no ``tensordot``
+[`mumoe_tn.contractions.execute.run_plan`][mumoe_tn.contractions.execute.run_plan] as plain ``torch.einsum`` calls,
+which keeps the forward pass compile-friendly (no backend import at call time), autocast-safe (no ``tensordot``
 on mixed dtypes) and free of per-call path searches. This module does not import torch.
 """
 
@@ -38,9 +38,9 @@ __all__ = [
 ]
 
 #: Named path optimizers accepted as ``optimize=``. ``"auto"`` (the default) is this library's
-#: size-aware planner (:mod:`mumoe_tn.contractions.search`): FMA-optimal among several exact
+#: size-aware planner (`mumoe_tn.contractions.search`): FMA-optimal among several exact
 #: searches on small networks, bounded-time heuristics on large ones. ``"autotune"`` plans like
-#: ``"auto"`` here; a :class:`~mumoe_tn.layers.FactorizedExperts` module given it also times the
+#: ``"auto"`` here; a [`FactorizedExperts`][mumoe_tn.layers.FactorizedExperts] module given it also times the
 #: best candidate paths on its device once per batch-size bucket and keeps the fastest. The other
 #: names are opt_einsum's (they can take long on large networks), ``"cotengra"`` needs cotengra.
 OPTIMIZERS = (
@@ -153,7 +153,7 @@ def resolve_optimizer(optimize: Any) -> Any:
     Parameters
     ----------
     optimize : str or opt_einsum.paths.PathOptimizer or callable or Sequence
-        A name from :data:`OPTIMIZERS` (``"cotengra"`` builds a ``cotengra.HyperOptimizer``),
+        A name from [`OPTIMIZERS`][mumoe_tn.contractions.plan] (``"cotengra"`` builds a ``cotengra.HyperOptimizer``),
         an optimizer object (opt_einsum or cotengra, used as given), or an explicit path as a
         sequence of position tuples (checked when planning).
 
@@ -278,7 +278,7 @@ def candidate_plans(
     Parameters
     ----------
     inputs, output, sizes, lead
-        As for :func:`plan_contraction`.
+        As for [`plan_contraction`][mumoe_tn.contractions.plan.plan_contraction].
     thorough : bool, optional
         Ask slower finders too on small networks (more candidates to time when autotuning).
 
@@ -320,8 +320,9 @@ def plan_contraction(
     sizes : Mapping[str, int]
         Size of every label.
     optimize : str or object, optional
-        Path optimizer (see :func:`resolve_optimizer`). ``"auto"`` (default) keeps the
-        cheapest of the candidate paths of :func:`candidate_plans`, with bounded planning time.
+        Path optimizer (see [`resolve_optimizer`][mumoe_tn.contractions.plan.resolve_optimizer]). ``"auto"`` (default)
+        keeps the cheapest of the candidate paths of [`candidate_plans`][mumoe_tn.contractions.plan.candidate_plans],
+        with bounded planning time.
     lead : str, optional
         A label kept first in every intermediate that carries it (the batch label), so that
         pairwise steps run as batched matrix products with the batch leading.
@@ -353,7 +354,7 @@ def plan_contraction(
 def constant_steps(plan: ContractionPlan, n_constant: int) -> frozenset[int]:
     """Indices of the steps whose inputs descend only from the first ``n_constant`` operands.
 
-    With the cores first (as in :func:`plan_forward`), these are the parameter-only
+    With the cores first (as in [`plan_forward`][mumoe_tn.contractions.plan.plan_forward]), these are the parameter-only
     sub-contractions that inference can compute once and reuse.
 
     Parameters
@@ -406,7 +407,7 @@ def plan_forward(network: ExpertNetwork, batch_size: int, optimize: Any = "auto"
     batch_size : int
         Rows of the flattened batch (a positive int).
     optimize : str or object, optional
-        Path optimizer, see :func:`plan_contraction` (default ``"auto"``).
+        Path optimizer, see [`plan_contraction`][mumoe_tn.contractions.plan.plan_contraction] (default ``"auto"``).
 
     Returns
     -------
@@ -419,7 +420,7 @@ def plan_forward(network: ExpertNetwork, batch_size: int, optimize: Any = "auto"
 
 
 def forward_candidates(network: ExpertNetwork, batch_size: int, *, thorough: bool = True) -> list[ContractionPlan]:
-    """Candidate plans of the forward pass, cheapest first (see :func:`candidate_plans`).
+    """Candidate plans of the forward pass, cheapest first (see `candidate_plans`).
 
     Parameters
     ----------
@@ -449,9 +450,9 @@ AUTOTUNE_FMA_SLACK = 4.0
 def autotune_candidates(network: ExpertNetwork, batch_size: int) -> list[ContractionPlan]:
     """The plans autotuning times: the cheapest few paths, each batch-leading and as found.
 
-    Up to :data:`AUTOTUNE_CANDIDATES` distinct paths within :data:`AUTOTUNE_FMA_SLACK` of the
-    cheapest, each laid out with the batch leading every intermediate (batched matrix
-    products) and with the labels in the order the operands bring them; identical layouts
+    Up to [`AUTOTUNE_CANDIDATES`][mumoe_tn.contractions.plan] distinct paths within
+    [`AUTOTUNE_FMA_SLACK`][mumoe_tn.contractions.plan] of the cheapest, each laid out with the batch leading every
+    intermediate (batched matrix products) and with the labels in the order the operands bring them; identical layouts
     appear once.
 
     Parameters
@@ -496,7 +497,7 @@ def plan_inference(
         Rows of the flattened batch.
     max_cached : int, optional
         Most elements the cached core-only intermediates may hold (default: the larger of
-        4 × the network's parameter count and :data:`INFERENCE_CACHE_ELEMENTS`). Plans that
+        4 × the network's parameter count and [`INFERENCE_CACHE_ELEMENTS`][mumoe_tn.contractions.plan]). Plans that
         would cache more are counted without caching.
 
     Returns
@@ -504,8 +505,8 @@ def plan_inference(
     plan : ContractionPlan
         The plan (its ``fma`` counts every step).
     constant : frozenset of int
-        The core-only steps to compute once (see :func:`constant_steps`); a call then costs
-        :func:`per_call_fma` FMAs.
+        The core-only steps to compute once (see [`constant_steps`][mumoe_tn.contractions.plan.constant_steps]); a call
+        then costs [`per_call_fma`][mumoe_tn.contractions.plan.per_call_fma] FMAs.
     """
     batch_size = _check_batch(batch_size)
     limit = max(4 * network.n_params, INFERENCE_CACHE_ELEMENTS) if max_cached is None else max_cached

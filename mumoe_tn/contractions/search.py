@@ -2,14 +2,14 @@
 
 The ``"auto"`` planner asks several path finders for candidate paths and keeps the one with
 the fewest fused multiply-adds under this library's convention (see
-:class:`~mumoe_tn.contractions.plan.ContractionStep`). Which finders are asked depends on the
+[`ContractionStep`][mumoe_tn.contractions.plan.ContractionStep]). Which finders are asked depends on the
 number of operands, so that planning stays bounded (well under a second on the networks of the
 reliability tests) while small networks get an FMA-optimal path:
 
-- up to :data:`OPTIMAL_MAX_OPERANDS` operands: opt_einsum's exhaustive ``"optimal"`` search
+- up to `OPTIMAL_MAX_OPERANDS` operands: opt_einsum's exhaustive ``"optimal"`` search
   and its dynamic programming with and without outer products;
-- up to :data:`DP_OUTER_MAX_OPERANDS`: dynamic programming with and without outer products;
-- up to :data:`DP_MAX_OPERANDS`: dynamic programming without outer products;
+- up to `DP_OUTER_MAX_OPERANDS`: dynamic programming with and without outer products;
+- up to `DP_MAX_OPERANDS`: dynamic programming without outer products;
 - beyond: greedy searches only (and cotengra's hyper-optimizer, time-boxed, when installed).
 
 Every candidate list also holds the greedy path and an "absorb first" path, which contracts each

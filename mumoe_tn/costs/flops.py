@@ -37,7 +37,7 @@ def gate_fma(network: ExpertNetwork, *, bias: bool = True, gate: bool | GateSpec
     """FMAs of the gate for one token.
 
     ``gate=True`` counts the default gate's logits ``G_eᵀ z`` (``I·ΣN_e``), ``False`` gives 0,
-    and a gate descriptor (:mod:`mumoe_tn.gate_config`) reports its own count.
+    and a gate descriptor ([`mumoe_tn.gate_config`][mumoe_tn.gate_config]) reports its own count.
     """
     return gate_fma_per_token(gate, layer_in_features(network, bias), network.expert_dims)
 

@@ -8,14 +8,16 @@ bisection and compares it with ``r + 1``; the closer count wins and **a tie goes
 rank** (fewer parameters). A target below ``count(1)`` is an error. CP scales its rank ``R``;
 TR and TT scale the bond between the input and output cores (``R_{E+2}``, resp. ``R_{E+1}``)
 and keep the others (the paper's ``R1 = R2 = 4``); Tucker and custom networks scale the bonds
-the caller names, all set to the same ``r``. A format's :meth:`matched_bonds` chooses the default;
+the caller names, all set to the same ``r``. A format's `matched_bonds` chooses the default;
 a network without a format scales every bond.
 
 A solution is checked before it is returned: when the closest count misses the target by more
-than :data:`TOLERANCE` (a rank step too coarse, or the fixed part alone too large), or when an
+than [`TOLERANCE`][mumoe_tn.costs.matching] (a rank step too coarse, or the fixed part alone too large), or when an
 expert mode collapses (its experts differ only by a scalar factor, because a cut of size 1
-separates the mode from ``i`` and ``o``; see :func:`mumoe_tn.costs.rank.collapsed_expert_modes`),
-a :class:`MatchingWarning` says so with the numbers, and :attr:`Match.problems` lists it.
+separates the mode from ``i`` and ``o``; see
+[`mumoe_tn.costs.rank.collapsed_expert_modes`][mumoe_tn.costs.rank.collapsed_expert_modes]), a
+[`MatchingWarning`][mumoe_tn.costs.matching.MatchingWarning] says so with the numbers, and
+[`Match.problems`][mumoe_tn.costs.matching.Match] lists it.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ class Match:
     networks : tuple of ExpertNetwork
         The matched network(s).
     problems : tuple of str
-        What is wrong with the solution (target missed by more than :data:`TOLERANCE`,
+        What is wrong with the solution (target missed by more than [`TOLERANCE`][mumoe_tn.costs.matching],
         collapsed expert modes); empty for a good match. Each was also warned about.
     """
 

@@ -71,7 +71,7 @@ def layer_parameters(
         Whether leg ``i`` holds a folded bias column.
     gate : bool or GateSpec, optional
         ``True``: count the default gate's ``I·ΣN_e``; ``False``: do not count gating; a gate
-        descriptor (:mod:`mumoe_tn.gate_config`): count what it reports.
+        descriptor ([`mumoe_tn.gate_config`][mumoe_tn.gate_config]): count what it reports.
     input_norm : bool, optional
         Count an input LayerNorm (``2·I``).
 

@@ -196,7 +196,7 @@ def compare(
         are set to this table's sizes.
     ranks : Mapping[str, rank], optional
         Explicit ranks per row label (a name, a spec string, or a network's name; see
-        :attr:`CostRow.name`); rows without one are parameter-matched (a network without an
+        [`CostRow.name`][mumoe_tn.costs.table.CostRow]); rows without one are parameter-matched (a network without an
         entry keeps its bond sizes when ``match=None``).
     match : {"linear", "mlp"} or int or float or None, optional
         Parameter target of the matched rows: ``"linear"`` (the nn.Linear of the same sizes),
@@ -208,7 +208,7 @@ def compare(
         Fold a bias into the input leg, and give baselines a bias.
     gate : bool or GateSpec, optional
         Count gating/router parameters and FMAs: True (the default gate), False, or a gate
-        descriptor (see :mod:`mumoe_tn.gate_config`) that reports its own counts. MoE baselines
+        descriptor (see [`mumoe_tn.gate_config`][mumoe_tn.gate_config]) that reports its own counts. MoE baselines
         count a plain ``I·N`` router whenever gating is counted.
     batch : int, optional
         Tokens per forward pass, for the planned FMAs and the peak intermediate.
@@ -218,7 +218,7 @@ def compare(
     Returns
     -------
     CostTable
-        Each μMoE row's :attr:`CostRow.networks` holds the (matched) network(s) it used.
+        Each μMoE row's [`CostRow.networks`][mumoe_tn.costs.table.CostRow] holds the (matched) network(s) it used.
     """
     dims = normalize_expert_dims(expert_dims)
     check_bool("bias", bias)

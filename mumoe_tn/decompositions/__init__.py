@@ -1,8 +1,9 @@
 """Named decomposition formats (CP, TR, TT, Tucker) and their registry.
 
-Each format is a :class:`Format` subclass registered by name (``class CPFormat(Format,
-name="cp")``) and carried by the networks it builds; :func:`build` looks one up by name. A new
-named decomposition is one small module defining such a class — see :class:`Format`.
+Each format is a [`Format`][mumoe_tn.decompositions.format.Format] subclass registered by name (``class CPFormat(Format,
+name="cp")``) and carried by the networks it builds; [`build`][mumoe_tn.decompositions.registry.build] looks one up by
+name. A new named decomposition is one small module defining such a class — see
+[`Format`][mumoe_tn.decompositions.format.Format].
 """
 
 from mumoe_tn.decompositions.cp import CPFormat, cp

@@ -124,6 +124,6 @@ def cp(
     Returns
     -------
     ExpertNetwork
-        ``R·(ΣN_e + I + O)`` parameters, carrying :class:`CPFormat`.
+        ``R·(ΣN_e + I + O)`` parameters, carrying [`CPFormat`][mumoe_tn.decompositions.cp.CPFormat].
     """
     return CPFormat.get().build(expert_dims, in_features, out_features, rank)

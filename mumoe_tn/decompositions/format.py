@@ -1,22 +1,20 @@
-"""The :class:`Format` base class: everything specific to a named decomposition, in one object.
+"""The [`Format`][mumoe_tn.decompositions.format.Format] base class: what is specific to a named decomposition.
 
 A format is registered once (by subclassing with a ``name=`` keyword) and carried by every
-network its builder makes (:attr:`ExpertNetwork.format <mumoe_tn.network.ExpertNetwork>`). Tools
-never test a network's name; they ask its format, and a network without one (a custom network)
-takes the generic path of every tool:
+network its builder makes (``ExpertNetwork.format``). Tools never test a network's name; they
+ask its format, and a network without one (a custom network) takes the generic path of every
+tool:
 
-=====================  ==========================================  ===============================
-tool                   the format may provide                      generic path (no format)
-=====================  ==========================================  ===============================
-forward, dense, costs  nothing: derived from the labelled network  the same
-closed-form FMAs       :meth:`closed_form_fma`, :meth:`hand_fma`   none shown
-rank bound             :meth:`closed_form_rank_bound` (checked)    min cut of the network
-parameter matching     :meth:`matched_bonds`                       every bond (or the ones named)
-initialisation         :attr:`init_rule`                           ``"linear"`` (variance-targeted)
-upcycling a Linear     :meth:`upcycle_capacity`, :meth:`upcycle`   alternating least squares
-dense decomposition    :meth:`decompose` (tensorly)                alternating least squares
-tensorly-torch         :meth:`to_tltorch`, :meth:`from_tltorch`    not available
-=====================  ==========================================  ===============================
+| tool | the format may provide | generic path (no format) |
+|---|---|---|
+| forward, dense, costs | nothing: derived from the labelled network | the same |
+| closed-form FMAs | ``closed_form_fma``, ``hand_fma`` | none shown |
+| rank bound | ``closed_form_rank_bound`` (checked in the tests) | min cut of the network |
+| parameter matching | ``matched_bonds`` | every bond (or the ones named) |
+| initialisation | ``init_rule`` | ``"linear"`` (variance-targeted) |
+| upcycling a Linear | ``upcycle_capacity``, ``upcycle`` | alternating least squares |
+| dense decomposition | ``decompose`` (tensorly) | alternating least squares |
+| tensorly-torch | ``to_tltorch``, ``from_tltorch`` | not available |
 
 This module is torch-free: methods that handle tensors receive them from the caller and import
 torch or tensorly lazily.
@@ -51,10 +49,10 @@ __all__ = ["Format"]
 class Format:
     """Base class of a named decomposition format.
 
-    Subclass it with ``class MyFormat(Format, name="mine")`` and implement :meth:`network`;
-    the subclass is instantiated and registered under that (lower-cased) name, so
-    ``MuMoE(…, decomposition="mine")``, :func:`mumoe_tn.costs.compare` and ``mumoe-tn compare``
-    know it at once. Every other method is optional and has a documented default; overriding
+    Subclass it with ``class MyFormat(Format, name="mine")`` and implement
+    [`network`][mumoe_tn.decompositions.format.Format.network]; the subclass is instantiated and registered under that
+    (lower-cased) name, so ``MuMoE(…, decomposition="mine")``, [`mumoe_tn.costs.compare`][mumoe_tn.costs.table.compare]
+    and ``mumoe-tn compare`` know it at once. Every other method is optional and has a documented default; overriding
     one replaces the generic path of that tool for networks of this format.
 
     Attributes
@@ -62,7 +60,7 @@ class Format:
     name : str
         The registered name.
     init_rule : str
-        Initialisation rule used by ``init="auto"`` (see :mod:`mumoe_tn.init`): ``"linear"``
+        Initialisation rule used by ``init="auto"`` (see [`mumoe_tn.init`][mumoe_tn.init]): ``"linear"``
         (default, any network) or ``"paper"`` (the paper's CP/TR rule).
     tltorch_class : str or None
         Name of the tensorly-torch ``FactorizedTensor`` class this format converts to, if any.
@@ -99,9 +97,9 @@ class Format:
         rank: int | Sequence[int],
         **options: Any,
     ) -> ExpertNetwork:
-        """The network's cores and sizes, as a plain :class:`ExpertNetwork` (no format attached).
+        """The network's cores and sizes, as a plain `ExpertNetwork` (no format attached).
 
-        Must be implemented by every format. :meth:`build` attaches the format.
+        Must be implemented by every format. [`build`][mumoe_tn.decompositions.registry.build] attaches the format.
 
         Parameters
         ----------
@@ -110,7 +108,7 @@ class Format:
         in_features, out_features : int
             Sizes of the legs ``i`` and ``o``.
         rank : int or Sequence[int]
-            One int, or one rank per bond in the order of :meth:`ranks_of`.
+            One int, or one rank per bond in the order of [`ranks_of`][mumoe_tn.decompositions.format.Format.ranks_of].
         **options
             Format-specific options.
 
@@ -137,7 +135,7 @@ class Format:
         in_features, out_features : int
             Sizes of the legs ``i`` and ``o``.
         rank : int or Sequence[int]
-            Ranks, see :meth:`network`.
+            Ranks, see [`network`][mumoe_tn.decompositions.format.Format.network].
         **options
             Format-specific options.
 
@@ -188,14 +186,14 @@ class Format:
 
     # ------------------------------------------------------------------ weights from data
     def upcycle_capacity(self, network: ExpertNetwork) -> int | None:
-        """How many singular components of a Linear :meth:`upcycle` can hold, or None (no closed form)."""
+        """How many singular components of a Linear `upcycle` can hold, or None (no closed form)."""
         return None
 
     def upcycle(self, network: ExpertNetwork, cores: Mapping[str, Any], left: Any, right: Any) -> None:
         """Set ``cores`` in place so that every expert equals ``left @ rightᵀ``.
 
-        Called only when :meth:`upcycle_capacity` is not None, with ``left (I, k)`` and
-        ``right (O, k)``, ``k ≤ upcycle_capacity``, on the cores' device and dtype.
+        Called only when [`upcycle_capacity`][mumoe_tn.decompositions.format.Format.upcycle_capacity] is not None, with
+        ``left (I, k)`` and ``right (O, k)``, ``k ≤ upcycle_capacity``, on the cores' device and dtype.
         """
         raise NotImplementedError(f"format {self.name!r} has no closed-form upcycling")
 
@@ -215,7 +213,7 @@ class Format:
 
     # ------------------------------------------------------------------ tensorly-torch
     def to_tltorch(self, network: ExpertNetwork, cores: Mapping[str, Any]) -> Any:
-        """The cores as a tensorly-torch factorized tensor (called only if :attr:`tltorch_class` is set)."""
+        """The cores as a tensorly-torch factorized tensor (called only if `tltorch_class` is set)."""
         raise NotImplementedError(f"format {self.name!r} has no tensorly-torch counterpart")
 
     def from_tltorch(self, tensor: Any) -> tuple[ExpertNetwork, list[Any]]:

@@ -1,8 +1,8 @@
-"""The registry of named decomposition formats (see :class:`~mumoe_tn.decompositions.format.Format`).
+"""The registry of named decomposition formats (see [`Format`][mumoe_tn.decompositions.format.Format]).
 
-A format registers itself when its class is defined with a ``name=`` keyword; :func:`register`
-does the same for an instance. Names are case-insensitive and unique. This is the only place
-that maps a name to a format: every tool asks a network's :attr:`format` instead.
+A format registers itself when its class is defined with a ``name=`` keyword;
+[`register`][mumoe_tn.decompositions.registry.register] does the same for an instance. Names are case-insensitive and
+unique. This is the only place that maps a name to a format: every tool asks a network's `format` instead.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def build(
     rank: int | Sequence[int],
     **options: Any,
 ) -> ExpertNetwork:
-    """Build a registered format's :class:`ExpertNetwork`.
+    """Build a registered format's [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork].
 
     Parameters
     ----------

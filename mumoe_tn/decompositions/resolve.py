@@ -1,8 +1,8 @@
-"""Turn whatever a user passes as a decomposition into an :class:`ExpertNetwork` (torch-free).
+"""Turn whatever a user passes as a decomposition into an `ExpertNetwork` (torch-free).
 
 Accepted everywhere a decomposition is asked for (layers, cost tables, conversion, the CLI):
-a registered name (``"cp"``), a :class:`~mumoe_tn.decompositions.format.Format`, a spec string
-(``"A: n1 a b, B: a i c, C: b c o"``), a ready :class:`ExpertNetwork`, or a builder
+a registered name (``"cp"``), a [`Format`][mumoe_tn.decompositions.format.Format], a spec string
+(``"A: n1 a b, B: a i c, C: b c o"``), a ready [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork], or a builder
 ``(expert_dims, in_features, out_features, rank, **options) -> ExpertNetwork``.
 """
 

@@ -114,7 +114,7 @@ def tr(
     *,
     expert_rank: int = PAPER_EXPERT_RANK,
 ) -> ExpertNetwork:
-    """TRμMoE network (see :class:`TRFormat`).
+    """TRμMoE network (see [`TRFormat`][mumoe_tn.decompositions.tr.TRFormat]).
 
     Parameters
     ----------

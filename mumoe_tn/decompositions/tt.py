@@ -111,7 +111,7 @@ def tt(
     *,
     expert_rank: int = PAPER_EXPERT_RANK,
 ) -> ExpertNetwork:
-    """TTμMoE network (see :class:`TTFormat`).
+    """TTμMoE network (see [`TTFormat`][mumoe_tn.decompositions.tt.TTFormat]).
 
     Parameters
     ----------

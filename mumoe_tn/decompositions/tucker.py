@@ -122,7 +122,7 @@ def tucker(
     out_features: int,
     rank: int | Sequence[int],
 ) -> ExpertNetwork:
-    """TuckerμMoE network (see :class:`TuckerFormat`).
+    """TuckerμMoE network (see [`TuckerFormat`][mumoe_tn.decompositions.tucker.TuckerFormat]).
 
     Parameters
     ----------
