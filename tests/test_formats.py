@@ -230,6 +230,9 @@ def test_cost_tables_take_names_specs_and_networks():
         assert row.params_total == layer_parameters(network).total
         assert row.max_rank == rank_bound(network)
     assert table.rows[2].networks[0].to_spec() == net.to_spec()
+    assert table.rows[2].networks[0].sizes["c"] == 32  # a ready network keeps its bonds …
+    rescaled = compare(768, 3072, 256, (net,), bonds={"custom 1": ["c"]}).rows[0].networks[0]
+    assert rescaled.sizes["c"] != 32 and rescaled.sizes["a"] == 4  # … unless bonds= names some to match
     assert [r["spec"] for r in table.records()][:2] == [
         cp(256, 769, 3072, 1).to_spec(),
         tr(256, 769, 3072, 1).to_spec(),

@@ -192,12 +192,11 @@ def compare(
         ``N`` or ``(N_1, …, N_E)``.
     decompositions : Sequence of str, Format or ExpertNetwork
         Registered names, formats, spec strings (``"A: n1 a b, B: a i c, C: b c o"``) and
-        ready networks, mixed. A network keeps its structure and bond sizes; its physical legs
-        are set to this table's sizes.
+        ready networks, mixed. A ready network keeps its structure and its bond sizes (unless
+        ``bonds=`` names bonds of it to match); its physical legs are set to this table's sizes.
     ranks : Mapping[str, rank], optional
         Explicit ranks per row label (a name, a spec string, or a network's name; see
-        [`CostRow.name`][mumoe_tn.costs.table.CostRow]); rows without one are parameter-matched (a network without an
-        entry keeps its bond sizes when ``match=None``).
+        ``CostRow.name``); names and spec strings without one are parameter-matched.
     match : {"linear", "mlp"} or int or float or None, optional
         Parameter target of the matched rows: ``"linear"`` (the nn.Linear of the same sizes),
         ``"mlp"`` (the MLP block), a number of parameters (int), a fraction of the reference
@@ -273,7 +272,7 @@ def compare(
         layers = [entry.make(dims, width, out_features, given)]
         if block:
             layers.append(entry.make(dims, out_features + int(bias), in_features, given))
-        if given is None and match is not None:
+        if given is None and match is not None and (not entry.sized or scaled is not None):
             matched: Match = (
                 match_block(*layers, target, bonds=scaled, bias=bias, gate=bool(gate))
                 if block
