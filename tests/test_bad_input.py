@@ -403,9 +403,6 @@ def cases(templates: Sequence[Template]) -> st.SearchStrategy:
     return st.sampled_from(templates).flatmap(lambda t: st.tuples(st.just(t), st.sampled_from(t.values)))
 
 
-OWNED = "being fixed in parallel by another helper (issue 11); the lead removes this xfail per area on merge"
-
-
 @given(cases(DECLARATIONS))
 def test_malformed_declarations_get_own_errors(case):
     check(*case)

@@ -159,7 +159,6 @@ def test_compare_labels_batch_and_token_and_states_memory_for_the_dtype(capsys):
     assert "| nn.Linear |  | 2,362,368 |" in out and "| 196,608 | 1.5 MiB |" in out
 
 
-@pytest.mark.xfail(reason="compare() takes spec strings once the lead's change is merged", strict=False)
 def test_compare_spec_adds_custom_networks_next_to_cp_and_tr(capsys, monkeypatch):
     specs = ["A: n1 a b, B: a i c, C: b c o", "n1 r, i r, r o"]
     args = ["compare", "--spec", specs[0], "--spec", specs[1]]
