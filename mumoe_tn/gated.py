@@ -11,17 +11,9 @@ from torch import nn
 from mumoe_tn.costs import layer_parameters, linear, scaled_bonds, solve_rank
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.gate_config import GateSpec, gate_from_options
-from mumoe_tn.layer_options import (
-    Match,
-    check_allocatable,
-    check_factory,
-    match_target,
-    resolve_network,
-    split_rank_and_match,
-)
+from mumoe_tn.layer_options import Match, block_networks, check_factory, match_target
 from mumoe_tn.layers import FactorizedExperts, SharedGateLayers
 from mumoe_tn.network import ExpertNetwork
-from mumoe_tn.validation import check_size
 
 __all__ = ["MuMoEGatedMLP", "gated_mlp_parameters"]
 
@@ -127,24 +119,21 @@ class MuMoEGatedMLP(SharedGateLayers):
         super().__init__()
         factory = check_factory(device, dtype)
         out_features = in_features if out_features is None else out_features
-        check_size("hidden_features", hidden_features)
         if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
             raise TypeError(f"hidden_activation must be an nn.Module such as nn.SiLU(), got {hidden_activation!r}")
         gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
-        rank, match = split_rank_and_match(rank, match, "MuMoEGatedMLP")
-        build_rank = 1 if match is not None and rank is None else rank
-        shared = {"bias": bias, "options": decomposition_options, "resize": True}
-        first = resolve_network(decomposition, expert_dims, in_features, hidden_features, build_rank, **shared)
-        second = resolve_network(decomposition, expert_dims, hidden_features, out_features, build_rank, **shared)
-        if match is not None:
+
+        def matcher(first: ExpertNetwork, second: ExpertNetwork, match: Any, bonds: Any) -> tuple:
             reference = 2 * linear(in_features, hidden_features, bias=bias).params
             reference += linear(hidden_features, out_features, bias=bias).params
             target = match_target(match, reference, "mlp", "MuMoEGatedMLP")
-            first, second = _match(first, second, target, match_bonds, bias=bias, gate=gate, input_norm=input_norm)
-        elif match_bonds is not None:
-            raise ValueError("match_bonds= names the bonds match= scales; give match= too")
-        check_allocatable(first)
-        check_allocatable(second)
+            return _match(first, second, target, bonds, bias=bias, gate=gate, input_norm=input_norm)
+
+        sizes = (in_features, hidden_features, out_features)
+        first, second = block_networks(
+            decomposition, expert_dims, sizes, rank, match, match_bonds,
+            bias=bias, options=decomposition_options, layer="MuMoEGatedMLP", matcher=matcher,
+        )  # fmt: skip
         self.hidden_features, self.out_features = hidden_features, out_features
         gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)

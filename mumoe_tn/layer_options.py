@@ -16,6 +16,7 @@ from mumoe_tn.validation import check_bool, check_size
 
 __all__ = [
     "Match",
+    "block_networks",
     "check_allocatable",
     "check_factory",
     "match_target",
@@ -178,3 +179,54 @@ def check_allocatable(network: ExpertNetwork) -> None:
 
 _MAX_ELEMENTS = 1 << 63
 _MAX_FEATURES = 1 << 40
+
+
+def block_networks(
+    decomposition: Decomposition,
+    expert_dims: int | Sequence[int] | None,
+    sizes: tuple[int, int, int],
+    rank: Rank | None,
+    match: object,
+    match_bonds: Sequence[str] | None,
+    *,
+    bias: bool,
+    options: Mapping[str, Any],
+    layer: str,
+    matcher: Any,
+) -> tuple[ExpertNetwork, ExpertNetwork]:
+    """The two networks ``I → H`` and ``H → O`` of a block, parameter-matched when asked.
+
+    Parameters
+    ----------
+    decomposition, expert_dims, rank, match, match_bonds
+        The block's arguments (see [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP]).
+    sizes : tuple of int
+        ``(in_features, hidden_features, out_features)``.
+    bias : bool
+        Whether every layer folds a bias into its input leg.
+    options : Mapping[str, Any]
+        Format or builder options.
+    layer : str
+        The block's name, for messages.
+    matcher : Callable
+        ``(first, second, match, match_bonds) -> (first, second)``: the block's own matching,
+        called only when ``match`` is given.
+
+    Returns
+    -------
+    tuple of ExpertNetwork
+    """
+    in_features, hidden_features, out_features = sizes
+    check_size("hidden_features", hidden_features)
+    rank, match = split_rank_and_match(rank, match, layer)
+    build_rank = 1 if match is not None and rank is None else rank
+    shared = {"bias": bias, "options": options, "resize": True}
+    first = resolve_network(decomposition, expert_dims, in_features, hidden_features, build_rank, **shared)
+    second = resolve_network(decomposition, expert_dims, hidden_features, out_features, build_rank, **shared)
+    if match is not None:
+        first, second = matcher(first, second, match, match_bonds)
+    elif match_bonds is not None:
+        raise ValueError("match_bonds= names the bonds match= scales; give match= too")
+    check_allocatable(first)
+    check_allocatable(second)
+    return first, second

@@ -31,6 +31,7 @@ from mumoe_tn.gating import PerThreadRecords
 from mumoe_tn.init import INIT_RULES, check_expert_noise, init_cores
 from mumoe_tn.layer_options import (
     Match,
+    block_networks,
     check_allocatable,
     check_factory,
     match_target,
@@ -757,22 +758,18 @@ class MuMoEMLP(SharedGateLayers):
         super().__init__()
         factory = check_factory(device, dtype)
         out_features = in_features if out_features is None else out_features
-        check_size("hidden_features", hidden_features)
         gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
-        rank, match = split_rank_and_match(rank, match, "MuMoEMLP")
-        build_rank = 1 if match is not None and rank is None else rank
-        shared = {"bias": bias, "options": decomposition_options, "resize": True}
-        first = resolve_network(decomposition, expert_dims, in_features, hidden_features, build_rank, **shared)
-        second = resolve_network(decomposition, expert_dims, hidden_features, out_features, build_rank, **shared)
-        if match is not None:
+
+        def matcher(first: ExpertNetwork, second: ExpertNetwork, match: Any, bonds: Any) -> tuple:
             reference = mlp_cost(in_features, hidden_features, out_features, bias=bias).params
             target = match_target(match, reference, "mlp", "MuMoEMLP")
-            matched = match_block(first, second, target, bonds=match_bonds, bias=bias, gate=gate)
-            first, second = matched.networks
-        elif match_bonds is not None:
-            raise ValueError("match_bonds= names the bonds match= scales; give match= too")
-        check_allocatable(first)
-        check_allocatable(second)
+            return match_block(first, second, target, bonds=bonds, bias=bias, gate=gate).networks
+
+        sizes = (in_features, hidden_features, out_features)
+        first, second = block_networks(
+            decomposition, expert_dims, sizes, rank, match, match_bonds,
+            bias=bias, options=decomposition_options, layer="MuMoEMLP", matcher=matcher,
+        )  # fmt: skip
         self.hidden_features, self.out_features = hidden_features, out_features
         gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
