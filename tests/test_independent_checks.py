@@ -20,7 +20,7 @@ from strategies import any_network, binding_networks, custom_networks, named_net
 from mumoe_tn import ExpertNetwork, FactorizedExperts
 from mumoe_tn.analysis.coefficients import ExpertStatistics
 from mumoe_tn.contractions import plan_forward, run_plan
-from mumoe_tn.costs import compare, gate_fma, layer_flops, rank_bound
+from mumoe_tn.costs import collapsed_expert_modes, compare, dense_forward_fma, gate_fma, layer_flops, rank_bound
 from mumoe_tn.decompositions import cp, tr, tt, tucker
 from mumoe_tn.gating import ExpertGate, TopKRouter
 from mumoe_tn.measure import expert_ranks
@@ -203,7 +203,8 @@ def test_registered_formats_attain_their_closed_form_bound(network, seed):
     ],
 )
 def test_closed_form_fma_by_hand(network, expected):
-    assert network.format.closed_form_fma(network) == expected
+    fma = network.format.closed_form_fma(network)
+    assert fma == expected and type(fma) is int
     assert layer_flops(network, batch=3, gate=False).closed_form == 3 * expected
 
 
@@ -212,6 +213,28 @@ def test_gate_fma_drops_the_bias_column():
     assert gate_fma(network, bias=True) == 4 * (3 + 2)
     assert gate_fma(network, bias=False) == 5 * (3 + 2)
     assert gate_fma(network, gate=False) == 0
+
+
+def test_dense_forward_fma_by_hand():
+    fma = dense_forward_fma(cp((3, 2), 5, 4, 2))
+    assert fma == 6 * 5 * 4 + 6 * 4 + 2 * 4 and type(fma) is int  # N·I·O + N1N2·O + N2·O
+
+
+def test_tt_expert_rank_sets_the_expert_bonds():
+    network = tt((3, 2), 5, 4, 6, expert_rank=2)
+    assert (network.sizes["r1"], network.sizes["r2"], network.sizes["r3"]) == (2, 2, 6)
+
+
+@pytest.mark.parametrize(
+    ("network", "expected"),
+    [
+        (cp((1, 2), 5, 4, 1), ("n2",)),  # r = 1 cuts both modes off; a mode of size 1 is no collapse
+        (cp((1, 3), 5, 4, 1), ("n2",)),
+        (cp((1, 2), 5, 4, 3), ()),
+    ],
+)
+def test_collapsed_expert_modes_by_hand(network, expected):
+    assert collapsed_expert_modes(network) == expected
 
 
 # ----------------------------------------------------------------------------- compare()
