@@ -215,6 +215,21 @@ def test_gate_fma_drops_the_bias_column():
     assert gate_fma(network, gate=False) == 0
 
 
+def test_layer_flops_fields_and_defaults():
+    network = cp((3,), 5, 4, 2)  # i = 4 inputs + bias
+    flops = layer_flops(network, batch=3)
+    assert (flops.batch, flops.gate) == (3, 3 * 4 * 3)  # bias=True by default: gate width 4
+    assert flops.closed_form == 3 * 24 and flops.hand_order == 3 * 26
+    assert layer_flops(network, batch=3, gate=False).gate == 0
+    assert layer_flops(network, bias=False).gate == 5 * 3
+    with pytest.raises(TypeError, match=r"layer_flops needs an ExpertNetwork, got 'cp' \(str\)"):
+        layer_flops("cp")
+    with pytest.raises(ValueError, match="batch"):
+        layer_flops(network, batch=0)
+    with pytest.raises((TypeError, ValueError), match="no-such-optimizer"):
+        layer_flops(network, optimize="no-such-optimizer")
+
+
 def test_dense_forward_fma_by_hand():
     fma = dense_forward_fma(cp((3, 2), 5, 4, 2))
     assert fma == 6 * 5 * 4 + 6 * 4 + 2 * 4 and type(fma) is int  # N·I·O + N1N2·O + N2·O
