@@ -21,7 +21,8 @@ from mumoe_tn import ExpertNetwork, FactorizedExperts
 from mumoe_tn.analysis.coefficients import ExpertStatistics
 from mumoe_tn.contractions import plan_forward, run_plan
 from mumoe_tn.costs import collapsed_expert_modes, compare, dense_forward_fma, gate_fma, layer_flops, rank_bound
-from mumoe_tn.decompositions import cp, tr, tt, tucker
+from mumoe_tn.costs.params import layer_in_features
+from mumoe_tn.decompositions import build, cp, tr, tt, tucker
 from mumoe_tn.gating import ExpertGate, TopKRouter
 from mumoe_tn.measure import expert_ranks
 
@@ -213,6 +214,7 @@ def test_gate_fma_drops_the_bias_column():
     assert gate_fma(network, bias=True) == 4 * (3 + 2)
     assert gate_fma(network, bias=False) == 5 * (3 + 2)
     assert gate_fma(network, gate=False) == 0
+    assert gate_fma(network) == 4 * (3 + 2)  # bias=True by default
 
 
 def test_layer_flops_fields_and_defaults():
@@ -228,6 +230,30 @@ def test_layer_flops_fields_and_defaults():
         layer_flops(network, batch=0)
     with pytest.raises((TypeError, ValueError), match="no-such-optimizer"):
         layer_flops(network, optimize="no-such-optimizer")
+
+
+def test_tucker_rank_bound_includes_the_output_leg():
+    network = tucker((2,), 8, 3, (2, 5, 6))
+    assert network.format.closed_form_rank_bound(network) == rank_bound(network) == 3  # min(I, s_i, s_o, O)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: build("cp", 3, 5, 4, 2, foo=1), TypeError, r"cp takes no options, got \['foo'\]"),
+        (lambda: build("tucker", 3, 5, 4, 2, foo=1), TypeError, r"tucker takes no options, got \['foo'\]"),
+        (lambda: build("cp", 3, 5, 4, (2, 3)), ValueError, r"^cp needs 1 ranks"),
+        (lambda: build("tt", (3, 2), 5, 4, (2, 3)), ValueError, r"^tt needs 3 ranks"),
+        (lambda: rank_bound("x"), TypeError, r"^rank_bound needs an ExpertNetwork, got 'x' \(str\)"),
+        (lambda: collapsed_expert_modes("x"), TypeError, r"^collapsed_expert_modes needs an ExpertNetwork"),
+        (lambda: layer_in_features("x", True), TypeError, r"expected an ExpertNetwork, got 'x' \(str\)"),
+        (lambda: layer_in_features(cp(3, 5, 4, 2), 1), TypeError, r"bias must be a bool, got 1"),
+        (lambda: layer_in_features(cp(3, 1, 4, 2), True), ValueError, r"size >= 2, the network has i=1"),
+    ],
+)
+def test_cost_and_format_errors_quote_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
 
 
 def test_dense_forward_fma_by_hand():
