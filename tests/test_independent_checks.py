@@ -20,7 +20,15 @@ from strategies import any_network, binding_networks, custom_networks, named_net
 from mumoe_tn import ExpertNetwork, FactorizedExperts
 from mumoe_tn.analysis.coefficients import ExpertStatistics
 from mumoe_tn.contractions import plan_forward, run_plan
-from mumoe_tn.costs import collapsed_expert_modes, compare, dense_forward_fma, gate_fma, layer_flops, rank_bound
+from mumoe_tn.costs import (
+    collapsed_expert_modes,
+    compare,
+    dense_forward_fma,
+    gate_fma,
+    layer_flops,
+    min_cut,
+    rank_bound,
+)
 from mumoe_tn.costs.params import layer_in_features
 from mumoe_tn.decompositions import build, cp, tr, tt, tucker
 from mumoe_tn.gating import ExpertGate, TopKRouter
@@ -245,6 +253,11 @@ def test_tucker_rank_bound_includes_the_output_leg():
         (lambda: build("cp", 3, 5, 4, (2, 3)), ValueError, r"^cp needs 1 ranks"),
         (lambda: build("tt", (3, 2), 5, 4, (2, 3)), ValueError, r"^tt needs 3 ranks"),
         (lambda: rank_bound("x"), TypeError, r"^rank_bound needs an ExpertNetwork, got 'x' \(str\)"),
+        (lambda: min_cut("x"), TypeError, r"^min_cut needs an ExpertNetwork"),
+        (lambda: min_cut(cp(3, 5, 4, 2), ("x",)), ValueError, r"'x' is not a physical leg .* \['i', 'n1', 'o'\]"),
+        (lambda: min_cut(cp(3, 5, 4, 2), (), ("o",)), ValueError, r"must be non-empty and disjoint"),
+        (lambda: min_cut(cp(3, 5, 4, 2), ("i",), ()), ValueError, r"must be non-empty and disjoint"),
+        (lambda: min_cut(cp(3, 5, 4, 2), ("i", "n1"), ("n1",)), ValueError, r"must be non-empty and disjoint"),
         (lambda: collapsed_expert_modes("x"), TypeError, r"^collapsed_expert_modes needs an ExpertNetwork"),
         (lambda: layer_in_features("x", True), TypeError, r"expected an ExpertNetwork, got 'x' \(str\)"),
         (lambda: layer_in_features(cp(3, 5, 4, 2), 1), TypeError, r"bias must be a bool, got 1"),
