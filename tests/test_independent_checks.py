@@ -29,7 +29,7 @@ from mumoe_tn.costs import (
     min_cut,
     rank_bound,
 )
-from mumoe_tn.costs.params import layer_in_features
+from mumoe_tn.costs.params import block_parameters, layer_in_features
 from mumoe_tn.decompositions import build, cp, tr, tt, tucker
 from mumoe_tn.gating import ExpertGate, TopKRouter
 from mumoe_tn.measure import expert_ranks
@@ -225,6 +225,13 @@ def test_gate_fma_drops_the_bias_column():
     assert gate_fma(network) == 4 * (3 + 2)  # bias=True by default
 
 
+def test_block_parameters_by_hand():
+    count = block_parameters(cp(3, 5, 16, 2), cp(3, 17, 4, 2))  # bias and the default gate by default
+    assert count.experts == 2 * (3 + 5 + 16) + 2 * (3 + 17 + 4)
+    assert (count.gate, count.norm, count.total) == (4 * 3, 0, 96 + 12)
+    assert block_parameters(cp(3, 5, 16, 2), cp(3, 16, 4, 2), bias=False, gate=False).gate == 0
+
+
 def test_layer_flops_fields_and_defaults():
     network = cp((3,), 5, 4, 2)  # i = 4 inputs + bias
     flops = layer_flops(network, batch=3)
@@ -234,7 +241,7 @@ def test_layer_flops_fields_and_defaults():
     assert layer_flops(network, bias=False).gate == 5 * 3
     with pytest.raises(TypeError, match=r"layer_flops needs an ExpertNetwork, got 'cp' \(str\)"):
         layer_flops("cp")
-    with pytest.raises(ValueError, match="batch"):
+    with pytest.raises(ValueError, match=r"^batch must be a positive int, got 0"):
         layer_flops(network, batch=0)
     with pytest.raises((TypeError, ValueError), match="no-such-optimizer"):
         layer_flops(network, optimize="no-such-optimizer")
@@ -252,7 +259,25 @@ def test_tucker_rank_bound_includes_the_output_leg():
         (lambda: build("tucker", 3, 5, 4, 2, foo=1), TypeError, r"tucker takes no options, got \['foo'\]"),
         (lambda: build("cp", 3, 5, 4, (2, 3)), ValueError, r"^cp needs 1 ranks"),
         (lambda: build("tt", (3, 2), 5, 4, (2, 3)), ValueError, r"^tt needs 3 ranks"),
-        (lambda: rank_bound("x"), TypeError, r"^rank_bound needs an ExpertNetwork, got 'x' \(str\)"),
+        (
+            lambda: rank_bound("x"),
+            TypeError,
+            (
+                r"^rank_bound needs an ExpertNetwork, got 'x' \(str\); build one with "
+                r"mumoe_tn\.decompositions\.build\(name, expert_dims, in_features, out_features, rank\) "
+                r"or ExpertNetwork\.from_spec$"
+            ),
+        ),
+        (
+            lambda: block_parameters(cp(3, 5, 16, 2), cp(2, 17, 4, 2)),
+            ValueError,
+            r"^a block's layers share coefficients: expert dims \(3,\) != \(2,\)$",
+        ),
+        (
+            lambda: block_parameters(cp(3, 5, 16, 2), cp(3, 16, 4, 2)),
+            ValueError,
+            r"^the second layer's input \(15\) must be the first layer's output \(16\)$",
+        ),
         (lambda: min_cut("x"), TypeError, r"^min_cut needs an ExpertNetwork"),
         (lambda: min_cut(cp(3, 5, 4, 2), ("x",)), ValueError, r"'x' is not a physical leg .* \['i', 'n1', 'o'\]"),
         (lambda: min_cut(cp(3, 5, 4, 2), (), ("o",)), ValueError, r"must be non-empty and disjoint"),
@@ -285,6 +310,8 @@ def test_tt_expert_rank_sets_the_expert_bonds():
         (cp((1, 2), 5, 4, 1), ("n2",)),  # r = 1 cuts both modes off; a mode of size 1 is no collapse
         (cp((1, 3), 5, 4, 1), ("n2",)),
         (cp((1, 2), 5, 4, 3), ()),
+        # n1 shares its core with i: a cut of size 1 (r) separates it from o only, not from i and o
+        (ExpertNetwork({"A": "n1 i r", "B": "r o"}, {"n1": 3, "i": 4, "r": 1, "o": 4}), ()),
     ],
 )
 def test_collapsed_expert_modes_by_hand(network, expected):
