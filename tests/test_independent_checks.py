@@ -31,7 +31,8 @@ from mumoe_tn.costs import (
 )
 from mumoe_tn.costs.params import block_parameters, layer_in_features
 from mumoe_tn.decompositions import build, cp, tr, tt, tucker
-from mumoe_tn.gating import ExpertGate, TopKRouter
+from mumoe_tn.gate_config import Gate, TopKGate, gate_fma_per_token, gate_parameter_count
+from mumoe_tn.gating import ExpertGate, TopKRouter, gate_losses
 from mumoe_tn.measure import expert_ranks
 
 DTYPE = torch.float64
@@ -385,3 +386,54 @@ def test_folded_bias_equals_a_column_of_ones(network, batch, optimize):
     if network.in_features < 2:
         network = network.with_sizes(i=2)
     _bias_case(network, batch, optimize, 1)
+
+
+# ----------------------------------------------------------------------------- gate descriptors
+class _Reports:
+    """A gate descriptor reporting fixed counts (to check how reports are validated)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def parameter_count(self, in_features, expert_dims):
+        return self.value
+
+    def fma_per_token(self, in_features, expert_dims):
+        return self.value
+
+    def build(self, in_features, expert_dims, *, device=None, dtype=None):
+        raise NotImplementedError
+
+    def __repr__(self):
+        return f"_Reports({self.value!r})"
+
+
+def test_gate_reports_are_validated():
+    assert gate_parameter_count(_Reports(0), 3, (2,)) == gate_fma_per_token(_Reports(0), 3, (2,)) == 0
+    for what, count in (("parameter_count", gate_parameter_count), ("fma_per_token", gate_fma_per_token)):
+        for bad in (True, -1, 2.0):
+            with pytest.raises(ValueError, match=rf"^the gate _Reports\({bad!r}\) reported {what} = {bad!r}; it must"):
+                count(_Reports(bad), 3, (2,))
+    with pytest.raises(TypeError, match=r"^gate must be True \(the default gate\), False \(not counted\) or a gate"):
+        gate_fma_per_token("x", 3, (2,))
+
+
+@pytest.mark.parametrize("norm", ["batch", "layer", "none"])
+def test_built_gate_has_exactly_the_counted_parameters(norm):
+    spec = Gate(norm=norm)
+    gate = spec.build(5, (4, 3))
+    assert sum(p.numel() for p in gate.parameters()) == spec.parameter_count(5, (4, 3)) == 5 * 7
+
+
+def test_top_k_router_defaults_and_descriptor_options():
+    router = TopKRouter(5, 4)
+    assert (router.k, router.norm, router.balance_loss, router.z_loss) == ((1,), "none", False, False)
+    built = TopKGate(k=2, norm="layer").build(5, (4,), device="meta")
+    assert (built.k, built.norm, built.projections["n1"].weight.device.type) == ((2,), "layer", "meta")
+
+
+def test_gate_loss_errors_quote_the_rule():
+    with pytest.raises(TypeError, match=r"^model must be an nn\.Module, got str$"):
+        gate_losses("x")
+    with pytest.raises(ValueError, match=r"^no forward pass of this gate in this thread yet: call the layer first"):
+        ExpertGate(3, 2, balance_loss=True).losses()
