@@ -437,3 +437,17 @@ def test_gate_loss_errors_quote_the_rule():
         gate_losses("x")
     with pytest.raises(ValueError, match=r"^no forward pass of this gate in this thread yet: call the layer first"):
         ExpertGate(3, 2, balance_loss=True).losses()
+
+
+def test_gate_descriptor_passes_the_device():
+    gate = Gate(norm="layer").build(5, (4,), device="meta")
+    assert gate.projections["n1"].weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("make", [lambda: TopKRouter(5, 4, k=2), lambda: ExpertGate(5, 4, "softmax", "none")])
+def test_a_non_finite_row_spoils_only_that_row(make):
+    z = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
+    z[1, 2] = torch.nan
+    (a,) = make()(z)
+    assert torch.isnan(a[1]).all()
+    assert torch.isfinite(a[[0, 2]]).all()
