@@ -451,3 +451,30 @@ def test_a_non_finite_row_spoils_only_that_row(make):
     (a,) = make()(z)
     assert torch.isnan(a[1]).all()
     assert torch.isfinite(a[[0, 2]]).all()
+
+
+def test_batch_norm_gate_trains_on_two_tokens():
+    (a,) = ExpertGate(3, 4)(torch.randn(2, 3, generator=torch.Generator().manual_seed(4)))
+    torch.testing.assert_close(a.sum(-1), torch.ones(2))
+    with pytest.raises(ValueError, match="needs at least 2 tokens per batch in training mode, got 1"):
+        ExpertGate(3, 4)(torch.randn(1, 3))
+
+
+@pytest.mark.parametrize("alpha", [1.5, 1.0001, 3])
+def test_entmax_alpha_above_one_is_accepted(alpha):
+    assert Gate(activation=alpha).activation == alpha
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"activation": 1.0}, ValueError, r"^entmax alpha must be a finite number > 1 .*got 1\.0$"),
+        ({"activation": math.inf}, ValueError, r"^entmax alpha must be a finite number > 1 .*got inf$"),
+        ({"norm": ""}, TypeError, r"^norm must be a non-empty name, got ''$"),
+        ({"balance_loss": 1}, TypeError, r"^balance_loss must be a bool, got 1$"),
+        ({"z_loss": "yes"}, TypeError, r"^z_loss must be a bool, got 'yes'$"),
+    ],
+)
+def test_gate_descriptor_options_are_checked(options, error, message):
+    with pytest.raises(error, match=message):
+        Gate(**options)
