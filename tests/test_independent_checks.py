@@ -31,7 +31,7 @@ from mumoe_tn.costs import (
 )
 from mumoe_tn.costs.params import block_parameters, layer_in_features
 from mumoe_tn.decompositions import build, cp, tr, tt, tucker
-from mumoe_tn.gate_config import Gate, TopKGate, gate_fma_per_token, gate_parameter_count
+from mumoe_tn.gate_config import Gate, TopKGate, gate_fma_per_token, gate_from_options, gate_parameter_count
 from mumoe_tn.gating import ExpertGate, TopKRouter, gate_losses
 from mumoe_tn.measure import expert_ranks
 
@@ -478,3 +478,39 @@ def test_entmax_alpha_above_one_is_accepted(alpha):
 def test_gate_descriptor_options_are_checked(options, error, message):
     with pytest.raises(error, match=message):
         Gate(**options)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: TopKGate(k=True), ValueError, r"^k must be a positive int or a sequence of them .*got True$"),
+        (lambda: TopKGate(k=(1, 0)), ValueError, r"^k must be a positive int .*got \(1, 0\)$"),
+        (lambda: TopKGate(norm=""), TypeError, r"^norm must be a non-empty name, got ''$"),
+        (lambda: TopKGate(init="x"), ValueError, r"^unknown gate init 'x'; choose one of \['default', 'zeros'\]$"),
+        (lambda: TopKGate(balance_loss=1), TypeError, r"^balance_loss must be a bool, got 1$"),
+        (lambda: TopKGate(z_loss=1), TypeError, r"^z_loss must be a bool, got 1$"),
+        (lambda: gate_from_options("x"), TypeError, r"^gate must be a gate descriptor with parameter_count, fma_per"),
+        (
+            lambda: gate_from_options(Gate(), activation="softmax", init="zeros"),
+            TypeError,
+            r"^pass either gate= or activation, gate_init, not both \(the descriptor Gate\(",
+        ),
+        (lambda: ExpertGate(0, 2), ValueError, r"^in_features must be a positive int, got 0$"),
+        (lambda: ExpertGate(True, 2), ValueError, r"^in_features must be a positive int, got True$"),
+        (lambda: ExpertGate(1.0, 2), ValueError, r"^in_features must be a positive int, got 1\.0$"),
+        (lambda: ExpertGate(3, 2, norm="x"), ValueError, r"^unknown gate norm 'x'; choose one of \['batch', 'layer'"),
+        (lambda: ExpertGate(3, 2, init="x"), ValueError, r"^unknown gate init 'x'; choose one of \['default', 'zeros'"),
+        (lambda: ExpertGate(3, 2, balance_loss=1), TypeError, r"^balance_loss must be a bool, got 1$"),
+        (lambda: ExpertGate(3, 2, z_loss=1), TypeError, r"^z_loss must be a bool, got 1$"),
+        (lambda: TopKRouter(3, (2, 2), k=(1, True)), ValueError, r"^k must be an int in \[1, N_e\]"),
+    ],
+)
+def test_gate_errors_state_the_rule(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_gate_fields_and_one_input():
+    gate = ExpertGate(1, 2)
+    assert (gate.in_features, gate.activation, gate.balance_loss, gate.z_loss) == (1, "entmax15", False, False)
+    assert TopKGate(k=(1, 2)).k == (1, 2)
