@@ -514,3 +514,25 @@ def test_gate_fields_and_one_input():
     gate = ExpertGate(1, 2)
     assert (gate.in_features, gate.activation, gate.balance_loss, gate.z_loss) == (1, "entmax15", False, False)
     assert TopKGate(k=(1, 2)).k == (1, 2)
+
+
+def test_top_k_gate_stores_k_as_a_tuple():
+    assert TopKGate(k=[1, 2]).k == (1, 2)
+
+
+def test_float32_gate_on_float64_input_computes_in_float64():
+    gate = ExpertGate(3, 4, "softmax", "none")
+    z = torch.randn(5, 3, dtype=DTYPE)
+    (a,) = gate(z)
+    assert a.dtype == DTYPE
+    torch.testing.assert_close(a, hand_softmax(z @ gate.projections["n1"].weight.detach().double().T))
+
+
+def test_reset_parameters_resets_the_batch_norm_statistics():
+    gate = ExpertGate(3, 4)
+    gate(torch.randn(6, 3) * 5 + 3)
+    norm = gate.norms["n1"]
+    assert not torch.allclose(norm.running_mean, torch.zeros(4))
+    gate.reset_parameters()
+    torch.testing.assert_close(norm.running_mean, torch.zeros(4))
+    torch.testing.assert_close(norm.running_var, torch.ones(4))
