@@ -292,3 +292,22 @@ def test_named_formats_are_networks_of_their_format():
         assert net.format is get_format(name)
         assert net.with_sizes(i=7).format is net.format
         assert math.prod(net.dense_shape) == 3 * 2 * 5 * 4
+
+
+def test_compare_counts_a_custom_gate_descriptor():
+    from mumoe_tn.gate_config import Gate
+
+    class WideGate(Gate):
+        """The default gate plus a bias per expert: more parameters and FMAs than I·ΣN."""
+
+        def parameter_count(self, in_features, expert_dims):
+            return super().parameter_count(in_features, expert_dims) + sum(expert_dims)
+
+        def fma_per_token(self, in_features, expert_dims):
+            return super().fma_per_token(in_features, expert_dims) + sum(expert_dims)
+
+    plain = compare(64, 48, 16, ("cp",), ranks={"cp": 4}, match=None).rows[0]
+    wide = compare(64, 48, 16, ("cp",), ranks={"cp": 4}, match=None, gate=WideGate()).rows[0]
+    assert wide.params_gate == plain.params_gate + 16 == 64 * 16 + 16
+    assert wide.fma_planned == plain.fma_planned + 16
+    assert wide.params_total == plain.params_total + 16

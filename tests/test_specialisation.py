@@ -139,21 +139,6 @@ def test_bad_arguments_get_one_line_before_any_work(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "options, message",
-    [
-        ({"epochs": -1}, "epochs must be a positive integer, got -1"),
-        ({"epochs": 0}, "epochs must be a positive integer, got 0"),
-        ({"expert_counts": (8, 0)}, "expert_counts must be positive integers"),
-    ],
-)
-def test_demo_function_rejects_an_untrained_model(options, message):
-    """The same checks in the library function, for callers that bypass the CLI."""
-    from mumoe_tn.demo import run_demo
-
-    with pytest.raises(ValueError, match=message):
-        run_demo(**options)
-
 
 def test_quick_run_json_through_the_cli(capsys, tmp_path):
     plot = tmp_path / "s.png"

@@ -241,15 +241,15 @@ def compare(
         reference = mlp(in_features, out_features, in_features, bias=bias)
         baselines = [
             reference,
-            moe_block(n_experts, n_experts, in_features, out_features, in_features, bias=bias, gate=gate),
-            moe_block(n_experts, top_k, in_features, out_features, in_features, bias=bias, gate=gate),
+            moe_block(n_experts, n_experts, in_features, out_features, in_features, bias=bias, gate=bool(gate)),
+            moe_block(n_experts, top_k, in_features, out_features, in_features, bias=bias, gate=bool(gate)),
         ]
     else:
         reference = linear(in_features, out_features, bias=bias)
         baselines = [
             reference,
-            dense_moe(n_experts, in_features, out_features, bias=bias, gate=gate),
-            sparse_moe(n_experts, top_k, in_features, out_features, bias=bias, gate=gate),
+            dense_moe(n_experts, in_features, out_features, bias=bias, gate=bool(gate)),
+            sparse_moe(n_experts, top_k, in_features, out_features, bias=bias, gate=bool(gate)),
         ]
     if match is None or match in ("linear", "mlp"):
         target = reference.params
@@ -274,17 +274,17 @@ def compare(
             layers.append(entry.make(dims, out_features + int(bias), in_features, given))
         if given is None and match is not None and (not entry.sized or scaled is not None):
             matched: Match = (
-                match_block(*layers, target, bonds=scaled, bias=bias, gate=bool(gate))
+                match_block(*layers, target, bonds=scaled, bias=bias, gate=gate)
                 if block
-                else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=bool(gate))
+                else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=gate)
             )
             layers = list(matched.networks)
         elif given is None and not entry.sized:
             raise ValueError(f"no rank given for {entry.label!r} and match=None")
         count: ParameterCount = (
-            block_parameters(*layers, bias=bias, gate=bool(gate))
+            block_parameters(*layers, bias=bias, gate=gate)
             if block
-            else layer_parameters(layers[0], bias=bias, gate=bool(gate))
+            else layer_parameters(layers[0], bias=bias, gate=gate)
         )
         flops = [layer_flops(net, batch=batch, bias=bias, gate=False) for net in layers]
         gate_fma = gate_fma_per_token(gate, in_features, dims)
