@@ -311,3 +311,21 @@ def test_compare_counts_a_custom_gate_descriptor():
     assert wide.params_gate == plain.params_gate + 16 == 64 * 16 + 16
     assert wide.fma_planned == plain.fma_planned + 16
     assert wide.params_total == plain.params_total + 16
+
+
+def test_decompose_dense_clipped_ranks_and_bad_tensors():
+    torch.manual_seed(0)
+    weight = torch.randn(3, 4, 5, dtype=torch.float64)
+    # tensorly clips TT/Tucker ranks to the unfoldings' sizes; the cores are padded back.
+    experts, error = decompose_dense(weight, "tucker", 50)
+    assert experts.network.sizes["s_i"] == 50 and error < 1e-10
+    experts, error = decompose_dense(weight, "tt", 2)
+    assert experts.network.core_shape("G_i") == (4, 4, 2) and 0 < error < 1  # r1 = 4 (expert rank), r2 = 2
+    reported = float((experts.to_dense() - weight).norm() / weight.norm())
+    assert reported == pytest.approx(error, rel=1e-9)
+    with pytest.raises(TypeError, match=r"weight must be a floating-point tensor, got dtype torch.int64"):
+        decompose_dense(torch.ones(3, 4, 5, dtype=torch.int64), "cp", 2)
+    with pytest.raises(TypeError, match=r"got dtype torch.complex64"):
+        decompose_dense(torch.ones(3, 4, 5, dtype=torch.complex64), "cp", 2)
+    with pytest.raises(ValueError, match=r"weight has NaN or infinite entries"):
+        decompose_dense(torch.full((3, 4, 5), float("nan")), "cp", 2)
