@@ -139,7 +139,6 @@ def test_bad_arguments_get_one_line_before_any_work(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-
 def test_quick_run_json_through_the_cli(capsys, tmp_path):
     plot = tmp_path / "s.png"
     assert cli_main(["specialisation", "--quick", "--json", "--no-progress", "--plot", str(plot)]) == 0
