@@ -80,6 +80,19 @@ def _check_name(name: str, value: object) -> None:
 class _LinearLogits:
     """Costs shared by gates whose logits are one bias-free ``I × N_e`` projection per mode."""
 
+    norm: str
+    init: str
+    balance_loss: bool
+    z_loss: bool
+
+    def _check_shared_options(self) -> None:
+        """The norm name, the init and the two loss flags, which every linear-logit gate has."""
+        _check_name("norm", self.norm)
+        if self.init not in GATE_INITS:
+            raise ValueError(f"unknown gate init {self.init!r}; choose one of {list(GATE_INITS)}")
+        _check_flag("balance_loss", self.balance_loss)
+        _check_flag("z_loss", self.z_loss)
+
     def parameter_count(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
         """``I·ΣN_e``: the projections (the logit norms have no affine parameters)."""
         return in_features * sum(expert_dims)
@@ -126,11 +139,7 @@ class Gate(_LinearLogits):
             raise ValueError(
                 f"entmax alpha must be a finite number > 1 (1 is softmax: use 'softmax'), got {activation!r}"
             )
-        _check_name("norm", self.norm)
-        if self.init not in GATE_INITS:
-            raise ValueError(f"unknown gate init {self.init!r}; choose one of {list(GATE_INITS)}")
-        _check_flag("balance_loss", self.balance_loss)
-        _check_flag("z_loss", self.z_loss)
+        self._check_shared_options()
 
     def build(
         self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
@@ -189,11 +198,7 @@ class TopKGate(_LinearLogits):
                 )
         if not isinstance(self.k, int):
             object.__setattr__(self, "k", tuple(ks))
-        _check_name("norm", self.norm)
-        if self.init not in GATE_INITS:
-            raise ValueError(f"unknown gate init {self.init!r}; choose one of {list(GATE_INITS)}")
-        _check_flag("balance_loss", self.balance_loss)
-        _check_flag("z_loss", self.z_loss)
+        self._check_shared_options()
 
     def build(
         self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
