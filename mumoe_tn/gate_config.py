@@ -236,9 +236,14 @@ def _as_spec(gate: object) -> GateSpec | None:
     return gate
 
 
-def _checked_count(gate: GateSpec, what: str, value: object) -> int:
+def _count(gate: bool | GateSpec, what: str, in_features: int, expert_dims: Sequence[int]) -> int:
+    """The descriptor's ``what`` (``parameter_count`` or ``fma_per_token``), checked; 0 without a gate."""
+    spec = _as_spec(gate)
+    if spec is None:
+        return 0
+    value = getattr(spec, what)(in_features, tuple(expert_dims))
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"the gate {gate!r} reported {what} = {value!r}; it must be a non-negative int")
+        raise ValueError(f"the gate {spec!r} reported {what} = {value!r}; it must be a non-negative int")
     return value
 
 
@@ -258,10 +263,7 @@ def gate_parameter_count(gate: bool | GateSpec, in_features: int, expert_dims: S
     -------
     int
     """
-    spec = _as_spec(gate)
-    if spec is None:
-        return 0
-    return _checked_count(spec, "parameter_count", spec.parameter_count(in_features, tuple(expert_dims)))
+    return _count(gate, "parameter_count", in_features, expert_dims)
 
 
 def gate_fma_per_token(gate: bool | GateSpec, in_features: int, expert_dims: Sequence[int]) -> int:
@@ -280,10 +282,7 @@ def gate_fma_per_token(gate: bool | GateSpec, in_features: int, expert_dims: Seq
     -------
     int
     """
-    spec = _as_spec(gate)
-    if spec is None:
-        return 0
-    return _checked_count(spec, "fma_per_token", spec.fma_per_token(in_features, tuple(expert_dims)))
+    return _count(gate, "fma_per_token", in_features, expert_dims)
 
 
 def gate_from_options(
