@@ -116,6 +116,12 @@ def _parser() -> argparse.ArgumentParser:
         "a number of parameters, or a fraction of the reference's. TR/TT scale the input-output bond, Tucker all its "
         "bonds.",
     )
+    cmp.add_argument(
+        "--rank-multiple",
+        type=_positive,
+        default=1,
+        help="matched ranks are multiples of this (e.g. 16: faster matrix multiplies; default 1)",
+    )
     cmp.add_argument("--no-bias", dest="bias", action="store_false", help="no folded bias (and no baseline bias)")
     cmp.add_argument("--no-gating", dest="gate", action="store_false", help="do not count gating parameters/FMAs")
     cmp.add_argument(
@@ -208,6 +214,7 @@ def _compare(args: argparse.Namespace) -> int:
         (*(name.lower() for name in args.decompositions), *args.spec),
         ranks=dict(args.rank),
         match=args.match,
+        rank_multiple=args.rank_multiple,
         bias=args.bias,
         gate=args.gate,
         batch=args.batch,

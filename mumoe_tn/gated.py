@@ -75,6 +75,9 @@ class MuMoEGatedMLP(SharedGateLayers):
         layers, the one gate counted), a parameter budget, or a fraction of the block's count.
     match_bonds : Sequence[str], optional
         The bonds ``match=`` scales (default: the format's, or every bond).
+    rank_multiple : int, optional
+        With ``match=``, give the scaled bonds a multiple of this (default 1; see
+        [`MuMoE`][mumoe_tn.layers.MuMoE]).
     bias : bool, optional
         Fold a bias into every layer's input leg (default True; Llama's MLP has none).
     gate, activation, gate_norm, gate_init, gate_input, input_norm : optional
@@ -101,6 +104,7 @@ class MuMoEGatedMLP(SharedGateLayers):
         *,
         match: Match = None,
         match_bonds: Sequence[str] | None = None,
+        rank_multiple: int = 1,
         bias: bool = True,
         activation: str | float | None = None,
         gate_norm: str | None = None,
@@ -127,11 +131,13 @@ class MuMoEGatedMLP(SharedGateLayers):
             reference = 2 * linear(in_features, hidden_features, bias=bias).params
             reference += linear(hidden_features, out_features, bias=bias).params
             target = match_target(match, reference, "mlp", "MuMoEGatedMLP")
-            return _match(first, second, target, bonds, bias=bias, gate=gate, input_norm=input_norm)
+            return _match(
+                first, second, target, bonds, bias=bias, gate=gate, input_norm=input_norm, multiple=rank_multiple
+            )
 
         sizes = (in_features, hidden_features, out_features)
         first, second = block_networks(
-            decomposition, expert_dims, sizes, rank, match, match_bonds,
+            decomposition, expert_dims, sizes, rank, match, match_bonds, rank_multiple,
             bias=bias, options=decomposition_options, layer="MuMoEGatedMLP", matcher=matcher,
         )  # fmt: skip
         self.hidden_features, self.out_features = hidden_features, out_features
@@ -174,6 +180,7 @@ def _match(
     bias: bool,
     gate: GateSpec,
     input_norm: bool,
+    multiple: int,
 ) -> tuple[ExpertNetwork, ExpertNetwork]:
     """Scale the bonds of all three layers by one rank to ``target`` parameters."""
     names = scaled_bonds(first, bonds)
@@ -186,4 +193,4 @@ def _match(
         up, down = resized(r)
         return gated_mlp_parameters(up, up, down, bias=bias, gate=gate, input_norm=input_norm)
 
-    return resized(solve_rank(count, target, what=f"a gated {first.name} block scaling {names}"))
+    return resized(solve_rank(count, target, what=f"a gated {first.name} block scaling {names}", multiple=multiple))

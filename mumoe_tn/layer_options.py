@@ -19,6 +19,7 @@ __all__ = [
     "block_networks",
     "check_allocatable",
     "check_factory",
+    "check_match_only_options",
     "match_target",
     "resolve_network",
     "split_rank_and_match",
@@ -181,6 +182,22 @@ _MAX_ELEMENTS = 1 << 63
 _MAX_FEATURES = 1 << 40
 
 
+def check_match_only_options(match_bonds: Sequence[str] | None, rank_multiple: object) -> None:
+    """Reject the options that only parameter matching reads when ``match=`` is not given.
+
+    Parameters
+    ----------
+    match_bonds : Sequence of str or None
+        The layer's ``match_bonds=``.
+    rank_multiple : object
+        The layer's ``rank_multiple=`` (1 is the default).
+    """
+    if match_bonds is not None:
+        raise ValueError("match_bonds= names the bonds match= scales; give match= too")
+    if check_size("rank_multiple", rank_multiple) != 1:
+        raise ValueError(f"rank_multiple={rank_multiple} rounds the ranks match= chooses; give match= too")
+
+
 def block_networks(
     decomposition: Decomposition,
     expert_dims: int | Sequence[int] | None,
@@ -188,6 +205,7 @@ def block_networks(
     rank: Rank | None,
     match: object,
     match_bonds: Sequence[str] | None,
+    rank_multiple: int,
     *,
     bias: bool,
     options: Mapping[str, Any],
@@ -198,7 +216,7 @@ def block_networks(
 
     Parameters
     ----------
-    decomposition, expert_dims, rank, match, match_bonds
+    decomposition, expert_dims, rank, match, match_bonds, rank_multiple
         The block's arguments (see [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP]).
     sizes : tuple of int
         ``(in_features, hidden_features, out_features)``.
@@ -225,8 +243,8 @@ def block_networks(
     second = resolve_network(decomposition, expert_dims, hidden_features, out_features, build_rank, **shared)
     if match is not None:
         first, second = matcher(first, second, match, match_bonds)
-    elif match_bonds is not None:
-        raise ValueError("match_bonds= names the bonds match= scales; give match= too")
+    else:
+        check_match_only_options(match_bonds, rank_multiple)
     check_allocatable(first)
     check_allocatable(second)
     return first, second

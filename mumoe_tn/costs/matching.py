@@ -5,7 +5,10 @@ Notes
 Every count here is a polynomial in the scaled rank ``r`` with non-negative coefficients, so
 it is non-decreasing in ``r``. The solver finds the largest ``r`` with ``count(r) ≤ target`` by
 bisection and compares it with ``r + 1``; the closer count wins and **a tie goes to the smaller
-rank** (fewer parameters). A target below ``count(1)`` is an error. CP scales its rank ``R``;
+rank** (fewer parameters). A target below ``count(1)`` is an error. With ``rank_multiple=m`` the
+search runs over ``r = m, 2m, …`` only: matrix-multiply kernels run markedly faster when the
+inner dimensions are multiples of the SIMD width or tensor-core tile (e.g. 16), at the price of a
+coarser parameter match (one step adds ``m`` rank units). CP scales its rank ``R``;
 TR and TT scale the bond between the input and output cores (``R_{E+2}``, resp. ``R_{E+1}``)
 and keep the others (the paper's ``R1 = R2 = 4``); Tucker and custom networks scale the bonds
 the caller names, all set to the same ``r``. A format's `matched_bonds` chooses the default;
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from mumoe_tn.costs.params import block_parameters, layer_parameters
 from mumoe_tn.costs.rank import collapsed_expert_modes, rank_bound
 from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.validation import check_size
 
 __all__ = [
     "TOLERANCE",
@@ -78,8 +82,10 @@ def resolve_target(match: object, reference: int) -> int:
     return match
 
 
-def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the layer") -> int:
-    """The rank ``r ≥ 1`` whose ``count(r)`` is closest to ``target`` (ties: smaller ``r``).
+def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the layer", multiple: int = 1) -> int:
+    """The rank ``r`` (a positive multiple of ``multiple``) whose ``count(r)`` is closest to ``target``.
+
+    Ties go to the smaller ``r``.
 
     Parameters
     ----------
@@ -89,32 +95,37 @@ def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the lay
         Parameter budget.
     what : str, optional
         Named in error messages.
+    multiple : int, optional
+        Consider only ranks that are multiples of this (default 1: every rank).
 
     Returns
     -------
     int
     """
+    multiple = check_size("rank_multiple", multiple)
     if isinstance(target, bool) or not isinstance(target, int):
         raise TypeError(f"the parameter target must be a positive int, got {target!r} ({type(target).__name__})")
     if target <= 0:
         raise ValueError(f"the parameter target must be a positive int, got {target!r}")
-    smallest = count(1)
+    smallest = count(multiple)
     if target < smallest:
         raise ValueError(
-            f"target of {target:,} parameters is below the smallest possible count for {what}: {smallest:,} at rank 1"
+            f"target of {target:,} parameters is below the smallest possible count for {what}: "
+            f"{smallest:,} at rank {multiple}"
         )
-    low, high = 1, 2
-    while count(high) <= target:
+    low, high = 1, 2  # in units of `multiple`
+    while count(multiple * high) <= target:
         low, high = high, high * 2
-        if high > _MAX_RANK:
+        if multiple * high > _MAX_RANK:
             raise ValueError(f"no rank up to {_MAX_RANK:,} reaches {target:,} parameters for {what}")
-    while high - low > 1:  # invariant: count(low) <= target < count(high)
+    while high - low > 1:  # invariant: count(multiple * low) <= target < count(multiple * high)
         middle = (low + high) // 2
-        if count(middle) <= target:
+        if count(multiple * middle) <= target:
             low = middle
         else:
             high = middle
-    return low if target - count(low) <= count(high) - target else high
+    closer = low if target - count(multiple * low) <= count(multiple * high) - target else high
+    return multiple * closer
 
 
 def scaled_bonds(network: ExpertNetwork, bonds: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -147,7 +158,8 @@ class Match:
     target : int
         The budget.
     step : int
-        ``count(rank + 1) - count(rank)``: one rank step, the resolution of the match.
+        ``count(rank + m) - count(rank)`` with ``m`` the rank multiple (1 by default): one rank
+        step, the resolution of the match.
     networks : tuple of ExpertNetwork
         The matched network(s).
     problems : tuple of str
@@ -198,6 +210,7 @@ def match_layer(
     bias: bool = True,
     gate: bool = True,
     input_norm: bool = False,
+    rank_multiple: int = 1,
 ) -> Match:
     """Scale ``network``'s bonds so the μMoE layer's total parameters are closest to ``target``.
 
@@ -211,6 +224,8 @@ def match_layer(
         Bonds to scale; the format's default (every bond without a format) if omitted.
     bias, gate, input_norm : bool, optional
         As for [`mumoe_tn.costs.layer_parameters`][mumoe_tn.costs.params.layer_parameters].
+    rank_multiple : int, optional
+        Give the scaled bonds a multiple of this (default 1); see the module notes.
 
     Returns
     -------
@@ -224,8 +239,9 @@ def match_layer(
     def count(r: int) -> int:
         return layer_parameters(resized(r), bias=bias, gate=gate, input_norm=input_norm).total
 
-    rank = solve_rank(count, target, what=f"a {network.name} layer scaling {names}")
-    return _checked(Match(rank, names, count(rank), target, count(rank + 1) - count(rank), (resized(rank),)))
+    rank = solve_rank(count, target, what=f"a {network.name} layer scaling {names}", multiple=rank_multiple)
+    step = count(rank + rank_multiple) - count(rank)
+    return _checked(Match(rank, names, count(rank), target, step, (resized(rank),)))
 
 
 def match_block(
@@ -236,6 +252,7 @@ def match_block(
     bonds: Sequence[str] | None = None,
     bias: bool = True,
     gate: bool = True,
+    rank_multiple: int = 1,
 ) -> Match:
     """Scale both layers of a two-layer μMoE block by one rank to match ``target`` parameters.
 
@@ -249,6 +266,8 @@ def match_block(
         Bonds to scale in both layers; the format's default (every bond without a format) if omitted.
     bias, gate : bool, optional
         As for [`mumoe_tn.costs.block_parameters`][mumoe_tn.costs.params.block_parameters].
+    rank_multiple : int, optional
+        Give the scaled bonds a multiple of this (default 1); see the module notes.
 
     Returns
     -------
@@ -263,5 +282,6 @@ def match_block(
     def count(r: int) -> int:
         return block_parameters(*resized(r), bias=bias, gate=gate).total
 
-    rank = solve_rank(count, target, what=f"a {first.name} block scaling {names}")
-    return _checked(Match(rank, names, count(rank), target, count(rank + 1) - count(rank), resized(rank)))
+    rank = solve_rank(count, target, what=f"a {first.name} block scaling {names}", multiple=rank_multiple)
+    step = count(rank + rank_multiple) - count(rank)
+    return _checked(Match(rank, names, count(rank), target, step, resized(rank)))

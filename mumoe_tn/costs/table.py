@@ -176,6 +176,7 @@ def compare(
     ranks: Mapping[str, Rank] | None = None,
     match: str | int | float | None = "linear",
     bonds: Mapping[str, Sequence[str]] | None = None,
+    rank_multiple: int = 1,
     bias: bool = True,
     gate: bool | GateSpec = True,
     batch: int = 1,
@@ -203,6 +204,9 @@ def compare(
         layer's parameters (float), or None (no matching).
     bonds : Mapping[str, Sequence[str]], optional
         Bonds to scale per row label (default: the format's, or every bond of a custom network).
+    rank_multiple : int, optional
+        Matched rows give their scaled bonds a multiple of this (default 1); see
+        [`mumoe_tn.costs.matching`][mumoe_tn.costs.matching].
     bias : bool, optional
         Fold a bias into the input leg, and give baselines a bias.
     gate : bool or GateSpec, optional
@@ -227,6 +231,7 @@ def compare(
     check_size("in_features", in_features)
     check_size("out_features", out_features)
     check_size("top_k", top_k)
+    check_size("rank_multiple", rank_multiple)
     if isinstance(decompositions, (str, ExpertNetwork)) or not isinstance(decompositions, Sequence):
         raise TypeError(f"decompositions must be a sequence (list or tuple), got {decompositions!r}")
     ranks = dict(ranks or {})
@@ -274,9 +279,9 @@ def compare(
             layers.append(entry.make(dims, out_features + int(bias), in_features, given))
         if given is None and match is not None and (not entry.sized or scaled is not None):
             matched: Match = (
-                match_block(*layers, target, bonds=scaled, bias=bias, gate=gate)
+                match_block(*layers, target, bonds=scaled, bias=bias, gate=gate, rank_multiple=rank_multiple)
                 if block
-                else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=gate)
+                else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=gate, rank_multiple=rank_multiple)
             )
             layers = list(matched.networks)
         elif given is None and not entry.sized:
@@ -318,6 +323,7 @@ def compare(
         "decompositions": [entry.label for entry in entries],
         "ranks": {key: _plain(value) for key, value in ranks.items()},
         "match": match,
+        "rank_multiple": rank_multiple,
         "target_params": target,
         "reference": reference.name,
         "bias": bias,
