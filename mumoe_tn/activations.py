@@ -8,8 +8,8 @@ and their known Jacobian-vector products, as static-method Functions; the test s
 them against ``entmax``.
 
 Speed: in eager mode the thresholds are first computed from the ``k`` largest logits
-(``torch.topk``, much cheaper than a full sort); a row whose support could extend past ``k``
-is recomputed with a larger ``k``, so the result is always exact. Under ``torch.compile`` and
+(``torch.topk``, much cheaper than a full sort); the rows whose support could extend past ``k``
+are recomputed, alone, with a larger ``k``, so the result is always exact. Under ``torch.compile`` and
 ``torch.func`` transforms the full sort is used, because the fallback is data-dependent control
 flow. The Functions define ``setup_context`` and generate their vmap rule, so ``torch.func``
 (``vmap``, ``grad``, ``jacrev``, …) works through them.
@@ -30,38 +30,52 @@ from torch.autograd import Function
 __all__ = ["entmax15", "sparsemax"]
 
 
-#: Size of the first partial sort in eager mode.
-FIRST_K = 64
+#: Size of the first partial sort in eager mode: supports of trained gates are small, and a
+#: partial sort of 16 costs about half a full sort of 64 on CPU.
+FIRST_K = 16
 
 #: Floor of the max-shifted logits; the supports of both maps lie within 2 of the maximum.
 FLOOR = -4.0
 
 
-def _largest(x: torch.Tensor, dim: int, k: int) -> torch.Tensor:
-    if k >= x.shape[dim]:
-        return torch.sort(x, dim=dim, descending=True)[0]
-    return torch.topk(x, k, dim=dim, sorted=True)[0]
+def _largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest entries of every row of the 2-D ``x``, in descending order."""
+    if k >= x.shape[-1]:
+        return torch.sort(x, dim=-1, descending=True)[0]
+    return torch.topk(x, k, dim=-1, sorted=True)[0]
+
+
+def _prefix_threshold(rows: torch.Tensor, k: int, rule) -> tuple[torch.Tensor, torch.Tensor]:
+    """``τ`` of every row from its ``k`` largest entries, and the support size found."""
+    candidates, inside = rule(_largest(rows, k), -1)
+    support = inside.sum(dim=-1, keepdim=True)
+    return candidates.gather(-1, support - 1), support
 
 
 def _threshold(x: torch.Tensor, dim: int, rule) -> torch.Tensor:
     """The exact threshold ``τ`` along ``dim`` from the sorted-prefix ``rule``.
 
     ``rule(ordered, dim)`` returns the candidate thresholds for every prefix length and
-    whether each prefix is inside the support (true for a leading run only). When the last
-    prefix of a partial sort is still inside the support the true support may be longer,
-    so those rows are redone with twice the ``k``.
+    whether each prefix is inside the support (true for a leading run only). When the whole
+    partial sort of a row is inside the support, the true support may be longer: only those
+    rows are redone, with twice the ``k``.
     """
     size = x.shape[dim]
     traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    rows = x.movedim(dim, -1).reshape(-1, size)
     k = size if traced else min(FIRST_K, size)
-    while True:
-        ordered = _largest(x, dim, k)
-        candidates, inside = rule(ordered, dim)
-        support = inside.sum(dim=dim, keepdim=True)
-        tau = candidates.gather(dim, support - 1)
-        if k >= size or not bool((support == k).any()):
-            return tau
+    tau, support = _prefix_threshold(rows, k, rule)
+    while k < size:
+        redo = (support == k).squeeze(-1).nonzero().squeeze(-1)
+        if redo.numel() == 0:
+            break
         k = min(2 * k, size)
+        tau_redone, support_redone = _prefix_threshold(rows.index_select(0, redo), k, rule)
+        tau = tau.index_copy(0, redo, tau_redone)
+        support = support.index_copy(0, redo, support_redone)
+    shape = list(x.movedim(dim, -1).shape)
+    shape[-1] = 1
+    return tau.reshape(shape).movedim(-1, dim)
 
 
 def _shifted(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

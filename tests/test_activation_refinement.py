@@ -1,0 +1,38 @@
+"""The partial-sort thresholds: rows whose support may pass the first ``k`` are redone alone."""
+
+from __future__ import annotations
+
+import entmax
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mumoe_tn.activations import FIRST_K, entmax15, sparsemax
+
+PAIRS = [(entmax15, entmax.entmax15), (sparsemax, entmax.sparsemax)]
+
+
+@given(
+    flat_rows=st.lists(st.booleans(), min_size=1, max_size=12),
+    width=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.parametrize(("ours", "reference"), PAIRS)
+def test_rows_with_wide_and_narrow_supports_mixed(ours, reference, flat_rows, width, seed):
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.01 if flat else 30.0 for flat in flat_rows], dtype=torch.float64)
+    x = torch.randn(len(flat_rows), width, generator=generator, dtype=torch.float64) * scale[:, None]
+    torch.testing.assert_close(ours(x), reference(x, dim=-1))
+
+
+@pytest.mark.parametrize(("ours", "reference"), PAIRS)
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_refinement_along_any_dim(ours, reference, dim):
+    generator = torch.Generator().manual_seed(dim)
+    rows = torch.randn(35, 3 * FIRST_K, generator=generator, dtype=torch.float64)
+    rows = rows * torch.logspace(-2, 1.5, 35, dtype=torch.float64)[:, None]  # flat rows to peaky ones
+    x = rows.reshape(5, 7, 3 * FIRST_K).movedim(2, dim)
+    supports = (ours(x, dim) > 0).sum(dim)
+    assert (supports > FIRST_K).any() and (supports <= FIRST_K).any()  # both paths are taken
+    torch.testing.assert_close(ours(x, dim), reference(x, dim=dim))
