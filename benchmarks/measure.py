@@ -1,7 +1,8 @@
 """Timing (alternating rounds, medians) and peak memory (a fresh process per case).
 
 Run as ``python -m benchmarks.measure CASE_JSON --device cpu --threads 2`` it builds one case,
-runs one forward+backward and prints the peak bytes that call added. With ``--serve`` it reads
+runs one forward+backward and prints, as JSON, the peak bytes of live tensors and the growth of
+the resident set during that call. With ``--serve`` it reads
 one case per line and forks a fresh child for each (see :class:`MemoryProbe`).
 """
 
@@ -17,11 +18,14 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from benchmarks.baselines import Case, build_module, make_inputs
 
@@ -155,15 +159,65 @@ def peak_bytes_here(run: Callable[[], object], device: torch.device) -> int:
     return (_status_kib("VmHWM") - before) * 1024
 
 
-def peak_bytes(case: Case, device: torch.device, threads: int) -> int | None:
-    """Peak memory of one forward+backward of ``case``, measured in a fresh process."""
+class LiveTensorPeak(TorchDispatchMode):
+    """The high-water mark of tensor storages that ops create while the mode is active.
+
+    The CPU counterpart of ``torch.cuda.max_memory_allocated``: every storage an op returns
+    that none of its inputs held is counted from its creation until it is freed (a weak
+    finalizer on the storage), so views and in-place results are not double-counted and
+    memory the C allocator keeps after a free (which the resident set still shows) is not
+    counted. Storages created inside a kernel and never returned (e.g. BLAS packing buffers)
+    are not seen.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        held = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key in held or key in self.live or storage.nbytes() == 0:
+                continue
+            self.live[key] = storage.nbytes()
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+
+def live_peak_bytes_here(run: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes of tensors that one call of ``run`` creates and holds at once.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` above the allocation before the call; CPU:
+    [`LiveTensorPeak`][benchmarks.measure.LiveTensorPeak].
+    """
+    if device.type == "cuda":
+        return peak_bytes_here(run, device)
+    with LiveTensorPeak() as tracker:
+        run()
+    return tracker.peak
+
+
+def peak_bytes(case: Case, device: torch.device, threads: int) -> dict[str, int | None] | None:
+    """Peak memory of one forward+backward of ``case``, measured in a fresh process (see `_probe`)."""
     command = [sys.executable, "-m", "benchmarks.measure", json.dumps(case.to_json())]
     command += ["--device", str(device), "--threads", str(threads)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False)
     if result.returncode != 0:
         print(result.stderr[-2000:], file=sys.stderr)
         return None
-    return int(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 class MemoryProbe:
@@ -184,18 +238,18 @@ class MemoryProbe:
             command += [f"--preload={module}" for module in preload]
             self.process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def peak(self, case: Case) -> int | None:
-        """Peak bytes of one forward+backward of ``case``; None if it failed."""
+    def peak(self, case: Case) -> dict[str, int | None] | None:
+        """Peak bytes of one forward+backward of ``case`` (see `_probe`); None if it failed."""
         if self.process is None:
             return peak_bytes(case, self.device, self.threads)
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(json.dumps(case.to_json()) + "\n")
         self.process.stdin.flush()
         answer = self.process.stdout.readline().strip()
-        if not answer.isdigit():
+        if not answer.startswith("{"):
             print(f"peak memory of {case.label!r} failed: {answer}", file=sys.stderr)
             return None
-        return int(answer)
+        return json.loads(answer)
 
     def close(self) -> None:
         """Stop the server."""
@@ -226,7 +280,7 @@ def _serve(threads: int, preload: list[str]) -> None:
             os.close(read_end)
             try:
                 torch.set_num_threads(threads)
-                answer = str(_probe(Case.from_json(json.loads(line)), torch.device("cpu")))
+                answer = json.dumps(_probe(Case.from_json(json.loads(line)), torch.device("cpu")))
             except BaseException as error:  # reported to the parent, which carries on
                 answer = f"error: {type(error).__name__}: {error}"
             os.write(write_end, answer.replace("\n", " ").encode())
@@ -238,7 +292,12 @@ def _serve(threads: int, preload: list[str]) -> None:
         print(answer or "error: the child died", flush=True)
 
 
-def _probe(case: Case, device: torch.device) -> int:
+def _probe(case: Case, device: torch.device) -> dict[str, int | None]:
+    """``peak_bytes``: live tensors of one fwd+bwd; ``rss_bytes``: the resident set's growth (CPU).
+
+    The resident set is measured first, on the fresh process; the live-tensor peak does not
+    depend on what the allocator kept from that call.
+    """
     # Start torch's thread pools, autograd engine and allocator first on a tiny problem, so that
     # their one-off footprint (tens of MiB) is not charged to the case.
     warm = torch.nn.Linear(4, 4).to(device)
@@ -246,13 +305,18 @@ def _probe(case: Case, device: torch.device) -> int:
     del warm
     module = build_module(case, device)
     module.train()
-    _, args = make_inputs(case, module, device)
+    leaves, args = make_inputs(case, module, device)
 
     def step() -> None:
         out = module(*args)
         out.backward(torch.randn_like(out))
 
-    return peak_bytes_here(step, device)
+    if device.type == "cuda":
+        return {"peak_bytes": peak_bytes_here(step, device), "rss_bytes": None}
+    rss = peak_bytes_here(step, device)
+    for tensor in (*module.parameters(), *leaves):
+        tensor.grad = None
+    return {"peak_bytes": live_peak_bytes_here(step, device), "rss_bytes": rss}
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -270,7 +334,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     if args.case is None:
         parser.error("give a case as JSON, or --serve")
     torch.set_num_threads(args.threads)
-    print(_probe(Case.from_json(json.loads(args.case)), torch.device(args.device)))
+    print(json.dumps(_probe(Case.from_json(json.loads(args.case)), torch.device(args.device))))
     return 0
 
 

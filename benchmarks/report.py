@@ -13,7 +13,12 @@ import torch
 import mumoe_tn
 
 DOCS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "results.md"
-METRICS = (("train_s", "fwd+bwd (ms)", 1e3), ("infer_s", "fwd (ms)", 1e3), ("peak_bytes", "peak (MiB)", 2**-20))
+METRICS = (
+    ("train_s", "fwd+bwd (ms)", 1e3),
+    ("infer_s", "fwd (ms)", 1e3),
+    ("peak_bytes", "peak (MiB)", 2**-20),
+    ("rss_bytes", "RSS peak (MiB)", 2**-20),
+)
 
 
 def machine(device: torch.device) -> dict:
@@ -90,8 +95,9 @@ def section_markdown(section: dict, level: str = "##") -> list[str]:
         + f"); torch {info['torch']}, mumoe_tn {info['mumoe_tn']}, path optimizer {section['optimize']}; "
         + f"median of {section['samples']} alternating samples per case; `{section.get('command', '')}`.*"
     )
-    lines += ["", "| case | params | fwd+bwd (ms) | × | fwd (ms) | × | peak fwd+bwd (MiB) | × | note |"]
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    header = "| case | params | fwd+bwd (ms) | × | fwd (ms) | × | peak fwd+bwd (MiB) | × | RSS peak (MiB) | × | note |"
+    lines += ["", header]
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for row in section["rows"]:
         cells = [row["label"], f"{row['params']:,}" if row.get("params") is not None else ""]
         for metric, _, scale in METRICS:
@@ -122,9 +128,16 @@ def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
         "Every ratio divides two medians measured in the same run, alternating the cases (A B C … A B C …) "
         "so that a slow phase hits all alike. Inputs require grad (as inside a network). fwd+bwd runs in "
         "train mode; fwd is inference (eval mode, no grad). Peak memory is that of one fwd+bwd in a fresh "
-        "process (CPU: a child forked from a process that imported everything and computed nothing; "
-        "resident-set high-water mark `VmHWM` above the child's size before the call, so parameter "
-        "gradients count; CUDA: `torch.cuda.max_memory_allocated`). This CPU machine is shared "
+        "process (CPU: a child forked from a process that imported everything and computed nothing). "
+        "*peak*: the most bytes of tensors alive at once, parameter gradients included (CUDA: "
+        "`torch.cuda.max_memory_allocated`; CPU: every storage an op creates, counted until it is freed, "
+        "`benchmarks.measure.LiveTensorPeak`). *RSS peak* (CPU only): the resident-set high-water mark "
+        "`VmHWM` above the child's size before the call; it adds what glibc's allocator keeps after frees "
+        "(mid-sized temporaries are served from the heap once its dynamic mmap threshold has risen, and "
+        "the heap is not returned at once), which penalises layers with many mid-sized intermediates: "
+        "with `MALLOC_MMAP_THRESHOLD_=131072` the CP layer's RSS ratio falls from 1.49× to 1.28×. The "
+        "memory target is on *peak*, the allocator-independent figure (the one CUDA reports). This CPU "
+        "machine is shared "
         "with other jobs (see the load average of each section): absolute times vary run to run, and "
         "ratios by several percent. While the load average is well above the 2 cores, a 2-thread OpenMP "
         "region stalls whenever one of its threads is descheduled, which distorts ratios far more than "
@@ -171,7 +184,7 @@ def plot(store: dict, path: Path) -> Path | None:
         reference_params = next(row["params"] for row in section["rows"] if row["label"] == row["reference"])
         labels = [f"{row['label']}  ({_short(row['params'])} params)" for row in measured]
         y = range(len(measured))
-        for offset, (metric, name, _) in zip((-0.3, -0.1, 0.1), METRICS, strict=True):
+        for offset, (metric, name, _) in zip((-0.3, -0.1, 0.1), METRICS[:3], strict=True):
             values = [row.get("ratios", {}).get(metric) or 0.0 for row in measured]
             ax.barh([k + offset for k in y], values, height=0.2, label=name.split(" (")[0])
         params = [row["params"] / reference_params if row.get("params") else 0.0 for row in measured]

@@ -106,7 +106,7 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
         with MemoryProbe(device, threads, sorted(preload)) as probe:
             for case in runnable:
                 progress.set_postfix_str(f"peak memory: {case.label}")
-                rows[case.label]["peak_bytes"] = probe.peak(case)
+                rows[case.label].update(probe.peak(case) or {"peak_bytes": None, "rss_bytes": None})
                 progress.update()
     for case in runnable:
         progress.set_postfix_str(f"building: {case.label}")

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import run  # noqa: E402
 from benchmarks.baselines import Case, HandwrittenLayer, build_module, count_params, make_inputs  # noqa: E402
-from benchmarks.measure import MemoryProbe, Timing, alternate  # noqa: E402
+from benchmarks.measure import MemoryProbe, Timing, alternate, live_peak_bytes_here  # noqa: E402
 from benchmarks.sections import FULL, SECTIONS, make_sections  # noqa: E402
 
 LAYER = {"in_features": 6, "out_features": 5, "rank": 3}
@@ -80,10 +80,26 @@ def test_peak_memory_is_measured_in_fresh_processes():
     output = 2 * 1024 * 4096 * 4  # float32 output of the small case; its gradient is as large again
     cpu = torch.device("cpu")
     with MemoryProbe(cpu, 1) as probe:  # forked children of one pristine server
-        forked = [probe.peak(small), probe.peak(large), probe.peak(small)]
+        answers = [probe.peak(small), probe.peak(large), probe.peak(small)]
+    forked = [answer["rss_bytes"] for answer in answers]
     assert 1.5 * output <= forked[0] <= 20 * output
     assert 2.5 * forked[0] <= forked[1]  # four times the tokens
     assert abs(forked[2] - forked[0]) <= 0.2 * forked[0]  # a large case before leaves no trace
+    # live tensors: the output and its gradient, then the input, weight and bias gradients
+    per_token, fixed = 2 * output + 4 * 2 * 1024 * 8, 4 * (8 * 4096 + 4096)
+    assert [answer["peak_bytes"] for answer in answers] == [per_token + fixed, 4 * per_token + fixed, per_token + fixed]
+
+
+def test_live_tensor_peak_counts_storages_not_views():
+    def step() -> None:
+        first = torch.empty(1000)  # 4,000 bytes
+        second = torch.empty(2000)  # 8,000 bytes: 12,000 alive
+        second.view(2, 1000).t()  # views add nothing
+        second.add_(1)  # nor do in-place results
+        del first
+        torch.empty(500)  # 2,000 bytes: 10,000 alive
+
+    assert live_peak_bytes_here(step, torch.device("cpu")) == 12_000
 
 
 def test_peers_at_matched_parameters_hold_about_the_mlp_parameters():
