@@ -6,6 +6,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
+from mumoe_tn.contractions.backward import PlanFunction, affine_einsum, affine_is_plain, use_plan_function
 from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
 
 __all__ = ["constant_intermediates", "run_plan"]
@@ -17,6 +18,7 @@ def run_plan(
     *,
     ones_appended: str | None = None,
     constants: Mapping[int, torch.Tensor] | None = None,
+    memory_saving: bool = True,
 ) -> torch.Tensor:
     """Contract ``operands`` following ``plan``.
 
@@ -39,12 +41,20 @@ def run_plan(
     constants : Mapping[int, torch.Tensor], optional
         Step index -> that step's result, computed earlier from operands that have not
         changed since; those steps are skipped.
+    memory_saving : bool, optional
+        When gradients are needed, run the steps as one autograd node whose backward holds
+        less memory (default True; see [`mumoe_tn.contractions.backward`][mumoe_tn.contractions.backward]).
+        False records every step with autograd.
 
     Returns
     -------
     torch.Tensor
         The result, with dimensions ordered as ``plan.output``.
     """
+    if memory_saving and constants is None:
+        program = use_plan_function(plan, operands, ones_appended)
+        if program is not None:
+            return PlanFunction.apply(program, ones_appended, *operands)
     current = list(operands)
     short = len(current) - 1 if ones_appended is not None else -1
     for number, step in enumerate(plan.steps):
@@ -99,21 +109,9 @@ def constant_intermediates(
 
 def _affine_step(step: ContractionStep, picked: list[torch.Tensor], which: int, label: str) -> torch.Tensor:
     """One step in which operand ``which`` lacks the final entry (a 1) of leg ``label``."""
-    z = picked[which]
-    others = [k for k in range(len(picked)) if k != which]
-    if len(others) != 1 or label not in step.operands[others[0]] or label in step.output:
+    if not affine_is_plain(step, which, label):
         # Not a plain contraction of z's leg with one tensor: append the ones explicitly.
+        z = picked[which]
         picked[which] = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
         return torch.einsum(step.equation, *picked)
-    other = others[0]
-    labels = step.operands[other]
-    tensor = picked[other]
-    axis = labels.index(label)
-    picked[other] = tensor.narrow(axis, 0, z.shape[-1])
-    result = torch.einsum(step.equation, *picked)
-    # The ones column meets T's last slice along the leg: add it, arranged like the result.
-    rest = [x for x in labels if x != label]
-    bias = tensor.select(axis, tensor.shape[axis] - 1)
-    bias = bias.permute(*(rest.index(x) for x in step.output if x in rest))
-    shape = [result.shape[k] if x in rest else 1 for k, x in enumerate(step.output)]
-    return result + bias.reshape(shape)
+    return affine_einsum(step, picked, which, label)

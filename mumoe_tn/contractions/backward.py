@@ -1,0 +1,341 @@
+"""A planned contraction as one autograd node, with a backward pass that holds less memory.
+
+Recording every pairwise einsum of a plan with autograd keeps each step's operands until that
+step's backward has run, keeps the output of every elementwise step (e.g. CP's Hadamard product
+of the input and coefficient projections) although it costs one multiply per element to redo,
+and allocates a fresh gradient for every operand. [`PlanFunction`][mumoe_tn.contractions.backward.PlanFunction]
+runs the same steps, but
+
+- drops the outputs of elementwise steps after the forward pass and recomputes them in the
+  backward pass where they are needed,
+- frees every intermediate and every intermediate gradient right after its last use (a second
+  backward pass through a retained graph recomputes the intermediates from the saved operands),
+  and
+- computes the gradient of an elementwise product into the incoming gradient's buffer when that
+  buffer is its own (``dA = dC · B`` in place, after ``dB = dC · A``).
+
+The gradients are those of the einsum steps (the test suite compares them with autograd
+through [`run_plan`][mumoe_tn.contractions.execute.run_plan]'s plain path on random networks).
+The node is not twice differentiable; the plain path is used under ``torch.compile``,
+``torch.func`` transforms, autocast and activation checkpointing (see
+[`use_plan_function`][mumoe_tn.contractions.backward.use_plan_function]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from mumoe_tn.contractions.plan import EINSUM_SYMBOLS, ContractionPlan, ContractionStep
+
+__all__ = ["MIN_ELEMENTS", "PlanFunction", "affine_einsum", "affine_is_plain", "use_plan_function"]
+
+Labels = tuple[str, ...]
+
+#: Plans whose largest intermediate holds fewer elements run as plain einsum steps: there the
+#: one-node backward saves little memory and its bookkeeping costs more time than it saves.
+MIN_ELEMENTS = 1 << 18
+
+
+def affine_is_plain(step: ContractionStep, which: int, label: str) -> bool:
+    """Whether the folded-bias step contracts ``z``'s leg ``label`` with exactly one other operand.
+
+    Then ``einsum(z, T[:I]) + T[I]`` computes it; otherwise a column of ones is appended.
+
+    Parameters
+    ----------
+    step : ContractionStep
+        The step that takes ``z``.
+    which : int
+        ``z``'s position among the step's operands.
+    label : str
+        The leg whose last entry ``z`` omits.
+
+    Returns
+    -------
+    bool
+    """
+    others = [k for k in range(len(step.operands)) if k != which]
+    return len(others) == 1 and label in step.operands[others[0]] and label not in step.output
+
+
+@dataclass(frozen=True)
+class _StepProgram:
+    """One step of the plan, with its operands named by value index."""
+
+    step: ContractionStep
+    values: tuple[int, ...]  # value index of each operand (inputs first, then step outputs)
+    output: int  # value index of the result
+    elementwise: bool  # every label of every operand is kept: one multiply per output element
+    short: int | None  # which operand is z without its trailing 1 (the folded bias), if any
+
+
+@dataclass(frozen=True)
+class _Program:
+    steps: tuple[_StepProgram, ...]
+    labels: tuple[Labels, ...]  # labels of every value
+    dropped: frozenset[int]  # intermediates recomputed in backward instead of kept
+
+
+def _is_elementwise(step: ContractionStep) -> bool:
+    if len(step.operands) < 2 or len(set(step.output)) != len(step.output):
+        return False
+    return all(sorted(labels) == sorted(step.output) for labels in step.operands)
+
+
+def _program(plan: ContractionPlan, ones_appended: str | None) -> _Program | None:
+    """The value-flow program of ``plan``; None where the plain path must run."""
+    return _cached_program(plan.inputs, plan.steps, ones_appended)
+
+
+@lru_cache(maxsize=256)
+def _cached_program(
+    inputs: tuple[Labels, ...], plan_steps: tuple[ContractionStep, ...], ones_appended: str | None
+) -> _Program | None:
+    n_inputs = len(inputs)
+    labels: list[Labels] = list(inputs)
+    if any(len(set(x)) != len(x) for x in labels):
+        return None  # a repeated label within one operand (a diagonal): autograd handles it
+    current = list(range(n_inputs))
+    short = n_inputs - 1 if ones_appended is not None else None
+    steps = []
+    for number, step in enumerate(plan_steps):
+        picked = [current.pop(k) for k in step.positions]
+        for k, operand in enumerate(step.operands):
+            others = {x for j, labels in enumerate(step.operands) if j != k for x in labels}
+            if not set(operand) <= others | set(step.output):
+                return None  # a label summed within one operand alone: autograd handles it
+        which = picked.index(short) if short is not None and short in picked else None
+        if which is not None and not affine_is_plain(step, which, ones_appended):
+            return None
+        output = n_inputs + number
+        steps.append(_StepProgram(step, tuple(picked), output, _is_elementwise(step), which))
+        labels.append(step.output)
+        current.append(output)
+    dropped = set()
+    for program in steps[:-1]:
+        if program.elementwise and all(v < n_inputs or v not in dropped for v in program.values):
+            dropped.add(program.output)
+    return _Program(tuple(steps), tuple(labels), frozenset(dropped))
+
+
+def use_plan_function(
+    plan: ContractionPlan, operands: Sequence[torch.Tensor], ones_appended: str | None
+) -> _Program | None:
+    """The program to run through [`PlanFunction`][mumoe_tn.contractions.backward.PlanFunction], or None.
+
+    None (run the plain einsum steps) when no gradient is needed, while ``torch.compile``
+    traces, under ``torch.func`` transforms, autocast or saved-tensor hooks (activation
+    checkpointing), for small plans (largest intermediate below
+    [`MIN_ELEMENTS`][mumoe_tn.contractions.backward]), or when the plan has a step the program
+    does not express.
+    """
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in operands):
+        return None
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return None
+    if torch.is_autocast_enabled(operands[0].device.type):
+        return None
+    if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
+        return None  # checkpoint-style hooks must see every saved tensor
+    if len(plan.steps) < 2 or plan.largest_intermediate < MIN_ELEMENTS:
+        return None
+    return _program(plan, ones_appended)
+
+
+def _equation(inputs: Sequence[Labels], output: Labels) -> str:
+    symbol = {label: EINSUM_SYMBOLS[k] for k, label in enumerate(dict.fromkeys((*sum(inputs, ()), *output)))}
+    return ",".join("".join(symbol[x] for x in labels) for labels in inputs) + "->" + "".join(symbol[x] for x in output)
+
+
+def _grad_of_operand(
+    grad: torch.Tensor, output: Labels, others: Sequence[tuple[torch.Tensor, Labels]], target: Labels
+) -> torch.Tensor:
+    """``∂ einsum(…) / ∂ operand`` applied to ``grad``: contract it with the other operands.
+
+    Every label of the operand is in the output or in another operand (checked by `_cached_program`).
+    With one other operand, the one whose labels in ``target`` span fewer entries goes first: it
+    becomes the rows of the batched matrix product, the orientation BLAS runs faster (as autograd's
+    own ``bmm`` backward arranges it).
+    """
+    operands = [(grad, output), *((tensor, labels) for tensor, labels in others)]
+    if len(operands) == 2 and _span(*operands[1], target) < _span(*operands[0], target):
+        operands.reverse()
+    equation = _equation([labels for _, labels in operands], target)
+    return torch.einsum(equation, *(tensor for tensor, _ in operands))
+
+
+def _span(tensor: torch.Tensor, labels: Labels, target: Labels) -> int:
+    """Entries of ``tensor`` along its labels that ``target`` keeps."""
+    span = 1
+    for size, label in zip(tensor.shape, labels, strict=True):
+        if label in target:
+            span *= size
+    return span
+
+
+def affine_einsum(step: ContractionStep, tensors: Sequence[torch.Tensor], which: int, label: str) -> torch.Tensor:
+    """``einsum(z, T[:I]) + T[I]``: the step with operand ``which`` lacking the trailing 1 of ``label``.
+
+    Only for steps where [`affine_is_plain`][mumoe_tn.contractions.backward.affine_is_plain] holds.
+
+    Parameters
+    ----------
+    step : ContractionStep
+        The step.
+    tensors : Sequence of torch.Tensor
+        Its two operands, in equation order.
+    which : int
+        The position of ``z``.
+    label : str
+        The leg whose last entry ``z`` omits.
+
+    Returns
+    -------
+    torch.Tensor
+    """
+    z = tensors[which]
+    other = 1 - which
+    labels, tensor = step.operands[other], tensors[other]
+    axis = labels.index(label)
+    picked = list(tensors)
+    picked[other] = tensor.narrow(axis, 0, z.shape[-1])
+    result = torch.einsum(step.equation, *picked)
+    # The ones column meets T's last slice along the leg: add it, arranged like the result.
+    rest = [x for x in labels if x != label]
+    bias = tensor.select(axis, tensor.shape[axis] - 1)
+    bias = bias.permute(*(rest.index(x) for x in step.output if x in rest))
+    shape = [result.shape[k] if x in rest else 1 for k, x in enumerate(step.output)]
+    return result.add_(bias.reshape(shape)) if not result.requires_grad else result + bias.reshape(shape)
+
+
+def _forward_step(program: _StepProgram, tensors: list[torch.Tensor], label: str | None) -> torch.Tensor:
+    if program.short is None:
+        return torch.einsum(program.step.equation, *tensors)
+    return affine_einsum(program.step, tensors, program.short, label)
+
+
+class PlanFunction(torch.autograd.Function):
+    """Run a plan as one autograd node (see the module notes); call through `run_plan`."""
+
+    @staticmethod
+    def forward(ctx: Any, program: _Program, label: str | None, *operands: torch.Tensor) -> torch.Tensor:
+        values: list[torch.Tensor | None] = [*operands, *([None] * len(program.steps))]
+        for program_step in program.steps:
+            tensors = [values[v] for v in program_step.values]
+            values[program_step.output] = _forward_step(program_step, tensors, label)
+        result = values[program.steps[-1].output]
+        for value in program.dropped:
+            values[value] = None
+        values[program.steps[-1].output] = None
+        ctx.program, ctx.label = program, label
+        ctx.intermediates = values[len(operands) :]
+        ctx.n_inputs = len(operands)
+        ctx.save_for_backward(*operands)
+        return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        program: _Program = ctx.program
+        n_inputs = ctx.n_inputs
+        # The intermediates are let go as the backward pass uses them; a second backward through a
+        # retained graph (retain_graph=True) recomputes them from the saved operands.
+        intermediates = ctx.intermediates or [None] * len(program.steps)
+        ctx.intermediates = None
+        values: list[torch.Tensor | None] = [*ctx.saved_tensors, *intermediates]
+        del intermediates
+        needs = _needs_grad(program, ctx.needs_input_grad[2:], n_inputs)
+        grads: list[torch.Tensor | None] = [None] * len(values)
+        grads[program.steps[-1].output] = grad
+        for number in range(len(program.steps) - 1, -1, -1):
+            program_step = program.steps[number]
+            out_grad = grads[program_step.output]
+            grads[program_step.output] = None
+            if out_grad is not None:
+                for value in program_step.values:
+                    if values[value] is None:
+                        _recompute(program, value, values, ctx.label, n_inputs)
+                # Every gradient but the caller's (that of the last step) is a buffer of this pass.
+                grad_owned = number != len(program.steps) - 1
+                _step_backward(program_step, ctx.label, out_grad, grad_owned, values, grads, needs)
+            for value in program_step.values:  # every value is the operand of one step only
+                if value >= n_inputs:
+                    values[value] = None
+        return (None, None, *grads[:n_inputs])
+
+
+def _needs_grad(program: _Program, inputs: Sequence[bool], n_inputs: int) -> list[bool]:
+    needs = [*inputs, *([False] * len(program.steps))]
+    for program_step in program.steps:
+        needs[program_step.output] = any(needs[v] for v in program_step.values)
+    return needs
+
+
+def _recompute(
+    program: _Program, value: int, values: list[torch.Tensor | None], label: str | None, n_inputs: int
+) -> None:
+    program_step = program.steps[value - n_inputs]
+    for operand in program_step.values:
+        if values[operand] is None:
+            _recompute(program, operand, values, label, n_inputs)
+    values[value] = _forward_step(program_step, [values[v] for v in program_step.values], label)
+
+
+def _step_backward(
+    program_step: _StepProgram,
+    label: str | None,
+    out_grad: torch.Tensor,
+    grad_owned: bool,
+    values: list[torch.Tensor | None],
+    grads: list[torch.Tensor | None],
+    needs: list[bool],
+) -> None:
+    step = program_step.step
+    operands = [values[v] for v in program_step.values]
+    wanted = [k for k, v in enumerate(program_step.values) if needs[v]]
+    results: dict[int, torch.Tensor] = {}
+    if program_step.short is not None:
+        results = _affine_backward(program_step, operands, out_grad, wanted, label)
+    elif program_step.elementwise and len(operands) == 2 and all(labels == step.output for labels in step.operands):
+        # dB = dC · A first, then dA = dC · B into dC's own buffer when it is ours.
+        if 1 in wanted:
+            results[1] = out_grad * operands[0]
+        if 0 in wanted:
+            results[0] = out_grad.mul_(operands[1]) if grad_owned else out_grad * operands[1]
+    else:
+        for k in wanted:
+            others = [(operands[j], step.operands[j]) for j in range(len(operands)) if j != k]
+            results[k] = _grad_of_operand(out_grad, step.output, others, step.operands[k])
+    for k, result in results.items():
+        grads[program_step.values[k]] = result  # every value is the operand of one step only
+
+
+def _affine_backward(
+    program_step: _StepProgram,
+    operands: list[torch.Tensor],
+    out_grad: torch.Tensor,
+    wanted: list[int],
+    label: str,
+) -> dict[int, torch.Tensor]:
+    """Gradients of ``einsum(z, T[:I]) + T[I]`` (``z`` lacks the trailing 1 of the leg)."""
+    step = program_step.step
+    which, other = program_step.short, 1 - program_step.short
+    z, tensor = operands[which], operands[other]
+    z_labels, other_labels = step.operands[which], step.operands[other]
+    axis = other_labels.index(label)
+    results = {}
+    if which in wanted:
+        narrowed = tensor.narrow(axis, 0, z.shape[-1])
+        results[which] = _grad_of_operand(out_grad, step.output, [(narrowed, other_labels)], z_labels)
+    if other in wanted:
+        body = _grad_of_operand(out_grad, step.output, [(z, z_labels)], other_labels)
+        rest = tuple(x for x in other_labels if x != label)
+        bias = _grad_of_operand(out_grad, step.output, [], rest)
+        results[other] = torch.cat([body, bias.unsqueeze(axis)], dim=axis)
+    return results
