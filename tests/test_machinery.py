@@ -1,4 +1,4 @@
-"""PyTorch machinery around μMoE layers: torch.func, autocast, compile, DDP."""
+"""PyTorch machinery around μMoE layers: torch.func, autocast, compile, DDP, FSDP2."""
 
 import os
 
@@ -113,6 +113,40 @@ def test_ddp_gloo_matches_single_process(tmp_path):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), data, str(out)), nprocs=2, join=True)
     trained = torch.load(out, weights_only=True)
+    for name, value in single.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-10, atol=1e-12)
+
+
+def _fsdp2_worker(rank, world, init_file, data, out):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    x, y = data
+    shard = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+    model = _make_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)  # each μMoE layer's cores are sharded across the two processes
+    fully_shard(model)
+    _train(model, x[shard], y[shard])
+    state = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    if rank == 0:
+        torch.save(state, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_fsdp2_fully_shard_gloo_matches_single_process(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
+    torch.manual_seed(1)
+    data = (torch.randn(16, 8, dtype=DTYPE), torch.randn(16, 3, dtype=DTYPE))
+    single = _make_model()
+    _train(single, *data)
+    out = tmp_path / "fsdp2.pt"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "init"), data, str(out)), nprocs=2, join=True)
+    trained = torch.load(out, weights_only=True)
+    assert sorted(trained) == sorted(single.state_dict())
     for name, value in single.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=1e-10, atol=1e-12)
 
