@@ -15,8 +15,9 @@ runs the same steps, but
   buffer is its own (``dA = dC · B`` in place, after ``dB = dC · A``).
 
 The gradients are those of the einsum steps (the test suite compares them with autograd
-through [`run_plan`][mumoe_tn.contractions.execute.run_plan]'s plain path on random networks).
-The node is not twice differentiable; the plain path is used under ``torch.compile``,
+through [`run_plan`][mumoe_tn.contractions.execute.run_plan]'s plain path on random networks);
+with ``create_graph=True`` the backward pass is itself recorded (no in-place writes), so
+gradient penalties and double backward work. The plain path is used under ``torch.compile``,
 ``torch.func`` transforms, autocast and activation checkpointing (see
 [`use_plan_function`][mumoe_tn.contractions.backward.use_plan_function]).
 """
@@ -29,7 +30,6 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from mumoe_tn.contractions.plan import EINSUM_SYMBOLS, ContractionPlan, ContractionStep
 
@@ -78,7 +78,6 @@ class _StepProgram:
 @dataclass(frozen=True)
 class _Program:
     steps: tuple[_StepProgram, ...]
-    labels: tuple[Labels, ...]  # labels of every value
     dropped: frozenset[int]  # intermediates recomputed in backward instead of kept
 
 
@@ -98,8 +97,7 @@ def _cached_program(
     inputs: tuple[Labels, ...], plan_steps: tuple[ContractionStep, ...], ones_appended: str | None
 ) -> _Program | None:
     n_inputs = len(inputs)
-    labels: list[Labels] = list(inputs)
-    if any(len(set(x)) != len(x) for x in labels):
+    if any(len(set(x)) != len(x) for x in inputs):
         return None  # a repeated label within one operand (a diagonal): autograd handles it
     current = list(range(n_inputs))
     short = n_inputs - 1 if ones_appended is not None else None
@@ -115,13 +113,12 @@ def _cached_program(
             return None
         output = n_inputs + number
         steps.append(_StepProgram(step, tuple(picked), output, _is_elementwise(step), which))
-        labels.append(step.output)
         current.append(output)
     dropped = set()
     for program in steps[:-1]:
         if program.elementwise and all(v < n_inputs or v not in dropped for v in program.values):
             dropped.add(program.output)
-    return _Program(tuple(steps), tuple(labels), frozenset(dropped))
+    return _Program(tuple(steps), frozenset(dropped))
 
 
 def use_plan_function(
@@ -240,14 +237,16 @@ class PlanFunction(torch.autograd.Function):
         return result
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         program: _Program = ctx.program
         n_inputs = ctx.n_inputs
         # The intermediates are let go as the backward pass uses them; a second backward through a
-        # retained graph (retain_graph=True) recomputes them from the saved operands.
-        intermediates = ctx.intermediates or [None] * len(program.steps)
+        # retained graph (retain_graph=True) recomputes them from the saved operands, and so does
+        # a recorded one (create_graph=True), where they must depend on the operands.
+        intermediates = ctx.intermediates
         ctx.intermediates = None
+        if intermediates is None or torch.is_grad_enabled():
+            intermediates = [None] * len(program.steps)
         values: list[torch.Tensor | None] = [*ctx.saved_tensors, *intermediates]
         del intermediates
         needs = _needs_grad(program, ctx.needs_input_grad[2:], n_inputs)
@@ -261,8 +260,9 @@ class PlanFunction(torch.autograd.Function):
                 for value in program_step.values:
                     if values[value] is None:
                         _recompute(program, value, values, ctx.label, n_inputs)
-                # Every gradient but the caller's (that of the last step) is a buffer of this pass.
-                grad_owned = number != len(program.steps) - 1
+                # Every gradient but the caller's (that of the last step) is a buffer of this pass;
+                # with create_graph=True the backward pass is recorded, so nothing is overwritten.
+                grad_owned = number != len(program.steps) - 1 and not torch.is_grad_enabled()
                 _step_backward(program_step, ctx.label, out_grad, grad_owned, values, grads, needs)
             for value in program_step.values:  # every value is the operand of one step only
                 if value >= n_inputs:
