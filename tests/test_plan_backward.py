@@ -6,11 +6,11 @@ import weakref
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from mumoe_tn.contractions import backward, plan_contraction, plan_forward, run_plan
-from mumoe_tn.contractions.backward import PlanFunction, use_plan_function
+from mumoe_tn.contractions.backward import PlanFunction, plan_program, use_plan_function
 from mumoe_tn.decompositions import build
 from tests.strategies import any_network
 
@@ -34,9 +34,13 @@ def _operands(network, batch, seed, *, folded, requires):
     return operands
 
 
-def _gradients(plan, operands, grad, folded, memory_saving):
+def _gradients(plan, operands, grad, folded, one_node):
     leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in operands]
-    out = run_plan(plan, leaves, ones_appended="i" if folded else None, memory_saving=memory_saving)
+    ones = "i" if folded else None
+    if one_node:  # every plan the program expresses, whether or not run_plan would choose it
+        out = PlanFunction.apply(plan_program(plan, ones), ones, *leaves)
+    else:
+        out = run_plan(plan, leaves, ones_appended=ones, memory_saving=False)
     wanted = [t for t in leaves if t.requires_grad]
     return out, torch.autograd.grad(out, wanted, grad)
 
@@ -55,10 +59,11 @@ def test_gradients_equal_autograd_through_the_steps(network, batch, folded, opti
     requires = data.draw(st.lists(st.booleans(), min_size=n_operands, max_size=n_operands).filter(any))
     operands = _operands(network, batch, 0, folded=folded, requires=requires)
     plan = plan_forward(network, batch, optimize)
+    assume(len(plan.steps) > 1 and plan_program(plan, "i" if folded else None) is not None)
     grad = torch.randn(batch, network.out_features, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
     kept = grad.clone()
-    out, grads = _gradients(plan, operands, grad, folded, memory_saving=True)
-    out_ref, grads_ref = _gradients(plan, operands, grad, folded, memory_saving=False)
+    out, grads = _gradients(plan, operands, grad, folded, one_node=True)
+    out_ref, grads_ref = _gradients(plan, operands, grad, folded, one_node=False)
     torch.testing.assert_close(out, out_ref)
     for ours, reference in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(ours, reference)
@@ -114,11 +119,13 @@ def test_plain_steps_under_checkpoint_and_autocast(context):
 
 
 def test_an_elementwise_last_step_leaves_the_callers_gradient_alone():
-    # (x) ⊙ [(x y) · (y)]: the last step multiplies elementwise, against the caller's gradient
-    plan = plan_contraction([("x",), ("x", "y"), ("y",)], ("x",), {"x": 5, "y": 3}, ((1, 2), (0, 1)))
-    assert use_plan_function(plan, [torch.ones(5, requires_grad=True)] * 3, None) is not None
+    # [(x) ⊙ (x)] ⊙ [(x y) · (y)]: the last step multiplies elementwise, against the caller's gradient
+    inputs, sizes = [("x",), ("x",), ("x", "y"), ("y",)], {"x": 5, "y": 3}
+    plan = plan_contraction(inputs, ("x",), sizes, ((0, 1), (0, 1), (0, 1)))
     gen = torch.Generator().manual_seed(3)
-    operands = [torch.randn(shape, generator=gen, dtype=DTYPE, requires_grad=True) for shape in ((5,), (5, 3), (3,))]
+    shapes = [tuple(sizes[x] for x in labels) for labels in inputs]
+    operands = [torch.randn(shape, generator=gen, dtype=DTYPE, requires_grad=True) for shape in shapes]
+    assert use_plan_function(plan, operands, None) is not None
     grad = torch.randn(5, generator=gen, dtype=DTYPE)
     kept = grad.clone()
     out = run_plan(plan, operands)
@@ -127,6 +134,14 @@ def test_an_elementwise_last_step_leaves_the_callers_gradient_alone():
     reference = torch.autograd.grad(run_plan(plan, operands, memory_saving=False), operands, grad)
     for a, b in zip(ours, reference, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_plans_without_an_elementwise_step_keep_autograd():
+    network = build("tr", 4, 6, 5, (2, 2, 3))
+    plan = plan_forward(network, 4)
+    operands = _operands(network, 4, 0, folded=False, requires=[True] * 5)
+    assert not any(step.output == operand for step in plan.steps for operand in step.operands)
+    assert use_plan_function(plan, operands, None) is None
 
 
 class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):

@@ -33,7 +33,7 @@ import torch
 
 from mumoe_tn.contractions.plan import EINSUM_SYMBOLS, ContractionPlan, ContractionStep
 
-__all__ = ["MIN_ELEMENTS", "PlanFunction", "affine_einsum", "affine_is_plain", "use_plan_function"]
+__all__ = ["MIN_ELEMENTS", "PlanFunction", "affine_einsum", "affine_is_plain", "plan_program", "use_plan_function"]
 
 Labels = tuple[str, ...]
 
@@ -73,6 +73,7 @@ class _StepProgram:
     output: int  # value index of the result
     elementwise: bool  # every label of every operand is kept: one multiply per output element
     short: int | None  # which operand is z without its trailing 1 (the folded bias), if any
+    terminal: tuple[bool, ...]  # per operand: an input of the plan (no earlier step reads its gradient)
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,23 @@ def _is_elementwise(step: ContractionStep) -> bool:
     return all(sorted(labels) == sorted(step.output) for labels in step.operands)
 
 
-def _program(plan: ContractionPlan, ones_appended: str | None) -> _Program | None:
-    """The value-flow program of ``plan``; None where the plain path must run."""
+def plan_program(plan: ContractionPlan, ones_appended: str | None = None) -> _Program | None:
+    """The value-flow program [`PlanFunction`][mumoe_tn.contractions.backward.PlanFunction] runs for ``plan``.
+
+    Parameters
+    ----------
+    plan : ContractionPlan
+        The plan.
+    ones_appended : str, optional
+        As for [`run_plan`][mumoe_tn.contractions.execute.run_plan].
+
+    Returns
+    -------
+    object or None
+        None where the plan has a step the program does not express (a repeated label within one
+        operand, a label summed within one operand alone, a folded bias that needs its column of
+        ones appended); then the plain einsum steps run.
+    """
     return _cached_program(plan.inputs, plan.steps, ones_appended)
 
 
@@ -112,7 +128,8 @@ def _cached_program(
         if which is not None and not affine_is_plain(step, which, ones_appended):
             return None
         output = n_inputs + number
-        steps.append(_StepProgram(step, tuple(picked), output, _is_elementwise(step), which))
+        terminal = tuple(v < n_inputs for v in picked)
+        steps.append(_StepProgram(step, tuple(picked), output, _is_elementwise(step), which, terminal))
         current.append(output)
     dropped = set()
     for program in steps[:-1]:
@@ -129,8 +146,9 @@ def use_plan_function(
     None (run the plain einsum steps) when no gradient is needed, while ``torch.compile``
     traces, under ``torch.func`` transforms, autocast or saved-tensor hooks (activation
     checkpointing), for small plans (largest intermediate below
-    [`MIN_ELEMENTS`][mumoe_tn.contractions.backward]), or when the plan has a step the program
-    does not express.
+    [`MIN_ELEMENTS`][mumoe_tn.contractions.backward]), for plans without an elementwise step (no
+    product to recompute: autograd's per-step nodes free as early and reuse the permuted core
+    copies the forward einsums made), or when the plan has a step the program does not express.
     """
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in operands):
         return None
@@ -142,7 +160,10 @@ def use_plan_function(
         return None  # checkpoint-style hooks must see every saved tensor
     if len(plan.steps) < 2 or plan.largest_intermediate < MIN_ELEMENTS:
         return None
-    return _program(plan, ones_appended)
+    program = plan_program(plan, ones_appended)
+    # Without an elementwise step to recompute, autograd's per-step nodes free as early and
+    # reuse the permuted copies of the cores that the forward einsums made.
+    return program if program is not None and program.dropped else None
 
 
 def _equation(inputs: Sequence[Labels], output: Labels) -> str:
@@ -151,20 +172,30 @@ def _equation(inputs: Sequence[Labels], output: Labels) -> str:
 
 
 def _grad_of_operand(
-    grad: torch.Tensor, output: Labels, others: Sequence[tuple[torch.Tensor, Labels]], target: Labels
+    grad: torch.Tensor,
+    output: Labels,
+    others: Sequence[tuple[torch.Tensor, Labels]],
+    target: Labels,
+    *,
+    terminal: bool = False,
 ) -> torch.Tensor:
     """``∂ einsum(…) / ∂ operand`` applied to ``grad``: contract it with the other operands.
 
     Every label of the operand is in the output or in another operand (checked by `_cached_program`).
-    With one other operand, the one whose labels in ``target`` span fewer entries goes first: it
-    becomes the rows of the batched matrix product, the orientation BLAS runs faster (as autograd's
-    own ``bmm`` backward arranges it).
+    For a ``terminal`` operand (an input, whose gradient no later step reads) with one other
+    operand, the labels from the side spanning fewer entries come first: they are the rows of the
+    batched matrix product, the orientation BLAS runs faster (as autograd's own ``bmm`` backward
+    arranges it); the result is returned as a permuted view. Gradients that later steps read keep
+    the natural order, laid out contiguously.
     """
     operands = [(grad, output), *((tensor, labels) for tensor, labels in others)]
-    if len(operands) == 2 and _span(*operands[1], target) < _span(*operands[0], target):
-        operands.reverse()
-    equation = _equation([labels for _, labels in operands], target)
-    return torch.einsum(equation, *(tensor for tensor, _ in operands))
+    order = target
+    if terminal and len(operands) == 2:
+        small = min(operands, key=lambda operand: _span(*operand, target))[1]
+        order = tuple(x for x in target if x in small) + tuple(x for x in target if x not in small)
+    equation = _equation([labels for _, labels in operands], order)
+    result = torch.einsum(equation, *(tensor for tensor, _ in operands))
+    return result if order == target else result.permute(*(order.index(x) for x in target))
 
 
 def _span(tensor: torch.Tensor, labels: Labels, target: Labels) -> int:
@@ -218,7 +249,11 @@ def _forward_step(program: _StepProgram, tensors: list[torch.Tensor], label: str
 
 
 class PlanFunction(torch.autograd.Function):
-    """Run a plan as one autograd node (see the module notes); call through `run_plan`."""
+    """Run a plan as one autograd node (see the module notes).
+
+    ``PlanFunction.apply(plan_program(plan, ones_appended), ones_appended, *operands)``;
+    [`run_plan`][mumoe_tn.contractions.execute.run_plan] calls it where it pays off.
+    """
 
     @staticmethod
     def forward(ctx: Any, program: _Program, label: str | None, *operands: torch.Tensor) -> torch.Tensor:
@@ -311,7 +346,8 @@ def _step_backward(
     else:
         for k in wanted:
             others = [(operands[j], step.operands[j]) for j in range(len(operands)) if j != k]
-            results[k] = _grad_of_operand(out_grad, step.output, others, step.operands[k])
+            terminal = program_step.terminal[k]
+            results[k] = _grad_of_operand(out_grad, step.output, others, step.operands[k], terminal=terminal)
     for k, result in results.items():
         grads[program_step.values[k]] = result  # every value is the operand of one step only
 
@@ -334,7 +370,8 @@ def _affine_backward(
         narrowed = tensor.narrow(axis, 0, z.shape[-1])
         results[which] = _grad_of_operand(out_grad, step.output, [(narrowed, other_labels)], z_labels)
     if other in wanted:
-        body = _grad_of_operand(out_grad, step.output, [(z, z_labels)], other_labels)
+        terminal = program_step.terminal[other]
+        body = _grad_of_operand(out_grad, step.output, [(z, z_labels)], other_labels, terminal=terminal)
         rest = tuple(x for x in other_labels if x != label)
         bias = _grad_of_operand(out_grad, step.output, [], rest)
         results[other] = torch.cat([body, bias.unsqueeze(axis)], dim=axis)
