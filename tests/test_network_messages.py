@@ -130,10 +130,8 @@ def test_names_survive_copies_and_default_to_the_format():
 
 def test_graph_edges_by_hand():
     # a hyperedge over three cores (three pairs), parallel bonds a, b between A and B, and c between B and C
-    net = ExpertNetwork(
-        {"A": "n1 h a b", "B": "h a b c i", "C": "h c o"}, {**PHYS, "h": 2, "a": 3, "b": 5, "c": 7}
-    )
-    edges = sorted(tuple(sorted((u, v))) + (d["label"], d["size"]) for u, v, d in net.graph().edges(data=True))
+    net = ExpertNetwork({"A": "n1 h a b", "B": "h a b c i", "C": "h c o"}, {**PHYS, "h": 2, "a": 3, "b": 5, "c": 7})
+    edges = sorted((*sorted((u, v)), d["label"], d["size"]) for u, v, d in net.graph().edges(data=True))
     assert edges == [
         ("A", "B", "a", 3),
         ("A", "B", "b", 5),
@@ -147,8 +145,7 @@ def test_graph_edges_by_hand():
 def test_repr_in_full():
     net = ExpertNetwork({"A": "n1 n2 a", "B": "a i o b", "C": "b"}, {"n1": 2, "n2": 3, "i": 4, "o": 5, "a": 6, "b": 7})
     assert repr(net) == (
-        "ExpertNetwork('custom', 'A: n1 n2 a, B: a i o b, C: b', experts=2×3, i=4, o=5, bonds=(a=6, b=7), "
-        "params=883)"
+        "ExpertNetwork('custom', 'A: n1 n2 a, B: a i o b, C: b', experts=2×3, i=4, o=5, bonds=(a=6, b=7), params=883)"
     )
     named = net.with_format(None, name="mine")
     assert repr(named).startswith("ExpertNetwork('mine' (no format), 'A: n1 n2 a")
