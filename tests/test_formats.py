@@ -7,6 +7,7 @@ and matching of custom networks, mixed cost tables, collapsed matches).
 import copy
 import math
 import pickle
+import re
 import warnings
 
 import pytest
@@ -329,3 +330,25 @@ def test_decompose_dense_clipped_ranks_and_bad_tensors():
         decompose_dense(torch.ones(3, 4, 5, dtype=torch.complex64), "cp", 2)
     with pytest.raises(ValueError, match=r"weight has NaN or infinite entries"):
         decompose_dense(torch.full((3, 4, 5), float("nan")), "cp", 2)
+
+
+def test_registry_messages_in_full():
+    from mumoe_tn.decompositions import register
+
+    for bad in ("  ", ""):
+        with pytest.raises(ValueError, match="^" + re.escape(f"a format needs a non-empty name, got {bad!r}") + "$"):
+
+            class Blank(Format, name=bad):
+                pass
+
+    with pytest.raises(ValueError, match=r"^a format needs a non-empty name, got 3$"):
+
+        class Numbered(Format, name=3):
+            pass
+
+    with pytest.raises(TypeError, match=r"^register\(\) takes a Format instance, got int$"):
+        register(3)
+    with pytest.raises(ValueError, match=r"^a format needs a non-empty name$"):
+        register(Format())  # the base class has no name
+    cp_format = get_format("cp")
+    assert build(cp_format, 3, 5, 4, 2) == build("cp", 3, 5, 4, 2)  # a Format is used as given
