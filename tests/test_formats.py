@@ -441,3 +441,28 @@ def test_zero_pad_by_hand():
         zero_pad(torch.ones(2, 3), (2,))
     with pytest.raises(ValueError, match=exactly("cannot pad a tensor of shape (3,) to (2,)")):
         zero_pad(torch.ones(3), (2,))
+
+
+def test_format_messages_in_full():
+    with pytest.raises(ValueError, match=exactly("tr rank[0] must be a positive int, got 0")):
+        tr(3, 5, 4, 0)
+    with pytest.raises(ValueError, match=exactly("tr expert_rank rank[0] must be a positive int, got 0")):
+        tr(3, 5, 4, 2, expert_rank=0)
+
+    class Broken(Format, name="broken_doc"):
+        def network(self, expert_dims, in_features, out_features, rank, **options):
+            return 3
+
+    try:
+        with pytest.raises(
+            TypeError, match=exactly("format 'broken_doc': network() returned int, not an ExpertNetwork")
+        ):
+            build("broken_doc", 3, 5, 4, 2)
+    finally:
+        unregister("broken_doc")
+    message = (
+        "the network does not follow format 'cp': it has cores 'A: n1 r, B: r i, C: r o' but 'cp' builds "
+        "'U_n1: n1 r, U_i: i r, U_o: o r'; leave format=None for a custom network"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
+        ExpertNetwork({"A": "n1 r", "B": "r i", "C": "r o"}, {"n1": 3, "i": 5, "o": 4, "r": 2}, format=get_format("cp"))
