@@ -768,3 +768,61 @@ def test_compare_messages_in_full():
         compare(3, 5, 4, ["cp"], bonds={"x": ["r"]})
     with raises(ValueError, "no rank given for 'cp' and match=None"):
         compare(3, 5, 4, ["cp"], match=None)
+
+
+def test_solve_rank_by_hand():
+    def tens(r):
+        return 10 * r
+
+    assert [solve_rank(tens, t) for t in (10, 12, 15, 16, 20, 25, 26)] == [1, 1, 1, 2, 2, 2, 3]  # ties: smaller r
+    assert solve_rank(lambda r: r, 1) == 1
+    assert solve_rank(lambda r: r, 2**40 - 1) == 2**40 - 1  # the largest rank searched
+    with raises(TypeError, "the parameter target must be a positive int, got 2.5 (float)"):
+        solve_rank(tens, 2.5)
+    with raises(ValueError, "no rank up to 1,099,511,627,776 reaches 5 parameters for the layer"):
+        solve_rank(lambda r: 1, 5)
+    with raises(ValueError, "out_features must be a positive int, got 0"):
+        linear(3, 0)
+
+
+def test_layer_table_baselines_without_bias_or_gate():
+    rows = {row.name: row for row in small_table(bias=False, gate=False).rows}
+    assert rows["nn.Linear"].params_total == 15  # 3·5
+    dense, sparse = rows["dense MoE (N=4)"], rows["sparse top-2 MoE (N=4)"]
+    assert (dense.params_total, dense.params_gate, sparse.fma_planned) == (60, 0, 30)
+
+
+def test_matched_block_without_bias_or_gate():
+    # two CP layers 8 -> 64 -> 8, N = 56: 2 r (N + I + H) = 256 r against the MLP's 2·8·64 = 1024 -> r = 4
+    (first, second) = compare(8, 64, 56, ["cp"], match="mlp", bias=False, gate=False).rows[0].networks
+    assert first.sizes["r"] == second.sizes["r"] == 4
+    # the gate's 8·56 parameters leave 576 for the experts: r = 2.25 -> 2
+    assert compare(8, 64, 56, ["cp"], match="mlp", bias=False).rows[0].networks[0].sizes["r"] == 2
+
+
+def test_rich_table_of_no_rows():
+    table = rich_table("t", [], KEYS)
+    assert len(table.columns) == len(KEYS) and table.row_count == 0
+
+
+def test_rich_table_folds_long_names_instead_of_cutting_them():
+    from rich.console import Console
+
+    records = [{"name": "a-very-long-layer-name", "params_total": 1234567}]
+    console = Console(width=20, record=True, color_system=None)
+    console.print(rich_table("t", records, ["name", "params_total"], width=20))
+    text = console.export_text()
+    assert "…" not in text and "1,234,567" in text
+    lines = text.splitlines()
+    data = lines[next(k for k, line in enumerate(lines) if "─" in line) + 1 :]
+    assert "".join(line.split()[0] for line in data if line.strip()) == "a-very-long-layer-name"
+
+
+def test_matching_warning_points_at_the_caller():
+    import os
+
+    if os.environ.get("MUTANT_UNDER_TEST"):
+        pytest.skip("mutmut's trampoline adds stack frames")
+    with pytest.warns(MatchingWarning) as record:
+        match_layer(chain(2, 4, 3, a=1, c=1), 100, bonds=["c"], bias=False)
+    assert {w.filename for w in record} == {__file__}

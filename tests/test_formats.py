@@ -466,3 +466,22 @@ def test_format_messages_in_full():
     )
     with pytest.raises(ValueError, match=exactly(message)):
         ExpertNetwork({"A": "n1 r", "B": "r i", "C": "r o"}, {"n1": 3, "i": 5, "o": 4, "r": 2}, format=get_format("cp"))
+
+
+def test_registry_lookup_messages():
+    with pytest.raises(TypeError, match=exactly("a decomposition name must be a string, got 3 (int)")):
+        get_format(3)
+    with pytest.raises(ValueError, match=exactly("cp rank[1] must be a positive int, got 0")):
+        normalize_ranks("cp", (2, 0), 2)
+
+
+def test_builder_networks_must_have_the_requested_expert_dims():
+    from mumoe_tn.decompositions import resolve_network
+
+    fixed = ExpertNetwork.from_spec("n1 a, a i o", expert_dims=4, in_features=9, out_features=6, ranks=2)
+    message = (
+        "the network's legs {'n1': 4, 'i': 9, 'o': 6} do not match the requested {'n1': 3, 'i': 9, 'o': 6} "
+        "(leg i includes a folded bias column)"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
+        resolve_network(lambda *args: fixed, 3, 9, 6, 2)
