@@ -15,6 +15,7 @@ from strategies import any_network, custom_networks, named_networks
 from mumoe_tn import ExpertNetwork, MuMoE
 from mumoe_tn.contractions import plan_contraction, plan_forward
 from mumoe_tn.costs import (
+    COLUMNS,
     compare,
     dense_forward_fma,
     dense_moe,
@@ -826,3 +827,15 @@ def test_matching_warning_points_at_the_caller():
     with pytest.warns(MatchingWarning) as record:
         match_layer(chain(2, 4, 3, a=1, c=1), 100, bonds=["c"], bias=False)
     assert {w.filename for w in record} == {__file__}
+
+
+def test_to_rich_fits_a_width_above_the_default_terminal():
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    wide = compare(768, 3072, 256, ["cp", "tr"], ranks={"cp": 3000, "tr": 700}, match=None, batch=4096)
+    for width in (100, 120):  # all twelve columns need 129
+        table = wide.to_rich(width=width)
+        console = Console(width=10_000)
+        minimum = Measurement.get(console, console.options, table).minimum
+        assert minimum <= width and len(table.columns) < len(COLUMNS) + 1  # something had to go
