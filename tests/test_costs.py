@@ -1,7 +1,9 @@
 """Cost model: FMA unit, planned vs closed-form FLOPs, parameters, rank bounds, matching."""
 
 import math
+import re
 import sys
+import warnings
 
 import opt_einsum
 import pytest
@@ -13,6 +15,7 @@ from strategies import any_network, custom_networks, named_networks
 from mumoe_tn import ExpertNetwork, MuMoE
 from mumoe_tn.contractions import plan_contraction, plan_forward
 from mumoe_tn.costs import (
+    COLUMNS,
     compare,
     dense_forward_fma,
     dense_moe,
@@ -28,7 +31,11 @@ from mumoe_tn.costs import (
     solve_rank,
     sparse_moe,
 )
-from mumoe_tn.decompositions import cp, tr, tt, tucker
+from mumoe_tn.costs.baselines import mlp, moe_block
+from mumoe_tn.costs.display import TERMINAL_HEADERS, bytes_per_element, cells, format_bytes, format_value, rich_table
+from mumoe_tn.costs.matching import MatchingWarning, resolve_target, scaled_bonds
+from mumoe_tn.decompositions import cp, get_format, tr, tt, tucker
+from mumoe_tn.gate_config import Gate
 from mumoe_tn.measure import expert_ranks
 from mumoe_tn.network import BATCH_LABEL
 
@@ -275,3 +282,560 @@ def test_cost_model_is_torch_free():
     code = "import sys, mumoe_tn.costs, mumoe_tn.network, mumoe_tn.decompositions; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+# ============================================================================= by hand, against mutation survivors
+# Tables, titles, markdown and terminal layout, baselines, matching and compare() options (tests/README.md,
+# "Mutation testing"): every expected value is a hand computation or the library's documented message.
+def raises(kind, message):
+    return pytest.raises(kind, match="^" + re.escape(message) + "$")
+
+
+# ----------------------------------------------------------------------------- baselines
+def test_moe_of_mlps_by_hand():
+    # one MLP block 3 -> 5 -> 6 with biases: (3+1)·5 + (5+1)·6 = 56 parameters, rank min(4, 5, 6) = 4
+    block = mlp(3, 5, 6)
+    assert (block.name, block.params, block.fma, block.activations, block.max_rank) == ("MLP block", 56, 56, 6, 4)
+    sparse = moe_block(4, 2, 3, 5, 6)  # bias and the router (I·N = 12) by default
+    assert sparse.name == "sparse top-2 MoE of MLPs (N=4)"
+    assert (sparse.params, sparse.fma, sparse.activations, sparse.max_rank, sparse.gate_params) == (
+        4 * 56 + 12,
+        2 * 56 + 12,
+        2 * 6,
+        4,
+        12,
+    )
+    dense = moe_block(4, 4, 3, 5, 6, bias=False, gate=False)  # blocks of 3·5 + 5·6 = 45, no router
+    assert dense.name == "dense MoE of MLPs (N=4)"
+    assert (dense.params, dense.fma, dense.activations, dense.max_rank, dense.gate_params) == (180, 180, 24, 3, 0)
+    with raises(ValueError, "n_experts must be a positive int, got 0"):
+        moe_block(0, 1, 3, 5, 6)
+    with raises(ValueError, "active must be a positive int, got 0"):
+        moe_block(4, 0, 3, 5, 6)
+
+
+def test_block_table_baselines_by_hand():
+    table = compare(3, 5, 4, ["cp"], ranks={"cp": 2}, match="mlp", top_k=2)
+    rows = {row.name: row for row in table.rows}
+    # MLP block 3 -> 5 -> 3: (3+1)·5 + (5+1)·3 = 38; router 3·4 = 12
+    assert rows["MLP block"].params_total == 38
+    dense, sparse = rows["dense MoE of MLPs (N=4)"], rows["sparse top-2 MoE of MLPs (N=4)"]
+    assert (dense.params_total, dense.params_gate, dense.fma_planned) == (4 * 38 + 12, 12, 4 * 38 + 12)
+    assert (sparse.params_total, sparse.fma_planned, sparse.peak_elements) == (4 * 38 + 12, 2 * 38 + 12, 2 * 5)
+
+
+# ----------------------------------------------------------------------------- display
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (1000 * 1024, "1,000.0 KiB"),
+        (1024**2, "1.0 MiB"),
+        (3 * 2**29, "1.5 GiB"),
+        (1024**4, "1.0 TiB"),
+        (5 * 1024**5, "5.0 PiB"),
+        (1024**6, "1,024.0 PiB"),  # PiB is the last unit
+    ],
+)
+def test_format_bytes_by_hand(count, text):
+    assert format_bytes(count) == text
+
+
+def test_bytes_per_element_message():
+    assert [bytes_per_element(d) for d in ("float16", "bfloat16", "float32", "float64")] == [2, 2, 4, 8]
+    with raises(ValueError, "dtype must be one of ['bfloat16', 'float16', 'float32', 'float64'], got 'int8'"):
+        bytes_per_element("int8")
+
+
+RECORDS = [
+    {"name": "a", "params_total": 1234, "peak_elements": 1000, "max_rank": 3},
+    {"name": "b", "params_total": 5, "peak_elements": 2, "max_rank": 1},
+]
+KEYS = ["name", "params_total", "peak_elements", "peak_bytes", "max_rank"]
+
+
+def headers(table):
+    return [column.header for column in table.columns]
+
+
+def test_rich_table_columns_and_bytes():
+    table = rich_table("my title", RECORDS, KEYS)  # float32 by default
+    assert table.title == "my title" and table.caption is None
+    assert headers(table) == [TERMINAL_HEADERS[k].format(dtype="float32") for k in KEYS]
+    assert "peak/batch\nfloat32" in headers(table)
+    assert list(table.columns[3].cells) == ["3.9 KiB", "8 B"]  # 1000·4 and 2·4 bytes
+    wide = rich_table("t", RECORDS, KEYS, dtype="float64")
+    assert list(wide.columns[3].cells) == ["7.8 KiB", "16 B"]
+    plain = rich_table("t", RECORDS, KEYS, dtype=None)  # no dtype: no bytes column, every other column
+    assert headers(plain) == [TERMINAL_HEADERS[k] for k in KEYS if k != "peak_bytes"]
+
+
+def test_rich_table_drops_least_important_columns_first():
+    narrow = rich_table("t", RECORDS, KEYS, width=1)  # nothing fits: the two most important stay
+    assert headers(narrow) == ["layer", "total\nparams"]
+    assert narrow.caption == "left out to fit 1 columns: peak/batch elements, peak/batch float32, rank bound"
+    full = rich_table("t", RECORDS, KEYS, width=10_000)
+    assert len(full.columns) == 5 and full.caption is None
+
+
+# ----------------------------------------------------------------------------- compare() with a ready network
+SPEC = "A: n1 a b, B: a i c, C: b c o"
+
+
+def test_ready_network_takes_explicit_ranks():
+    net = ExpertNetwork.from_spec(SPEC, expert_dims=4, in_features=9, out_features=6, ranks=2)
+    per_bond = compare(8, 6, 4, (net,), ranks={"custom 1": (2, 3, 5)}, match=None).rows[0].networks[0]
+    assert (per_bond.sizes["a"], per_bond.sizes["b"], per_bond.sizes["c"]) == (2, 3, 5)  # bonds in order
+    one = compare(8, 6, 4, (net,), ranks={"custom 1": 7}, match=None).rows[0].networks[0]
+    assert (one.sizes["a"], one.sizes["b"], one.sizes["c"]) == (7, 7, 7)
+    by_name = compare(8, 6, 4, (net,), ranks={"custom 1": {"c": 9}}, match=None).rows[0].networks[0]
+    assert (by_name.sizes["a"], by_name.sizes["b"], by_name.sizes["c"]) == (2, 2, 9)
+    with raises(ValueError, "custom needs 3 ranks (one per bond), got 2: (2, 3)"):
+        compare(8, 6, 4, (net,), ranks={"custom 1": (2, 3)}, match=None)
+
+
+def test_dense_and_sparse_moe_by_hand():
+    dense = dense_moe(4, 3, 5)  # bias and router by default: 4·(3+1)·5 + 3·4
+    assert (dense.params, dense.fma, dense.activations, dense.max_rank, dense.gate_params) == (92, 92, 20, 4, 12)
+    sparse = sparse_moe(4, 4, 3, 6, bias=False)  # top_k = N is allowed: 4·3·6 + 12
+    assert (sparse.params, sparse.fma, sparse.activations, sparse.max_rank, sparse.gate_params) == (84, 84, 24, 3, 12)
+    with raises(ValueError, "n_experts must be a positive int, got 0"):
+        dense_moe(0, 3, 5)
+    with raises(ValueError, "in_features must be a positive int, got 0"):
+        dense_moe(4, 0, 5)
+    with raises(ValueError, "out_features must be a positive int, got 0"):
+        sparse_moe(4, 2, 3, 0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "text"),
+    [
+        ("params_total", None, "—"),
+        ("fma_vs_reference", 100, "100×"),
+        ("fma_vs_reference", 1234.5, "1,234×"),  # round half to even
+        ("fma_vs_reference", 99.5, "99.50×"),
+        ("params_vs_reference", 0.5, "0.50×"),
+        ("params_vs_reference", 0.01, "0.01×"),
+        ("params_vs_reference", 0.001, "1.0e-03×"),
+        ("params_vs_reference", 0, "0.00×"),
+        ("fma_planned", 3.0, "3"),
+        ("fma_planned", 1234.5, "1,234.5"),
+        ("params_total", 1234, "1,234"),
+        ("ranks", "r=2", "r=2"),
+    ],
+)
+def test_format_value_by_hand(key, value, text):
+    assert format_value(key, value) == text
+
+
+def test_cells_by_hand():
+    assert cells(RECORDS, ["name", "params_total", "peak_bytes"], "float16") == [
+        ["a", "1,234", "2.0 KiB"],  # 1000 elements · 2 bytes = 2000 B = 1.95 KiB
+        ["b", "5", "4 B"],
+    ]
+
+
+def layout(columns, text_columns, n_rows):
+    """The last ``n_rows`` rows as rich prints a SIMPLE_HEAD table: one space of edge, two between columns,
+    each column as wide as its widest header line or cell, text left- and numbers right-aligned."""
+    widths = [max(len(cell) for cell in column) for column in columns]
+    lines = []
+    for row in zip(*(column[-n_rows:] for column in columns), strict=True):
+        parts = [
+            cell.ljust(width) if k in text_columns else cell.rjust(width)
+            for k, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append(" " + "  ".join(parts) + " ")
+    return lines
+
+
+def test_rich_table_renders_numbers_right_aligned_in_full():
+    from rich.console import Console
+
+    records = [
+        {"name": "a long name", "ranks": "r=2", "params_total": 1234567, "peak_elements": 1000},
+        {"name": "b", "ranks": "r=10", "params_total": 5, "peak_elements": 2},
+    ]
+    keys = ["name", "ranks", "params_total", "peak_elements", "peak_bytes"]
+    console = Console(width=120, record=True, color_system=None)
+    console.print(rich_table("the title", records, keys))
+    lines = console.export_text().splitlines()
+    assert lines[0].strip() == "the title"
+    columns = [
+        ["layer", "a long name", "b"],
+        ["ranks", "r=2", "r=10"],
+        ["total", "params", "1,234,567", "5"],
+        ["peak/batch", "elements", "1,000", "2"],
+        ["peak/batch", "float32", "3.9 KiB", "8 B"],
+    ]
+    widths = [max(map(len, column)) for column in columns]
+    assert set(lines[4].strip()) == {"─"} and len(lines[4]) == 1 + sum(widths) + 2 * (len(widths) - 1) + 1
+    assert lines[5:7] == layout(columns, text_columns={0, 1}, n_rows=2)
+    # given the console's width, the table keeps only columns whose numbers print in full
+    for width in (30, 40, 50):
+        narrow = Console(width=width, record=True, color_system=None)
+        table = rich_table("t", records, keys, width=width)
+        narrow.print(table)
+        text = narrow.export_text()
+        kept = [column.header for column in table.columns]
+        assert len(kept) >= 3 and all(line.rstrip() == line.rstrip()[:width] for line in text.splitlines())
+        for column in table.columns[2:]:
+            assert all(cell in text for cell in column.cells), (width, column.header)
+
+
+# ----------------------------------------------------------------------------- a whole table by hand
+def small_table(**options):
+    # cp((4,), 3+1, 5, 2) against nn.Linear(3, 5), dense and top-2 MoEs of N = 4 experts
+    return compare(3, 5, 4, ["cp"], ranks={"cp": 2}, match=None, **options)
+
+
+def test_small_table_in_markdown_by_hand():
+    table = small_table()
+    header = (
+        "| layer | ranks | expert params | gate params | total params | FMA per token (closed form) | "
+        "FMA per token (planned) | peak intermediate per batch (elements) | expert rank bound | "
+        "params ÷ reference | FMA ÷ reference |"
+    )
+    rows = [
+        # R(N+I+O) = 2·13 = 26 params; gate I·N = 12; closed 26 + 12; planned adds E·R = 2; peak (b, o) = 5;
+        # rank min(I+1, O, R) = 2; ratios 38/20, 40/20
+        "| cp μMoE | r=2 | 26 | 12 | 38 | 38 | 40 | 5 | 2 | 1.90× | 2.00× |",
+        # (3+1)·5 = 20
+        "| nn.Linear |  | 20 | 0 | 20 | 20 | 20 | 5 | 4 | 1.00× | 1.00× |",
+        # 4·20 + 12 router; every expert's output 4·5
+        "| dense MoE (N=4) |  | 80 | 12 | 92 | 92 | 92 | 20 | 4 | 4.60× | 4.60× |",
+        # two experts evaluated: 2·20 + 12
+        "| sparse top-2 MoE (N=4) |  | 80 | 12 | 92 | 52 | 52 | 10 | 4 | 4.60× | 2.60× |",
+    ]
+    rule = "|---|---|" + "---:|" * 9
+    assert table.to_markdown() == "\n".join([header, rule, *rows])
+    with_bytes = table.to_markdown(dtype="float64").splitlines()
+    assert " | peak intermediate per batch (elements) | peak intermediate per batch (float64) | " in with_bytes[0]
+    assert with_bytes[1] == "|---|---|" + "---:|" * 10
+    assert [line.split(" | ")[8] for line in with_bytes[2:]] == ["40 B", "40 B", "160 B", "80 B"]  # 8 bytes each
+    assert str(table) == table.title() + "\n" + table.to_markdown()
+
+
+def test_titles_by_hand():
+    assert small_table().title() == (
+        "μMoE costs: 3 → 5, experts 4, bias on, gating counted; FMA per token (1 FMA = 1 FLOP), "
+        "peak intermediate per batch of 1 token; ratios to nn.Linear"
+    )
+    block = compare(3, 5, (2, 3), ["cp"], ranks={"cp": 2}, match="mlp", bias=False, gate=False, batch=2000)
+    assert block.title() == (
+        "μMoE costs: 3 → 5 → 3 block, experts 2×3, bias off, gating not counted; FMA per token (1 FMA = 1 FLOP), "
+        "peak intermediate per batch of 2,000 tokens; ratios to MLP block"
+    )
+    assert small_table(batch=2).title().endswith("per batch of 2 tokens; ratios to nn.Linear")
+
+
+def test_renderers_and_config():
+    table = small_table()
+    assert table.to_json().splitlines()[:2] == ["{", '  "config": {']  # indented by two spaces
+    assert "\r" not in table.to_csv() and table.to_csv().count("\n") == 5
+    rich = table.to_rich()
+    assert rich.title == table.title()
+    assert [c.header for c in rich.columns][7:9] == ["peak/batch\nelements", "peak/batch\nfloat32"]
+    assert list(rich.columns[8].cells) == ["20 B", "20 B", "80 B", "40 B"]
+    assert [c.header for c in table.to_rich(dtype="float16").columns][8] == "peak/batch\nfloat16"
+    assert [c.header for c in table.to_rich(width=1).columns] == ["layer", "total\nparams"]
+    assert compare(6, 5, (2, 3), ["tt"], ranks={"tt": (2, 3, 4)}, match=None).config["ranks"] == {"tt": [2, 3, 4]}
+
+
+def test_compare_defaults():
+    config = compare(decompositions=["cp"]).config
+    assert (config["in_features"], config["out_features"], config["expert_dims"], config["batch"]) == (
+        768,
+        3072,
+        [256],
+        1,
+    )
+    assert (config["bias"], config["gate"], config["top_k"], config["match"]) == (True, True, 2, "linear")
+
+
+def test_compare_checks_the_gate_before_any_row():
+    with pytest.raises(TypeError, match=r"^gate must be True"):
+        compare(decompositions=[], gate="x")
+
+
+def test_spec_bonds_not_scaled_start_at_one():
+    spec = "A: n1 a b, B: a i c, C: b c o"
+    with pytest.warns(MatchingWarning, match=r"expert mode\(s\) \['n1'\] collapse"):  # a = b = 1 cut n1 off
+        (network,) = compare(16, 32, 4, [spec], bonds={spec: ["c"]}).rows[0].networks
+    assert (network.sizes["a"], network.sizes["b"]) == (1, 1) and network.sizes["c"] > 1
+
+
+# ----------------------------------------------------------------------------- matching by hand
+def chain(n1, i, o, **bonds):
+    spec = "A: n1 a, B: a i o" if "c" not in bonds else "A: n1 a, B: a i c, C: c o"
+    return ExpertNetwork.from_spec(spec, expert_dims=n1, in_features=i, out_features=o, ranks=bonds or {"a": 1})
+
+
+def test_mlp_baseline_by_hand():
+    no_bias = mlp(6, 2, 9, bias=False)  # 6·2 + 2·9 = 30, rank min(6, 2, 9), widest output 9
+    assert (no_bias.params, no_bias.fma, no_bias.activations, no_bias.max_rank) == (30, 30, 9, 2)
+    assert mlp(9, 8, 3).max_rank == 3 and mlp(3, 9, 9).max_rank == 4  # min(I + 1, H, O)
+    for kwargs, name in (((0, 5, 6), "in_features"), ((3, 0, 6), "hidden"), ((3, 5, 0), "out_features")):
+        with raises(ValueError, f"{name} must be a positive int, got 0"):
+            mlp(*kwargs)
+
+
+def test_resolve_target_by_hand():
+    assert resolve_target(0.5, 101) == 50 and resolve_target(1e-9, 10) == 1 and resolve_target(1, 10) == 1
+    for bad in (True, "x", None):
+        with raises(TypeError, f"match must be a number of parameters (int) or a fraction (float), got {bad!r}"):
+            resolve_target(bad, 10)
+    for bad in (math.inf, math.nan, 0.0, -0.5):
+        with raises(ValueError, f"a fractional match must be a finite number > 0, got {bad!r}"):
+            resolve_target(bad, 10)
+    with raises(ValueError, "match must be a positive number of parameters, got 0"):
+        resolve_target(0, 10)
+
+
+def test_scaled_bonds_defaults_and_messages():
+    assert scaled_bonds(tr(4, 5, 6, 3)) == ("r3",)  # the format's choice, not every bond
+    assert scaled_bonds(chain(2, 5, 3, a=1, c=1)) == ("a", "c")
+    with raises(TypeError, "parameter matching needs an ExpertNetwork, got 'cp' (str)"):
+        scaled_bonds("cp")
+    with raises(TypeError, "bonds must be a sequence of bond labels, got 'a'"):
+        scaled_bonds(chain(2, 5, 3), "a")
+
+
+def test_match_layer_by_hand():
+    net = chain(2, 5, 3)  # experts 2a + 5·3a = 17a; gate I·N = 4·2 (bias folded into i = 5)
+    exact = match_layer(net, 110)
+    assert (exact.rank, exact.params, exact.step, exact.bonds, exact.problems) == (6, 110, 17, ("a",), ())
+    assert match_layer(net, 110, bias=False).params == 17 * 6 + 10  # the gate sees all 5 inputs
+    assert match_layer(net, 118, input_norm=True).params == 17 * 6 + 8 + 2 * 4  # + LayerNorm(I)
+    with raises(
+        ValueError,
+        "target of 10 parameters is below the smallest possible count for a custom layer scaling ('a',): 25 at rank 1",
+    ):
+        match_layer(net, 10)
+
+
+def test_match_exactly_at_the_tolerance_is_no_problem():
+    net = chain(1, 4, 5)  # 21a without bias or gate; 40 -> a = 2, 42 parameters: +5.0 %
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        matched = match_layer(net, 40, bias=False, gate=False)
+    assert (matched.params, matched.relative_error, matched.problems) == (42, 0.05, ())
+
+
+def test_match_block_by_hand():
+    first, second = chain(2, 4, 3), chain(2, 3, 4)  # 2a + 12a each: 28a; gate 4·2 without bias
+    matched = match_block(first, second, 64, bias=False)
+    assert (matched.rank, matched.params, matched.step, matched.bonds) == (2, 64, 28, ("a",))
+    assert match_block(first, second, 56, bias=False, gate=False).params == 56
+    with raises(ValueError, "the second layer's input (2) must be the first layer's output (3)"):
+        match_block(first, second, 64)  # bias folded: i = 3 holds 2 inputs and the bias
+    with raises(
+        ValueError,
+        "target of 10 parameters is below the smallest possible count for a custom block scaling ('a',): 36 at rank 1",
+    ):
+        match_block(first, second, 10, bias=False)
+    two = chain(2, 4, 3, a=2, c=1), chain(2, 3, 4, a=2, c=1)
+    scaled = match_block(*two, 200, bonds=["c"], bias=False)
+    assert scaled.bonds == ("c",) and all(net.sizes["a"] == 2 for net in scaled.networks)
+    other = ExpertNetwork.from_spec("A: n1 b, B: b i o", expert_dims=2, in_features=3, out_features=4, ranks=1)
+    with raises(ValueError, "bonds to scale must be bonds of the network ('b',), got ('a',)"):
+        match_block(first, other, 64, bias=False)
+
+
+def test_collapse_problems_name_the_layer():
+    layers = chain(2, 4, 3, a=1, c=1), chain(2, 3, 4, a=1, c=1)  # a = 1 cuts n1 off from i and o
+    with pytest.warns(MatchingWarning):
+        block = match_block(*layers, 200, bonds=["c"], bias=False)
+    collapse = [p for p in block.problems if "collapse" in p]
+    assert [p[:40] for p in collapse] == [
+        "layer 1: expert mode(s) ['n1'] collapse:",
+        "layer 2: expert mode(s) ['n1'] collapse:",
+    ]
+    with pytest.warns(MatchingWarning):
+        layer = match_layer(layers[0], 100, bonds=["c"], bias=False)
+    assert [p[:31] for p in layer.problems if "collapse" in p] == ["expert mode(s) ['n1'] collapse:"]
+
+
+# ----------------------------------------------------------------------------- rows and their labels
+def test_row_labels_and_aliases():
+    table = compare(8, 6, 4, ["cp", "CP", get_format("cp")], ranks={"cp": 3, "CP": 2, "cp #3": 4}, match=None)
+    assert [row.name for row in table.rows[:3]] == ["cp μMoE", "cp #2 μMoE", "cp #3 μMoE"]
+    assert [row.networks[0].sizes["r"] for row in table.rows[:3]] == [3, 2, 4]  # a Format is found by its label
+    net = chain(4, 9, 6)
+    mine = net.with_format(None, name="mine")
+    spec = "A: n1 a, B: a i o"
+    names = [row.name for row in compare(8, 6, 4, [net, spec, mine, net], match=None, ranks={spec: 2}).rows[:4]]
+    assert names == ["custom 1 μMoE", "custom 2 μMoE", "mine μMoE", "custom 3 μMoE"]
+    with raises(ValueError, "ranks given for [<format 'cp'>], which name no row; the rows are ['cp']"):
+        compare(8, 6, 4, [get_format("cp")], ranks={get_format("cp"): 3})
+    with raises(
+        TypeError, "each decomposition must be a format name, a Format, a spec string or an ExpertNetwork, got 3 (int)"
+    ):
+        compare(8, 6, 4, [3])
+
+
+def test_names_and_specs_are_matched_by_default():
+    target = 33 * 24  # nn.Linear(32, 24) with bias
+    for item in ("cp", "A: n1 a, B: a i c, C: c o"):
+        row = compare(32, 24, 4, [item]).rows[0]
+        assert (
+            abs(row.params_total - target) <= 0.05 * target
+            and min(row.networks[0].sizes[b] for b in row.networks[0].bonds) > 1
+        )
+
+
+# ----------------------------------------------------------------------------- compare(): blocks, options, messages
+def test_block_table_without_bias_or_gate_by_hand():
+    table = compare(3, 5, 4, ["cp"], ranks={"cp": 2}, match="mlp", bias=False, gate=False, batch=3)
+    first, second = table.networks["cp μMoE block"]
+    assert (first.in_features, first.out_features, second.in_features, second.out_features) == (3, 5, 5, 3)
+    rows = {row.name: row for row in table.rows}
+    assert list(rows) == ["cp μMoE block", "MLP block", "dense MoE of MLPs (N=4)", "sparse top-2 MoE of MLPs (N=4)"]
+    row = rows["cp μMoE block"]
+    assert row.networks == (first, second)
+    # two CP layers of R(N + I + O) = 2·12 parameters and FMAs each; no gate
+    assert (row.params_experts, row.params_gate, row.params_total, row.fma_closed_form) == (48, 0, 48, 48)
+    assert row.max_rank == 2 and row.params_vs_reference == 48 / 30  # MLP 3 -> 5 -> 3 without bias: 30
+    mlp_row, dense, sparse = rows["MLP block"], rows["dense MoE of MLPs (N=4)"], rows["sparse top-2 MoE of MLPs (N=4)"]
+    assert (mlp_row.params_total, mlp_row.max_rank, mlp_row.peak_elements) == (30, 3, 3 * 5)
+    assert (dense.params_total, dense.params_gate, dense.fma_planned) == (120, 0, 120)
+    assert (sparse.params_total, sparse.fma_planned, sparse.peak_elements) == (120, 60, 3 * 2 * 5)
+    assert table.config == {
+        "in_features": 3,
+        "out_features": 5,
+        "hidden": 5,
+        "block": True,
+        "expert_dims": [4],
+        "decompositions": ["cp"],
+        "ranks": {"cp": 2},
+        "match": "mlp",
+        "target_params": 30,
+        "reference": "MLP block",
+        "bias": False,
+        "gate": False,
+        "batch": 3,
+        "top_k": 2,
+    }
+    layer = small_table().config
+    assert (layer["hidden"], layer["block"], layer["reference"], layer["gate"]) == (None, False, "nn.Linear", True)
+    descriptor = Gate(norm="layer")
+    assert small_table(gate=descriptor).config["gate"] == repr(descriptor)
+
+
+def test_block_baselines_count_the_router_and_the_bias():
+    rows = {row.name: row for row in compare(3, 5, 4, ["cp"], ranks={"cp": 2}, match="mlp").rows}
+    # MLP block with biases: 4·5 + 6·3 = 38; router 3·4
+    assert rows["dense MoE of MLPs (N=4)"].params_total == 4 * 38 + 12
+    assert rows["sparse top-2 MoE of MLPs (N=4)"].fma_planned == 2 * 38 + 12
+    assert rows["cp μMoE block"].params_gate == 12
+
+
+def test_one_input_without_bias():
+    # i = 1 is only valid without a folded bias: every count must be asked with bias=False
+    layer = compare(1, 6, 4, ["cp"], bias=False, match=103).rows[0]  # 11 r + 4 gate parameters: r = 9
+    assert (layer.params_gate, layer.params_total, layer.networks[0].in_features) == (4, 103, 1)
+    block = compare(1, 6, 4, ["cp"], ranks={"cp": 2}, match="mlp", bias=False).rows[0]
+    assert block.params_experts == 2 * (4 + 1 + 6) + 2 * (4 + 6 + 1)
+
+
+def test_matched_rows_by_hand():
+    # cp(4, 32, 24, r) without bias or gate: 60 r parameters, nn.Linear(32, 24) without bias: 768 -> r = 13
+    assert compare(32, 24, 4, ["cp"], bias=False, gate=False).rows[0].networks[0].sizes["r"] == 13
+    block = compare(32, 64, 4, ["cp"], match="mlp")
+    first, second = block.rows[0].networks
+    assert first.sizes["r"] == second.sizes["r"] > 1
+    assert abs(block.rows[0].params_total - block.config["target_params"]) <= 0.05 * (33 * 64 + 65 * 32)
+    spec = "A: n1 a, B: a i c, C: c o"
+    with pytest.warns(MatchingWarning):
+        scaled = compare(32, 64, 4, [spec], match="mlp", bonds={spec: ["c"]}).rows[0].networks
+    assert [(net.sizes["a"], net.sizes["c"] > 1) for net in scaled] == [(1, True), (1, True)]
+
+
+def test_compare_messages_in_full():
+    for name, kwargs in (("batch", {"batch": 0}), ("in_features", {"in_features": 0}), ("top_k", {"top_k": 0})):
+        with raises(ValueError, f"{name} must be a positive int, got 0"):
+            compare(decompositions=["cp"], **kwargs)
+    with raises(ValueError, "out_features must be a positive int, got 0"):
+        compare(4, 0, 2, ["cp"])
+    with raises(TypeError, "decompositions must be a sequence (list or tuple), got 'cp'"):
+        compare(decompositions="cp")
+    with raises(ValueError, "top_k=5 cannot exceed the number of experts 4 (the sparse MoE baseline)"):
+        small_table(top_k=5)
+    assert small_table(top_k=4).rows[3].name == "sparse top-4 MoE (N=4)"
+    with raises(ValueError, "bonds given for ['x'], which name no row; the rows are ['cp']"):
+        compare(3, 5, 4, ["cp"], bonds={"x": ["r"]})
+    with raises(ValueError, "no rank given for 'cp' and match=None"):
+        compare(3, 5, 4, ["cp"], match=None)
+
+
+def test_solve_rank_by_hand():
+    def tens(r):
+        return 10 * r
+
+    assert [solve_rank(tens, t) for t in (10, 12, 15, 16, 20, 25, 26)] == [1, 1, 1, 2, 2, 2, 3]  # ties: smaller r
+    assert solve_rank(lambda r: r, 1) == 1
+    assert solve_rank(lambda r: r, 2**40 - 1) == 2**40 - 1  # the largest rank searched
+    with raises(TypeError, "the parameter target must be a positive int, got 2.5 (float)"):
+        solve_rank(tens, 2.5)
+    with raises(ValueError, "no rank up to 1,099,511,627,776 reaches 5 parameters for the layer"):
+        solve_rank(lambda r: 1, 5)
+    with raises(ValueError, "out_features must be a positive int, got 0"):
+        linear(3, 0)
+
+
+def test_layer_table_baselines_without_bias_or_gate():
+    rows = {row.name: row for row in small_table(bias=False, gate=False).rows}
+    assert rows["nn.Linear"].params_total == 15  # 3·5
+    dense, sparse = rows["dense MoE (N=4)"], rows["sparse top-2 MoE (N=4)"]
+    assert (dense.params_total, dense.params_gate, sparse.fma_planned) == (60, 0, 30)
+
+
+def test_matched_block_without_bias_or_gate():
+    # two CP layers 8 -> 64 -> 8, N = 56: 2 r (N + I + H) = 256 r against the MLP's 2·8·64 = 1024 -> r = 4
+    (first, second) = compare(8, 64, 56, ["cp"], match="mlp", bias=False, gate=False).rows[0].networks
+    assert first.sizes["r"] == second.sizes["r"] == 4
+    # the gate's 8·56 parameters leave 576 for the experts: r = 2.25 -> 2
+    assert compare(8, 64, 56, ["cp"], match="mlp", bias=False).rows[0].networks[0].sizes["r"] == 2
+
+
+def test_rich_table_of_no_rows():
+    table = rich_table("t", [], KEYS)
+    assert len(table.columns) == len(KEYS) and table.row_count == 0
+
+
+def test_rich_table_folds_long_names_instead_of_cutting_them():
+    from rich.console import Console
+
+    records = [{"name": "a-very-long-layer-name", "params_total": 1234567}]
+    console = Console(width=20, record=True, color_system=None)
+    console.print(rich_table("t", records, ["name", "params_total"], width=20))
+    text = console.export_text()
+    assert "…" not in text and "1,234,567" in text
+    lines = text.splitlines()
+    data = lines[next(k for k, line in enumerate(lines) if "─" in line) + 1 :]
+    assert "".join(line.split()[0] for line in data if line.strip()) == "a-very-long-layer-name"
+
+
+def test_matching_warning_points_at_the_caller():
+    import os
+
+    if os.environ.get("MUTANT_UNDER_TEST"):
+        pytest.skip("mutmut's trampoline adds stack frames")
+    with pytest.warns(MatchingWarning) as record:
+        match_layer(chain(2, 4, 3, a=1, c=1), 100, bonds=["c"], bias=False)
+    assert {w.filename for w in record} == {__file__}
+
+
+def test_to_rich_fits_a_width_above_the_default_terminal():
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    wide = compare(768, 3072, 256, ["cp", "tr"], ranks={"cp": 3000, "tr": 700}, match=None, batch=4096)
+    for width in (100, 120):  # all twelve columns need 129
+        table = wide.to_rich(width=width)
+        console = Console(width=10_000)
+        minimum = Measurement.get(console, console.options, table).minimum
+        assert minimum <= width and len(table.columns) < len(COLUMNS) + 1  # something had to go

@@ -7,6 +7,7 @@ and matching of custom networks, mixed cost tables, collapsed matches).
 import copy
 import math
 import pickle
+import re
 import warnings
 
 import pytest
@@ -329,3 +330,158 @@ def test_decompose_dense_clipped_ranks_and_bad_tensors():
         decompose_dense(torch.ones(3, 4, 5, dtype=torch.complex64), "cp", 2)
     with pytest.raises(ValueError, match=r"weight has NaN or infinite entries"):
         decompose_dense(torch.full((3, 4, 5), float("nan")), "cp", 2)
+
+
+def test_registry_messages_in_full():
+    from mumoe_tn.decompositions import register
+
+    for bad in ("  ", ""):
+        with pytest.raises(ValueError, match="^" + re.escape(f"a format needs a non-empty name, got {bad!r}") + "$"):
+
+            class Blank(Format, name=bad):
+                pass
+
+    with pytest.raises(ValueError, match=r"^a format needs a non-empty name, got 3$"):
+
+        class Numbered(Format, name=3):
+            pass
+
+    with pytest.raises(TypeError, match=r"^register\(\) takes a Format instance, got int$"):
+        register(3)
+    with pytest.raises(ValueError, match=r"^a format needs a non-empty name$"):
+        register(Format())  # the base class has no name
+    cp_format = get_format("cp")
+    assert build(cp_format, 3, 5, 4, 2) == build("cp", 3, 5, 4, 2)  # a Format is used as given
+
+
+def exactly(message):
+    return "^" + re.escape(message) + "$"
+
+
+def test_resolve_network_messages_and_options():
+    from mumoe_tn.decompositions import resolve_network
+
+    with pytest.raises(ValueError, match=exactly("in_features (leg i) must be a positive int, got 0")):
+        resolve_network("cp", 3, 0, 4, 2)
+    with pytest.raises(ValueError, match=exactly("out_features (leg o) must be a positive int, got 0")):
+        resolve_network("cp", 3, 5, 0, 2)
+    with pytest.raises(
+        TypeError, match=exactly("expert_dims is required unless the decomposition is an ExpertNetwork")
+    ):
+        resolve_network("cp", None, 5, 4, 2)
+    with pytest.raises(TypeError, match=exactly("rank is required for decomposition 'cp' (or give match=)")):
+        resolve_network("cp", 3, 5, 4, None)
+    with pytest.raises(TypeError, match=exactly("rank is required for decomposition TRFormat (or give match=)")):
+        resolve_network(get_format("tr"), 3, 5, 4, None)
+    ring = resolve_network(get_format("tr"), 3, 5, 4, 6, options={"expert_rank": 2})  # options reach a Format
+    assert (ring.sizes["r1"], ring.sizes["r2"], ring.sizes["r3"]) == (2, 2, 6)
+    with pytest.raises(TypeError, match=exactly("a spec string takes no builder options, got ['x']")):
+        resolve_network("n1 a, a i o", 3, 5, 4, 2, options={"x": 1})
+    with pytest.raises(
+        TypeError,
+        match=exactly(
+            "decomposition must be a format name, a Format, a spec string, an ExpertNetwork or a builder, got 3 (int)"
+        ),
+    ):
+        resolve_network(3, 3, 5, 4, 2)
+
+
+def test_resolve_network_builders_and_ready_networks():
+    from mumoe_tn.decompositions import resolve_network
+
+    def builder(expert_dims, in_features, out_features, rank, width=1):
+        return ExpertNetwork.from_spec(
+            "n1 a, a i o", expert_dims=expert_dims, in_features=in_features, out_features=out_features, ranks=width
+        )
+
+    assert resolve_network(builder, 3, 5, 4, 2, options={"width": 7}).sizes["a"] == 7  # options reach a builder
+    with pytest.raises(TypeError, match=exactly("the decomposition builder returned int, not an ExpertNetwork")):
+        resolve_network(lambda *args: 3, 3, 5, 4, 2)
+    fixed = ExpertNetwork.from_spec("n1 a, a i o", expert_dims=4, in_features=9, out_features=6, ranks=2)
+    legs = (
+        "the network's legs {'n1': 4, 'i': 9, 'o': 6} do not match the requested {'n1': 4, 'i': 5, 'o': 6} "
+        "(leg i includes a folded bias column)"
+    )
+    with pytest.raises(ValueError, match=exactly(legs)):  # a builder's network is never resized
+        resolve_network(lambda *args: fixed, 4, 5, 6, 2)
+    with pytest.raises(ValueError, match=exactly(legs)):  # nor a ready one, unless asked
+        resolve_network(fixed, 4, 5, 6, None)
+    assert resolve_network(fixed, 4, 5, 6, None, resize=True).in_features == 5
+    assert resolve_network(fixed, None, 9, 6, None) is fixed
+    with pytest.raises(ValueError, match=exactly("expert_dims=(3, 2) has 2 mode(s) but the network has 1 (('n1',))")):
+        resolve_network(fixed, (3, 2), 9, 6, None)
+
+
+def test_is_spec_tells_names_from_specs():
+    from mumoe_tn.decompositions import is_spec
+
+    assert not is_spec("cp") and not is_spec("CP") and not is_spec("Xy") and is_spec("n1 i o") and is_spec("A: n1 i o")
+
+    class Spaced(Format, name="two words"):
+        pass
+
+    try:
+        assert not is_spec("two words") and not is_spec("Two Words")  # a registered name, not a spec
+    finally:
+        unregister("two words")
+
+
+def test_tr_rank_bound_takes_the_smallest_expert_bond():
+    # R = (5, 4, 2, 6) for E = 2: min{R4 · min(R1, R2, R3), I, O} = min(6 · 2, 30, 30)
+    network = tr((3, 2), 30, 30, (5, 4, 2, 6))
+    assert network.format.closed_form_rank_bound(network) == rank_bound(network) == 12
+
+
+def test_zero_pad_by_hand():
+    from mumoe_tn.decompositions.tensor_support import zero_pad
+
+    padded = zero_pad(torch.tensor([[1.0, 2.0]]), (2, 3))
+    assert padded.tolist() == [[1.0, 2.0, 0.0], [0.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match=exactly("cannot pad a tensor of shape (2, 3) to (2,)")):
+        zero_pad(torch.ones(2, 3), (2,))
+    with pytest.raises(ValueError, match=exactly("cannot pad a tensor of shape (3,) to (2,)")):
+        zero_pad(torch.ones(3), (2,))
+
+
+def test_format_messages_in_full():
+    with pytest.raises(ValueError, match=exactly("tr rank[0] must be a positive int, got 0")):
+        tr(3, 5, 4, 0)
+    with pytest.raises(ValueError, match=exactly("tr expert_rank rank[0] must be a positive int, got 0")):
+        tr(3, 5, 4, 2, expert_rank=0)
+
+    class Broken(Format, name="broken_doc"):
+        def network(self, expert_dims, in_features, out_features, rank, **options):
+            return 3
+
+    try:
+        with pytest.raises(
+            TypeError, match=exactly("format 'broken_doc': network() returned int, not an ExpertNetwork")
+        ):
+            build("broken_doc", 3, 5, 4, 2)
+    finally:
+        unregister("broken_doc")
+    message = (
+        "the network does not follow format 'cp': it has cores 'A: n1 r, B: r i, C: r o' but 'cp' builds "
+        "'U_n1: n1 r, U_i: i r, U_o: o r'; leave format=None for a custom network"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
+        ExpertNetwork({"A": "n1 r", "B": "r i", "C": "r o"}, {"n1": 3, "i": 5, "o": 4, "r": 2}, format=get_format("cp"))
+
+
+def test_registry_lookup_messages():
+    with pytest.raises(TypeError, match=exactly("a decomposition name must be a string, got 3 (int)")):
+        get_format(3)
+    with pytest.raises(ValueError, match=exactly("cp rank[1] must be a positive int, got 0")):
+        normalize_ranks("cp", (2, 0), 2)
+
+
+def test_builder_networks_must_have_the_requested_expert_dims():
+    from mumoe_tn.decompositions import resolve_network
+
+    fixed = ExpertNetwork.from_spec("n1 a, a i o", expert_dims=4, in_features=9, out_features=6, ranks=2)
+    message = (
+        "the network's legs {'n1': 4, 'i': 9, 'o': 6} do not match the requested {'n1': 3, 'i': 9, 'o': 6} "
+        "(leg i includes a folded bias column)"
+    )
+    with pytest.raises(ValueError, match=exactly(message)):
+        resolve_network(lambda *args: fixed, 3, 9, 6, 2)

@@ -163,3 +163,14 @@ def test_registries_are_mappings_of_picklable_functions():
     alpha = pickle.loads(pickle.dumps(resolve_activation(1.3)))
     x = torch.randn(3, 4, dtype=torch.float64)
     torch.testing.assert_close(alpha(x), entmax.entmax_bisect(x, alpha=1.3, dim=-1))
+
+
+@pytest.mark.parametrize(("ours", "reference"), [(sparsemax, entmax.sparsemax), (entmax15, entmax.entmax15)])
+def test_long_rows_along_any_dim_and_under_vmap(ours, reference):
+    # rows longer than the first partial sort (64): the eager top-k path, and the full sort under torch.func
+    torch.manual_seed(0)
+    x = torch.randn(100, 3, dtype=torch.float64) * 3
+    x[:70, 0] = 5.0  # a support of 70 > 64 entries in column 0: the partial sort must grow
+    expected = reference(x, dim=0)
+    torch.testing.assert_close(ours(x, dim=0), expected)
+    torch.testing.assert_close(torch.func.vmap(ours)(x.T), expected.T)

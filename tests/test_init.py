@@ -89,3 +89,24 @@ def test_generator_makes_init_reproducible():
     first.reset_parameters(torch.Generator().manual_seed(5))
     second.reset_parameters(torch.Generator().manual_seed(5))
     torch.testing.assert_close(first.to_dense(), second.to_dense())
+
+
+def test_default_expert_noise_has_one_value_per_mode():
+    from mumoe_tn.init import default_expert_noise
+
+    assert default_expert_noise(1) == (1.0,)
+    assert default_expert_noise(3) == (1.0, 0.0, 0.0)
+
+
+def test_paper_rule_bound_of_a_core_without_input_or_output():
+    # core C carries two bonds only: it multiplies what came through b and c, fan_in = 10·10
+    from mumoe_tn import ExpertNetwork
+
+    network = ExpertNetwork.from_spec(
+        "A: n1 a, B: a i b, C: b c, D: c o", expert_dims=3, in_features=4, out_features=5, ranks=10
+    )
+    cores = {name: torch.empty(shape, dtype=torch.float64) for name, shape in network.core_shapes.items()}
+    init_cores(network, cores, rule="paper", generator=torch.Generator().manual_seed(0))
+    assert 0.09 < cores["C"].abs().max() <= 0.1  # U(±1/√100), 100 draws
+    assert 0.45 < cores["B"].abs().max() <= 0.5  # the input core: U(±1/√I)
+    assert 1 / math.sqrt(10) * 0.9 < cores["D"].abs().max() <= 1 / math.sqrt(10)  # the output core: its bond c
