@@ -196,3 +196,24 @@ def test_double_backward_equals_autograd_through_the_steps():
         results.append(torch.autograd.grad((dz**2).sum(), leaves))
     for ours, reference in zip(*results, strict=True):
         torch.testing.assert_close(ours, reference)
+
+
+def test_a_folded_bias_that_needs_its_column_of_ones_keeps_the_plain_steps():
+    # tt(6, 3, 10, (2, 7)) under "optimal" contracts z's leg i in a step with two other legs
+    plan = plan_forward(build("tt", 6, 3, 10, (2, 7)), 4, "optimal")
+    assert plan_program(plan, "i") is None
+    assert plan_program(plan, None) is not None
+
+
+def test_one_factor_of_a_product_without_gradient():
+    # only the input path needs gradients: the coefficient projection (… r) is a constant factor
+    network = build("cp", 8, 7, 6, 5)
+    plan = plan_forward(network, 4)
+    requires = [False, True, True, False, True]  # U_n1, U_i, U_o, a, z
+    operands = _operands(network, 4, 5, folded=True, requires=requires)
+    grad = torch.randn(4, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(6))
+    _, ours = _gradients(plan, operands, grad, True, one_node=True)
+    _, reference = _gradients(plan, operands, grad, True, one_node=False)
+    assert len(ours) == 3
+    for a, b in zip(ours, reference, strict=True):
+        torch.testing.assert_close(a, b)

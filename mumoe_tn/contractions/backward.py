@@ -284,7 +284,7 @@ class PlanFunction(torch.autograd.Function):
             intermediates = [None] * len(program.steps)
         values: list[torch.Tensor | None] = [*ctx.saved_tensors, *intermediates]
         del intermediates
-        needs = _needs_grad(program, ctx.needs_input_grad[2:], n_inputs)
+        needs = _needs_grad(program, ctx.needs_input_grad[2:])
         grads: list[torch.Tensor | None] = [None] * len(values)
         grads[program.steps[-1].output] = grad
         for number in range(len(program.steps) - 1, -1, -1):
@@ -305,7 +305,7 @@ class PlanFunction(torch.autograd.Function):
         return (None, None, *grads[:n_inputs])
 
 
-def _needs_grad(program: _Program, inputs: Sequence[bool], n_inputs: int) -> list[bool]:
+def _needs_grad(program: _Program, inputs: Sequence[bool]) -> list[bool]:
     needs = [*inputs, *([False] * len(program.steps))]
     for program_step in program.steps:
         needs[program_step.output] = any(needs[v] for v in program_step.values)
