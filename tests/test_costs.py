@@ -712,6 +712,7 @@ def test_block_table_without_bias_or_gate_by_hand():
         "decompositions": ["cp"],
         "ranks": {"cp": 2},
         "match": "mlp",
+        "rank_multiple": 1,
         "target_params": 30,
         "reference": "MLP block",
         "bias": False,
