@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from benchmarks.measure import live_peak_bytes_here
 from mumoe_tn.contractions import backward, plan_contraction, plan_forward, run_plan
 from mumoe_tn.contractions.backward import PlanFunction, plan_program, use_plan_function
 from mumoe_tn.decompositions import build
@@ -144,28 +143,6 @@ def test_plans_without_an_elementwise_step_keep_autograd():
     assert use_plan_function(plan, operands, None) is None
 
 
-class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """Peak bytes of the storages ops create (freed when their last reference goes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        held = {id(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)}
-        out = func(*args, **(kwargs or {}))
-        for tensor in torch.utils._pytree.tree_leaves(out):
-            storage = tensor.untyped_storage() if torch.is_tensor(tensor) else None
-            if storage is not None and id(storage) not in held:
-                self.current += storage.nbytes()
-                self.peak = max(self.peak, self.current)
-                weakref.finalize(storage, self._free, storage.nbytes())
-        return out
-
-    def _free(self, nbytes):
-        self.current -= nbytes
-
-
 def test_cp_backward_holds_one_batch_by_rank_buffer_less():
     batch, rank = 64, 48
     network = build("cp", 8, 17, 40, rank)
@@ -174,11 +151,12 @@ def test_cp_backward_holds_one_batch_by_rank_buffer_less():
     grad = torch.randn(batch, 40, dtype=DTYPE)
     peaks = {}
     for memory_saving in (True, False):
-        with _LiveBytes() as tracker:
+
+        def step(memory_saving=memory_saving):
             out = run_plan(plan, operands, ones_appended="i", memory_saving=memory_saving)
             torch.autograd.grad(out, operands, grad)
-            del out
-        peaks[memory_saving] = tracker.peak
+
+        peaks[memory_saving] = live_peak_bytes_here(step, torch.device("cpu"))
     # autograd keeps the Hadamard product (… r) and both its factors' gradients at once
     assert peaks[True] <= peaks[False] - batch * rank * 8
 

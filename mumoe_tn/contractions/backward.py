@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mumoe_tn.contractions.plan import EINSUM_SYMBOLS, ContractionPlan, ContractionStep
+from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep, einsum_equation
 
 __all__ = ["MIN_ELEMENTS", "PlanFunction", "affine_einsum", "affine_is_plain", "plan_program", "use_plan_function"]
 
@@ -166,11 +166,6 @@ def use_plan_function(
     return program if program is not None and program.dropped else None
 
 
-def _equation(inputs: Sequence[Labels], output: Labels) -> str:
-    symbol = {label: EINSUM_SYMBOLS[k] for k, label in enumerate(dict.fromkeys((*sum(inputs, ()), *output)))}
-    return ",".join("".join(symbol[x] for x in labels) for labels in inputs) + "->" + "".join(symbol[x] for x in output)
-
-
 def _grad_of_operand(
     grad: torch.Tensor,
     output: Labels,
@@ -193,7 +188,7 @@ def _grad_of_operand(
     if terminal and len(operands) == 2:
         small = min(operands, key=lambda operand: _span(*operand, target))[1]
         order = tuple(x for x in target if x in small) + tuple(x for x in target if x not in small)
-    equation = _equation([labels for _, labels in operands], order)
+    equation = einsum_equation([labels for _, labels in operands], order)
     result = torch.einsum(equation, *(tensor for tensor, _ in operands))
     return result if order == target else result.permute(*(order.index(x) for x in target))
 

@@ -28,6 +28,7 @@ __all__ = [
     "candidate_plans",
     "constant_elements",
     "constant_steps",
+    "einsum_equation",
     "forward_candidates",
     "per_call_fma",
     "plan_contraction",
@@ -208,8 +209,21 @@ def _check_path(path: Sequence[Any], n_operands: int) -> tuple[tuple[int, ...], 
     return tuple(checked)
 
 
-def _step_equation(operands: Sequence[Labels], result: Labels) -> str:
-    """The step's torch.einsum equation with symbols assigned per step (a-z, A-Z)."""
+def einsum_equation(operands: Sequence[Labels], result: Labels) -> str:
+    """A ``torch.einsum`` equation for labelled operands, with symbols assigned per call (a-z, A-Z).
+
+    Parameters
+    ----------
+    operands : Sequence of tuple of str
+        Labels of each operand.
+    result : tuple of str
+        Labels of the result.
+
+    Returns
+    -------
+    str
+        E.g. ``"ab,bc->ac"``; a ``ValueError`` when more than 52 distinct labels meet.
+    """
     labels = list(dict.fromkeys((*(x for labels in operands for x in labels), *result)))
     if len(labels) > len(EINSUM_SYMBOLS):
         raise ValueError(
@@ -247,7 +261,7 @@ def _layout(
             result = tuple(seen)
         union = {label for labels in operands for label in labels}
         factor = max(len(operands) - 1, 1)
-        equation = _step_equation(operands, result)
+        equation = einsum_equation(operands, result)
         steps.append(ContractionStep(positions, equation, result, factor * _size(union, sizes), tuple(operands)))
         current.append(result)
     return ContractionPlan(inputs, output, dict(sizes), tuple(steps), tuple(tuple(p) for p in path))
