@@ -110,6 +110,16 @@ def test_expert_index_errors():
         expert_matrix(network, cores, 1)
     with pytest.raises(ValueError, match=r"expert index 4 is out of range for leg 'n2' of size 4"):
         expert_matrix(network, cores, (0, 4))
+    for bad in ((0, 1.5), (0, "1"), (True, 0)):
+        with pytest.raises(ValueError, match=r"one int per expert mode \('n1', 'n2'\), got \("):
+            expert_matrix(network, cores, bad)
+
+
+def test_dense_forward_needs_one_coefficient_tensor_per_expert_mode():
+    weight = torch.randn(3, 4, 5, 6, dtype=DTYPE)
+    a = torch.rand(2, 3, dtype=DTYPE)
+    with pytest.raises(ValueError, match=r"^W has 2 expert modes but 1 coefficient tensors were given$"):
+        dense_forward(weight, [a], torch.randn(2, 5, dtype=DTYPE))
 
 
 # The paper's appendix "Fast μMoE implementations", transcribed with torch.einsum. The paper

@@ -19,7 +19,7 @@ from strategies import any_network, binding_networks, custom_networks, named_net
 
 from mumoe_tn import ExpertNetwork, FactorizedExperts
 from mumoe_tn.analysis.coefficients import ExpertStatistics
-from mumoe_tn.contractions import plan_forward, run_plan
+from mumoe_tn.contractions import plan_contraction, plan_forward, run_plan
 from mumoe_tn.costs import (
     collapsed_expert_modes,
     compare,
@@ -386,6 +386,49 @@ def test_folded_bias_equals_a_column_of_ones(network, batch, optimize):
     if network.in_features < 2:
         network = network.with_sizes(i=2)
     _bias_case(network, batch, optimize, 1)
+
+
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    """Records the torch functions called inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("network", [cp(4, 6, 5, 3), tr((3, 2), 6, 5, (2, 3, 2, 2))], ids=["cp", "tr"])
+def test_folded_bias_on_a_plain_step_copies_nothing(network):
+    # A plain step adds T's last slice (y = z T[:I] + T[I]): the input is never concatenated with ones.
+    gen = torch.Generator().manual_seed(0)
+    cores = [torch.randn(shape, generator=gen, dtype=DTYPE) for shape in network.core_shapes.values()]
+    coefficients = [torch.rand(4, n, generator=gen, dtype=DTYPE) for n in network.expert_dims]
+    z = torch.randn(4, network.in_features - 1, generator=gen, dtype=DTYPE)
+    plan = plan_forward(network, 4)
+    with _TorchCalls() as calls:
+        folded = run_plan(plan, [*cores, *coefficients, z], ones_appended="i", memory_saving=False)
+    assert "cat" not in calls.names and "einsum" in calls.names
+    explicit = run_plan(plan, [*cores, *coefficients, torch.cat([z, torch.ones(4, 1, dtype=DTYPE)], -1)])
+    torch.testing.assert_close(folded, explicit)
+
+
+def test_folded_bias_fallback_with_two_batch_dimensions():
+    # z (c, b, i) first meets the coefficients (an outer product keeping i): the fallback appends ones.
+    sizes = {"c": 2, "b": 3, "i": 5, "n": 4, "o": 6}
+    inputs = [("n", "i", "o"), ("c", "b", "n"), ("c", "b", "i")]
+    plan = plan_contraction(inputs, ("c", "b", "o"), sizes, ((1, 2), (0, 1)))
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(4, 5, 6, generator=gen, dtype=DTYPE)
+    a = torch.rand(2, 3, 4, generator=gen, dtype=DTYPE)
+    z = torch.randn(2, 3, 4, generator=gen, dtype=DTYPE)
+    with _TorchCalls() as calls:
+        folded = run_plan(plan, [weight, a, z], ones_appended="i")
+    assert "cat" in calls.names
+    z_ones = torch.cat([z, torch.ones(2, 3, 1, dtype=DTYPE)], -1)
+    torch.testing.assert_close(folded, torch.einsum("nio,cbn,cbi->cbo", weight, a, z_ones))
 
 
 # ----------------------------------------------------------------------------- gate descriptors

@@ -26,6 +26,7 @@ from mumoe_tn.contractions import (
 )
 from mumoe_tn.contractions.autotune import fastest_plan
 from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK
+from mumoe_tn.contractions.search import COTENGRA_SECONDS, candidate_paths
 from mumoe_tn.decompositions import build, tt
 from mumoe_tn.layers import FactorizedExperts
 from mumoe_tn.network import BATCH_LABEL
@@ -329,10 +330,30 @@ def test_fastest_plan_returns_a_given_plan_and_checks_its_arguments():
     operands = [torch.randn(s) for s in network.core_shapes.values()]
     operands += [torch.rand(8, n) for n in network.expert_dims] + [torch.randn(8, 4)]
     assert fastest_plan(plans, operands, repeats=1) in plans
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ValueError, match=r"^autotuning needs at least one candidate plan$"):
         fastest_plan([], operands)
-    with pytest.raises(ValueError, match="repeats"):
-        fastest_plan(plans, operands, repeats=0)
+    for bad in (0, 2.5, "3", True):
+        with pytest.raises(ValueError, match=rf"^repeats must be a positive int, got {re.escape(repr(bad))}$"):
+            fastest_plan(plans, operands, repeats=bad)
+    assert fastest_plan(plans[:1], operands) is plans[0]
+
+
+def test_fastest_plan_prefers_the_fast_plan_whatever_the_order():
+    # One path contracts z and the input core first (about 1 M FMAs); the other forms the
+    # (i, o, r) outer product of the two matrix cores first (more than 50 times the work).
+    network = build("cp", 4, 129, 128, 32)
+    sizes = {**network.sizes, BATCH_LABEL: 256}
+    inputs, output = network.forward_equation()
+    assert inputs == [("n1", "r"), ("i", "r"), ("o", "r"), (BATCH_LABEL, "n1"), (BATCH_LABEL, "i")]
+    good = plan_contraction(inputs, output, sizes, "greedy", lead=BATCH_LABEL)
+    slow = plan_contraction(inputs, output, sizes, ((1, 2), (0, 1), (1, 2), (0, 1)), lead=BATCH_LABEL)
+    assert slow.fma > 50 * good.fma
+    gen = torch.Generator().manual_seed(0)
+    operands = [torch.randn(shape, generator=gen) for shape in network.core_shapes.values()]
+    operands += [torch.rand(256, n, generator=gen) for n in network.expert_dims]
+    operands.append(torch.randn(256, 128, generator=gen))  # the folded bias: leg i lacks its last 1
+    for plans in ([slow, good], [good, slow]):
+        assert fastest_plan(plans, operands, ones_appended="i") is good
 
 
 def test_autotune_candidates_are_the_cheapest_paths_in_both_layouts():
@@ -376,3 +397,73 @@ def test_opt_einsum_cost_cross_check():
     _, info = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize=list(plan.path))
     summed = sum(step.fma for step in plan.steps if set().union(*step.operands) - set(step.output))
     assert int(info.opt_cost) == plan.fma + summed
+
+
+# ---------------------------------------------------------------- the "absorb first" candidate
+def test_absorb_first_path_by_hand():
+    # Operands: 0 U(n, r), 1 a(b, n), 2 C(i, r, s), 3 z(b, i), 4 D(s, o); result (b, o).
+    # Each two-leg operand is contracted into the only other operand sharing a leg that is not
+    # in the result: a into U (step (0, 1), giving (b, r)); a is then skipped; z's leg b is in the
+    # result, its leg i joins it to C (step (0, 1): C and z are now first, giving (b, r, s));
+    # D's leg o is in the result, its leg s joins (b, r, s) (step (0, 2), giving (b, r, o)).
+    # The two operands left take one more step.
+    sizes = {"n": 3, "r": 2, "i": 5, "s": 2, "o": 4, "b": 6}
+    inputs = [("n", "r"), ("b", "n"), ("i", "r", "s"), ("b", "i"), ("s", "o")]
+    paths = candidate_paths(inputs, ("b", "o"), sizes)
+    assert ((0, 1), (0, 1), (0, 2), (0, 1)) in paths
+    # Everything absorbed: W(n, i, o) takes a(b, n), then z(b, i); no search of a single operand.
+    paths = candidate_paths([("n", "i", "o"), ("b", "n"), ("b", "i")], ("b", "o"), sizes)
+    assert ((0, 1), (0, 1)) in paths
+    for path in paths:
+        assert all(len(step) == 2 for step in path)
+
+
+@given(named_networks(), st.integers(1, 8))
+def test_every_candidate_path_is_pairwise_and_contracts_every_operand(network, batch):
+    inputs, output = network.forward_equation()
+    sizes = {**network.sizes, BATCH_LABEL: batch}
+    for path in candidate_paths(inputs, output, sizes, thorough=True):
+        assert all(len(step) == 2 for step in path)
+        assert len(path) == len(inputs) - 1
+
+
+def _finder(optimize):
+    """A finder passed to opt_einsum, described by what matters for the search."""
+    if isinstance(optimize, str):
+        return optimize
+    if isinstance(optimize, opt_einsum.paths.DynamicProgramming):
+        return "dp+outer" if optimize.search_outer else "dp"
+    return (type(optimize).__name__, optimize.max_time, optimize.progbar)
+
+
+@pytest.mark.parametrize(
+    ("n_operands", "thorough", "expected"),
+    [
+        (7, False, ["greedy", "optimal", "dp+outer", "dp"]),
+        (8, False, ["greedy", "dp+outer", "dp"]),
+        (9, True, ["greedy", "dp+outer", "dp", "branch-2"]),
+        (10, True, ["greedy", "dp+outer", "dp"]),
+        (11, False, ["greedy", "dp+outer", "dp"]),
+        (12, False, ["greedy", "dp"]),
+        (14, False, ["greedy", "dp"]),
+        (15, False, ["greedy", ("HyperOptimizer", COTENGRA_SECONDS, False)]),
+    ],
+)
+def test_path_finders_asked_follow_the_documented_bounds(monkeypatch, capsys, n_operands, thorough, expected):
+    # A chain of matrices with the first and last legs kept: no operand has two legs that can be
+    # absorbed, so only the size-dependent finders are asked (in the documented order).
+    pytest.importorskip("cotengra")
+    asked = []
+    search = opt_einsum.contract_path
+
+    def recording(*args, optimize, **kwargs):
+        asked.append(_finder(optimize))
+        return search(*args, optimize=optimize, **kwargs)
+
+    monkeypatch.setattr(opt_einsum, "contract_path", recording)
+    inputs = [(f"x{k}", f"x{k + 1}", f"y{k}") for k in range(n_operands)]
+    output = ("x0", f"x{n_operands}", *(f"y{k}" for k in range(n_operands)))
+    sizes = {label: 2 for labels in inputs for label in labels}
+    paths = candidate_paths(inputs, output, sizes, thorough=thorough)
+    assert asked == expected
+    assert paths and capsys.readouterr().out == ""
