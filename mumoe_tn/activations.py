@@ -7,11 +7,16 @@ closed-form, sort-based thresholds (Martins & Astudillo 2016; Peters, Niculae & 
 and their known Jacobian-vector products, as static-method Functions; the test suite checks
 them against ``entmax``.
 
-Speed: in eager mode the thresholds are first computed from the ``k`` largest logits
-(``torch.topk``, much cheaper than a full sort); the rows whose support could extend past ``k``
-are recomputed, alone, with a larger ``k``, so the result is always exact. Under ``torch.compile`` and
-``torch.func`` transforms the full sort is used, because the fallback is data-dependent control
-flow. The Functions define ``setup_context`` and generate their vmap rule, so ``torch.func``
+Speed: in eager mode no row is sorted at first. A few Newton steps on the threshold equation
+``Σ (x − τ)₊^(1/(α−1)) = 1``, from a ``τ`` below the root (the equation's left side is convex and
+decreasing in ``τ``, so the steps approach the root from the left and never pass it), settle the
+support of most rows; the closed-form threshold of that support is then checked against it and
+kept only where the support it implies is the same, which makes it the exact threshold. The other
+rows fall back to the sorted thresholds of their ``k`` largest logits (``torch.topk``, cheaper than
+a full sort), recomputed with a larger ``k`` while the support could extend past it. Sorting a
+``(2048, 64)`` batch of rows costs more on CPU than the elementwise Newton steps. Under
+``torch.compile`` and ``torch.func`` transforms the full sort is used, because the fallbacks are
+data-dependent control flow. The Functions define ``setup_context`` and generate their vmap rule, so ``torch.func``
 (``vmap``, ``grad``, ``jacrev``, …) works through them.
 
 Non-finite logits behave as in ``torch.softmax``: a row holding NaN or ``+inf`` (or only
@@ -24,6 +29,9 @@ support and leaves the threshold unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 from torch.autograd import Function
 
@@ -34,8 +42,20 @@ __all__ = ["entmax15", "sparsemax"]
 #: partial sort of 16 costs about half a full sort of 64 on CPU.
 FIRST_K = 16
 
+#: Newton steps on the threshold before the support they imply is checked (eager mode). With
+#: BatchNorm-scaled logits four steps settle all but about one row in a thousand (64 or 256 experts).
+NEWTON_STEPS = 4
+
 #: Floor of the max-shifted logits; the supports of both maps lie within 2 of the maximum.
 FLOOR = -4.0
+
+
+class _Map(NamedTuple):
+    """How one sparse map finds its threshold: sorted-prefix rule, Newton step, closed form."""
+
+    rule: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    newton_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    closed_form: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _largest(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -52,18 +72,13 @@ def _prefix_threshold(rows: torch.Tensor, k: int, rule) -> tuple[torch.Tensor, t
     return candidates.gather(-1, support - 1), support
 
 
-def _threshold(x: torch.Tensor, dim: int, rule) -> torch.Tensor:
-    """The exact threshold ``τ`` along ``dim`` from the sorted-prefix ``rule``.
+def _sorted_threshold(rows: torch.Tensor, k: int, rule) -> torch.Tensor:
+    """``τ`` of every row of the 2-D ``rows`` from sorted prefixes, starting with the ``k`` largest.
 
-    ``rule(ordered, dim)`` returns the candidate thresholds for every prefix length and
-    whether each prefix is inside the support (true for a leading run only). When the whole
-    partial sort of a row is inside the support, the true support may be longer: only those
-    rows are redone, with twice the ``k``.
+    When the whole partial sort of a row is inside the support, the true support may be longer:
+    only those rows are redone, with twice the ``k``.
     """
-    size = x.shape[dim]
-    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-    rows = x.movedim(dim, -1).reshape(-1, size)
-    k = size if traced else min(FIRST_K, size)
+    size = rows.shape[-1]
     tau, support = _prefix_threshold(rows, k, rule)
     while k < size:
         redo = (support == k).squeeze(-1).nonzero().squeeze(-1)
@@ -73,6 +88,38 @@ def _threshold(x: torch.Tensor, dim: int, rule) -> torch.Tensor:
         tau_redone, support_redone = _prefix_threshold(rows.index_select(0, redo), k, rule)
         tau = tau.index_copy(0, redo, tau_redone)
         support = support.index_copy(0, redo, support_redone)
+    return tau
+
+
+def _newton_threshold(rows: torch.Tensor, sparse_map: _Map) -> tuple[torch.Tensor, torch.Tensor]:
+    """``τ`` of every row of the 2-D, max-shifted ``rows``, and which rows it is exact for.
+
+    Starts at ``τ = −1`` (the maximum, 0, alone gives mass ≥ 1 there), takes
+    [`NEWTON_STEPS`][mumoe_tn.activations] steps, then computes the closed-form threshold of the
+    support ``{x > τ}``. A row's threshold is exact when that support is the one it implies.
+    """
+    tau = rows.new_full((rows.shape[0], 1), -1.0)
+    for _ in range(NEWTON_STEPS):
+        tau = sparse_map.newton_step(rows, tau)
+    inside = rows > tau
+    exact = sparse_map.closed_form(rows, inside)
+    # {x > τ} and {x ≥ exact} are both upper sets of the row, so they agree when their sizes do.
+    settled = (rows >= exact).sum(dim=-1) == inside.sum(dim=-1)
+    return exact, settled
+
+
+def _threshold(x: torch.Tensor, dim: int, sparse_map: _Map) -> torch.Tensor:
+    """The exact threshold ``τ`` along ``dim`` of the max-shifted ``x``."""
+    size = x.shape[dim]
+    rows = x.movedim(dim, -1).reshape(-1, size)
+    if _traced():
+        tau = _sorted_threshold(rows, size, sparse_map.rule)
+    else:
+        tau, settled = _newton_threshold(rows, sparse_map)
+        redo = (~settled).nonzero().squeeze(-1)
+        if redo.numel():
+            redone = _sorted_threshold(rows.index_select(0, redo), min(FIRST_K, size), sparse_map.rule)
+            tau = tau.index_copy(0, redo, redone)
     shape = list(x.movedim(dim, -1).shape)
     shape[-1] = 1
     return tau.reshape(shape).movedim(-1, dim)
@@ -84,9 +131,21 @@ def _shifted(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     A row is bad when the shift yields NaN: a NaN entry, ``+inf`` (``inf - inf``) or only
     ``-inf``. Bad rows are replaced by zeros so the threshold search stays in bounds.
     """
-    shifted = (x - x.amax(dim=dim, keepdim=True)).clamp(min=FLOOR)
-    bad = shifted.isnan().any(dim=dim, keepdim=True)
-    return torch.where(bad, 0.0, shifted), bad
+    peak = x.amax(dim=dim, keepdim=True)  # NaN if the row holds one, ±inf if inf or only -inf
+    shifted = (x - peak).clamp(min=FLOOR)
+    bad = ~peak.isfinite()
+    return _where_bad(bad, 0.0, shifted), bad
+
+
+def _traced() -> bool:
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
+def _where_bad(bad: torch.Tensor, value: float, y: torch.Tensor) -> torch.Tensor:
+    """``value`` in the bad rows of ``y``; in eager mode ``y`` itself when no row is bad."""
+    if not _traced() and not bad.any():
+        return y
+    return torch.where(bad, value, y)
 
 
 def _prefix(ordered: torch.Tensor, dim: int) -> torch.Tensor:
@@ -110,14 +169,44 @@ def _entmax15_rule(ordered: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch
     return tau, tau <= ordered
 
 
+def _sparsemax_newton_step(rows: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    # f(τ) = Σ (x − τ)₊ − 1, f'(τ) = −#{x > τ}
+    mass = (rows - tau).clamp(min=0).sum(dim=-1, keepdim=True)
+    return tau + (mass - 1) / (rows > tau).sum(dim=-1, keepdim=True, dtype=rows.dtype)
+
+
+def _sparsemax_closed_form(rows: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    total = rows.masked_fill(~inside, 0).sum(dim=-1, keepdim=True)
+    return (total - 1) / inside.sum(dim=-1, keepdim=True, dtype=rows.dtype)
+
+
+def _entmax15_newton_step(rows: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    # f(τ) = Σ (x − τ)₊² − 1, f'(τ) = −2 Σ (x − τ)₊
+    excess = (rows - tau).clamp(min=0)
+    return tau + ((excess * excess).sum(dim=-1, keepdim=True) - 1) / (2 * excess.sum(dim=-1, keepdim=True))
+
+
+def _entmax15_closed_form(rows: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    # The smaller root of Σ_S (x − τ)² = 1, as in the sorted rule for a prefix of length k.
+    kept = rows.masked_fill(~inside, 0)
+    k = inside.sum(dim=-1, keepdim=True, dtype=rows.dtype)
+    mean = kept.sum(dim=-1, keepdim=True) / k
+    spread = (kept * kept).sum(dim=-1, keepdim=True) - k * mean * mean
+    return mean - torch.sqrt(torch.clamp((1 - spread) / k, min=0))
+
+
+_SPARSEMAX = _Map(_sparsemax_rule, _sparsemax_newton_step, _sparsemax_closed_form)
+_ENTMAX15 = _Map(_entmax15_rule, _entmax15_newton_step, _entmax15_closed_form)
+
+
 class _Sparsemax(Function):
     generate_vmap_rule = True
 
     @staticmethod
     def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
         x, bad = _shifted(x, dim)
-        y = torch.clamp(x - _threshold(x, dim, _sparsemax_rule), min=0)
-        return torch.where(bad, torch.nan, y)
+        y = torch.clamp(x - _threshold(x, dim, _SPARSEMAX), min=0)
+        return _where_bad(bad, torch.nan, y)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
@@ -139,8 +228,8 @@ class _Entmax15(Function):
     def forward(x: torch.Tensor, dim: int) -> torch.Tensor:
         x, bad = _shifted(x, dim)
         x = x / 2
-        y = torch.clamp(x - _threshold(x, dim, _entmax15_rule), min=0) ** 2
-        return torch.where(bad, torch.nan, y)
+        y = torch.clamp(x - _threshold(x, dim, _ENTMAX15), min=0) ** 2
+        return _where_bad(bad, torch.nan, y)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
