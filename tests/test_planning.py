@@ -19,6 +19,7 @@ from strategies import named_networks
 from mumoe_tn import ExpertNetwork, MuMoE
 from mumoe_tn.contractions import (
     autotune_candidates,
+    constant_steps,
     forward_candidates,
     plan_contraction,
     plan_forward,
@@ -467,3 +468,34 @@ def test_path_finders_asked_follow_the_documented_bounds(monkeypatch, capsys, n_
     paths = candidate_paths(inputs, output, sizes, thorough=thorough)
     assert asked == expected
     assert paths and capsys.readouterr().out == ""
+
+
+# ---------------------------------------------------------------- explicit paths, constant steps, layouts
+def test_explicit_path_messages():
+    sizes = {"a": 2, "b": 3, "c": 4, "d": 5}
+    inputs = [("a", "b"), ("b", "c"), ("c", "d"), ("d",)]
+    message = r"^explicit path step 1 \(0, 3\) refers to a position outside 0\.\.2 \(the operand list has 3 entries"
+    with pytest.raises(ValueError, match=message):
+        plan_contraction(inputs, ("a",), sizes, ((0, 1), (0, 3)))
+    message = r"^explicit path \(\(0, 1\),\) leaves 3 operand\(s\) of 4; a path must contract every operand into one"
+    with pytest.raises(ValueError, match=message):
+        plan_contraction(inputs, ("a",), sizes, ((0, 1),))
+
+
+def test_constant_steps_by_hand():
+    # A·B (step 0) and then C·(AB) (step 1) use only the three constant operands; x enters last.
+    sizes = {"a": 2, "b": 3, "c": 4, "d": 5}
+    inputs = [("a", "b"), ("b", "c"), ("c", "d"), ("d",)]
+    plan = plan_contraction(inputs, ("a",), sizes, ((0, 1), (0, 2), (0, 1)))
+    assert constant_steps(plan, 3) == {0, 1}
+    assert constant_steps(plan, 2) == {0}
+    assert constant_steps(plan, 0) == set()
+    plan = plan_contraction(inputs, ("a",), sizes, ((2, 3), (0, 1), (0, 1)))
+    assert constant_steps(plan, 3) == {1}
+
+
+@given(named_networks(), st.integers(2, 8))
+def test_forward_candidates_keep_the_batch_leading(network, batch):
+    for plan in forward_candidates(network, batch):
+        for step in plan.steps:
+            assert BATCH_LABEL not in step.output or step.output[0] == BATCH_LABEL
