@@ -9,9 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import any_network, named_networks
 
+import mumoe_tn.layers as layers
 from mumoe_tn.contractions import constant_steps, dense_forward, per_call_fma, plan_forward, plan_inference
 from mumoe_tn.decompositions import build
 from mumoe_tn.layers import FactorizedExperts
+from mumoe_tn.network import BATCH_LABEL
 
 DTYPE = torch.float64
 
@@ -68,6 +70,35 @@ def test_cached_intermediates_follow_in_place_updates_and_load_state_dict(contex
     module.load_state_dict(other.state_dict())
     with context():
         torch.testing.assert_close(module(z, coefficients), reference(other, coefficients, z))
+
+
+def test_inference_contracts_core_only_steps_once_per_bucket_and_version(monkeypatch):
+    computed, passed = [], []
+    original_constants, original_run = layers.constant_intermediates, layers.run_plan
+
+    def counting_constants(plan, operands, steps):
+        computed.append(plan.sizes[BATCH_LABEL])
+        return original_constants(plan, operands, steps)
+
+    def recording_run(plan, operands, **kwargs):
+        passed.append(sorted(kwargs.get("constants") or {}))
+        return original_run(plan, operands, **kwargs)
+
+    monkeypatch.setattr(layers, "constant_intermediates", counting_constants)
+    monkeypatch.setattr(layers, "run_plan", recording_run)
+    network = build("tucker", (2, 2), 6, 5, (4, 4, 3, 3))
+    module = FactorizedExperts(network, dtype=DTYPE).eval()
+    _, steps = plan_inference(network, 16)
+    with torch.no_grad():
+        for batch in (16, 9, 16, 32, 16):  # buckets 16, 16, 16, 32, 16
+            coefficients, z = call(network, batch)
+            torch.testing.assert_close(module(z, coefficients), reference(module, coefficients, z))
+        assert computed == [16, 32]  # once per bucket, then reused
+        assert all(used == sorted(steps) for used in passed[:3])
+        module.core.mul_(2.0)  # a new version of a core: computed again
+        coefficients, z = call(network, 16)
+        torch.testing.assert_close(module(z, coefficients), reference(module, coefficients, z))
+    assert computed == [16, 32, 16]
 
 
 def test_training_mode_and_gradients_never_use_cached_intermediates():
