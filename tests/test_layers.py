@@ -198,3 +198,22 @@ def test_layer_construction_errors():
         FactorizedExperts(ExpertNetwork({"forward": "n1 i o"}, {"n1": 2, "i": 2, "o": 2}))
     with pytest.raises(ValueError, match=r"bond size mismatch: label 'a' has size 2 in core 'A' but 3 in core 'B'"):
         FactorizedExperts.from_tensors({"A": "n1 a", "B": "a i o"}, {"A": torch.ones(4, 2), "B": torch.ones(3, 5, 6)})
+
+
+def test_from_tensors_keeps_the_given_cores_dtype_name_and_optimizer():
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "A": torch.randn(4, 2, generator=gen, dtype=torch.float64),
+        "B": torch.randn(2, 5, 6, generator=gen, dtype=torch.float64),
+    }
+    module = FactorizedExperts.from_tensors({"A": "n1 a", "B": "a i o"}, tensors, name="pair", optimize="greedy")
+    assert module.network.name == "pair" and module.optimize == "greedy"
+    assert module.network.cores == {"A": ("n1", "a"), "B": ("a", "i", "o")}
+    for core, tensor in tensors.items():
+        parameter = getattr(module, core)
+        assert parameter.dtype == torch.float64 and parameter.device == tensor.device
+        assert torch.equal(parameter, tensor) and parameter.data_ptr() != tensor.data_ptr()
+    a, z = torch.rand(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(module(z, [a]), torch.einsum("bn,na,aio,bi->bo", a, tensors["A"], tensors["B"], z))
+    assert FactorizedExperts.from_tensors({"A": "n1 a", "B": "a i o"}, tensors).network.name == "custom"
+    assert FactorizedExperts.from_tensors({"A": "n1 a", "B": "a i o"}, tensors).optimize == "auto"
