@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from functools import cache
+from types import SimpleNamespace
 
 import opt_einsum
 import pytest
@@ -18,6 +19,7 @@ from strategies import named_networks
 
 from mumoe_tn import ExpertNetwork, MuMoE
 from mumoe_tn.contractions import (
+    autotune,
     autotune_candidates,
     constant_steps,
     forward_candidates,
@@ -339,9 +341,10 @@ def test_fastest_plan_returns_a_given_plan_and_checks_its_arguments():
     assert fastest_plan(plans[:1], operands) is plans[0]
 
 
-def test_fastest_plan_prefers_the_fast_plan_whatever_the_order():
-    # One path contracts z and the input core first (about 1 M FMAs); the other forms the
-    # (i, o, r) outer product of the two matrix cores first (more than 50 times the work).
+def test_fastest_plan_prefers_the_fast_plan_whatever_the_order(monkeypatch):
+    # A clock that advances by each run's FMA count: the choice is tested, not this machine's load.
+    # One path contracts z and the input core first; the other forms the (i, o, r) outer product of
+    # the two matrix cores first (more than 50 times the work).
     network = build("cp", 4, 129, 128, 32)
     sizes = {**network.sizes, BATCH_LABEL: 256}
     inputs, output = network.forward_equation()
@@ -349,12 +352,26 @@ def test_fastest_plan_prefers_the_fast_plan_whatever_the_order():
     good = plan_contraction(inputs, output, sizes, "greedy", lead=BATCH_LABEL)
     slow = plan_contraction(inputs, output, sizes, ((1, 2), (0, 1), (1, 2), (0, 1)), lead=BATCH_LABEL)
     assert slow.fma > 50 * good.fma
+    clock, runs = [0.0], []
+
+    def counted_run(plan, tensors, *, ones_appended=None):
+        runs.append(plan)
+        clock[0] += plan.fma  # whole numbers: equal plans take exactly equal times
+        return run_plan(plan, tensors, ones_appended=ones_appended)  # the real call checks the operands
+
+    monkeypatch.setattr(autotune, "run_plan", counted_run)
+    monkeypatch.setattr(autotune, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     gen = torch.Generator().manual_seed(0)
     operands = [torch.randn(shape, generator=gen) for shape in network.core_shapes.values()]
     operands += [torch.rand(256, n, generator=gen) for n in network.expert_dims]
     operands.append(torch.randn(256, 128, generator=gen))  # the folded bias: leg i lacks its last 1
     for plans in ([slow, good], [good, slow]):
-        assert fastest_plan(plans, operands, ones_appended="i") is good
+        assert fastest_plan(plans, operands, ones_appended="i", repeats=2) is good
+    assert runs == [slow] * 3 + [good] * 3 + [good] * 3 + [slow] * 3  # one warm-up, then the repeats
+    twin = plan_contraction(inputs, output, sizes, slow.path, lead=BATCH_LABEL)
+    assert twin == slow and twin is not slow
+    assert fastest_plan([slow, twin], operands, ones_appended="i", repeats=1) is slow  # a tie: the earlier
+    assert fastest_plan([twin, slow], operands, ones_appended="i", repeats=1) is twin
 
 
 def test_autotune_candidates_are_the_cheapest_paths_in_both_layouts():
