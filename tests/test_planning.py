@@ -1,6 +1,7 @@
 """The planner: bounded planning time, FMA-optimality on small networks, any number of labels,
 checked paths, and the module's plan cache (LRU, thread-safe, fresh optimizers, autotune)."""
 
+import importlib.util
 import itertools
 import re
 import string
@@ -23,12 +24,15 @@ from mumoe_tn.contractions import (
     autotune_candidates,
     constant_steps,
     forward_candidates,
+    per_call_fma,
     plan_contraction,
+    plan_dense,
     plan_forward,
+    plan_inference,
     run_plan,
 )
 from mumoe_tn.contractions.autotune import fastest_plan
-from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK
+from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK, constant_elements
 from mumoe_tn.contractions.search import COTENGRA_SECONDS, candidate_paths
 from mumoe_tn.decompositions import build, tt
 from mumoe_tn.layers import FactorizedExperts
@@ -516,3 +520,65 @@ def test_forward_candidates_keep_the_batch_leading(network, batch):
     for plan in forward_candidates(network, batch):
         for step in plan.steps:
             assert BATCH_LABEL not in step.output or step.output[0] == BATCH_LABEL
+
+
+def test_per_call_fma_and_constant_elements_by_hand():
+    sizes = {"a": 2, "b": 3, "c": 4, "d": 5}
+    inputs = [("a", "b"), ("b", "c"), ("c", "d"), ("d",)]
+    plan = plan_contraction(inputs, ("a",), sizes, ((0, 1), (0, 2), (0, 1)))
+    assert [step.fma for step in plan.steps] == [2 * 3 * 4, 2 * 4 * 5, 2 * 5]
+    assert per_call_fma(plan, frozenset({0, 1})) == 2 * 5
+    assert per_call_fma(plan, frozenset()) == plan.fma
+    assert constant_elements(plan, frozenset({0, 1})) == 2 * 4 + 2 * 5  # (a, c) and (a, d)
+
+
+def test_single_and_two_operand_contractions_with_a_named_optimizer():
+    sizes = {"a": 2, "b": 3, "c": 4}
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 3, generator=gen, dtype=DTYPE), torch.randn(3, 4, generator=gen, dtype=DTYPE)
+    for optimize in ("greedy", "optimal", "auto"):
+        plan = plan_contraction([("a", "b")], ("b", "a"), sizes, optimize)
+        assert plan.path == ((0,),)
+        torch.testing.assert_close(run_plan(plan, [x]), x.T)
+        plan = plan_contraction([("a", "b"), ("b", "c")], ("a", "c"), sizes, optimize)
+        assert plan.path == ((0, 1),)
+        torch.testing.assert_close(run_plan(plan, [x, y]), x @ y)
+
+
+def test_explicit_path_steps_must_be_tuples_of_positions():
+    sizes = {"a": 2, "b": 3, "c": 4}
+    with pytest.raises(
+        ValueError, match=r"^explicit path step 0 must be a non-empty tuple of distinct int positions, got 5$"
+    ):
+        plan_contraction([("a", "b"), ("b", "c")], ("a", "c"), sizes, (5,))
+    plan = plan_contraction([("a", "b"), ("b", "c")], ("a", "c"), sizes, [[0, 1]])  # lists are taken as tuples
+    assert plan.path == ((0, 1),)
+
+
+def test_dense_plans_are_cached_for_names_but_fresh_for_cotengra_and_objects():
+    network = build("tr", (3, 2), 4, 5, (2, 3, 2, 2))
+    assert plan_dense(network) is plan_dense(network, "auto")
+    assert plan_dense(network, "greedy") is plan_dense(network, "greedy")
+    gen = torch.Generator().manual_seed(0)
+    cores = [torch.randn(shape, generator=gen, dtype=DTYPE) for shape in network.core_shapes.values()]
+    inputs, output = network.dense_equation()
+    symbols = {label: opt_einsum.get_symbol(k) for k, label in enumerate(network.sizes)}
+    equation = ",".join("".join(symbols[x] for x in labels) for labels in inputs)
+    expected = torch.einsum(equation + "->" + "".join(symbols[x] for x in output), *cores)
+    optimizers = [opt_einsum.paths.DynamicProgramming(), plan_dense(network).path]
+    if importlib.util.find_spec("cotengra") is not None:
+        optimizers.append("cotengra")
+        assert plan_dense(network, "cotengra") is not plan_dense(network, "cotengra")  # a fresh search each time
+    for optimize in optimizers:
+        torch.testing.assert_close(run_plan(plan_dense(network, optimize), cores), expected)
+
+
+def test_inference_plan_respects_the_cache_limit_and_keeps_the_batch_leading():
+    network = build("tucker", (2, 2), 16, 16, (8, 8, 4, 4))
+    plan, steps = plan_inference(network, 16)
+    assert steps and constant_elements(plan, steps) > 0
+    plan, steps = plan_inference(network, 16, max_cached=0)
+    assert steps == frozenset()
+    assert plan.fma == per_call_fma(plan, steps) == plan_forward(network, 16).fma
+    for step in plan_inference(network, 16)[0].steps:
+        assert BATCH_LABEL not in step.output or step.output[0] == BATCH_LABEL
