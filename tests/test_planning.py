@@ -571,6 +571,18 @@ def test_dense_plans_are_cached_for_names_but_fresh_for_cotengra_and_objects():
         assert plan_dense(network, "cotengra") is not plan_dense(network, "cotengra")  # a fresh search each time
     for optimize in optimizers:
         torch.testing.assert_close(run_plan(plan_dense(network, optimize), cores), expected)
+    assert len(inputs) == 4
+    outer_first = ((0, 2), (0, 1), (0, 1))  # two cores sharing no bond first: no planner picks it
+    assert plan_dense(network).path != outer_first
+    assert plan_dense(network, outer_first).path == outer_first
+
+
+def test_cotengra_missing_is_reported(monkeypatch):
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cotengra" else found(name, *a))
+    message = r"^optimize='cotengra' needs the optional dependency cotengra \(pip install cotengra\)$"
+    with pytest.raises(ValueError, match=message):
+        plan_contraction([("a", "b"), ("b", "c")], ("a", "c"), {"a": 2, "b": 3, "c": 4}, "cotengra")
 
 
 def test_inference_plan_respects_the_cache_limit_and_keeps_the_batch_leading():
