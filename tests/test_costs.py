@@ -840,3 +840,15 @@ def test_to_rich_fits_a_width_above_the_default_terminal():
         console = Console(width=10_000)
         minimum = Measurement.get(console, console.options, table).minimum
         assert minimum <= width and len(table.columns) < len(COLUMNS) + 1  # something had to go
+
+
+def test_matching_warning_states_the_closest_match_by_hand():
+    # With bond c = r: gate 4·2 + A 2·2 + B 2·4·r + C r·3 = 12 + 11 r, so 23, 34, 45, …; for a target
+    # of 30 the closest is 34 (rank 2), 13.3 % above.
+    message = (
+        r"the closest match has 34 parameters, \+13\.3% from the target 30 "
+        r"\(rank 2 on bonds \('c',\); one rank step adds 11\)"
+    )
+    with pytest.warns(MatchingWarning, match=message):
+        match = match_layer(chain(2, 4, 3, a=2, c=1), 30, bonds=["c"], bias=False)
+    assert (match.rank, match.params, match.step) == (2, 34, 11)
