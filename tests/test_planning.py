@@ -32,7 +32,7 @@ from mumoe_tn.contractions import (
     run_plan,
 )
 from mumoe_tn.contractions.autotune import fastest_plan
-from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK, constant_elements
+from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK, constant_elements, einsum_equation
 from mumoe_tn.contractions.search import COTENGRA_SECONDS, candidate_paths
 from mumoe_tn.decompositions import build, tt
 from mumoe_tn.layers import FactorizedExperts
@@ -594,3 +594,23 @@ def test_inference_plan_respects_the_cache_limit_and_keeps_the_batch_leading():
     assert plan.fma == per_call_fma(plan, steps) == plan_forward(network, 16).fma
     for step in plan_inference(network, 16)[0].steps:
         assert BATCH_LABEL not in step.output or step.output[0] == BATCH_LABEL
+
+
+def test_einsum_equation_takes_up_to_52_labels():
+    labels = tuple(f"x{k}" for k in range(53))
+    equation = einsum_equation([labels[:26], labels[26:52]], labels[:52])
+    assert equation == string.ascii_lowercase + "," + string.ascii_uppercase + "->" + string.ascii_letters
+    with pytest.raises(
+        ValueError, match=r"^a contraction step joins 53 distinct labels but torch\.einsum accepts at most 52"
+    ):
+        einsum_equation([labels[:27], labels[27:]], labels)
+
+
+@pytest.mark.parametrize("optimize", ["greedy", "optimal", "dp"])
+def test_named_optimizers_keep_the_batch_leading(optimize):
+    for plan in (
+        plan_forward(build("tr", (3, 2), 4, 5, (2, 3, 2, 2)), 8, optimize),
+        plan_forward(tt(6, 3, 10, (2, 7)), 8, optimize),
+    ):
+        for step in plan.steps:
+            assert BATCH_LABEL not in step.output or step.output[0] == BATCH_LABEL
