@@ -16,8 +16,8 @@ rows fall back to the sorted thresholds of their ``k`` largest logits (``torch.t
 a full sort), recomputed with a larger ``k`` while the support could extend past it. Sorting a
 ``(2048, 64)`` batch of rows costs more on CPU than the elementwise Newton steps. Under
 ``torch.compile`` and ``torch.func`` transforms the full sort is used, because the fallbacks are
-data-dependent control flow. The Functions define ``setup_context`` and generate their vmap rule, so ``torch.func``
-(``vmap``, ``grad``, ``jacrev``, …) works through them.
+data-dependent control flow. The Functions define ``setup_context`` and generate their vmap rule,
+so ``torch.func`` (``vmap``, ``grad``, ``jacrev``, …) works through them.
 
 Non-finite logits behave as in ``torch.softmax``: a row holding NaN or ``+inf`` (or only
 ``-inf``) gives NaN in that row only, and ``-inf`` entries of other rows get probability 0.
@@ -160,12 +160,15 @@ def _sparsemax_rule(ordered: torch.Tensor, dim: int) -> tuple[torch.Tensor, torc
     return cumulative / rho, rho * ordered > cumulative
 
 
+def _entmax15_root(total: torch.Tensor, total_sq: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The smaller root ``τ`` of ``Σ_S (x − τ)² = 1`` from ``Σ_S x``, ``Σ_S x²`` and ``|S|``."""
+    mean = total / count
+    spread = total_sq - count * mean * mean
+    return mean - torch.sqrt(torch.clamp((1 - spread) / count, min=0))
+
+
 def _entmax15_rule(ordered: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rho = _prefix(ordered, dim)
-    mean = ordered.cumsum(dim) / rho
-    mean_sq = (ordered * ordered).cumsum(dim) / rho
-    spread = rho * (mean_sq - mean * mean)
-    tau = mean - torch.sqrt(torch.clamp((1 - spread) / rho, min=0))
+    tau = _entmax15_root(ordered.cumsum(dim), (ordered * ordered).cumsum(dim), _prefix(ordered, dim))
     return tau, tau <= ordered
 
 
@@ -187,12 +190,9 @@ def _entmax15_newton_step(rows: torch.Tensor, tau: torch.Tensor) -> torch.Tensor
 
 
 def _entmax15_closed_form(rows: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
-    # The smaller root of Σ_S (x − τ)² = 1, as in the sorted rule for a prefix of length k.
     kept = rows.masked_fill(~inside, 0)
-    k = inside.sum(dim=-1, keepdim=True, dtype=rows.dtype)
-    mean = kept.sum(dim=-1, keepdim=True) / k
-    spread = (kept * kept).sum(dim=-1, keepdim=True) - k * mean * mean
-    return mean - torch.sqrt(torch.clamp((1 - spread) / k, min=0))
+    count = inside.sum(dim=-1, keepdim=True, dtype=rows.dtype)
+    return _entmax15_root(kept.sum(dim=-1, keepdim=True), (kept * kept).sum(dim=-1, keepdim=True), count)
 
 
 _SPARSEMAX = _Map(_sparsemax_rule, _sparsemax_newton_step, _sparsemax_closed_form)
