@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch_calls import TorchCalls
 
 from mumoe_tn.activations import FIRST_K, entmax15, sparsemax
 
@@ -38,23 +39,11 @@ def test_refinement_along_any_dim(ours, reference, dim):
     torch.testing.assert_close(ours(x, dim), reference(x, dim=dim))
 
 
-class _TorchCalls(torch.overrides.TorchFunctionMode):
-    """Records the names of the torch functions and tensor methods called inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.add(getattr(func, "__name__", repr(func)))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize(("ours", "reference"), PAIRS)
 @pytest.mark.parametrize("width", [64, 256])
 def test_newton_steps_settle_peaky_rows_without_sorting(ours, reference, width):
     x = torch.randn(512, width, generator=torch.Generator().manual_seed(width), dtype=torch.float64) * 3
-    with _TorchCalls() as calls:
+    with TorchCalls() as calls:
         y = ours(x)
     assert not {"topk", "sort"} & calls.names
     torch.testing.assert_close(y, reference(x, dim=-1))
@@ -64,7 +53,7 @@ def test_newton_steps_settle_peaky_rows_without_sorting(ours, reference, width):
 def test_rows_newton_does_not_settle_are_sorted(ours, reference):
     # Flat logits, large partial supports: four steps from τ = −1 leave some supports unsettled.
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.2
-    with _TorchCalls() as calls:
+    with TorchCalls() as calls:
         y = ours(x)
     assert {"topk", "sort"} & calls.names
     assert ((y > 0).sum(-1) > FIRST_K).any()

@@ -16,6 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import any_network, binding_networks, custom_networks, named_networks, tree_networks
+from torch_calls import TorchCalls
 
 from mumoe_tn import ExpertNetwork, FactorizedExperts
 from mumoe_tn.analysis.coefficients import ExpertStatistics
@@ -388,18 +389,6 @@ def test_folded_bias_equals_a_column_of_ones(network, batch, optimize):
     _bias_case(network, batch, optimize, 1)
 
 
-class _TorchCalls(torch.overrides.TorchFunctionMode):
-    """Records the torch functions called inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.append(getattr(func, "__name__", repr(func)))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("network", [cp(4, 6, 5, 3), tr((3, 2), 6, 5, (2, 3, 2, 2))], ids=["cp", "tr"])
 def test_folded_bias_on_a_plain_step_copies_nothing(network):
     # A plain step adds T's last slice (y = z T[:I] + T[I]): the input is never concatenated with ones.
@@ -408,7 +397,7 @@ def test_folded_bias_on_a_plain_step_copies_nothing(network):
     coefficients = [torch.rand(4, n, generator=gen, dtype=DTYPE) for n in network.expert_dims]
     z = torch.randn(4, network.in_features - 1, generator=gen, dtype=DTYPE)
     plan = plan_forward(network, 4)
-    with _TorchCalls() as calls:
+    with TorchCalls() as calls:
         folded = run_plan(plan, [*cores, *coefficients, z], ones_appended="i", memory_saving=False)
     assert "cat" not in calls.names and "einsum" in calls.names
     explicit = run_plan(plan, [*cores, *coefficients, torch.cat([z, torch.ones(4, 1, dtype=DTYPE)], -1)])
@@ -424,7 +413,7 @@ def test_folded_bias_fallback_with_two_batch_dimensions():
     weight = torch.randn(4, 5, 6, generator=gen, dtype=DTYPE)
     a = torch.rand(2, 3, 4, generator=gen, dtype=DTYPE)
     z = torch.randn(2, 3, 4, generator=gen, dtype=DTYPE)
-    with _TorchCalls() as calls:
+    with TorchCalls() as calls:
         folded = run_plan(plan, [weight, a, z], ones_appended="i")
     assert "cat" in calls.names
     z_ones = torch.cat([z, torch.ones(2, 3, 1, dtype=DTYPE)], -1)
