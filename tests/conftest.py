@@ -1,4 +1,4 @@
-"""Shared test configuration: hypothesis profiles (``HYPOTHESIS_PROFILE=ci|dev|thorough``)."""
+"""Shared test configuration: hypothesis profiles (``HYPOTHESIS_PROFILE=ci|dev|mutation|thorough``)."""
 
 import os
 
@@ -9,6 +9,10 @@ settings.register_profile(
     "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.register_profile("dev", max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# mutation runs (tests/README.md): every test runs once per mutant, so fewer examples each
+settings.register_profile(
+    "mutation", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
 settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

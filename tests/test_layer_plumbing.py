@@ -1,0 +1,263 @@
+"""What the layers' constructors pass on, and the shared-gate plumbing, checked by hand.
+
+Each test states an observable consequence of one argument (a matched rank counted by hand, a
+mean square the init rule fixes exactly, a module type, a message) so that a constructor that
+drops or swaps an argument fails here; found by mutation testing of ``layers.py`` (issue 13).
+"""
+
+import copy
+import math
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from mumoe_tn import FactorizedExperts, MuMoE
+from mumoe_tn.gate_config import Gate
+from mumoe_tn.layers import MuMoEMLP
+
+DTYPE = torch.float64
+
+
+def mean_square(experts: FactorizedExperts) -> float:
+    return experts.to_dense().pow(2).mean().item()
+
+
+def gate_parameters(layer: nn.Module) -> int:
+    return sum(p.numel() for p in layer.gate.parameters())
+
+
+# ----------------------------------------------------------------------------- defaults
+def test_mumoe_defaults():
+    layer = MuMoE(6, 4, 5, rank=3)
+    assert layer.network.name == "cp" and layer.bias and layer.network.in_features == 7
+    assert isinstance(layer.input_norm, nn.Identity) and layer.gate_input == "normed"
+    assert layer.expert_dims == (5,) and layer.out_features == 4
+    assert layer.extra_repr() == "in_features=6, out_features=4, bias=True"
+    assert "experts=5, in=7, out=4" in repr(layer.experts)
+
+
+def test_mumoe_mlp_defaults():
+    block = MuMoEMLP(6, 10, expert_dims=(2, 3), rank=3)
+    assert block.experts1.network.name == "cp" == block.experts2.network.name
+    assert block.bias and block.experts1.network.in_features == 7 and block.experts2.network.in_features == 11
+    assert block.out_features == 6 and block.hidden_features == 10 and block.expert_dims == (2, 3)
+    assert isinstance(block.input_norm, nn.Identity) and isinstance(block.hidden_activation, nn.GELU)
+    assert block.extra_repr() == "in_features=6, hidden_features=10, out_features=6, bias=True"
+    assert "experts=2×3" in repr(block.experts1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bias_reaches_the_networks(bias):
+    assert MuMoE(6, 4, 5, "tr", 2, bias=bias).network.in_features == 6 + bias
+    block = MuMoEMLP(6, 10, 3, expert_dims=5, decomposition="tt", rank=2, bias=bias)
+    assert (block.experts1.network.in_features, block.experts2.network.in_features) == (6 + bias, 10 + bias)
+
+
+# ----------------------------------------------------------------------------- factory and init
+def test_factory_arguments_reach_every_parameter():
+    for layer in (
+        MuMoE(6, 4, 5, "cp", 3, device="meta", dtype=DTYPE, input_norm=True),
+        MuMoEMLP(6, 10, expert_dims=5, rank=3, device="meta", dtype=DTYPE, input_norm=True),
+    ):
+        assert {(p.device.type, p.dtype) for p in layer.parameters()} == {("meta", DTYPE)}
+
+
+def test_linear_init_fixes_each_layers_mean_square_by_its_own_fan_in():
+    # the "linear" rule makes the mean square of W's entries exactly 1 / (3 fan_in), fan_in the
+    # features of the Linear the layer replaces (not the bias-widened leg)
+    layer = MuMoE(6, 4, 5, "cp", 3, init="linear", dtype=DTYPE)
+    assert mean_square(layer.experts) == pytest.approx(1 / 18, rel=1e-9)
+    block = MuMoEMLP(6, 10, 3, expert_dims=5, rank=3, init="linear", dtype=DTYPE)
+    assert mean_square(block.experts1) == pytest.approx(1 / 18, rel=1e-9)
+    assert mean_square(block.experts2) == pytest.approx(1 / 30, rel=1e-9)
+
+
+def test_init_expert_noise_and_optimize_reach_both_layers_of_a_block():
+    with pytest.raises(ValueError, match="bogus"):
+        MuMoE(6, 4, 5, "cp", 3, init="bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        MuMoEMLP(6, 10, expert_dims=5, rank=3, init="bogus")
+    block = MuMoEMLP(6, 10, expert_dims=5, rank=3, optimize="greedy", expert_noise=(0.0,), init="paper")
+    assert block.experts1.optimize == "greedy" == block.experts2.optimize
+    for experts in (block.experts1, block.experts2):
+        # no expert noise under the paper's rule: every expert is the same matrix
+        dense = experts.to_dense()
+        torch.testing.assert_close(dense, dense[:1].expand_as(dense))
+
+
+# ----------------------------------------------------------------------------- matching
+def cp_params(n: int, width: int, out: int, rank: int) -> int:
+    return rank * (n + width + out)
+
+
+def closest_rank(target: int, per_rank: int, fixed: int, multiple: int = 1) -> int:
+    candidates = range(multiple, 4 * target // per_rank + multiple, multiple)
+    return min(candidates, key=lambda r: (abs(fixed + r * per_rank - target), r))
+
+
+@pytest.mark.parametrize(("bias", "input_norm", "multiple"), [(True, False, 1), (False, True, 1), (True, True, 4)])
+def test_match_linear_counted_by_hand(bias, input_norm, multiple):
+    n, i, o = 8, 256, 128
+    layer = MuMoE(i, o, n, match="linear", bias=bias, input_norm=input_norm, rank_multiple=multiple)
+    target = i * o + (o if bias else 0)
+    fixed = gate_parameters(layer) + (2 * i if input_norm else 0)
+    rank = closest_rank(target, n + i + bias + o, fixed, multiple)
+    assert layer.network.sizes["r"] == rank
+    assert sum(p.numel() for p in layer.parameters()) == fixed + rank * (n + i + bias + o)
+
+
+@pytest.mark.parametrize(("bias", "multiple"), [(True, 1), (False, 1), (True, 4)])
+def test_match_mlp_counted_by_hand(bias, multiple):
+    n, i, h = 8, 96, 192
+    gate = Gate(activation="softmax", norm="layer")
+    block = MuMoEMLP(i, h, expert_dims=n, match="mlp", bias=bias, gate=gate, rank_multiple=multiple)
+    target = 2 * i * h + ((h + i) if bias else 0)
+    per_rank = (n + i + bias + h) + (n + h + bias + i)  # one rank for both layers
+    rank = closest_rank(target, per_rank, gate_parameters(block), multiple)
+    assert block.experts1.network.sizes["r"] == rank == block.experts2.network.sizes["r"]
+
+
+def test_match_bonds_reach_both_layers_of_a_block():
+    block = MuMoEMLP(24, 48, expert_dims=8, decomposition="tr", rank=(2, 2, 3), match="mlp", match_bonds=["r3"])
+    for experts in (block.experts1, block.experts2):
+        sizes = experts.network.sizes
+        assert (sizes["r1"], sizes["r2"]) == (2, 2) and sizes["r3"] > 3
+
+
+LAYER_MAKERS = {
+    "MuMoE": lambda **options: MuMoE(6, 4, 5, **options),
+    "MuMoEMLP": lambda **options: MuMoEMLP(6, 10, expert_dims=5, **options),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_MAKERS))
+def test_matching_messages_name_the_layer(name):
+    make = LAYER_MAKERS[name]
+    with pytest.raises(ValueError, match=rf"^{name}: match='other' is not a target here"):
+        make(match="other")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=rf"^{name}: give match= once"):
+        make(rank="match", match=100)
+
+
+# ----------------------------------------------------------------------------- the gate plumbing
+class _PlainGate(nn.Module):
+    """A gate module without ``reset_parameters`` or ``losses``, returning float64 coefficients."""
+
+    def __init__(self, in_features, expert_dims, device=None, dtype=None):
+        super().__init__()
+        self.proj = nn.Linear(in_features, sum(expert_dims), device=device, dtype=dtype)
+        self.expert_dims = tuple(expert_dims)
+
+    def forward(self, z):
+        return tuple(torch.softmax(p, dim=-1).double() for p in self.proj(z).split(self.expert_dims, dim=-1))
+
+
+class _PlainGateSpec:
+    def __init__(self, returns=None):
+        self.returns = returns
+
+    def parameter_count(self, in_features, expert_dims):
+        return (in_features + 1) * sum(expert_dims)
+
+    def fma_per_token(self, in_features, expert_dims):
+        return in_features * sum(expert_dims)
+
+    def build(self, in_features, expert_dims, *, device=None, dtype=None):
+        if self.returns is not None:
+            return self.returns
+        return _PlainGate(in_features, expert_dims, device=device, dtype=dtype)
+
+    def __repr__(self):
+        return "_PlainGateSpec()"
+
+
+def test_reset_parameters_reaches_the_gates_submodules_and_the_input_norm():
+    layer = MuMoE(6, 4, (2, 3), "cp", 3, gate=_PlainGateSpec(), input_norm=True)
+    assert layer.gate_spec.__class__ is _PlainGateSpec
+    with torch.no_grad():
+        layer.gate.proj.weight.zero_()
+        layer.input_norm.weight.fill_(2.0)
+        layer.experts.U_i.zero_()
+    layer.reset_parameters()
+    assert layer.gate.proj.weight.abs().sum() > 0
+    assert torch.equal(layer.input_norm.weight, torch.ones(6))
+    assert layer.experts.U_i.abs().sum() > 0
+
+
+def test_gate_without_losses_and_coefficients_cast_to_the_input_dtype():
+    layer = MuMoE(6, 4, (2, 3), "cp", 3, gate=_PlainGateSpec())
+    assert layer.gate_losses() == {}
+    with pytest.raises(ValueError, match=r"does not record the 'z' loss: build it with z_loss=True"):
+        layer.z_loss()
+    with pytest.raises(ValueError, match=r"_PlainGateSpec\(\) does not record the 'balance' loss.*balance_loss=True"):
+        layer.aux_loss()
+    x = torch.randn(5, 6)
+    y = layer(x)
+    assert y.dtype == torch.float32 and layer.last_coefficients[0].dtype == torch.float64
+    a1, a2 = (a.float() for a in layer.last_coefficients)
+    expected = layer.experts(x, [a1, a2], append_one=True)
+    torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("returns", [lambda z: None, lambda z: {"n1": z}, lambda z: 3])
+def test_gate_returning_no_sequence_is_rejected(returns):
+    class Odd(nn.Module):
+        def forward(self, z):
+            return returns(z)
+
+    layer = MuMoE(6, 4, 5, "cp", 3, gate=_PlainGateSpec(returns=Odd()))
+    with pytest.raises(TypeError, match=r"the gate Odd must return a tuple of tensors, one per expert mode"):
+        layer(torch.randn(3, 6))
+
+
+def test_gate_descriptor_building_no_module_is_rejected():
+    with pytest.raises(TypeError, match=r"the gate descriptor _PlainGateSpec\(\) built function, not an nn.Module"):
+        MuMoE(6, 4, 5, "cp", 3, gate=_PlainGateSpec(returns=lambda z: z))
+
+
+def test_input_norm_must_be_a_bool():
+    with pytest.raises(TypeError, match="input_norm"):
+        MuMoE(6, 4, 5, "cp", 3, input_norm="yes")
+
+
+@pytest.mark.parametrize("shape", [(6,), (2, 3, 6), (3, 1, 2, 6)])
+def test_any_number_of_leading_dimensions(shape):
+    layer = MuMoE(6, 4, 5, "cp", 3, dtype=DTYPE).eval()
+    x = torch.randn(shape, dtype=DTYPE)
+    y = layer(x)
+    assert y.shape == (*shape[:-1], 4)
+    torch.testing.assert_close(y.reshape(-1, 4), layer(x.reshape(-1, 6)))
+    with pytest.raises(ValueError, match=r"input must have shape \(\.\.\., 6\), got \(\)"):
+        layer(torch.tensor(1.0, dtype=DTYPE))
+
+
+# ----------------------------------------------------------------------------- the MLP block
+def test_hidden_activation_is_used_and_checked():
+    block = MuMoEMLP(6, 10, 4, expert_dims=5, rank=3, hidden_activation=nn.ReLU(), dtype=DTYPE).eval()
+    x = torch.randn(7, 6, dtype=DTYPE)
+    y = block(x)
+    (a,) = block.last_coefficients
+    hidden = torch.relu(block.experts1(x, [a], append_one=True))
+    torch.testing.assert_close(y, block.experts2(hidden, [a], append_one=True))
+    with pytest.raises(TypeError, match=r"hidden_activation must be an nn.Module instance such as nn.GELU\(\)"):
+        MuMoEMLP(6, 10, expert_dims=5, rank=3, hidden_activation=torch.relu)
+
+
+def test_gate_init_reaches_the_blocks_gate():
+    block = MuMoEMLP(6, 10, expert_dims=5, rank=3, gate_init="zeros", gate_norm="none", activation="softmax")
+    (a,) = block(torch.randn(3, 6)) is not None and block.last_coefficients
+    torch.testing.assert_close(a, torch.full((3, 5), 0.2))
+
+
+# ----------------------------------------------------------------------------- copies
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))])
+def test_copies_start_with_an_empty_plan_cache(copier):
+    layer = MuMoE(6, 4, 5, "cp", 3)
+    layer(torch.randn(4, 6))
+    layer.eval()(torch.randn(4, 6))
+    assert len(layer.experts._plans) > 0
+    clone = copier(layer)
+    assert len(clone.experts._plans) == 0 and len(layer.experts._plans) > 0
+    assert math.isfinite(clone(torch.randn(4, 6)).sum().item())
