@@ -77,6 +77,10 @@ def init_cores(
 ) -> None:
     """Initialise ``cores`` in place.
 
+    On the meta device (deferred initialisation: build on ``device="meta"``, then
+    ``module.to_empty(device=…)`` and ``reset_parameters()``) the draws are no-ops and the
+    ``"linear"`` rule's final scaling, which needs values, is skipped.
+
     Parameters
     ----------
     network : ExpertNetwork
@@ -137,7 +141,8 @@ def init_cores(
                     factor = torch.empty(shape, dtype=cores[name].dtype, device=cores[name].device)
                     cores[name].mul_(factor.normal_(1.0, sigma, generator=generator))
 
-    if rule == "linear":
+    if rule == "linear" and not any(tensor.is_meta for tensor in cores.values()):
+        # Meta tensors (deferred initialisation) hold no values to scale.
         _calibrate(network, cores, scalable, target=1.0 / (3.0 * fan_in))
 
 

@@ -60,6 +60,7 @@ def test_factory_arguments_reach_every_parameter():
     for layer in (
         MuMoE(6, 4, 5, "cp", 3, device="meta", dtype=DTYPE, input_norm=True),
         MuMoEMLP(6, 10, expert_dims=5, rank=3, device="meta", dtype=DTYPE, input_norm=True),
+        MuMoE(6, 4, 5, "tucker", 3, device="meta", dtype=DTYPE),  # the "linear" init rule
     ):
         assert {(p.device.type, p.dtype) for p in layer.parameters()} == {("meta", DTYPE)}
 
@@ -97,9 +98,14 @@ def closest_rank(target: int, per_rank: int, fixed: int, multiple: int = 1) -> i
     return min(candidates, key=lambda r: (abs(fixed + r * per_rank - target), r))
 
 
-@pytest.mark.parametrize(("bias", "input_norm", "multiple"), [(True, False, 1), (False, True, 1), (True, True, 4)])
-def test_match_linear_counted_by_hand(bias, input_norm, multiple):
-    n, i, o = 8, 256, 128
+# sizes where dropping the bias from the reference or from the count changes the matched rank
+@pytest.mark.parametrize(
+    ("sizes", "bias", "input_norm", "multiple"),
+    [((16, 24, 256), False, False, 1), ((8, 256, 128), True, False, 1), ((8, 256, 128), False, True, 1),
+     ((8, 256, 128), True, True, 4)],
+)  # fmt: skip
+def test_match_linear_counted_by_hand(sizes, bias, input_norm, multiple):
+    n, i, o = sizes
     layer = MuMoE(i, o, n, match="linear", bias=bias, input_norm=input_norm, rank_multiple=multiple)
     target = i * o + (o if bias else 0)
     fixed = gate_parameters(layer) + (2 * i if input_norm else 0)
@@ -108,11 +114,15 @@ def test_match_linear_counted_by_hand(bias, input_norm, multiple):
     assert sum(p.numel() for p in layer.parameters()) == fixed + rank * (n + i + bias + o)
 
 
-@pytest.mark.parametrize(("bias", "multiple"), [(True, 1), (False, 1), (True, 4)])
-def test_match_mlp_counted_by_hand(bias, multiple):
-    n, i, h = 8, 96, 192
-    gate = Gate(activation="softmax", norm="layer")
-    block = MuMoEMLP(i, h, expert_dims=n, match="mlp", bias=bias, gate=gate, rank_multiple=multiple)
+@pytest.mark.parametrize(
+    ("sizes", "bias", "gate", "multiple"),
+    [((16, 32, 96), False, "plain", 1), ((8, 96, 192), True, "softmax", 1), ((8, 96, 192), False, "softmax", 1),
+     ((8, 96, 192), True, "softmax", 4)],
+)  # fmt: skip
+def test_match_mlp_counted_by_hand(sizes, bias, gate, multiple):
+    n, i, h = sizes
+    spec = _PlainGateSpec() if gate == "plain" else Gate(activation="softmax", norm="layer")
+    block = MuMoEMLP(i, h, expert_dims=n, match="mlp", bias=bias, gate=spec, rank_multiple=multiple)
     target = 2 * i * h + ((h + i) if bias else 0)
     per_rank = (n + i + bias + h) + (n + h + bias + i)  # one rank for both layers
     rank = closest_rank(target, per_rank, gate_parameters(block), multiple)
@@ -120,10 +130,11 @@ def test_match_mlp_counted_by_hand(bias, multiple):
 
 
 def test_match_bonds_reach_both_layers_of_a_block():
-    block = MuMoEMLP(24, 48, expert_dims=8, decomposition="tr", rank=(2, 2, 3), match="mlp", match_bonds=["r3"])
+    # TR's own choice is the input-output bond r3; asking for r1 must scale r1 alone
+    block = MuMoEMLP(24, 48, expert_dims=8, decomposition="tr", rank=(2, 2, 3), match="mlp", match_bonds=["r1"])
     for experts in (block.experts1, block.experts2):
         sizes = experts.network.sizes
-        assert (sizes["r1"], sizes["r2"]) == (2, 2) and sizes["r3"] > 3
+        assert (sizes["r2"], sizes["r3"]) == (2, 3) and sizes["r1"] > 2
 
 
 LAYER_MAKERS = {
@@ -148,10 +159,11 @@ class _PlainGate(nn.Module):
     def __init__(self, in_features, expert_dims, device=None, dtype=None):
         super().__init__()
         self.proj = nn.Linear(in_features, sum(expert_dims), device=device, dtype=dtype)
+        self.softmax = nn.Softmax(dim=-1)  # a submodule without reset_parameters
         self.expert_dims = tuple(expert_dims)
 
     def forward(self, z):
-        return tuple(torch.softmax(p, dim=-1).double() for p in self.proj(z).split(self.expert_dims, dim=-1))
+        return tuple(self.softmax(p).double() for p in self.proj(z).split(self.expert_dims, dim=-1))
 
 
 class _PlainGateSpec:
@@ -261,3 +273,35 @@ def test_copies_start_with_an_empty_plan_cache(copier):
     clone = copier(layer)
     assert len(clone.experts._plans) == 0 and len(layer.experts._plans) > 0
     assert math.isfinite(clone(torch.randn(4, 6)).sum().item())
+
+
+# ----------------------------------------------------------------------------- FactorizedExperts
+def test_from_tensors_builds_on_the_tensors_device():
+    tensors = {"A": torch.empty(4, 2, device="meta"), "B": torch.empty(2, 5, 6, device="meta")}
+    module = FactorizedExperts.from_tensors({"A": "n1 a", "B": "a i o"}, tensors)
+    assert {p.device.type for p in module.parameters()} == {"meta"}
+
+
+def test_deferred_initialisation_on_meta_then_materialised():
+    layer = MuMoE(6, 4, 5, "tucker", 3, init="linear", device="meta", dtype=DTYPE)
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert mean_square(layer.experts) == pytest.approx(1 / 18, rel=1e-9)
+
+
+def test_recompute_with_the_folded_bias_is_exact():
+    gen = torch.Generator().manual_seed(0)
+    network = MuMoE(5, 4, (2, 3), "tr", 2).network
+    plain = FactorizedExperts(network, dtype=DTYPE)
+    again = FactorizedExperts(network, recompute=True, dtype=DTYPE)
+    again.load_state_dict(plain.state_dict())
+    z = torch.randn(6, 5, generator=gen, dtype=DTYPE)
+    a = [torch.rand(6, n, generator=gen, dtype=DTYPE) for n in (2, 3)]
+    results = []
+    for module in (plain, again):
+        y = module(z, a, append_one=True)
+        y.pow(2).sum().backward()
+        results.append((y, [p.grad for p in module.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for mine, theirs in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(mine, theirs)
