@@ -9,13 +9,17 @@ import copy
 import math
 import pickle
 
+import opt_einsum as oe
 import pytest
 import torch
 from torch import nn
 
-from mumoe_tn import FactorizedExperts, MuMoE
+from mumoe_tn import FactorizedExperts, MuMoE, layers
+from mumoe_tn.contractions import autotune_candidates
+from mumoe_tn.decompositions import build
 from mumoe_tn.gate_config import Gate
 from mumoe_tn.layers import MuMoEMLP
+from mumoe_tn.network import BATCH_LABEL
 
 DTYPE = torch.float64
 
@@ -230,7 +234,7 @@ def test_gate_descriptor_building_no_module_is_rejected():
 
 
 def test_input_norm_must_be_a_bool():
-    with pytest.raises(TypeError, match="input_norm"):
+    with pytest.raises(TypeError, match=r"^input_norm must be a bool, got 'yes'"):
         MuMoE(6, 4, 5, "cp", 3, input_norm="yes")
 
 
@@ -305,3 +309,84 @@ def test_recompute_with_the_folded_bias_is_exact():
     torch.testing.assert_close(results[1][0], results[0][0])
     for mine, theirs in zip(results[1][1], results[0][1], strict=True):
         torch.testing.assert_close(mine, theirs)
+
+
+# ----------------------------------------------------------------------------- plans, cache, recompute
+def test_each_batch_bucket_gets_its_own_plan_and_the_cache_keeps_the_newest():
+    experts = FactorizedExperts(MuMoE(5, 4, (2, 3), "tr", 2).network, max_plans=3)
+    plans = {bucket: experts.plan(bucket) for bucket in (1, 2, 4, 8)}
+    assert {bucket: plan.sizes[BATCH_LABEL] for bucket, plan in plans.items()} == {1: 1, 2: 2, 4: 4, 8: 8}
+    assert len(experts._plans) == 3  # exactly max_plans: the oldest (bucket 1) went
+    assert experts.plan(8) is plans[8] and experts.plan(2) is plans[2]
+    assert experts.plan(1) is not plans[1]
+
+
+def test_inference_constants_survive_a_full_cache(monkeypatch):
+    computed = []
+    original = layers.constant_intermediates
+
+    def counting(plan, operands, steps):
+        computed.append(plan.sizes[BATCH_LABEL])
+        return original(plan, operands, steps)
+
+    monkeypatch.setattr(layers, "constant_intermediates", counting)
+    network = build("tucker", (2, 2), 6, 5, (4, 4, 3, 3))
+    experts = FactorizedExperts(network, max_plans=3, dtype=DTYPE).eval()
+    with torch.no_grad():
+        for batch in (1, 2, 4, 8, 8):
+            experts(torch.randn(batch, 6, dtype=DTYPE), [torch.rand(batch, 2, dtype=DTYPE)] * 2)
+    assert computed == [1, 2, 4, 8]  # the repeated bucket reuses its constants although the cache is full
+    assert len(experts._plans) == 3
+
+
+class _SequentialPath(oe.paths.PathOptimizer):
+    """A user's path optimizer: always contract the first two operands."""
+
+    def __call__(self, inputs, output, size_dict, memory_limit=None):
+        return [(0, 1)] * (len(inputs) - 1)
+
+
+def test_a_user_path_optimizer_plans_every_bucket():
+    network = MuMoE(5, 4, (2, 3), "tr", 2).network
+    experts = FactorizedExperts(network, optimize=_SequentialPath())
+    assert experts.plan(16).path == tuple((0, 1) for _ in range(len(network.cores) + 2))
+
+
+def test_autotune_times_the_candidates_on_the_calls_operands(monkeypatch):
+    seen = []
+
+    def last_candidate(plans, operands, *, ones_appended=None):
+        seen.append(([p.path for p in plans], [tuple(t.shape) for t in operands], ones_appended))
+        return plans[-1]
+
+    monkeypatch.setattr(layers, "fastest_plan", last_candidate)
+    network = MuMoE(5, 4, (2, 3), "tr", 2).network
+    experts = FactorizedExperts(network, optimize="autotune", dtype=DTYPE)
+    z, a = torch.randn(7, 5, dtype=DTYPE), [torch.rand(7, 2, dtype=DTYPE), torch.rand(7, 3, dtype=DTYPE)]
+    y = experts(z, a, append_one=True)
+    candidates = autotune_candidates(network, 8)
+    shapes = [tuple(c.shape) for c in experts.cores.values()] + [(7, 2), (7, 3), (7, 5)]
+    assert seen == [([p.path for p in candidates], shapes, "i")]
+    assert experts.plan(7).path == candidates[-1].path
+    torch.testing.assert_close(y, FactorizedExperts.from_tensors(network.cores, experts.cores)(z, a, append_one=True))
+
+
+def test_recompute_checkpoints_only_when_asked_and_gradients_are_on(monkeypatch):
+    calls = []
+    original = layers.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layers, "checkpoint", counting)
+    network = MuMoE(5, 4, (2, 3), "tr", 2).network
+    z, a = torch.randn(7, 5), [torch.rand(7, 2), torch.rand(7, 3)]
+    FactorizedExperts(network)(z, a, append_one=True)
+    assert calls == []
+    again = FactorizedExperts(network, recompute=True)
+    with torch.no_grad():
+        again(z, a, append_one=True)
+    assert calls == []
+    again(z, a, append_one=True)
+    assert calls == [1]
