@@ -390,3 +390,18 @@ def test_recompute_checkpoints_only_when_asked_and_gradients_are_on(monkeypatch)
     assert calls == []
     again(z, a, append_one=True)
     assert calls == [1]
+
+
+def test_each_call_runs_the_plan_of_its_own_bucket(monkeypatch):
+    buckets = []
+    original = layers.run_plan
+
+    def recording(plan, operands, **kwargs):
+        buckets.append(plan.sizes[BATCH_LABEL])
+        return original(plan, operands, **kwargs)
+
+    monkeypatch.setattr(layers, "run_plan", recording)
+    experts = FactorizedExperts(MuMoE(5, 4, (2, 3), "tr", 2).network)
+    for batch in (1, 2, 3, 5):
+        experts(torch.randn(batch, 5), [torch.rand(batch, 2), torch.rand(batch, 3)], append_one=True)
+    assert buckets == [1, 2, 4, 8]
