@@ -405,3 +405,12 @@ def test_each_call_runs_the_plan_of_its_own_bucket(monkeypatch):
     for batch in (1, 2, 3, 5):
         experts(torch.randn(batch, 5), [torch.rand(batch, 2), torch.rand(batch, 3)], append_one=True)
     assert buckets == [1, 2, 4, 8]
+
+
+def test_reset_parameters_draws_from_the_given_generator():
+    experts = FactorizedExperts(MuMoE(5, 4, (2, 3), "tr", 2).network, dtype=DTYPE)
+    drawn = []
+    for _ in range(2):
+        experts.reset_parameters(generator=torch.Generator().manual_seed(7))
+        drawn.append({name: core.detach().clone() for name, core in experts.cores.items()})
+    assert all(torch.equal(drawn[0][name], drawn[1][name]) for name in drawn[0])
