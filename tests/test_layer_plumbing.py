@@ -93,10 +93,6 @@ def test_init_expert_noise_and_optimize_reach_both_layers_of_a_block():
 
 
 # ----------------------------------------------------------------------------- matching
-def cp_params(n: int, width: int, out: int, rank: int) -> int:
-    return rank * (n + width + out)
-
-
 def closest_rank(target: int, per_rank: int, fixed: int, multiple: int = 1) -> int:
     candidates = range(multiple, 4 * target // per_rank + multiple, multiple)
     return min(candidates, key=lambda r: (abs(fixed + r * per_rank - target), r))
@@ -263,7 +259,8 @@ def test_hidden_activation_is_used_and_checked():
 
 def test_gate_init_reaches_the_blocks_gate():
     block = MuMoEMLP(6, 10, expert_dims=5, rank=3, gate_init="zeros", gate_norm="none", activation="softmax")
-    (a,) = block(torch.randn(3, 6)) is not None and block.last_coefficients
+    block(torch.randn(3, 6))
+    (a,) = block.last_coefficients
     torch.testing.assert_close(a, torch.full((3, 5), 0.2))
 
 
@@ -312,6 +309,18 @@ def test_recompute_with_the_folded_bias_is_exact():
 
 
 # ----------------------------------------------------------------------------- plans, cache, recompute
+def spy(monkeypatch, attribute, note):
+    """Wrap ``layers.<attribute>`` so every call first appends ``note(*args, **kwargs)`` to the returned list."""
+    notes, original = [], getattr(layers, attribute)
+
+    def wrapper(*args, **kwargs):
+        notes.append(note(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(layers, attribute, wrapper)
+    return notes
+
+
 def test_each_batch_bucket_gets_its_own_plan_and_the_cache_keeps_the_newest():
     experts = FactorizedExperts(MuMoE(5, 4, (2, 3), "tr", 2).network, max_plans=3)
     plans = {bucket: experts.plan(bucket) for bucket in (1, 2, 4, 8)}
@@ -322,14 +331,7 @@ def test_each_batch_bucket_gets_its_own_plan_and_the_cache_keeps_the_newest():
 
 
 def test_inference_constants_survive_a_full_cache(monkeypatch):
-    computed = []
-    original = layers.constant_intermediates
-
-    def counting(plan, operands, steps):
-        computed.append(plan.sizes[BATCH_LABEL])
-        return original(plan, operands, steps)
-
-    monkeypatch.setattr(layers, "constant_intermediates", counting)
+    computed = spy(monkeypatch, "constant_intermediates", lambda plan, *_: plan.sizes[BATCH_LABEL])
     network = build("tucker", (2, 2), 6, 5, (4, 4, 3, 3))
     experts = FactorizedExperts(network, max_plans=3, dtype=DTYPE).eval()
     with torch.no_grad():
@@ -372,14 +374,7 @@ def test_autotune_times_the_candidates_on_the_calls_operands(monkeypatch):
 
 
 def test_recompute_checkpoints_only_when_asked_and_gradients_are_on(monkeypatch):
-    calls = []
-    original = layers.checkpoint
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(layers, "checkpoint", counting)
+    calls = spy(monkeypatch, "checkpoint", lambda *_, **__: 1)
     network = MuMoE(5, 4, (2, 3), "tr", 2).network
     z, a = torch.randn(7, 5), [torch.rand(7, 2), torch.rand(7, 3)]
     FactorizedExperts(network)(z, a, append_one=True)
@@ -393,14 +388,7 @@ def test_recompute_checkpoints_only_when_asked_and_gradients_are_on(monkeypatch)
 
 
 def test_each_call_runs_the_plan_of_its_own_bucket(monkeypatch):
-    buckets = []
-    original = layers.run_plan
-
-    def recording(plan, operands, **kwargs):
-        buckets.append(plan.sizes[BATCH_LABEL])
-        return original(plan, operands, **kwargs)
-
-    monkeypatch.setattr(layers, "run_plan", recording)
+    buckets = spy(monkeypatch, "run_plan", lambda plan, *_, **__: plan.sizes[BATCH_LABEL])
     experts = FactorizedExperts(MuMoE(5, 4, (2, 3), "tr", 2).network)
     for batch in (1, 2, 3, 5):
         experts(torch.randn(batch, 5), [torch.rand(batch, 2), torch.rand(batch, 3)], append_one=True)
