@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep, einsum_equation
+from mumoe_tn.contractions.pairwise import contract_pair
+from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
 
 __all__ = ["MIN_ELEMENTS", "PlanFunction", "affine_einsum", "affine_is_plain", "plan_program", "use_plan_function"]
 
@@ -188,8 +189,7 @@ def _grad_of_operand(
     if terminal and len(operands) == 2:
         small = min(operands, key=lambda operand: _span(*operand, target))[1]
         order = tuple(x for x in target if x in small) + tuple(x for x in target if x not in small)
-    equation = einsum_equation([labels for _, labels in operands], order)
-    result = torch.einsum(equation, *(tensor for tensor, _ in operands))
+    result = contract_pair([labels for _, labels in operands], order, [tensor for tensor, _ in operands])
     return result if order == target else result.permute(*(order.index(x) for x in target))
 
 
@@ -228,7 +228,7 @@ def affine_einsum(step: ContractionStep, tensors: Sequence[torch.Tensor], which:
     axis = labels.index(label)
     picked = list(tensors)
     picked[other] = tensor.narrow(axis, 0, z.shape[-1])
-    result = torch.einsum(step.equation, *picked)
+    result = contract_pair(step.operands, step.output, picked, step.equation)
     # The ones column meets T's last slice along the leg: add it, arranged like the result.
     rest = [x for x in labels if x != label]
     bias = tensor.select(axis, tensor.shape[axis] - 1)
@@ -239,7 +239,7 @@ def affine_einsum(step: ContractionStep, tensors: Sequence[torch.Tensor], which:
 
 def _forward_step(program: _StepProgram, tensors: list[torch.Tensor], label: str | None) -> torch.Tensor:
     if program.short is None:
-        return torch.einsum(program.step.equation, *tensors)
+        return contract_pair(program.step.operands, program.step.output, tensors, program.step.equation)
     return affine_einsum(program.step, tensors, program.short, label)
 
 

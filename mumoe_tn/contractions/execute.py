@@ -7,6 +7,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 from mumoe_tn.contractions.backward import PlanFunction, affine_einsum, affine_is_plain, use_plan_function
+from mumoe_tn.contractions.pairwise import contract_pair
 from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
 
 __all__ = ["constant_intermediates", "run_plan"]
@@ -22,8 +23,9 @@ def run_plan(
 ) -> torch.Tensor:
     """Contract ``operands`` following ``plan``.
 
-    Each step is one ``torch.einsum`` over at most two operands, so torch never searches a
-    path at call time, ``torch.compile(fullgraph=True)`` traces it, and autocast applies per
+    Each step is one ``torch.einsum`` over at most two operands (one ``torch.mm`` where the
+    step is a plain matrix product, see [`mumoe_tn.contractions.pairwise`][mumoe_tn.contractions.pairwise]),
+    so torch never searches a path at call time, ``torch.compile(fullgraph=True)`` traces it, and autocast applies per
     step. Operands are used as given unless ``constants`` supplies precomputed results of
     some steps (see [`constant_intermediates`][mumoe_tn.contractions.execute.constant_intermediates]).
 
@@ -71,7 +73,7 @@ def run_plan(
             continue
         short -= sum(1 for k in step.positions if k < short)  # later pops shift it down
         picked = [current.pop(k) for k in step.positions]
-        current.append(torch.einsum(step.equation, *picked))
+        current.append(contract_pair(step.operands, step.output, picked, step.equation))
     return current[0]
 
 
@@ -102,7 +104,7 @@ def constant_intermediates(
         if number in steps:
             if any(tensor is None for tensor in picked):
                 raise ValueError(f"step {number} of the plan depends on operands beyond the {len(operands)} given")
-            results[number] = torch.einsum(step.equation, *picked)
+            results[number] = contract_pair(step.operands, step.output, picked, step.equation)
         current.append(results.get(number))
     return results
 

@@ -1,0 +1,131 @@
+"""The pairwise step as a matrix product (`mumoe_tn.contractions.pairwise`) against torch.einsum."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch_calls import TorchCalls
+
+from mumoe_tn.contractions.pairwise import contract_pair, matrix_product
+
+DTYPE = torch.float64
+LABELS = "abcdefg"
+
+
+@st.composite
+def pairs(draw):
+    """Two labelled operands and a result: any mix of shared, summed, batch and free labels."""
+    pool = list(draw(st.permutations(LABELS)))[: draw(st.integers(1, 6))]
+    roles = {x: draw(st.sampled_from(("first", "second", "inner", "batch", "summed"))) for x in pool}
+    first = [x for x in pool if roles[x] in ("first", "inner", "batch", "summed")]
+    second = [x for x in pool if roles[x] in ("second", "inner", "batch")]
+    output = [x for x in pool if roles[x] in ("first", "second", "batch")]
+    first, second = draw(st.permutations(first)), draw(st.permutations(second))
+    if draw(st.booleans()):  # free labels of one operand first, as the planner lays steps out
+        lead = draw(st.sampled_from((first, second)))
+        output = sorted(output, key=lambda x: x not in lead)
+    else:
+        output = draw(st.permutations(output))
+    sizes = {x: draw(st.integers(0 if draw(st.booleans()) and x == pool[0] else 1, 4)) for x in pool}
+    return tuple(first), tuple(second), tuple(output), sizes
+
+
+def _tensor(labels, sizes, gen):
+    return torch.randn([sizes[x] for x in labels], generator=gen, dtype=DTYPE, requires_grad=True)
+
+
+def _equation(first, second, output):
+    return f"{''.join(first)},{''.join(second)}->{''.join(output)}"
+
+
+@given(pairs())
+def test_equals_einsum_with_gradients(case):
+    first, second, output, sizes = case
+    gen = torch.Generator().manual_seed(0)
+    a, b = _tensor(first, sizes, gen), _tensor(second, sizes, gen)
+    ours = contract_pair((first, second), output, [a, b])
+    reference = torch.einsum(_equation(first, second, output), a, b)
+    assert ours.shape == reference.shape
+    torch.testing.assert_close(ours, reference)
+    if ours.numel():
+        grad = torch.randn(ours.shape, generator=gen, dtype=DTYPE)
+        torch.testing.assert_close(
+            torch.autograd.grad(ours, (a, b), grad), torch.autograd.grad(reference, (a, b), grad)
+        )
+
+
+@given(pairs())
+def test_matrix_form_exactly_where_the_labels_allow_it(case):
+    # By hand: a matrix form needs a summed shared label, no batch label, no label summed within
+    # one operand, and the result listing one operand's free labels before the other's.
+    first, second, output, _ = case
+    inner = set(first) & set(second) - set(output)
+    batch = set(first) & set(second) & set(output)
+    own_sum = (set(first) | set(second)) - set(output) - inner
+    free_first = [x for x in output if x in first]
+    lead = set(output[: len(free_first)])
+    split = lead == set(free_first) or set(output[: len(output) - len(free_first)]) == set(output) - set(free_first)
+    expected = bool(inner) and not batch and not own_sum and split
+    assert (matrix_product(first, second, output) is not None) == expected
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "output", "swap", "left_order", "right_order"),
+    [
+        (("b", "i"), ("i", "r"), ("b", "r"), False, None, None),  # z @ U
+        (("b", "r"), ("o", "r"), ("b", "o"), False, None, (1, 0)),  # h @ Uᵀ
+        (("i", "r"), ("b", "i"), ("b", "r"), True, None, None),  # the input second
+        (("r", "b"), ("r", "o"), ("o", "b"), True, (1, 0), None),  # rows from the second operand
+        (("b", "c", "i"), ("i", "r"), ("c", "b", "r"), False, (1, 0, 2), None),
+        (("b", "i", "j"), ("j", "r", "i"), ("b", "r"), False, None, (2, 0, 1)),  # inner i j in the order of the left
+    ],
+)
+def test_layouts_by_hand(first, second, output, swap, left_order, right_order):
+    product = matrix_product(first, second, output)
+    assert (product.swap, product.left_order, product.right_order) == (swap, left_order, right_order)
+    assert product.n_inner == len(set(first) & set(second) - set(output))
+    assert product.n_rows == len([x for x in (second if swap else first) if x in output])
+
+
+def test_matrix_steps_run_one_mm_and_no_einsum():
+    gen = torch.Generator().manual_seed(1)
+    z, u = torch.randn(5, 3, generator=gen, dtype=DTYPE), torch.randn(4, 3, generator=gen, dtype=DTYPE)
+    with TorchCalls() as calls:
+        y = contract_pair((("b", "i"), ("o", "i")), ("b", "o"), [z, u])
+    assert "mm" in calls.names and "einsum" not in calls.names
+    torch.testing.assert_close(y, z @ u.T)
+    with TorchCalls() as calls:
+        contract_pair((("c", "b", "i"), ("c", "i", "o")), ("c", "b", "o"), [torch.ones(2, 5, 3), torch.ones(2, 3, 4)])
+    assert "einsum" in calls.names  # a batch label: torch.einsum's batched product
+
+
+def test_elementwise_product_is_one_multiplication():
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(5, 3, generator=gen, dtype=DTYPE), torch.randn(5, 3, generator=gen, dtype=DTYPE)
+    with TorchCalls() as calls:
+        y = contract_pair((("b", "r"), ("b", "r")), ("b", "r"), [a, b])
+    assert "einsum" not in calls.names
+    torch.testing.assert_close(y, a * b)
+    # labels in another order: einsum, which permutes
+    torch.testing.assert_close(contract_pair((("b", "r"), ("r", "b")), ("b", "r"), [a, b.T.contiguous()]), a * b)
+
+
+def test_repeated_labels_take_einsum():
+    gen = torch.Generator().manual_seed(4)
+    square, u = torch.randn(3, 3, generator=gen, dtype=DTYPE), torch.randn(3, 2, generator=gen, dtype=DTYPE)
+    for operands, output in [((("i", "i"), ("i", "r")), ("r",)), ((("b", "i"), ("i", "b")), ("b", "b"))]:
+        assert matrix_product(*operands, output) is None
+    torch.testing.assert_close(
+        contract_pair((("i", "i"), ("i", "r")), ("r",), [square, u]), torch.einsum("ii,ir->r", square, u)
+    )
+
+
+def test_scalar_and_empty_results():
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(4, generator=gen, dtype=DTYPE), torch.randn(4, generator=gen, dtype=DTYPE)
+    dot = contract_pair((("i",), ("i",)), (), [a, b])
+    assert dot.shape == () and torch.allclose(dot, a @ b)
+    empty = contract_pair((("b", "i"), ("i", "o")), ("b", "o"), [torch.ones(0, 3), torch.ones(3, 2)])
+    assert empty.shape == (0, 2)
+    zeros = contract_pair((("b", "i"), ("i", "o")), ("b", "o"), [torch.ones(2, 0), torch.ones(0, 5)])
+    torch.testing.assert_close(zeros, torch.zeros(2, 5))
