@@ -174,8 +174,8 @@ def _entmax15_rule(ordered: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch
 
 def _sparsemax_newton_step(rows: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     # f(τ) = Σ (x − τ)₊ − 1, f'(τ) = −#{x > τ}
-    mass = (rows - tau).clamp(min=0).sum(dim=-1, keepdim=True)
-    return tau + (mass - 1) / (rows > tau).sum(dim=-1, keepdim=True, dtype=rows.dtype)
+    mass = (rows - tau).clamp_(min=0).sum(dim=-1, keepdim=True)
+    return tau.addcdiv(mass - 1, (rows > tau).sum(dim=-1, keepdim=True, dtype=rows.dtype))
 
 
 def _sparsemax_closed_form(rows: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
@@ -185,8 +185,8 @@ def _sparsemax_closed_form(rows: torch.Tensor, inside: torch.Tensor) -> torch.Te
 
 def _entmax15_newton_step(rows: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     # f(τ) = Σ (x − τ)₊² − 1, f'(τ) = −2 Σ (x − τ)₊
-    excess = (rows - tau).clamp(min=0)
-    return tau + ((excess * excess).sum(dim=-1, keepdim=True) - 1) / (2 * excess.sum(dim=-1, keepdim=True))
+    excess = (rows - tau).clamp_(min=0)
+    return tau.addcdiv((excess * excess).sum(dim=-1, keepdim=True) - 1, excess.sum(dim=-1, keepdim=True), value=0.5)
 
 
 def _entmax15_closed_form(rows: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
@@ -245,6 +245,27 @@ class _Entmax15(Function):
         return scaled - shift * root, None
 
 
+def _eager_twin(rule: type[Function]) -> type[Function]:
+    """``rule`` with ``forward(ctx, …)``, for eager mode.
+
+    ``Function.apply`` binds the arguments to ``forward``'s signature (``inspect.signature``, about
+    0.1 ms a call) for every Function that defines ``setup_context``; this form skips that. It
+    cannot run under ``torch.func`` transforms, where ``rule`` itself is used.
+    """
+
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        y = rule.forward(x, dim)
+        rule.setup_context(ctx, (x, dim), y)
+        return y
+
+    namespace = {"forward": staticmethod(forward), "backward": staticmethod(rule.backward)}
+    return type(f"{rule.__name__}Eager", (Function,), namespace)
+
+
+_SparsemaxEager = _eager_twin(_Sparsemax)
+_Entmax15Eager = _eager_twin(_Entmax15)
+
+
 def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Sparsemax: the Euclidean projection of ``x`` onto the probability simplex along ``dim``.
 
@@ -260,7 +281,7 @@ def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     torch.Tensor
         Non-negative, summing to one along ``dim``; exactly zero below the threshold.
     """
-    return _Sparsemax.apply(x, dim % x.ndim)
+    return (_Sparsemax if _traced() else _SparsemaxEager).apply(x, dim % x.ndim)
 
 
 def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -278,4 +299,4 @@ def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     torch.Tensor
         ``[(x/2 − τ)_+]²``, summing to one along ``dim``.
     """
-    return _Entmax15.apply(x, dim % x.ndim)
+    return (_Entmax15 if _traced() else _Entmax15Eager).apply(x, dim % x.ndim)
