@@ -128,9 +128,8 @@ class FactorizedExperts(nn.Module):
             isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
         ):
             raise ValueError(f"chunk_size must be a positive int (rows per chunk) or None, got {chunk_size!r}")
-        for flag, value in (("recompute", recompute), ("precontract", precontract)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, got {value!r}")
+        check_bool("recompute", recompute)
+        check_bool("precontract", precontract)
         factory = check_factory(device, dtype)
         check_allocatable(network)
         self.network = network

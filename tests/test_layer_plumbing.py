@@ -402,3 +402,89 @@ def test_reset_parameters_draws_from_the_given_generator():
         experts.reset_parameters(generator=torch.Generator().manual_seed(7))
         drawn.append({name: core.detach().clone() for name, core in experts.cores.items()})
     assert all(torch.equal(drawn[0][name], drawn[1][name]) for name in drawn[0])
+
+
+# ----------------------------------------------------------------------------- FactorizedExperts: arguments and inputs
+def test_factorized_experts_defaults_and_limits():
+    network = build("cp", 3, 4, 5, 2)
+    assert FactorizedExperts(network).max_plans == 16
+    assert FactorizedExperts(network, max_plans=1).max_plans == 1  # one plan is a valid cache
+    largest = (1 << 40) - 1
+    assert FactorizedExperts(network, fan_in=largest, device="meta").fan_in == largest
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"network": "cp"}, TypeError, r"^network must be an ExpertNetwork, got str$"),
+        ({"max_plans": True}, ValueError, r"^max_plans must be a positive int, got True$"),
+        ({"max_plans": 0}, ValueError, r"^max_plans must be a positive int, got 0$"),
+        ({"max_plans": 2.0}, ValueError, r"^max_plans must be a positive int, got 2\.0$"),
+        ({"recompute": "yes"}, TypeError, r"^recompute must be a bool, got 'yes' \(str\)$"),
+        ({"precontract": "yes"}, TypeError, r"^precontract must be a bool, got 'yes' \(str\)$"),
+        ({"fan_in": "7"}, TypeError, r"^fan_in must be a positive int, got '7' \(str\)$"),
+        (
+            {"fan_in": 1 << 40},
+            ValueError,
+            r"^fan_in=1099511627776 is too large \(at most 1,099,511,627,775\); it is a layer's input width$",
+        ),
+    ],
+)
+def test_factorized_experts_argument_messages(options, error, message):
+    options = {"network": build("cp", 3, 4, 5, 2), **options}
+    with pytest.raises(error, match=message):
+        FactorizedExperts(**options)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda m, z, a: m([0.0] * 4, a), TypeError, r"^input must be a torch\.Tensor, got list$"),
+        (
+            lambda m, z, a: m(z, a, append_one=True),
+            ValueError,
+            r"^input must have shape \(\.\.\., 3\) \(leg 'i' of 'cp' with append_one=True\), got \(2, 4\)$",
+        ),
+        (lambda m, z, a: m(z[:, :3], a), ValueError, r"leg 'i' of 'cp'\), got \(2, 3\)$"),
+        # a single tensor is not a sequence of tensors, even when its length is the number of modes
+        (lambda m, z, a: m(z[:1], a[0][:1]), TypeError, r"^coefficients must be a sequence of 1 tensors"),
+        (lambda m, z, a: m(z, (t for t in a)), TypeError, r"^coefficients must be a sequence of 1 tensors"),
+        (lambda m, z, a: m(z, [[0.0] * 3]), TypeError, r"^coefficients\[0\] must be a torch\.Tensor, got list$"),
+    ],
+)
+def test_factorized_experts_input_messages(call, error, message):
+    module = FactorizedExperts(build("cp", 3, 4, 5, 2))
+    z, a = torch.randn(2, 4), [torch.rand(2, 3)]
+    with pytest.raises(error, match=message):
+        call(module, z, a)
+
+
+def test_chunks_hold_at_most_chunk_size_rows(monkeypatch):
+    experts = FactorizedExperts(build("cp", 3, 4, 5, 2), chunk_size=3, dtype=DTYPE)
+    z, a = torch.randn(8, 4, dtype=DTYPE), [torch.rand(8, 3, dtype=DTYPE)]
+    expected = FactorizedExperts.from_tensors(experts.network.cores, experts.cores)(z, a)
+    sizes = []
+    original = FactorizedExperts._contract_rows
+
+    def recorded(self, rows, ones):
+        sizes.append(rows[-1].shape[0])
+        return original(self, rows, ones)
+
+    monkeypatch.setattr(FactorizedExperts, "_contract_rows", recorded)
+    torch.testing.assert_close(experts(z, a), expected)
+    assert sizes == [3, 3, 2]
+
+
+def test_the_compile_branch_runs_the_plan_made_at_construction(monkeypatch):
+    # While torch.compile traces, forward runs the plan made in __init__ with the layer's own optimizer.
+    network = build("tr", (3, 2), 4, 5, 2)
+    made = spy(monkeypatch, "plan_forward", lambda net, batch, optimize: (batch, optimize))
+    experts = FactorizedExperts(network, optimize="greedy", dtype=DTYPE)
+    assert made == [(layers.COMPILE_PLAN_BATCH, "greedy")]
+    z = torch.randn(6, 3, dtype=DTYPE)
+    a = [torch.rand(6, 3, dtype=DTYPE), torch.rand(6, 2, dtype=DTYPE)]
+    eager = experts(z, a, append_one=True)
+    ran = spy(monkeypatch, "run_plan", lambda plan, operands, **options: (plan, options["ones_appended"]))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(experts(z, a, append_one=True), eager)
+    assert ran == [(experts._compile_plan, "i")]

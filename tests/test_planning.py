@@ -421,6 +421,34 @@ def test_opt_einsum_cost_cross_check():
     assert int(info.opt_cost) == plan.fma + summed
 
 
+@pytest.mark.parametrize("path", [((0, 1, 2),), ((0,), (0, 1, 2))])
+def test_a_step_of_k_operands_costs_k_minus_one_fma_per_element(path):
+    # "ab,bc,cd->ad" in one step: (3 - 1) multiply-adds for each of the 2·3·4·5 index combinations; a
+    # one-operand step "ab->ab" costs one per element. opt_einsum counts FLOPs: (k - 1) multiplies
+    # and, where an index is summed, one addition per combination.
+    sizes = {"a": 2, "b": 3, "c": 4, "d": 5}
+    inputs = [("a", "b"), ("b", "c"), ("c", "d")]
+    plan = plan_contraction(inputs, ("a", "d"), sizes, path)
+    assert [step.fma for step in plan.steps] == [6] * (len(path) - 1) + [2 * 120]
+    _, info = opt_einsum.contract_path("ab,bc,cd->ad", (2, 3), (3, 4), (4, 5), shapes=True, optimize=list(path))
+    assert int(info.opt_cost) == plan.fma + 120
+
+
+@pytest.mark.parametrize(
+    ("inputs", "output", "message"),
+    [
+        ([], (), r"^a contraction needs at least one operand$"),
+        ([("a", "e")], ("a",), r"^label 'e' has no size; sizes are given for \['a', 'b', 'c', 'd'\]$"),
+        ([("a", "b")], ("a", "c", "d"), r"^output labels \['c', 'd'\] appear in no operand$"),
+    ],
+)
+def test_contraction_label_messages(inputs, output, message):
+    sizes = {"a": 2, "b": 3, "c": 4, "d": 5}
+    for optimize in ("greedy", ((0,),) * bool(inputs)):
+        with pytest.raises(ValueError, match=message):
+            plan_contraction(inputs, output, sizes, optimize)
+
+
 # ---------------------------------------------------------------- the "absorb first" candidate
 def test_absorb_first_path_by_hand():
     # Operands: 0 U(n, r), 1 a(b, n), 2 C(i, r, s), 3 z(b, i), 4 D(s, o); result (b, o).
