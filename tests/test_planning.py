@@ -434,6 +434,18 @@ def test_a_step_of_k_operands_costs_k_minus_one_fma_per_element(path):
     assert int(info.opt_cost) == plan.fma + 120
 
 
+def test_plan_repr_by_hand():
+    # the batch label shows as "…"; each step costs the product of the sizes of the labels it touches
+    sizes = {BATCH_LABEL: 100, "i": 3, "r": 2, "o": 5}
+    plan = plan_contraction([(BATCH_LABEL, "i"), ("i", "r"), ("r", "o")], (BATCH_LABEL, "o"), sizes, ((0, 1), (0, 1)))
+    assert repr(plan) == (
+        "ContractionPlan(3 operands -> (… o), 1,600 FMA)\n"
+        "  0: (i r) · (… i) -> (r …)  600 FMA\n"
+        "  1: (r …) · (r o) -> (… o)  1,000 FMA"
+    )
+    assert plan.steps[1].describe() == "(r …) · (r o) -> (… o)"
+
+
 @pytest.mark.parametrize(
     ("inputs", "output", "message"),
     [
