@@ -53,7 +53,6 @@ class MatrixProduct:
     n_inner: int
 
 
-@lru_cache(maxsize=4096)
 def matrix_product(first: Labels, second: Labels, output: Labels) -> MatrixProduct | None:
     """The matrix-product form of ``einsum(first, second -> output)``, or None where it has none.
 
@@ -98,6 +97,11 @@ def matrix_product(first: Labels, second: Labels, output: Labels) -> MatrixProdu
     )
 
 
+# Eager calls look the form up per step; torch.compile traces the function itself (it warns that it
+# ignores an lru_cache wrapper) and bakes the answer into the graph.
+_cached_matrix_product = lru_cache(maxsize=4096)(matrix_product)
+
+
 def _as_matrix(tensor: torch.Tensor, split: int) -> torch.Tensor:
     """``tensor`` viewed (or copied, where its strides do not allow a view) as a matrix of its first ``split`` axes."""
     if tensor.ndim == 2 and split == 1:
@@ -130,7 +134,8 @@ def contract_pair(
         first, second = operands
         if first == second == output and tensors[0].shape == tensors[1].shape:
             return tensors[0] * tensors[1]
-        product = matrix_product(first, second, output)
+        find = matrix_product if torch.compiler.is_compiling() else _cached_matrix_product
+        product = find(first, second, output)
         if product is not None:
             left, right = (tensors[1], tensors[0]) if product.swap else (tensors[0], tensors[1])
             if product.left_order is not None:
