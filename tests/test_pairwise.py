@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch_calls import TorchCalls
 
+from mumoe_tn.contractions import pairwise
 from mumoe_tn.contractions.pairwise import contract_pair, matrix_product
 
 DTYPE = torch.float64
@@ -129,3 +130,17 @@ def test_scalar_and_empty_results():
     assert empty.shape == (0, 2)
     zeros = contract_pair((("b", "i"), ("i", "o")), ("b", "o"), [torch.ones(2, 0), torch.ones(0, 5)])
     torch.testing.assert_close(zeros, torch.zeros(2, 5))
+
+
+def test_eager_calls_use_the_cached_form_and_compile_traces_the_function(monkeypatch):
+    # eager: the form is looked up in the cache, never recomputed; while torch.compile traces, the
+    # plain function runs (dynamo warns about lru_cache wrappers and ignores them)
+    a, b = torch.randn(4, 3, dtype=DTYPE), torch.randn(3, 2, dtype=DTYPE)
+    asked = []
+    monkeypatch.setattr(pairwise, "matrix_product", lambda *labels: asked.append(labels) or matrix_product(*labels))
+    labels = ((("b", "i"), ("i", "o")), ("b", "o"))
+    torch.testing.assert_close(contract_pair(*labels, [a, b]), a @ b)
+    assert asked == []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(contract_pair(*labels, [a, b]), a @ b)
+    assert asked == [(("b", "i"), ("i", "o"), ("b", "o"))]

@@ -132,7 +132,7 @@ def contract_pair(
     """
     if len(tensors) == 2:
         first, second = operands
-        if first == second == output and tensors[0].shape == tensors[1].shape:
+        if first == second == output:
             return tensors[0] * tensors[1]
         find = matrix_product if torch.compiler.is_compiling() else _cached_matrix_product
         product = find(first, second, output)
