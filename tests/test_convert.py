@@ -204,3 +204,96 @@ def test_tltorch_errors_and_new_tensors():
         with pytest.raises(ValueError, match=r"E >= 1"):
             from_tltorch(tltorch.FactorizedTensor.new((6, 5), rank=2, factorization="cp"))
     assert math.prod(experts.network.expert_dims) == 12
+
+
+def _tensorly_reference(name, tensor, rank, **options):
+    """The dense reconstruction of tensorly's own decomposition, called as the format documents it."""
+    tl = pytest.importorskip("tensorly")
+    with tl.backend_context("pytorch"):
+        if name == "cp":  # parafac with random init
+            return tl.cp_to_tensor(tl.decomposition.parafac(tensor, rank, init="random", **options))
+        if name == "tucker":  # HOOI with random init
+            return tl.tucker_to_tensor(tl.decomposition.tucker(tensor, rank=rank, init="random", **options))
+        return tl.tr_to_tensor(tl.decomposition.tensor_ring_als(tensor, rank=[*rank, rank[0]], **options))
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "tensorly_rank", "extra"),
+    [
+        ("cp", 3, 3, {}),
+        ("tucker", (2, 3, 4), [2, 3, 4], {}),
+        ("tr", (2, 3, 4), [2, 3, 4], {"method": "als"}),
+    ],
+)
+def test_iterative_decompositions_run_tensorly_with_the_documented_options(name, rank, tensorly_rank, extra):
+    # a tensor of no low-rank structure: the result depends on the seed and the iteration count
+    weight = torch.randn(5, 6, 7, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+    defaults = decompose_dense(weight, name, rank, **extra)[0].to_dense().detach()
+    expected = _tensorly_reference(name, weight, tensorly_rank, n_iter_max=100, random_state=0)
+    torch.testing.assert_close(defaults, expected)
+    chosen = decompose_dense(weight, name, rank, n_iter_max=3, random_state=5, **extra)[0].to_dense().detach()
+    torch.testing.assert_close(chosen, _tensorly_reference(name, weight, tensorly_rank, n_iter_max=3, random_state=5))
+    assert not torch.allclose(chosen, defaults)
+
+
+def test_tucker_ranks_above_a_mode_size_are_clipped_and_padded_back():
+    # ranks (3, 3, 3) on modes of size (2, 3, 4): tensorly gets (2, 3, 3), the core is zero-padded to 3
+    network = build("tucker", 2, 3, 4, (3, 3, 3))
+    cores = {
+        c: torch.randn(s, generator=torch.Generator().manual_seed(2), dtype=DTYPE)
+        for c, s in network.core_shapes.items()
+    }
+    weight = materialize(network, cores).detach()
+    experts, error = decompose_dense(weight, "tucker", (3, 3, 3))
+    assert experts.network == network and error < 1e-8
+    torch.testing.assert_close(experts.to_dense().detach(), weight)
+
+
+@pytest.mark.parametrize(
+    ("rank", "options", "message"),
+    [
+        ((2, 3, 4), {"method": "hooi"}, r"^tr method must be 'svd' or 'als', got 'hooi'$"),
+        (
+            (2, 3, 4),
+            {},
+            r"^TR-SVD needs R1·R2 <= N1, got 2·3 > 5; lower the expert ranks or use method='als'$",
+        ),
+    ],
+)
+def test_tr_decomposition_messages(rank, options, message):
+    with pytest.raises(ValueError, match=message):
+        decompose_dense(torch.randn(5, 6, 7, dtype=DTYPE), "tr", rank, **options)
+
+
+def test_cp_weights_of_a_tltorch_tensor_are_kept():
+    tl = pytest.importorskip("tensorly")
+    from mumoe_tn.decompositions.tensor_support import load_tltorch
+
+    tltorch = load_tltorch()
+    with tl.backend_context("pytorch"):
+        cp_tensor = tltorch.FactorizedTensor.new((4, 3, 6, 5), rank=3, factorization="cp")
+        cp_tensor.normal_()
+        with torch.no_grad():
+            cp_tensor.weights.copy_(torch.tensor([0.5, 2.0, 3.0]))
+        torch.testing.assert_close(from_tltorch(cp_tensor).to_dense(), cp_tensor.to_tensor().detach())
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda fmt: fmt.network(2, 3, 4, 1), r"^format 'bare' must implement network\(\)$"),
+        (lambda fmt: fmt.upcycle(None, {}, None, None), r"^format 'bare' has no closed-form upcycling$"),
+        (lambda fmt: fmt.to_tltorch(None, {}), r"^format 'bare' has no tensorly-torch counterpart$"),
+        (lambda fmt: fmt.from_tltorch(None), r"^format 'bare' has no tensorly-torch counterpart$"),
+    ],
+)
+def test_a_format_without_its_methods_says_which_is_missing(call, message):
+    from mumoe_tn.decompositions.format import Format
+
+    class Bare(Format):  # not registered: no name given to the class statement
+        pass
+
+    bare = Bare()
+    bare.name = "bare"
+    with pytest.raises(NotImplementedError, match=message):
+        call(bare)
