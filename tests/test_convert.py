@@ -297,3 +297,21 @@ def test_a_format_without_its_methods_says_which_is_missing(call, message):
     bare.name = "bare"
     with pytest.raises(NotImplementedError, match=message):
         call(bare)
+
+
+@pytest.mark.parametrize(("name", "rank"), [("tr", (3, 4, 5, 6)), ("tt", (3, 4, 5))])
+def test_expert_cores_pass_every_bond_index_through(name, rank):
+    # an expert mode of 2 below bond sizes 3 and 4: every slice (r, ·, r') is the rectangular identity
+    from mumoe_tn.decompositions._ring import pass_through_expert_cores
+
+    network = build(name, (2, 2), 6, 7, rank)
+    cores = {c: torch.randn(s, dtype=DTYPE) for c, s in network.core_shapes.items()}
+    pass_through_expert_cores(network, cores)
+    for leg in network.expert_legs:
+        core = cores[f"G_{leg}"]
+        if core.ndim == 2:  # the first core of a train: ones in column 0
+            expected = torch.zeros_like(core)
+            expected[:, 0] = 1
+        else:
+            expected = torch.eye(core.shape[0], core.shape[2], dtype=DTYPE)[:, None].expand_as(core)
+        torch.testing.assert_close(core, expected, msg=f"core G_{leg} of shape {tuple(core.shape)}")
