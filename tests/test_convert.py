@@ -11,7 +11,7 @@ from torch import nn
 from mumoe_tn import MuMoE, dense_forward, materialize
 from mumoe_tn.convert import convert, decompose_dense, find_mlp_blocks, upcycle_linear
 from mumoe_tn.costs import block_parameters, layer_parameters, linear, mlp
-from mumoe_tn.decompositions import build
+from mumoe_tn.decompositions import build, get_format
 from mumoe_tn.interop import from_tltorch, to_tltorch
 from mumoe_tn.layers import MuMoEMLP
 
@@ -234,6 +234,10 @@ def test_iterative_decompositions_run_tensorly_with_the_documented_options(name,
     chosen = decompose_dense(weight, name, rank, n_iter_max=3, random_state=5, **extra)[0].to_dense().detach()
     torch.testing.assert_close(chosen, _tensorly_reference(name, weight, tensorly_rank, n_iter_max=3, random_state=5))
     assert not torch.allclose(chosen, defaults)
+    # the format's own defaults, for callers of Format.decompose (decompose_dense passes its own)
+    network = build(name, 5, 6, 7, rank)
+    values = get_format(name).decompose(weight, network, **extra)
+    torch.testing.assert_close(materialize(network, dict(zip(network.cores, values, strict=True))), expected)
 
 
 def test_tucker_ranks_above_a_mode_size_are_clipped_and_padded_back():
@@ -315,3 +319,14 @@ def test_expert_cores_pass_every_bond_index_through(name, rank):
         else:
             expected = torch.eye(core.shape[0], core.shape[2], dtype=DTYPE)[:, None].expand_as(core)
         torch.testing.assert_close(core, expected, msg=f"core G_{leg} of shape {tuple(core.shape)}")
+
+
+@pytest.mark.parametrize(("name", "rank"), [("cp", 6), ("tt", (2, 6)), ("tr", (2, 2, 6)), ("tucker", (2, 6, 6))])
+def test_upcycling_into_more_components_than_the_linear_has_is_exact(name, rank):
+    # Linear(3, 4) with bias: a 4 × 4 matrix, at most 4 singular components for 6 slots
+    torch.manual_seed(0)
+    original = nn.Linear(3, 4, dtype=DTYPE)
+    layer, error = upcycle_linear(original, 2, name, rank, gate_norm="layer")
+    assert error < 1e-12
+    x = torch.randn(5, 3, dtype=DTYPE)
+    torch.testing.assert_close(layer(x), original(x))
