@@ -144,3 +144,29 @@ def test_eager_calls_use_the_cached_form_and_compile_traces_the_function(monkeyp
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     torch.testing.assert_close(contract_pair(*labels, [a, b]), a @ b)
     assert asked == [(("b", "i"), ("i", "o"), ("b", "o"))]
+
+
+@pytest.mark.parametrize(
+    ("operands", "output", "shapes", "message"),
+    [
+        # sizes swapped between two contracted labels: a reshape to (b, 6) @ (6, o) would not notice
+        (
+            (("b", "i", "j"), ("i", "j", "o")),
+            ("b", "o"),
+            [(4, 2, 3), (3, 2, 5)],
+            r"^contracted labels \('i', 'j'\) have sizes \(2, 3\) in one operand and \(3, 2\) in the other$",
+        ),
+        (
+            (("b", "i"), ("o", "i")),
+            ("o", "b"),
+            [(4, 3), (5, 2)],
+            r"^contracted labels \('i',\) have sizes \(2,\) in one operand and \(3,\) in the other$",
+        ),
+        ((("b", "i"), ("i", "o")), ("b", "o"), [(4, 3, 1), (3, 5)], r"^operand 0 has shape \(4, 3, 1\) but 2 labels"),
+        ((("b", "i"),), ("b",), [(4, 3), (3,)], r"^2 tensors for 1 labelled operands"),
+    ],
+)
+def test_mismatched_tensors_are_refused_with_the_labels(operands, output, shapes, message):
+    tensors = [torch.ones(shape, dtype=DTYPE) for shape in shapes]
+    with pytest.raises(ValueError, match=message):
+        contract_pair(operands, output, tensors)

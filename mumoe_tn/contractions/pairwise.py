@@ -109,6 +109,16 @@ def _as_matrix(tensor: torch.Tensor, split: int) -> torch.Tensor:
     return tensor.reshape(math.prod(tensor.shape[:split]), math.prod(tensor.shape[split:]))
 
 
+def _size_mismatch(operands: Sequence[Labels], product: MatrixProduct, left: torch.Size, right: torch.Size) -> str:
+    left_labels = operands[1] if product.swap else operands[0]
+    order = product.left_order or range(len(left_labels))
+    inner = tuple(left_labels[k] for k in order[product.n_rows :])
+    return (
+        f"contracted labels {inner} have sizes {tuple(left[product.n_rows :])} in one operand and "
+        f"{tuple(right[: product.n_inner])} in the other"
+    )
+
+
 def contract_pair(
     operands: Sequence[Labels], output: Labels, tensors: Sequence[torch.Tensor], equation: str | None = None
 ) -> torch.Tensor:
@@ -129,7 +139,18 @@ def contract_pair(
     -------
     torch.Tensor
         The result, its axes ordered as ``output`` (equal to the einsum's up to rounding).
+
+    Raises
+    ------
+    ValueError
+        If a tensor's number of dimensions differs from its labels', or a contracted label has two
+        sizes: checked because a reshape into a matrix would not notice.
     """
+    if len(operands) != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors for {len(operands)} labelled operands {tuple(operands)}")
+    for k, (labels, tensor) in enumerate(zip(operands, tensors, strict=True)):
+        if tensor.ndim != len(labels):
+            raise ValueError(f"operand {k} has shape {tuple(tensor.shape)} but {len(labels)} labels {labels}")
     if len(tensors) == 2:
         first, second = operands
         if first == second == output:
@@ -142,6 +163,8 @@ def contract_pair(
                 left = left.permute(product.left_order)
             if product.right_order is not None:
                 right = right.permute(product.right_order)
+            if left.shape[product.n_rows :] != right.shape[: product.n_inner]:
+                raise ValueError(_size_mismatch(operands, product, left.shape, right.shape))
             rows, columns = left.shape[: product.n_rows], right.shape[product.n_inner :]
             result = torch.mm(_as_matrix(left, product.n_rows), _as_matrix(right, product.n_inner))
             if len(rows) == 1 and len(columns) == 1:
