@@ -85,7 +85,8 @@ class FactorizedExperts(nn.Module):
         Path optimizer, see [`mumoe_tn.contractions.resolve_optimizer`][mumoe_tn.contractions.plan.resolve_optimizer]
         (default ``"auto"``: bounded planning time, FMA-optimal on small networks). ``"autotune"``
         also times the cheapest candidate paths, batch-leading and in their natural layout, on
-        the first batch of each bucket and keeps the fastest (see
+        the first batch of each bucket and keeps the fastest: forward and backward together when
+        that batch needs gradients (training), the forward alone otherwise (see
         [`mumoe_tn.contractions.autotune_candidates`][mumoe_tn.contractions.plan.autotune_candidates]). Named optimizers
         are resolved afresh for every plan.
     max_plans : int, optional

@@ -378,6 +378,63 @@ def test_fastest_plan_prefers_the_fast_plan_whatever_the_order(monkeypatch):
     assert fastest_plan([twin, slow], operands, ones_appended="i", repeats=1) is twin
 
 
+class _BackwardTicks(torch.autograd.Function):
+    """Identity whose backward advances a fake clock by ``cost`` (a plan's backward work)."""
+
+    @staticmethod
+    def forward(ctx, tensor, clock, cost):
+        ctx.clock, ctx.cost = clock, cost
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock[0] += ctx.cost
+        return grad, None, None
+
+
+def test_fastest_plan_times_the_backward_pass_in_training(monkeypatch):
+    # Plan "forward_light" runs its forward in 1 tick and its backward in 10; "balanced" takes 3 + 3.
+    # Forward alone favours the first, a training step (forward + backward) the second.
+    network = build("cp", 3, 5, 4, 2)
+    plans = forward_candidates(network, 8)[:2]
+    assert plans[0] != plans[1]
+    forward_light, balanced = plans
+    ticks = {id(forward_light): (1, 10), id(balanced): (3, 3)}
+    clock, seen = [0.0], []
+
+    def ticking_run(plan, tensors, *, ones_appended=None):
+        forward, backward = ticks[id(plan)]
+        clock[0] += forward
+        seen.append((torch.is_grad_enabled(), [t.requires_grad for t in tensors]))
+        return _BackwardTicks.apply(run_plan(plan, tensors, ones_appended=ones_appended), clock, backward)
+
+    monkeypatch.setattr(autotune, "run_plan", ticking_run)
+    monkeypatch.setattr(autotune, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cores = [torch.randn(s, requires_grad=True) for s in network.core_shapes.values()]
+    rows = [torch.rand(8, n) for n in network.expert_dims] + [torch.randn(8, 5)]
+    operands = cores + rows
+    assert fastest_plan(plans, operands, repeats=1) is balanced  # grad enabled, cores require grad
+    assert seen[0] == (True, [True] * len(cores) + [False] * len(rows))  # as the operands required it
+    with torch.no_grad():
+        assert fastest_plan(plans, operands, repeats=1) is forward_light
+    assert fastest_plan(plans, operands, repeats=1, backward=False) is forward_light
+    assert fastest_plan(plans, [t.detach() for t in operands], repeats=1) is forward_light
+    with torch.no_grad():
+        assert fastest_plan(plans, operands, repeats=1, backward=True) is balanced
+    assert all(t.grad is None for t in cores)  # timing leaves no gradient behind
+
+
+def test_fastest_plan_checks_the_backward_option():
+    network = build("cp", 3, 5, 4, 2)
+    plans = forward_candidates(network, 8)[:2]
+    operands = [torch.randn(s) for s in network.core_shapes.values()]
+    operands += [torch.rand(8, n) for n in network.expert_dims] + [torch.randn(8, 5)]
+    with pytest.raises(TypeError, match=r"^backward must be a bool or None, got int$"):
+        fastest_plan(plans, operands, backward=1)
+    with pytest.raises(ValueError, match=r"^backward=True needs an operand that requires grad$"):
+        fastest_plan(plans, operands, backward=True)
+
+
 def test_autotune_candidates_are_the_cheapest_paths_in_both_layouts():
     network = build("tr", (4, 3), 6, 5, 3)
     plans = forward_candidates(network, 64)

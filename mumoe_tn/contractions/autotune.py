@@ -19,17 +19,42 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed_call(
+    plan: ContractionPlan,
+    operands: Sequence[torch.Tensor],
+    ones_appended: str | None,
+    backward: bool,
+) -> None:
+    """One contraction of ``operands`` by ``plan``, then its backward when ``backward``.
+
+    With ``backward`` the operands that required grad are fresh leaves and the result is
+    back-propagated with a gradient of ones (the cost of a backward pass does not depend on
+    the values of the incoming gradient).
+    """
+    if not backward:
+        with torch.no_grad():
+            run_plan(plan, operands, ones_appended=ones_appended)
+        return
+    with torch.enable_grad():
+        leaves = [tensor.detach().requires_grad_(tensor.requires_grad) for tensor in operands]
+        result = run_plan(plan, leaves, ones_appended=ones_appended)
+        needed = [leaf for leaf in leaves if leaf.requires_grad]
+        torch.autograd.grad(result, needed, grad_outputs=torch.ones_like(result))
+
+
 def fastest_plan(
     plans: Sequence[ContractionPlan],
     operands: Sequence[torch.Tensor],
     *,
     ones_appended: str | None = None,
     repeats: int = 3,
+    backward: bool | None = None,
 ) -> ContractionPlan:
     """The plan among ``plans`` whose contraction runs fastest on ``operands`` (median time).
 
-    Each plan runs once to warm up and then ``repeats`` times, without gradients; ties go to
-    the earlier plan.
+    Each plan runs once to warm up and then ``repeats`` times; ties go to the earlier plan.
+    In training the backward pass costs about twice the forward and follows the plan's steps in
+    reverse, so a plan is then timed forward and backward together.
 
     Parameters
     ----------
@@ -37,11 +62,15 @@ def fastest_plan(
         Candidate plans for the same contraction (e.g. from
         [`mumoe_tn.contractions.autotune_candidates`][mumoe_tn.contractions.plan.autotune_candidates]).
     operands : Sequence of torch.Tensor
-        The operands the plans contract (timed as given, on their device).
+        The operands the plans contract (timed as given, on their device; never modified).
     ones_appended : str, optional
         As for [`mumoe_tn.contractions.run_plan`][mumoe_tn.contractions.execute.run_plan].
     repeats : int, optional
         Timed runs per plan (default 3).
+    backward : bool, optional
+        Time the forward and the backward pass (gradients of the operands that require grad)
+        rather than the forward alone. Default: when gradients are enabled and an operand
+        requires grad, as in a training step.
 
     Returns
     -------
@@ -52,21 +81,25 @@ def fastest_plan(
         raise ValueError("autotuning needs at least one candidate plan")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    if backward is not None and not isinstance(backward, bool):
+        raise TypeError(f"backward must be a bool or None, got {type(backward).__name__}")
+    if backward is None:
+        backward = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in operands)
+    elif backward and not any(tensor.requires_grad for tensor in operands):
+        raise ValueError("backward=True needs an operand that requires grad")
     timed = list(plans)
     if len(timed) == 1:
         return timed[0]
     device = operands[0].device
-    tensors = [tensor.detach() for tensor in operands]
     medians = []
-    with torch.no_grad():
-        for number, plan in enumerate(timed):
-            run_plan(plan, tensors, ones_appended=ones_appended)
-            times = []
-            for _ in range(repeats):
-                _synchronize(device)
-                start = time.perf_counter()
-                run_plan(plan, tensors, ones_appended=ones_appended)
-                _synchronize(device)
-                times.append(time.perf_counter() - start)
-            medians.append((statistics.median(times), number))
+    for number, plan in enumerate(timed):
+        _timed_call(plan, operands, ones_appended, backward)
+        times = []
+        for _ in range(repeats):
+            _synchronize(device)
+            start = time.perf_counter()
+            _timed_call(plan, operands, ones_appended, backward)
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+        medians.append((statistics.median(times), number))
     return timed[min(medians)[1]]
