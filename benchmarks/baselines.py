@@ -86,8 +86,10 @@ def _mlp(in_features: int, hidden_features: int) -> nn.Module:
     return nn.Sequential(nn.Linear(in_features, hidden_features), nn.GELU(), nn.Linear(hidden_features, in_features))
 
 
-def _mumoe(**options: Any) -> nn.Module:
-    return MuMoE(**options)
+def _mumoe(*, precontract: bool = True, **options: Any) -> nn.Module:
+    layer = MuMoE(**options)
+    layer.experts.precontract = precontract
+    return layer
 
 
 def _mumoe_mlp(**options: Any) -> nn.Module:

@@ -142,7 +142,7 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
     return {
         "title": section.title,
         "description": section.description,
-        "reference_text": "each row's paper-einsum counterpart" if section.pairs else section.reference,
+        "reference_text": section.reference_text or section.reference,
         "machine": report.machine(device),
         "command": getattr(args, "command", COMMAND),
         "optimize": args.optimize or "library default",

@@ -58,6 +58,7 @@ class Section:
     pairs: tuple[tuple[str, str], ...] = ()  # (row, its own reference row)
     borrowed: tuple[tuple[str, str], ...] = ()  # (row label, section measuring the same configuration)
     order: tuple[str, ...] = ()  # row order of the table when not cases, not_run, borrowed
+    reference_text: str = ""  # what the × column divides by, when not the reference row alone
 
     def labels(self) -> list[str]:
         """Row labels in table order."""
@@ -166,6 +167,7 @@ def handwritten_section(s: Sizes, extra: dict) -> Section:
         memory=False,
         targets=tuple(targets),
         pairs=tuple(pairs),
+        reference_text="each row's paper-einsum counterpart",
     )
 
 
@@ -289,7 +291,91 @@ def small_section(s: Sizes, extra: dict) -> Section:
     )
 
 
-SECTIONS = ("layer", "handwritten", "params", "experts", "small")
+def autotune_section(s: Sizes, extra: dict) -> Section:
+    """What ``optimize="autotune"`` changes: each case planned by default and autotuned."""
+    i, o = s.width, 4 * s.width
+    layer_options = {"in_features": i, "out_features": o, "expert_dims": s.experts, "match": "linear", **_aligned(s)}
+    root = round(s.experts**0.5)
+    contraction = {"in_features": i, "out_features": o, "expert_dims": [root, root], "match": "linear"}
+    small = Sizes(s.small_width, s.small_batch, s.small_seq, s.small_experts, s.hierarchy, s.few, s.paper_seq,
+                  s.small_width, s.small_experts, s.small_batch, s.small_seq)  # fmt: skip
+    cases, pairs = [], []
+    default = {key: value for key, value in extra.items() if key != "optimize"}
+    for name in ("cp", "tr"):
+        variants = [
+            (f"{name.upper()} μMoE layer, {s.experts} experts", "mumoe", layer_options, (s.batch, s.seq), "tokens"),
+            (f"{name.upper()} E=2 ({root}×{root}) contraction", "planned", contraction, (s.batch, s.paper_seq),
+             "contraction"),
+            (f"μMoE {name.upper()} block d={s.small_width}, {s.small_experts} experts", "mumoe_mlp",
+             {"in_features": small.width, "hidden_features": 4 * small.width, "expert_dims": s.small_experts,
+              "match": "mlp"}, (s.small_batch, s.small_seq), "tokens"),
+        ]  # fmt: skip
+        for label, model, options, tokens, inputs in variants:
+            options = {**options, "decomposition": name, **default}
+            plain = Case(f"{label}, default plan", model, options, *tokens, inputs=inputs)
+            tuned = Case(f"{label}, autotuned", model, {**options, "optimize": "autotune"}, *tokens, inputs=inputs)
+            cases += [plain, tuned]
+            pairs += [(plain.label, plain.label), (tuned.label, plain.label)]
+    return Section(
+        "autotune",
+        'Autotuning: `optimize="autotune"` against the default planner',
+        "The first training call of each batch bucket times the cheapest few paths (within "
+        "`AUTOTUNE_FMA_SLACK` of the fewest FMAs), each in two step layouts, forward and backward on the "
+        "call's own operands, and keeps the fastest; later calls reuse it. Same cases as the layer, "
+        "hand-written and small sections. Ratios: each autotuned row ÷ its default-plan row.",
+        cases[0].label,
+        tuple(cases),
+        memory=False,
+        pairs=tuple(pairs),
+        reference_text="each row's default-plan counterpart",
+    )
+
+
+def _per_call_fma(options: dict, tokens: int) -> tuple[int, int]:
+    """FMAs of one inference call of a MuMoE layer: planned as in training, and with pre-contraction."""
+    from mumoe_tn import MuMoE
+    from mumoe_tn.contractions import per_call_fma, plan_forward, plan_inference
+
+    network = MuMoE(**options, device="meta").experts.network
+    plan, constant = plan_inference(network, tokens)
+    return plan_forward(network, tokens, "auto").fma, per_call_fma(plan, constant)
+
+
+def inference_section(s: Sizes, extra: dict) -> Section:
+    """Eval-mode pre-contraction of the parameter-only sub-networks, on and off."""
+    i, o = s.width, 4 * s.width
+    root = round(s.experts**0.5)
+    options = {"in_features": i, "out_features": o, "expert_dims": [root, root], "decomposition": "tucker"}
+    options |= {"match": "linear", **extra}
+    cases, pairs, counts = [], [], []
+    for batch, seq in ((s.batch, 1), (s.batch, s.seq // 8)):
+        tokens = f"{batch * seq:,} tokens"
+        linear = Case(f"nn.Linear, {tokens}", "linear", {"in_features": i, "out_features": o}, batch, seq)
+        label = f"Tucker μMoE {root}×{root}, {tokens}"
+        plain = Case(f"{label}, contracted every call", "mumoe", {**options, "precontract": False}, batch, seq)
+        cached = Case(f"{label}, pre-contracted", "mumoe", options, batch, seq)
+        cases += [linear, plain, cached]
+        pairs += [(linear.label, linear.label), (plain.label, linear.label), (cached.label, plain.label)]
+        every, once = _per_call_fma(options, batch * seq)
+        counts.append(f"{tokens}: {every:,} → {once:,} FMAs per call")
+    return Section(
+        "inference",
+        "Inference: pre-contracting parameter-only sub-networks",
+        f"Eval mode without gradients (the fwd column; fwd+bwd is training, where nothing is cached). A Tucker "
+        f"μMoE {i} → {o} with {root}×{root} experts, parameter-matched to nn.Linear: `plan_inference` contracts "
+        "the core with factor matrices once, keeps the result until the parameters change, and each call then "
+        f"does less work ({'; '.join(counts)}). Ratios: the layer contracted every call ÷ nn.Linear at the "
+        "same tokens, the pre-contracted layer ÷ the layer contracted every call.",
+        cases[0].label,
+        tuple(cases),
+        memory=False,
+        reps=5,
+        pairs=tuple(pairs),
+        reference_text="nn.Linear (contracted every call) or the layer contracted every call (pre-contracted)",
+    )
+
+
+SECTIONS = ("layer", "handwritten", "params", "experts", "small", "autotune", "inference")
 
 
 def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int) -> list[Section]:
@@ -300,5 +386,7 @@ def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int
         "params": lambda: params_section(sizes, extra),
         "experts": lambda: experts_section(sizes, extra, memory_limit),
         "small": lambda: small_section(sizes, extra),
+        "autotune": lambda: autotune_section(sizes, extra),
+        "inference": lambda: inference_section(sizes, extra),
     }
     return [builders[name]() for name in SECTIONS if name in names]
