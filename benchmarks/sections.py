@@ -300,7 +300,6 @@ def autotune_section(s: Sizes, extra: dict) -> Section:
     small = Sizes(s.small_width, s.small_batch, s.small_seq, s.small_experts, s.hierarchy, s.few, s.paper_seq,
                   s.small_width, s.small_experts, s.small_batch, s.small_seq)  # fmt: skip
     cases, pairs = [], []
-    default = {key: value for key, value in extra.items() if key != "optimize"}
     for name in ("cp", "tr"):
         variants = [
             (f"{name.upper()} μMoE layer, {s.experts} experts", "mumoe", layer_options, (s.batch, s.seq), "tokens"),
@@ -311,7 +310,7 @@ def autotune_section(s: Sizes, extra: dict) -> Section:
               "match": "mlp"}, (s.small_batch, s.small_seq), "tokens"),
         ]  # fmt: skip
         for label, model, options, tokens, inputs in variants:
-            options = {**options, "decomposition": name, **default}
+            options = {**options, "decomposition": name, **extra}  # the run's planner (--optimize)
             plain = Case(f"{label}, default plan", model, options, *tokens, inputs=inputs)
             tuned = Case(f"{label}, autotuned", model, {**options, "optimize": "autotune"}, *tokens, inputs=inputs)
             cases += [plain, tuned]

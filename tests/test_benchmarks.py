@@ -134,4 +134,36 @@ def test_sections_have_unique_rows_and_known_names():
         assert len(labels) == len(set(labels))
         for case in section.cases:
             if case.model.startswith("mumoe") or case.model in ("planned",):
-                assert case.options.get("optimize") == "greedy", case.label  # --optimize reaches every μMoE
+                tuned = section.name == "autotune" and case.label.endswith(", autotuned")
+                expected = "autotune" if tuned else "greedy"  # --optimize reaches every other μMoE
+                assert case.options.get("optimize") == expected, case.label
+
+
+def test_autotune_section_pairs_each_autotuned_case_with_its_default_twin():
+    (section,) = make_sections(["autotune"], FULL, {}, 4 << 30)
+    by_label = {case.label: case for case in section.cases}
+    tuned = [case for case in section.cases if case.label.endswith(", autotuned")]
+    assert len(tuned) == len(section.cases) // 2 == 6
+    for case in tuned:
+        twin = by_label[section.reference_of(case.label)]
+        assert twin.label == case.label.replace(", autotuned", ", default plan")
+        assert case.options == {**twin.options, "optimize": "autotune"} and "optimize" not in twin.options
+        assert (case.model, case.batch, case.seq, case.inputs) == (twin.model, twin.batch, twin.seq, twin.inputs)
+        assert section.reference_of(twin.label) == twin.label
+
+
+def test_inference_section_switches_only_the_pre_contraction():
+    (section,) = make_sections(["inference"], FULL, {}, 4 << 30)
+    cached = [case for case in section.cases if case.label.endswith("pre-contracted")]
+    assert [(case.batch * case.seq) for case in cached] == [8, 512]
+    for case in cached:
+        plain = next(c for c in section.cases if section.reference_of(case.label) == c.label)
+        assert plain.options == {**case.options, "precontract": False}
+        assert section.reference_of(plain.label).startswith("nn.Linear")
+    small = Case("t", "mumoe", {**LAYER, "expert_dims": [3, 2], "decomposition": "tucker"}, 2, 3)
+    on = build_module(small).eval()
+    off = build_module(Case("t", "mumoe", {**small.options, "precontract": False}, 2, 3)).eval()
+    assert on.experts.precontract is True and off.experts.precontract is False
+    x = torch.randn(2, 3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(on(x), off(x))  # same seed, same weights, the same map
