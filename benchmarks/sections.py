@@ -297,8 +297,6 @@ def autotune_section(s: Sizes, extra: dict) -> Section:
     layer_options = {"in_features": i, "out_features": o, "expert_dims": s.experts, "match": "linear", **_aligned(s)}
     root = round(s.experts**0.5)
     contraction = {"in_features": i, "out_features": o, "expert_dims": [root, root], "match": "linear"}
-    small = Sizes(s.small_width, s.small_batch, s.small_seq, s.small_experts, s.hierarchy, s.few, s.paper_seq,
-                  s.small_width, s.small_experts, s.small_batch, s.small_seq)  # fmt: skip
     cases, pairs = [], []
     for name in ("cp", "tr"):
         variants = [
@@ -306,7 +304,7 @@ def autotune_section(s: Sizes, extra: dict) -> Section:
             (f"{name.upper()} E=2 ({root}×{root}) contraction", "planned", contraction, (s.batch, s.paper_seq),
              "contraction"),
             (f"μMoE {name.upper()} block d={s.small_width}, {s.small_experts} experts", "mumoe_mlp",
-             {"in_features": small.width, "hidden_features": 4 * small.width, "expert_dims": s.small_experts,
+             {"in_features": s.small_width, "hidden_features": 4 * s.small_width, "expert_dims": s.small_experts,
               "match": "mlp"}, (s.small_batch, s.small_seq), "tokens"),
         ]  # fmt: skip
         for label, model, options, tokens, inputs in variants:
