@@ -125,14 +125,25 @@ def test_a_layer_pads_its_large_bond_and_gives_the_unpadded_result(monkeypatch):
             torch.testing.assert_close(g, w)
 
 
-def test_inference_constants_come_from_the_unpadded_cores():
+def test_inference_constants_come_from_the_unpadded_cores(monkeypatch):
     # Tucker 2×2 experts: its core and coefficient factors are contracted once in eval mode.
     torch.manual_seed(0)
     layer = MuMoE(4, 5, (2, 2), "tucker", [2, 2, 2, 260], dtype=DTYPE).eval()
     assert bond_padding(layer.network, 16)  # one bond of 260 → 272
+    seen = []
+    real_run_plan = run_plan
+
+    def spy(plan, operands, **kwargs):
+        seen.append((kwargs.get("constants"), [tuple(t.shape) for t in operands[: len(layer.network.cores)]]))
+        return real_run_plan(plan, operands, **kwargs)
+
+    monkeypatch.setattr("mumoe_tn.layers.run_plan", spy)
     x = torch.randn(3, 4, dtype=DTYPE)
     with torch.no_grad():
         cached = layer(x)
+        (constants, shapes), *_ = seen
+        assert constants  # the cached core-only intermediates are used…
+        assert shapes == list(layer.network.core_shapes.values())  # …with the cores as they are
         layer.experts.precontract = False
         every_call = layer(x)
         layer.experts.pad_bonds = None
