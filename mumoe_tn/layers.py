@@ -139,8 +139,6 @@ class FactorizedExperts(nn.Module):
             raise ValueError(f"chunk_size must be a positive int (rows per chunk) or None, got {chunk_size!r}")
         check_bool("recompute", recompute)
         check_bool("precontract", precontract)
-        if pad_bonds is not None:
-            check_size("pad_bonds", pad_bonds)
         factory = check_factory(device, dtype)
         check_allocatable(network)
         self.network = network
@@ -155,9 +153,9 @@ class FactorizedExperts(nn.Module):
         self.chunk_size = chunk_size
         self.recompute = recompute
         self.precontract = precontract
-        self.pad_bonds = pad_bonds
+        self.pad_bonds = pad_bonds  # checked by the property
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
-        self._plans_lock = threading.Lock()
+        self._plans_lock = threading.RLock()
         self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, self._path_optimizer())
         for name, shape in network.core_shapes.items():
             if hasattr(self, name):
@@ -174,8 +172,19 @@ class FactorizedExperts(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("pad_bonds", PAD_MULTIPLE)  # pickled before the option existed
-        self._plans_lock = threading.Lock()
+        self.__dict__.setdefault("_pad_bonds", PAD_MULTIPLE)  # pickled before the option existed
+        self._plans_lock = threading.RLock()
+
+    @property
+    def pad_bonds(self) -> int | None:
+        """The multiple that bonds of at least 256 are zero-padded to when executing (None: no padding)."""
+        return self._pad_bonds
+
+    @pad_bonds.setter
+    def pad_bonds(self, value: int | None) -> None:
+        if value is not None:
+            check_size("pad_bonds", value)
+        self._pad_bonds = value
 
     @classmethod
     def from_tensors(
@@ -334,24 +343,25 @@ class FactorizedExperts(nn.Module):
         rows = [a.reshape(batch, a.shape[-1]) for a in coefficients]
         rows.append(z.reshape(batch, z.shape[-1]))
         ones = INPUT_LEG if append_one else None
+        cores = _ExecutionCores(self)  # padded at most once per call, whatever the chunks
         if torch.compiler.is_compiling():
-            y = self._contract(self._compile_plan, rows, ones, None)
+            y = self._contract(self._compile_plan, rows, ones, None, cores)
         elif self.chunk_size is not None and batch > self.chunk_size:
             chunks = zip(*(tensor.split(self.chunk_size) for tensor in rows), strict=True)
-            y = torch.cat([self._contract_rows(list(chunk), ones) for chunk in chunks])
+            y = torch.cat([self._contract_rows(list(chunk), ones, cores) for chunk in chunks])
         else:
-            y = self._contract_rows(rows, ones)
+            y = self._contract_rows(rows, ones, cores)
         return y.reshape(*lead, self.network.out_features)
 
-    def _contract_rows(self, rows: list[torch.Tensor], ones: str | None) -> torch.Tensor:
+    def _contract_rows(self, rows: list[torch.Tensor], ones: str | None, cores: _ExecutionCores) -> torch.Tensor:
         """Contract the cores with one block of flattened rows (coefficients, then input)."""
         batch = rows[-1].shape[0]
         if self.precontract and not self.training and not torch.is_grad_enabled():
             cached = self._inference_constants(max(batch, 1))
             if cached is not None:
-                return self._contract(cached[0], rows, ones, cached[1])
-        operands = [*self.cores.values(), *rows]
-        return self._contract(self.plan(max(batch, 1), operands, ones_appended=ones), rows, ones, None)
+                return self._contract(cached[0], rows, ones, cached[1], cores)
+        operands = [*cores.padded(), *rows] if self.optimize == "autotune" else None  # timed as they will run
+        return self._contract(self.plan(max(batch, 1), operands, ones_appended=ones), rows, ones, None, cores)
 
     def _contract(
         self,
@@ -359,16 +369,15 @@ class FactorizedExperts(nn.Module):
         rows: list[torch.Tensor],
         ones: str | None,
         constants: dict[int, torch.Tensor] | None,
+        cores: _ExecutionCores,
     ) -> torch.Tensor:
-        cores = list(self.cores.values())
         if constants is not None:  # cached from the unpadded cores
-            return run_plan(plan, [*cores, *rows], ones_appended=ones, constants=constants)
-        padding = bond_padding(self.network, self.pad_bonds)
-        labels = list(self.network.cores.values()) if padding else []
+            return run_plan(plan, [*cores.unpadded, *rows], ones_appended=ones, constants=constants)
         if self.recompute and torch.is_grad_enabled():
-            run = partial(_run_padded, plan, ones, padding, labels, len(cores))
-            return checkpoint(run, *cores, *rows, use_reentrant=False)
-        return _run_padded(plan, ones, padding, labels, len(cores), *cores, *rows)
+            # Padded inside the checkpoint: the padded copies are recomputed, not kept.
+            run = partial(_run_padded, plan, ones, cores.padding, cores.labels, len(cores.unpadded))
+            return checkpoint(run, *cores.unpadded, *rows, use_reentrant=False)
+        return run_plan(plan, [*cores.padded(), *rows], ones_appended=ones)
 
     def _check_inputs(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], append_one: bool) -> None:
         net = self.network
@@ -420,10 +429,26 @@ class FactorizedExperts(nn.Module):
         )
 
 
+class _ExecutionCores:
+    """A layer's cores for one call: as they are, and padded by its ``pad_bonds`` (made once, on demand)."""
+
+    def __init__(self, experts: FactorizedExperts) -> None:
+        self.unpadded = list(experts.cores.values())
+        self.padding = bond_padding(experts.network, experts.pad_bonds)
+        self.labels = list(experts.network.cores.values())
+        self._padded: list[torch.Tensor] | None = None
+
+    def padded(self) -> list[torch.Tensor]:
+        """The cores with their large bonds padded (the cores themselves when none is)."""
+        if self._padded is None:
+            self._padded = pad_cores(self.unpadded, self.labels, self.padding) if self.padding else self.unpadded
+        return self._padded
+
+
 def _run_padded(
     plan: ContractionPlan,
     ones: str | None,
-    padding: dict[str, int],
+    padding: Mapping[str, int],
     labels: list[tuple[str, ...]],
     n_cores: int,
     *operands: torch.Tensor,

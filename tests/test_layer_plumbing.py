@@ -466,9 +466,9 @@ def test_chunks_hold_at_most_chunk_size_rows(monkeypatch):
     sizes = []
     original = FactorizedExperts._contract_rows
 
-    def recorded(self, rows, ones):
+    def recorded(self, rows, ones, cores):
         sizes.append(rows[-1].shape[0])
-        return original(self, rows, ones)
+        return original(self, rows, ones, cores)
 
     monkeypatch.setattr(FactorizedExperts, "_contract_rows", recorded)
     torch.testing.assert_close(experts(z, a), expected)

@@ -163,12 +163,44 @@ def test_inference_constants_come_from_the_unpadded_cores(monkeypatch):
 def test_pad_bonds_is_checked(value, error, message):
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         FactorizedExperts(build("cp", [3], 4, 5, 2), pad_bonds=value)
+    layer = FactorizedExperts(build("cp", [3], 4, 5, 2))
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        layer.pad_bonds = value  # set later, as the cookbook shows
+    assert layer.pad_bonds == PAD_MULTIPLE
+    layer.pad_bonds = None
+    assert layer.pad_bonds is None
+
+
+@pytest.mark.parametrize("multiple", [0, -16, 2.5, True])
+def test_bond_padding_refuses_a_bad_multiple(multiple):
+    network = build("cp", [3], 4, 5, 300)
+    with pytest.raises(
+        ValueError, match=f"^pad_bonds must be a positive int or None, got {re.escape(repr(multiple))}$"
+    ):
+        bond_padding(network, multiple)
+
+
+def test_chunks_share_one_padded_copy_of_the_cores(monkeypatch):
+    calls = []
+    real_pad_cores = pad_cores
+
+    def counted(*args):
+        calls.append(1)
+        return real_pad_cores(*args)
+
+    monkeypatch.setattr("mumoe_tn.layers.pad_cores", counted)
+    layer = _cp_with_large_rank()
+    expected = _cp_with_large_rank(pad_bonds=None)
+    layer.chunk_size = expected.chunk_size = 4
+    z, a = torch.randn(10, 3, dtype=DTYPE), [torch.rand(10, 3, dtype=DTYPE)]
+    torch.testing.assert_close(layer(z, a, append_one=True), expected(z, a, append_one=True))
+    assert len(calls) == 1  # three chunks, one padding
 
 
 def test_layers_pickled_before_the_option_pad_by_default():
     layer = _cp_with_large_rank(pad_bonds=8)
     state = layer.__getstate__()
-    del state["pad_bonds"]
+    del state["_pad_bonds"]
     old = FactorizedExperts.__new__(FactorizedExperts)
     old.__setstate__(state)
     assert old.pad_bonds == PAD_MULTIPLE

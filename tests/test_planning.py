@@ -433,6 +433,37 @@ def test_fastest_plan_checks_the_backward_option():
         fastest_plan(plans, operands, backward=1)
     with pytest.raises(ValueError, match=r"^backward=True needs an operand that requires grad$"):
         fastest_plan(plans, operands, backward=True)
+    trainable = [operands[0].clone().requires_grad_(), *operands[1:]]
+    with torch.inference_mode():
+        with pytest.raises(
+            ValueError, match=r"^backward=True cannot time a backward pass under torch\.inference_mode\(\)$"
+        ):
+            fastest_plan(plans, trainable, backward=True)
+        frozen = [t.clone() for t in operands]
+    with pytest.raises(ValueError, match=r"^backward=True cannot time a backward pass through inference tensors"):
+        fastest_plan(plans, [trainable[0], *frozen[1:]], backward=True)
+
+
+def test_autotuning_inside_an_activation_checkpoint_finishes():
+    # Non-reentrant checkpointing packs every tensor saved in its region; the timing's own backward
+    # would unpack them, recompute the region (and its autotuning) and wait on the plan cache.
+    torch.manual_seed(0)
+    layer = MuMoE(8, 6, (4,), "cp", 5, optimize="autotune", dtype=DTYPE)
+    plain = MuMoE(8, 6, (4,), "cp", 5, dtype=DTYPE)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(4, 8, 8, dtype=DTYPE, requires_grad=True)
+    result = {}
+
+    def work():
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        y.sum().backward()
+        result["y"] = y.detach()
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "autotuning under torch.utils.checkpoint did not finish"
+    torch.testing.assert_close(result["y"], plain(x))
 
 
 def test_autotune_candidates_are_the_cheapest_paths_in_both_layouts():

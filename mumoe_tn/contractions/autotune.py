@@ -35,11 +35,18 @@ def _timed_call(
         with torch.no_grad():
             run_plan(plan, operands, ones_appended=ones_appended)
         return
-    with torch.enable_grad():
+    # Identity hooks keep this graph's saved tensors as they are: inside a non-reentrant activation
+    # checkpoint, the checkpoint's own hooks would otherwise recompute the whole checkpointed
+    # region when this backward unpacks them.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
         leaves = [tensor.detach().requires_grad_(tensor.requires_grad) for tensor in operands]
         result = run_plan(plan, leaves, ones_appended=ones_appended)
         needed = [leaf for leaf in leaves if leaf.requires_grad]
         torch.autograd.grad(result, needed, grad_outputs=torch.ones_like(result))
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def fastest_plan(
@@ -87,6 +94,11 @@ def fastest_plan(
         backward = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in operands)
     elif backward and not any(tensor.requires_grad for tensor in operands):
         raise ValueError("backward=True needs an operand that requires grad")
+    if backward and torch.is_inference_mode_enabled():
+        raise ValueError("backward=True cannot time a backward pass under torch.inference_mode()")
+    if backward and any(tensor.is_inference() for tensor in operands):
+        raise ValueError("backward=True cannot time a backward pass through inference tensors (made under "
+                         "torch.inference_mode()); clone them outside it first")  # fmt: skip
     timed = list(plans)
     if len(timed) == 1:
         return timed[0]
