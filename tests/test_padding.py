@@ -206,3 +206,24 @@ def test_layers_pickled_before_the_option_pad_by_default():
     assert old.pad_bonds == PAD_MULTIPLE
     for clone in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
         assert clone.pad_bonds == 8
+
+
+def test_the_compiled_layer_pads_and_matches_the_unpadded_eager_layer(monkeypatch):
+    torch.manual_seed(0)
+    layer = MuMoE(4, 5, 3, "cp", 300)
+    assert bond_padding(layer.network, layer.experts.pad_bonds) == {"r": 304}
+    x = torch.randn(6, 4)
+    layer.experts.pad_bonds = None
+    expected = layer(x)
+    layer.experts.pad_bonds = PAD_MULTIPLE
+    padded_shapes = []
+    real_pad_cores = pad_cores
+
+    def noted(cores, labels, padding):
+        padded_shapes.append(dict(padding))
+        return real_pad_cores(cores, labels, padding)
+
+    monkeypatch.setattr("mumoe_tn.layers.pad_cores", noted)
+    compiled = torch.compile(layer, fullgraph=True)(x)
+    assert padded_shapes and padded_shapes[0] == {"r": 304}  # traced through the padding
+    torch.testing.assert_close(compiled, expected, rtol=1e-4, atol=1e-5)
