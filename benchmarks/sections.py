@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from benchmarks.baselines import Case
+from mumoe_tn import MuMoE
+from mumoe_tn.contractions import per_call_fma, plan_forward, plan_inference
 
 
 @dataclass(frozen=True)
@@ -331,9 +333,6 @@ def autotune_section(s: Sizes, extra: dict) -> Section:
 
 def _per_call_fma(options: dict, tokens: int) -> tuple[int, int]:
     """FMAs of one inference call of a MuMoE layer: planned as in training, and with pre-contraction."""
-    from mumoe_tn import MuMoE
-    from mumoe_tn.contractions import per_call_fma, plan_forward, plan_inference
-
     network = MuMoE(**options, device="meta").experts.network
     plan, constant = plan_inference(network, tokens)
     return plan_forward(network, tokens, "auto").fma, per_call_fma(plan, constant)
