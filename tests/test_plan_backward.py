@@ -195,3 +195,19 @@ def test_one_factor_of_a_product_without_gradient():
     assert len(ours) == 3
     for a, b in zip(ours, reference, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["cp", "tr"])
+def test_batch_sized_gradients_come_back_contiguous(name):
+    """A coefficient's gradient goes on to the gate's backward: it must not arrive transposed.
+
+    The expert-mode factor spans fewer entries than the batch, so the rows-first orientation used
+    for weight gradients would return ``(batch, experts)`` as a transposed view.
+    """
+    network = build(name, 8, 6, 5, 4)
+    plan = plan_forward(network, 64)
+    operands = _operands(network, 64, 0, folded=True, requires=[True] * (len(network.cores) + 2))
+    out = PlanFunction.apply(plan_program(plan, "i"), "i", *operands)
+    grads = torch.autograd.grad(out, operands, torch.randn_like(out))
+    coefficients, z = grads[len(network.cores)], grads[-1]
+    assert coefficients.is_contiguous() and z.is_contiguous()

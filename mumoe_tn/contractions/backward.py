@@ -24,6 +24,7 @@ gradient penalties and double backward work. The plain path is used under ``torc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -179,18 +180,27 @@ def _grad_of_operand(
 
     Every label of the operand is in the output or in another operand (checked by `_cached_program`).
     For a ``terminal`` operand (an input, whose gradient no later step reads) with one other
-    operand, the labels from the side spanning fewer entries come first: they are the rows of the
-    batched matrix product, the orientation BLAS runs faster (as autograd's own ``bmm`` backward
-    arranges it); the result is returned as a permuted view. Gradients that later steps read keep
-    the natural order, laid out contiguously.
+    operand whose gradient is smaller than both tensors it is made from (a weight's gradient, summed
+    over the batch), the labels from the side spanning fewer entries come first: they are the rows
+    of the batched matrix product, the orientation BLAS runs faster (as autograd's own ``bmm``
+    backward arranges it); the result is returned as a permuted view. Other gradients keep the
+    natural order, laid out contiguously: a batch-sized gradient (e.g. of the expert coefficients)
+    goes on to the caller's backward, whose elementwise kernels run several times slower on a
+    transposed operand.
     """
     operands = [(grad, output), *((tensor, labels) for tensor, labels in others)]
     order = target
-    if terminal and len(operands) == 2:
+    if terminal and len(operands) == 2 and _result_size(operands, target) < min(t.numel() for t, _ in operands):
         small = min(operands, key=lambda operand: _span(*operand, target))[1]
         order = tuple(x for x in target if x in small) + tuple(x for x in target if x not in small)
     result = contract_pair([labels for _, labels in operands], order, [tensor for tensor, _ in operands])
     return result if order == target else result.permute(*(order.index(x) for x in target))
+
+
+def _result_size(operands: Sequence[tuple[torch.Tensor, Labels]], target: Labels) -> int:
+    """Entries of the contraction's result, labelled ``target``."""
+    sizes = {label: size for tensor, labels in operands for label, size in zip(labels, tensor.shape, strict=True)}
+    return math.prod(sizes[label] for label in target)
 
 
 def _span(tensor: torch.Tensor, labels: Labels, target: Labels) -> int:
