@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_calls import TorchCalls
 
 from mumoe_tn.activations import FIRST_K, entmax15, sparsemax
@@ -58,3 +59,32 @@ def test_rows_newton_does_not_settle_are_sorted(ours, reference):
     assert {"topk", "sort"} & calls.names
     assert ((y > 0).sum(-1) > FIRST_K).any()
     torch.testing.assert_close(y, reference(x, dim=-1))
+
+
+class _SquareRootInputs(TorchDispatchMode):
+    """Collects the input of every ``aten.sqrt`` run inside the block (the backward pass included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inputs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.sqrt.default:
+            self.inputs.append(args[0].detach().clone())
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_backward_takes_no_square_root_of_zeros():
+    # CPU kernels take the square root of zeros several times slower than of positive numbers.
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(256, 64, generator=generator, dtype=torch.float64) * 3).requires_grad_(True)
+    weights = torch.randn(256, 64, generator=generator, dtype=torch.float64)
+    y = entmax15(x)
+    assert (y == 0).any() and (y > 0).any()
+    with _SquareRootInputs() as spy:
+        (grad,) = torch.autograd.grad((y * weights).sum(), x)
+    assert spy.inputs and all(bool((tensor != 0).all()) for tensor in spy.inputs)
+    reference = x.detach().clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad((entmax.entmax15(reference, dim=-1) * weights).sum(), reference)
+    torch.testing.assert_close(grad, expected)
+    assert bool((grad[y == 0] == 0).all())  # exactly zero off the support
