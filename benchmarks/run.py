@@ -122,6 +122,7 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
     def done(label: str, timing: Timing) -> None:
         row = rows[label]
         row |= {"train_s": timing.train_s, "infer_s": timing.infer_s}
+        row |= {"train_samples": list(timing.train), "infer_samples": list(timing.infer)}
         reference = rows.get(row["reference"])
         row["ratios"] = {metric: report.ratio(row, reference, metric) for metric, _, _ in report.METRICS}
         tqdm.write(_row_line(row))
@@ -137,8 +138,11 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
 
     targets = []
     for target in section.targets:
-        value = report.ratio(rows[target.numerator], rows[target.denominator], target.metric)
-        targets.append({"name": target.name, "value": value, "limit": target.limit})
+        numerator, denominator = rows[target.numerator], rows[target.denominator]
+        value = report.ratio(numerator, denominator, target.metric)
+        key = report.SAMPLES.get(target.metric)
+        spread = None if key is None else report.paired_spread(numerator.get(key), denominator.get(key))
+        targets.append({"name": target.name, "value": value, "limit": target.limit, "spread": spread})
     return {
         "title": section.title,
         "description": section.description,
@@ -214,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
             value = target["value"]
             verdict = "not measured" if value is None else ("met" if value <= target["limit"] else "MISSED")
             shown = "" if value is None else f"{value:6.2f}×"
-            print(f"  {target['name']:<72} {shown:>8} (limit {target['limit']}×) {verdict}")
+            spread = target.get("spread")
+            paired = "" if spread is None else f" (paired quartiles {spread[0]:.2f}–{spread[1]:.2f}×)"
+            print(f"  {target['name']:<72} {shown:>8} (limit {target['limit']}×) {verdict}{paired}")
     print(f"\nwrote {stem}.md, {stem}.json" + (f", {image}" if image else ""))
     return 0
 

@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import run  # noqa: E402
+from benchmarks import report, run  # noqa: E402
 from benchmarks.baselines import Case, HandwrittenLayer, build_module, count_params, make_inputs  # noqa: E402
 from benchmarks.measure import MemoryProbe, Timing, alternate, live_peak_bytes_here  # noqa: E402
 from benchmarks.sections import FULL, SECTIONS, make_sections  # noqa: E402
@@ -114,7 +114,8 @@ def test_peers_at_matched_parameters_hold_about_the_mlp_parameters():
 
 
 def test_quick_run_prints_rows_and_writes_targets(tmp_path, capsys):
-    assert run.main(["--quick", "--only", "layer", "--no-memory", "--threads", "1", "--out", str(tmp_path)]) == 0
+    options = ["--quick", "--only", "layer", "--no-memory", "--threads", "1", "--rounds", "2"]
+    assert run.main([*options, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.index("nn.Linear ") < out.index("Targets")  # rows print before the summary
     store = json.loads((tmp_path / "results-cpu.json").read_text())
@@ -125,7 +126,34 @@ def test_quick_run_prints_rows_and_writes_targets(tmp_path, capsys):
         linear = rows[0]
         assert math.isclose(row["ratios"]["train_s"], row["train_s"] / linear["train_s"])
     report = (tmp_path / "results-cpu.md").read_text()
-    assert "| target | measured | limit | met |" in report and "≤ 1.15×" in report
+    assert "| target | measured | paired ratios (quartiles) | limit | met |" in report and "≤ 1.15×" in report
+    # Two rounds: two side-by-side pairs, whose ratios' quartiles lie a quarter in from each end.
+    target = store["sections"]["layer"]["targets"][0]
+    cp = next(r for r in rows if r["label"] == target_numerator(target["name"], rows))
+    pairs = sorted(a / b for a, b in zip(cp["train_samples"], rows[0]["train_samples"], strict=True))
+    assert len(pairs) == 2
+    low, high = target["spread"]
+    assert math.isclose(low, pairs[0] + 0.25 * (pairs[1] - pairs[0]))
+    assert math.isclose(high, pairs[0] + 0.75 * (pairs[1] - pairs[0]))
+
+
+def target_numerator(name, rows):
+    """The row a target of the layer section divides by nn.Linear: the one its name starts with."""
+    return next(r["label"] for r in rows[1:] if name.startswith(r["label"]))
+
+
+def test_paired_spread_by_hand():
+    # ratios 2, 2, 2, 4: inclusive quartiles at positions 0.75 and 2.25 of the sorted ratios
+    assert report.paired_spread([2, 4, 6, 8], [1, 2, 3, 2]) == (2.0, 2.5)
+    assert report.paired_spread([1.0], [2.0]) is None and report.paired_spread(None, [1.0, 2.0]) is None
+
+
+def test_targets_within_the_paired_spread_say_so():
+    line = report.target_line({"name": "x", "value": 0.96, "limit": 0.95, "spread": (0.90, 1.00)})
+    assert line == "| x | 0.96× | 0.90–1.00× | ≤ 0.95× | **missed** (within noise) |"
+    line = report.target_line({"name": "x", "value": 0.90, "limit": 0.95, "spread": (0.85, 0.93)})
+    assert line.endswith("| ≤ 0.95× | met |")
+    assert report.target_line({"name": "x", "value": None, "limit": 1.3}) == "| x | not measured |  | ≤ 1.3× | — |"
 
 
 def test_sections_have_unique_rows_and_known_names():
@@ -167,3 +195,22 @@ def test_inference_section_switches_only_the_pre_contraction():
     x = torch.randn(2, 3, 6)
     with torch.no_grad():
         torch.testing.assert_close(on(x), off(x))  # same seed, same weights, the same map
+
+
+def test_samples_are_stored_in_the_order_taken(tmp_path, monkeypatch):
+    """Pairs are formed by position: each row's samples must keep the order of the rounds."""
+    clock = iter(range(1, 10_000))
+
+    def fake_time(self, step, *, train):
+        step()
+        return float(next(clock))
+
+    monkeypatch.setattr(run.Runner, "time", fake_time)
+    options = ["--quick", "--only", "layer", "--no-memory", "--threads", "1", "--rounds", "3", "--no-docs"]
+    assert run.main([*options, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results-cpu.json").read_text())["sections"]["layer"]["rows"]
+    for row in rows:
+        assert row["train_samples"] == sorted(row["train_samples"]) and len(row["train_samples"]) == 3
+    # Later cases of a round take later ticks: every CP sample follows nn.Linear's of the same round.
+    linear, cp = rows[0]["train_samples"], rows[1]["train_samples"]
+    assert all(a < b for a, b in zip(linear, cp, strict=True))
