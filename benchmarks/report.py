@@ -93,13 +93,15 @@ def paired_spread(numerator: list[float] | None, denominator: list[float] | None
 def target_line(target: dict) -> str:
     """One row of a targets table: measured ratio, paired quartiles, limit and verdict.
 
-    The verdict says *within noise* when the limit lies between the quartiles of the paired ratios.
+    The verdict says *within noise* when the limit lies between the lower and the upper of the
+    quartiles of the paired ratios and the measured ratio (the ratio of medians can fall outside
+    the quartiles: then the two estimates disagree on the verdict).
     """
     value, limit, spread = target["value"], target["limit"], target.get("spread")
     if value is None:
         return f"| {target['name']} | not measured |  | ≤ {limit}× | — |"
     verdict = "met" if value <= limit else "**missed**"
-    if spread is not None and spread[0] <= limit <= spread[1]:
+    if spread is not None and min(spread[0], value) <= limit <= max(spread[1], value):
         verdict += " (within noise)"
     quartiles = "" if spread is None else f"{spread[0]:.2f}–{spread[1]:.2f}×"
     return f"| {target['name']} | {value:.2f}× | {quartiles} | ≤ {limit}× | {verdict} |"
@@ -153,8 +155,9 @@ def section_markdown(section: dict, level: str = "##") -> list[str]:
 #: How to read the targets tables.
 PAIRED_NOTE = (
     "*measured*: the ratio of the two medians. *Paired ratios*: the quartiles of the ratios of the samples "
-    "the two cases took side by side in each alternating round; where the limit lies between them the "
-    "verdict is *within noise*: another run on this machine may well read the other way."
+    "the two cases took side by side in each alternating round. Where the limit lies between the lowest and "
+    "the highest of these three figures the verdict is *within noise*: another run on this machine may well "
+    "read the other way."
 )
 
 

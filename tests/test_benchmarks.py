@@ -153,6 +153,11 @@ def test_targets_within_the_paired_spread_say_so():
     assert line == "| x | 0.96× | 0.90–1.00× | ≤ 0.95× | **missed** (within noise) |"
     line = report.target_line({"name": "x", "value": 0.90, "limit": 0.95, "spread": (0.85, 0.93)})
     assert line.endswith("| ≤ 0.95× | met |")
+    # The ratio of medians above the limit, every quartile of the paired ratios below it.
+    line = report.target_line({"name": "x", "value": 1.06, "limit": 1.05, "spread": (0.98, 1.04)})
+    assert line.endswith("| ≤ 1.05× | **missed** (within noise) |")
+    line = report.target_line({"name": "x", "value": 2.01, "limit": 1.3, "spread": (1.87, 2.17)})
+    assert line.endswith("| **missed** |")
     assert report.target_line({"name": "x", "value": None, "limit": 1.3}) == "| x | not measured |  | ≤ 1.3× | — |"
 
 
