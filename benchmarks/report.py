@@ -77,15 +77,17 @@ SAMPLES = {"train_s": "train_samples", "infer_s": "infer_samples"}
 
 
 def paired_spread(numerator: list[float] | None, denominator: list[float] | None) -> tuple[float, float] | None:
-    """Quartiles (25 %, 75 %) of the ratios of samples taken side by side, or None with fewer than 2 pairs.
+    """Quartiles (25 %, 75 %) of the ratios of samples taken side by side, or None without 2 clean pairs.
 
     ``numerator[k]`` and ``denominator[k]`` come from the same alternating round, so their ratio
     cancels the slow phases both met; the spread of these ratios shows how far one run's ratio of
     medians can be trusted on a shared machine.
     """
-    if not numerator or not denominator or min(len(numerator), len(denominator)) < 2:
+    if not numerator or not denominator or len(numerator) != len(denominator) or len(numerator) < 2:
         return None
-    ratios = [a / b for a, b in zip(numerator, denominator, strict=False)]
+    if not all(denominator):
+        return None  # as ratio() does for a zero reference
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
     low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
     return low, high
 

@@ -19,8 +19,10 @@ use floating-point arithmetic only: supports are counted as ``Σ sign((x − τ)
 form is taken from the sums of the excess ``(x − τ)₊`` (shifted by ``τ``), because on CPU
 (torch 2.13) a comparison and a sum of booleans, ``masked_fill`` or ``torch.where`` over a
 ``(2048, 64)`` batch each take 5–10 times a float ``sub`` or ``sum``. For the same reason the
-CPU backward of 1.5-entmax takes ``√y`` as ``√(y + z) − z`` with ``z = 1`` off the support:
-``sqrt`` of zeros runs about 8 times slower there than of positive numbers. Under
+backward of 1.5-entmax takes ``√y`` as ``√(y + z) − z`` with ``z = 1`` off the support:
+``sqrt`` of zeros runs about 8 times slower on CPU than of positive numbers, and the form keeps
+second derivatives finite. The eager search runs in float32 for half-precision inputs, whose
+sums cannot count the support of a wide row. Under
 ``torch.compile`` and ``torch.func`` transforms the full sort is used, because the fallbacks are
 data-dependent control flow. The Functions define ``setup_context`` and generate their vmap rule,
 so ``torch.func`` (``vmap``, ``grad``, ``jacrev``, …) works through them.
@@ -108,10 +110,12 @@ def _newton_threshold(rows: torch.Tensor, sparse_map: _Map) -> tuple[torch.Tenso
     for _ in range(NEWTON_STEPS):
         tau = sparse_map.newton_step(rows, tau)
     excess = (rows - tau).clamp_(min=0)
-    count = excess.sign().sum(dim=-1, keepdim=True)  # ≥ 1: τ stays below the root, hence below the maximum 0
+    count = excess.sign().sum(dim=-1, keepdim=True)  # ≥ 1 in exact arithmetic: τ stays below the maximum 0
     exact = sparse_map.closed_form(tau, excess, count)
     # {x > τ} and {x > exact} are both upper sets of the row, so they agree when their sizes do.
-    settled = (rows - exact).clamp_(min=0).sign_().sum(dim=-1) == count.squeeze(-1)
+    # A NaN τ counts no entry on either side (sign(NaN) is 0): such a row is not settled.
+    count = count.squeeze(-1)
+    settled = ((rows - exact).clamp_(min=0).sign_().sum(dim=-1) == count) & (count > 0)
     return exact, settled
 
 
@@ -122,11 +126,15 @@ def _threshold(x: torch.Tensor, dim: int, sparse_map: _Map) -> torch.Tensor:
     if _traced():
         tau = _sorted_threshold(rows, size, sparse_map.rule)
     else:
-        tau, settled = _newton_threshold(rows, sparse_map)
+        # Half-precision sums of a wide row lose its support counts (bfloat16 rounds 5000 to 4992)
+        # and can push τ onto the maximum; the search runs in float32 and τ is rounded back.
+        search = rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows
+        tau, settled = _newton_threshold(search, sparse_map)
         redo = (~settled).nonzero().squeeze(-1)
         if redo.numel():
-            redone = _sorted_threshold(rows.index_select(0, redo), min(FIRST_K, size), sparse_map.rule)
+            redone = _sorted_threshold(search.index_select(0, redo), min(FIRST_K, size), sparse_map.rule)
             tau = tau.index_copy(0, redo, redone)
+        tau = tau.to(rows.dtype)
     shape = list(x.movedim(dim, -1).shape)
     shape[-1] = 1
     return tau.reshape(shape).movedim(-1, dim)
@@ -145,13 +153,13 @@ def _shifted(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _square_root(y: torch.Tensor) -> torch.Tensor:
-    """``√y`` of the non-negative ``y``, exactly; on CPU in eager mode as ``√(y + z) − z``, ``z = 1`` where ``y = 0``.
+    """``√y`` of the non-negative ``y``, exactly, as ``√(y + z) − z`` with ``z = 1`` where ``y = 0``.
 
-    ``y + 0`` and ``√1 − 1`` are exact, so the result equals ``y.sqrt()``; it only avoids taking
-    the square root of zeros, which CPU kernels do about 8 times slower (see the module notes).
+    ``y + 0`` and ``√1 − 1`` are exact, so the value equals ``y.sqrt()``. The form avoids the square
+    root of zeros, which CPU kernels take about 8 times slower (see the module notes), and its
+    derivative is finite off the support (``1/2`` where ``√y`` has ``inf``), so double backward
+    through the 1.5-entmax backward gives finite second derivatives instead of ``inf · 0 = NaN``.
     """
-    if y.device.type != "cpu" or _traced():
-        return y.sqrt()
     off_support = 1 - y.sign()
     return (y + off_support).sqrt() - off_support
 

@@ -88,3 +88,33 @@ def test_cpu_backward_takes_no_square_root_of_zeros():
     (expected,) = torch.autograd.grad((entmax.entmax15(reference, dim=-1) * weights).sum(), reference)
     torch.testing.assert_close(grad, expected)
     assert bool((grad[y == 0] == 0).all())  # exactly zero off the support
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("ours", "reference"), PAIRS)
+def test_wide_half_precision_rows_keep_their_support(ours, reference, dtype):
+    # Half-precision sums cannot count 5000 entries (bfloat16: 4992) and once put τ on the maximum.
+    x = torch.zeros(2, 5000, dtype=dtype)
+    y = ours(x)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), reference(x.float(), dim=-1), rtol=2e-2, atol=0)  # uniform 1/5000
+    # Random wide rows: finite and on the simplex up to the rounding of x − τ in half precision.
+    y = ours(torch.randn(3, 3000, generator=torch.Generator().manual_seed(1)).to(dtype))
+    assert bool(y.isfinite().all()) and bool((y >= 0).all())
+    torch.testing.assert_close(y.float().sum(-1), torch.ones(3), rtol=0, atol=0.05)
+
+
+def test_second_derivatives_are_finite_and_match_finite_differences():
+    generator = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 7, generator=generator, dtype=torch.float64) * 2).requires_grad_(True)
+    assert bool((entmax15(x) == 0).any())  # off-support entries, where d√y/dy is infinite
+    assert torch.autograd.gradgradcheck(entmax15, (x,))
+    weights = torch.randn(3, 7, generator=generator, dtype=torch.float64)
+
+    def loss(t):
+        return (entmax15(t) * weights).sum()
+
+    hessian = torch.func.jacrev(torch.func.grad(loss))(x.detach())
+    assert bool(hessian.isfinite().all())
+    eager = torch.autograd.functional.hessian(loss, x.detach())
+    torch.testing.assert_close(hessian, eager)

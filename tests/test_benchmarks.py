@@ -146,6 +146,8 @@ def test_paired_spread_by_hand():
     # ratios 2, 2, 2, 4: inclusive quartiles at positions 0.75 and 2.25 of the sorted ratios
     assert report.paired_spread([2, 4, 6, 8], [1, 2, 3, 2]) == (2.0, 2.5)
     assert report.paired_spread([1.0], [2.0]) is None and report.paired_spread(None, [1.0, 2.0]) is None
+    assert report.paired_spread([1.0, 2.0], [0.0, 1.0]) is None  # a zero reference, as ratio() says
+    assert report.paired_spread([1.0, 2.0, 3.0], [1.0, 2.0]) is None  # unpaired samples
 
 
 def test_targets_within_the_paired_spread_say_so():
