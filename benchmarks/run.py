@@ -199,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     stem = out / f"results-{kind}"
     store = report.load(stem.with_suffix(".json"))
     info = report.machine(device)
-    print(f"mumoe_tn benchmarks on {device} ({info['processor']}, {args.threads} threads); writing {stem}.md")
+    if args.report_only:
+        print(f"mumoe_tn benchmarks: rewriting {stem}.md from {stem}.json (nothing measured)")
+    else:
+        print(f"mumoe_tn benchmarks on {device} ({info['processor']}, {args.threads} threads); writing {stem}.md")
     for section in [] if args.report_only else make_sections(args.only, sizes, extra, int(args.memory_limit * 2**30)):
         store["sections"][section.name] = run_section(section, sizes, args, device, store)
         report.save(stem.with_suffix(".json"), store)
