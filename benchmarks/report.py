@@ -92,6 +92,11 @@ def paired_spread(numerator: list[float] | None, denominator: list[float] | None
     return low, high
 
 
+def is_met(target: dict) -> bool | None:
+    """Whether a target's measured ratio is within its limit; None when it was not measured."""
+    return None if target["value"] is None else target["value"] <= target["limit"]
+
+
 def target_line(target: dict) -> str:
     """One row of a targets table: measured ratio, paired quartiles, limit and verdict.
 
@@ -102,7 +107,7 @@ def target_line(target: dict) -> str:
     value, limit, spread = target["value"], target["limit"], target.get("spread")
     if value is None:
         return f"| {target['name']} | not measured |  | ≤ {limit}× | — |"
-    verdict = "met" if value <= limit else "**missed**"
+    verdict = "met" if is_met(target) else "**missed**"
     if spread is not None and min(spread[0], value) <= limit <= max(spread[1], value):
         verdict += " (within noise)"
     quartiles = "" if spread is None else f"{spread[0]:.2f}–{spread[1]:.2f}×"

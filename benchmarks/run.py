@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nTargets" + (" (they apply to the full sizes; --quick only checks that it runs)" if args.quick else ""))
         for target in summary:
             value = target["value"]
-            verdict = "not measured" if value is None else ("met" if value <= target["limit"] else "MISSED")
+            verdict = {None: "not measured", True: "met", False: "MISSED"}[report.is_met(target)]
             shown = "" if value is None else f"{value:6.2f}×"
             spread = target.get("spread")
             paired = "" if spread is None else f" (paired quartiles {spread[0]:.2f}–{spread[1]:.2f}×)"
