@@ -85,8 +85,33 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Float32, or ``dtype`` where it is wider: what gate statistics are kept and computed in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class LogitBatchNorm(nn.BatchNorm1d):
-    """BatchNorm of gate logits without affine parameters that explains a batch of one."""
+    """BatchNorm of gate logits without affine parameters, kept in float32 whatever the layer's dtype.
+
+    The running statistics stay in float32 (or float64) when the module is cast with ``.to()``,
+    ``.half()`` or ``.bfloat16()`` or built with a half-precision ``dtype``: the gate computes in
+    float32, and statistics rounded to 8 bits of mantissa would shift every logit in eval mode.
+    A batch of one in training mode gets an explanation instead of torch's error.
+    """
+
+    def __init__(self, num_features: int, **options: Any) -> None:
+        dtype = options.pop("dtype", None) or torch.get_default_dtype()
+        super().__init__(num_features, dtype=_statistics_dtype(dtype), **options)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LogitBatchNorm:
+        before = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            wanted = _statistics_dtype(new.dtype)
+            if new.dtype != wanted:  # cast to half precision: keep the float32 values on the new device
+                self._buffers[name] = old.to(device=new.device, dtype=wanted)
+        return self
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalise ``(rows, N)`` logits; in training mode ``rows`` must be at least 2."""
