@@ -563,6 +563,12 @@ class SharedGateLayers(PerThreadRecords):
         return losses[key]
 
     def _check_input(self, x: torch.Tensor) -> None:
+        if torch.jit.is_tracing():
+            raise RuntimeError(
+                f"{type(self).__name__} cannot be traced with torch.jit.trace: its contraction plan and sparse gate "
+                "depend on the batch size and the data, which a trace would freeze. Use torch.export.export "
+                "(dynamic batch: dynamic_shapes={'x': {0: torch.export.Dim('batch')}}) or torch.compile instead"
+            )
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         if x.is_complex() or not x.is_floating_point():
