@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,16 @@ import torch
 from torch import nn
 
 from mumoe_tn.adapters import LinearView, linear_view
+from mumoe_tn.conversion_record import (
+    EXECUTION_OPTIONS,
+    RECORD_KEY,
+    ConversionRecord,
+    ConvertedModule,
+    gate_from_data,
+    gate_to_data,
+    network_from_data,
+    network_to_data,
+)
 from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.layers import Decomposition, FactorizedExperts, MuMoE, MuMoEMLP
 from mumoe_tn.mlp_blocks import MLPParts, mlp_parts
@@ -21,6 +32,8 @@ from mumoe_tn.upcycling import decompose_dense, upcycle_experts, upcycle_linear
 __all__ = [
     "ConversionReport",
     "Replacement",
+    "apply_conversion",
+    "conversion_record",
     "convert",
     "decompose_dense",
     "find_mlp_blocks",
@@ -331,12 +344,7 @@ def convert(
         built.append((choice, new, layers, error))
     report = ConversionReport()
     for choice, new, layers, error in built:
-        bypass = () if choice.parts is None else choice.parts.bypass
-        target = "" if choice.parts is None else choice.parts.target
-        for path in choice.paths:
-            _set(model, _join(path, target), new)
-            for child in bypass:
-                _set(model, _join(path, child), nn.Identity())
+        _install(model, choice, new)
         network = next(iter(layers.values())).network
         before = _count([view.module for view in choice.layers.values()])
         name, *aliases = choice.paths
@@ -345,4 +353,196 @@ def convert(
                 name, choice.kind, before, _count([new]), network.expert_dims, _ranks(network), error, tuple(aliases)
             )
         )
+    _extend_record(model, [(choice, new, layers) for choice, new, layers, _ in built])
     return report
+
+
+def _install(model: nn.Module, choice: _Choice, new: nn.Module) -> None:
+    """Put ``new`` at every path of ``choice`` (for split blocks: at the target, the bypassed layers made identity)."""
+    bypass = () if choice.parts is None else choice.parts.bypass
+    target = "" if choice.parts is None else choice.parts.target
+    for path in choice.paths:
+        _set(model, _join(path, target), new)
+        for child in bypass:
+            _set(model, _join(path, child), nn.Identity())
+
+
+# ----------------------------------------------------------------------------- the conversion record
+def _hf_config(model: nn.Module) -> Any:
+    """The model's Hugging Face-style config (one that saves itself as JSON), or None."""
+    config = getattr(model, "config", None)
+    return config if callable(getattr(config, "to_json_string", None)) else None
+
+
+def conversion_record(model: nn.Module) -> ConversionRecord | None:
+    """What [`convert`][mumoe_tn.convert.convert] and [`apply_conversion`][mumoe_tn.convert.apply_conversion] did to a model.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any model.
+
+    Returns
+    -------
+    ConversionRecord or None
+        None for a model that was never converted. For a Hugging Face model the record is read
+        from ``model.config.mumoe_conversion``, so it is saved by ``save_pretrained``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    config = _hf_config(model)
+    data = getattr(config, RECORD_KEY, None) if config is not None else model.__dict__.get(RECORD_KEY)
+    return None if data is None else ConversionRecord.from_dict(data)
+
+
+def _describe(choice: _Choice, new: nn.Module, layers: Mapping[str, FactorizedExperts]) -> ConvertedModule:
+    """The record of one replacement, read from the module that was built."""
+    first = next(iter(layers.values()))
+    execution = {option: getattr(first, option) for option in EXECUTION_OPTIONS}
+    if not isinstance(execution["optimize"], str):
+        raise TypeError(
+            f"the path optimizer {execution['optimize']!r} is an object, which a checkpoint cannot record: "
+            "give optimize= a name ('auto', 'dp', 'greedy', 'autotune', …) to save and reload converted models"
+        )
+    return ConvertedModule(
+        paths=tuple(choice.paths),
+        kind=choice.kind,
+        networks=tuple((role, network_to_data(experts.network)) for role, experts in layers.items()),
+        gate=gate_to_data(new.gate_spec),
+        gate_input=new.gate_input,
+        input_norm=isinstance(new.input_norm, nn.LayerNorm),
+        execution=execution,
+    )
+
+
+def _extend_record(model: nn.Module, replaced: Sequence[tuple[_Choice, nn.Module, dict]]) -> None:
+    """Add these replacements to ``model``'s record (its HF config, or an attribute of the model)."""
+    try:
+        added = ConversionRecord(tuple(_describe(choice, new, layers) for choice, new, layers in replaced))
+    except TypeError as error:
+        warnings.warn(
+            f"the conversion cannot be recorded, so the converted model will not reload from a checkpoint by "
+            f"itself: {error}",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    record = conversion_record(model)
+    data = (added if record is None else record + added).to_dict()
+    config = _hf_config(model)
+    if config is not None:
+        setattr(config, RECORD_KEY, data)
+    else:
+        model.__dict__[RECORD_KEY] = data
+
+
+def apply_conversion(model: nn.Module, record: ConversionRecord | Mapping[str, Any] | str) -> nn.Module:
+    """Replay a conversion on a fresh copy of the original model, so the converted checkpoint loads into it.
+
+    Every recorded module is rebuilt with the recorded networks, gate and options (no matching, no
+    upcycling: the weights come from the checkpoint), checked against the record, and only then
+    put into the model: a record that does not fit the model changes nothing.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A model built like the one that was converted (same class and configuration), not yet converted.
+    record : ConversionRecord or Mapping or str
+        The record (from [`conversion_record`][mumoe_tn.convert.conversion_record], its ``to_dict()``, or its
+        JSON).
+
+    Returns
+    -------
+    nn.Module
+        ``model``, converted in place; ``model.load_state_dict(saved_state)`` then restores it.
+
+    Raises
+    ------
+    ValueError
+        If the model is already converted, or a recorded path is missing, of another kind or size.
+
+    Examples
+    --------
+    >>> record = conversion_record(model)                       # doctest: +SKIP
+    >>> torch.save({"record": record.to_dict(), "state": model.state_dict()}, "converted.pt")  # doctest: +SKIP
+    >>> saved = torch.load("converted.pt")                      # doctest: +SKIP
+    >>> fresh = apply_conversion(build_model(), saved["record"])  # doctest: +SKIP
+    >>> fresh.load_state_dict(saved["state"])                   # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    record = ConversionRecord.from_dict(record)
+    existing = conversion_record(model)
+    if existing is not None and existing.modules:
+        raise ValueError(
+            f"the model is already converted ({len(existing.modules)} module(s), e.g. "
+            f"{existing.modules[0].paths[0]!r}): apply a record to a fresh, unconverted copy of the model"
+        )
+    built = [(_rebuild_choice(model, entry), entry) for entry in record.modules]
+    rebuilt = []
+    for choice, entry in built:
+        new, layers = _rebuild(choice, entry)
+        new.train(choice.module.training)
+        rebuilt.append((choice, new, layers))
+    for choice, new, _ in rebuilt:
+        _install(model, choice, new)
+    _extend_record(model, rebuilt)
+    return model
+
+
+def _rebuild_choice(model: nn.Module, entry: ConvertedModule) -> _Choice:
+    """The module a record entry replaced, found in ``model`` and checked to be of the recorded kind."""
+    modules = []
+    for path in entry.paths:
+        try:
+            modules.append(model.get_submodule(path))
+        except AttributeError:
+            raise ValueError(
+                f"the conversion record replaces {path!r}, which this {type(model).__name__} does not have: the "
+                "checkpoint was converted from another model or configuration"
+            ) from None
+    module = modules[0]
+    if any(other is not module for other in modules[1:]):
+        raise ValueError(f"the conversion record has one module at {list(entry.paths)}; this model has several")
+    if entry.kind == "linear":
+        view = linear_view(module)
+        parts, layers = None, None if view is None else {"layer": view}
+    else:
+        parts = mlp_parts(module)
+        layers = None if parts is None or parts.kind != entry.kind else parts.layers
+    if layers is None:
+        raise ValueError(
+            f"the conversion record replaced a {entry.kind!r} module at {entry.paths[0]!r}, but this model has a "
+            f"{type(module).__name__} there that is not one"
+        )
+    return _Choice(entry.kind, module, layers, parts, list(entry.paths))
+
+
+def _rebuild(choice: _Choice, entry: ConvertedModule) -> tuple[nn.Module, dict[str, FactorizedExperts]]:
+    """The μMoE module of a record entry, with the recorded networks (checked) and options."""
+    path = entry.paths[0]
+    try:
+        networks = {role: network_from_data(data) for role, data in entry.networks}
+        options = {
+            "gate": gate_from_data(entry.gate),
+            "gate_input": entry.gate_input,
+            "input_norm": entry.input_norm,
+            "optimize": entry.execution.get("optimize", "auto"),
+        }
+        first = next(iter(networks.values()))
+        new, layers = _new_module(choice, first.expert_dims, first, None, options)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"the conversion record does not fit the model at {path!r}: {error}") from error
+    for role, network in networks.items():
+        built = layers.get(role)
+        if built is None or built.network != network:
+            found = None if built is None else built.network
+            raise ValueError(
+                f"the conversion record does not fit the model at {path!r}: its {role!r} layer is recorded as "
+                f"{network!r}, the model gives {found!r}"
+            )
+    for experts in layers.values():
+        for option in EXECUTION_OPTIONS:
+            if option != "optimize" and option in entry.execution:
+                setattr(experts, option, entry.execution[option])
+    return new, layers
