@@ -375,7 +375,7 @@ def _hf_config(model: nn.Module) -> Any:
 
 
 def conversion_record(model: nn.Module) -> ConversionRecord | None:
-    """What [`convert`][mumoe_tn.convert.convert] and [`apply_conversion`][mumoe_tn.convert.apply_conversion] did to a model.
+    """The record of what [`convert`][mumoe_tn.convert.convert] did to a model (None if nothing).
 
     Parameters
     ----------
