@@ -27,7 +27,7 @@ from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.layers import Decomposition, FactorizedExperts, MuMoE, MuMoEMLP
 from mumoe_tn.mlp_blocks import MLPParts, mlp_parts
 from mumoe_tn.network import ExpertNetwork
-from mumoe_tn.upcycling import decompose_dense, upcycle_experts, upcycle_linear
+from mumoe_tn.upcycling import decompose_dense, upcycle_experts, upcycle_linear, warn_if_inexact
 
 __all__ = [
     "ConversionReport",
@@ -231,7 +231,7 @@ def _ranks_or_match(rank: object, target: str) -> dict[str, object]:
     return {"match": target} if rank == "match" else {"rank": rank}
 
 
-def _upcycle(choice: _Choice, layers: dict[str, FactorizedExperts], bias: bool) -> float:
+def _upcycle(choice: _Choice, layers: dict[str, FactorizedExperts], bias: bool, fit: dict[str, Any]) -> float:
     """Set every expert of each new layer to the replaced layer's matrix; the largest error."""
     matrices = {}
     for role, view in choice.layers.items():
@@ -245,7 +245,11 @@ def _upcycle(choice: _Choice, layers: dict[str, FactorizedExperts], bias: bool) 
             what = "its weights" if role == "layer" else f"its {role} layer's weights"
             raise ValueError(f"cannot upcycle {choice.paths[0]!r}: {what} contain NaN or inf")
         matrices[role] = matrix
-    return max(upcycle_experts(layers[role], matrix) for role, matrix in matrices.items())
+    error = max(upcycle_experts(layers[role], matrix, **fit) for role, matrix in matrices.items())
+    dtype = next(iter(choice.layers.values())).dtype
+    networks = [experts.network for experts in layers.values()]
+    warn_if_inexact(error, networks, dtype, f"{choice.paths[0]!r}")
+    return error
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -261,8 +265,11 @@ def convert(
     linears: Selector = None,
     mlps: Selector = None,
     decomposition: Decomposition = "cp",
-    rank: int | Sequence[int] | str = "match",
+    rank: int | Sequence[int] | str | None = "match",
     upcycle: bool = False,
+    max_iter: int = 200,
+    tol: float = 1e-10,
+    progress: bool | None = None,
     **layer_options: Any,
 ) -> ConversionReport:
     """Replace chosen linear layers and MLP blocks of ``model`` with μMoE layers, in place.
@@ -289,15 +296,24 @@ def convert(
         [`MuMoEGatedMLP`][mumoe_tn.gated.MuMoEGatedMLP]. Dropout inside a block is not carried over.
     decomposition : str or Callable, optional
         Decomposition of every new layer.
-    rank : int or Sequence[int] or "match", optional
+    rank : int or Sequence[int] or "match" or "exact" or None, optional
         ``"match"`` (default) parameter-matches each replacement to what it replaces (gating
-        counted); otherwise explicit ranks.
+        counted); ``"exact"`` (or None, as for [`upcycle_linear`][mumoe_tn.upcycling.upcycle_linear]) gives each the
+        smallest ranks at which every expert can equal the replaced layers (see
+        [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]); otherwise explicit ranks.
     upcycle : bool, optional
         Start every expert of each new layer as the layer it replaces (for blocks: each of the
-        block's layers; see [`mumoe_tn.upcycling.upcycle_experts`][mumoe_tn.upcycling.upcycle_experts]). Exact when the
-        rank holds the layer's matrix (the converted model then computes what the original did, for
-        any gate output); otherwise the best approximation of that rank. The report gives the
-        error.
+        block's layers; see [`mumoe_tn.upcycling.upcycle_experts`][mumoe_tn.upcycling.upcycle_experts]). With
+        ``rank="exact"`` the converted model computes what the original did, for any gate output, up
+        to rounding. At other ranks each layer is the best approximation the format's closed form
+        gives (the Eckart–Young truncation of its matrix for CP, TR, TT and Tucker) or the generic
+        fit finds; the report gives the error, and an [`UpcycleWarning`][mumoe_tn.upcycling.UpcycleWarning] names
+        every module whose error exceeds [`upcycle_threshold`][mumoe_tn.upcycling.upcycle_threshold] with the exact
+        rank. Parameter-matched ranks are usually far below it: upcycling then starts the model
+        close to, not at, the original.
+    max_iter, tol, progress : optional
+        Bounds and progress bar of the generic fit for networks without a closed form (see
+        [`mumoe_tn.upcycling.upcycle_experts`][mumoe_tn.upcycling.upcycle_experts]).
     **layer_options
         Further layer arguments (activation, gate_norm, input_norm, …).
 
@@ -314,6 +330,9 @@ def convert(
     select_linear, select_mlp = _select(linears, "linears"), _select(mlps, "mlps")
     if not isinstance(upcycle, bool):
         raise TypeError(f"upcycle must be a bool, got {upcycle!r}")
+    if rank is None:
+        rank = "exact"
+    fit = {"max_iter": max_iter, "tol": tol, "progress": progress}
     choices = _choose(model, select_linear, select_mlp)
     if not choices:
         hint = ""
@@ -337,7 +356,7 @@ def convert(
         except (ValueError, TypeError) as error:
             kind = TypeError if isinstance(error, TypeError) else ValueError
             raise kind(f"cannot convert {choice.paths[0]!r}: {error}") from error
-        error = _upcycle(choice, layers, new.bias) if upcycle else None
+        error = _upcycle(choice, layers, new.bias, fit) if upcycle else None
         if all(view.frozen for view in choice.layers.values()):
             new.requires_grad_(False)
         new.train(choice.module.training)

@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from mumoe_tn.contractions.execute import run_plan
 from mumoe_tn.contractions.plan import plan_contraction
@@ -45,6 +46,7 @@ def als_fit(
     tol: float = 1e-10,
     random_state: int | None = 0,
     initial: Mapping[str, torch.Tensor] | None = None,
+    progress: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """Cores of the network ``cores`` that best reproduce ``target`` in the least-squares sense.
 
@@ -69,6 +71,9 @@ def als_fit(
         Seed of the random start (ignored with ``initial``).
     initial : Mapping[str, torch.Tensor], optional
         Starting values of the cores.
+    progress : bool, optional
+        Show a progress bar of the sweeps with the current error (tqdm); by default only when
+        standard error is a terminal.
 
     Returns
     -------
@@ -98,15 +103,19 @@ def als_fit(
     dense_plan = plan_contraction(list(cores.values()), physical, sizes)
     solvers = {name: _CoreSolver(name, cores, sizes, physical) for name in cores}
     error = math.inf
-    for _ in range(n_iter_max):
-        for name in cores:
-            values[name] = solvers[name].solve(values, data)
-        fitted = run_plan(dense_plan, [values[n] for n in cores])
-        new_error = float((fitted - data).norm()) / norm
-        improved = error - new_error
-        error = new_error
-        if error < tol or improved < _STAGNATION * error:
-            break
+    disable = None if progress is None else not progress
+    with tqdm(total=n_iter_max, desc="ALS fit", unit="sweep", leave=False, disable=disable) as bar:
+        for _ in range(n_iter_max):
+            for name in cores:
+                values[name] = solvers[name].solve(values, data)
+            fitted = run_plan(dense_plan, [values[n] for n in cores])
+            new_error = float((fitted - data).norm()) / norm
+            improved = error - new_error
+            error = new_error
+            bar.update()
+            bar.set_postfix(error=f"{error:.2e}", refresh=False)
+            if error < tol or improved < _STAGNATION * error:
+                break
     return values, error
 
 

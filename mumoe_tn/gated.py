@@ -68,8 +68,9 @@ class MuMoEGatedMLP(SharedGateLayers):
     decomposition : str or Format or ExpertNetwork or Callable, optional
         As for [`MuMoE`][mumoe_tn.layers.MuMoE] (a ready network gives the structure and bond
         sizes; its legs are set to each layer's sizes).
-    rank : int or Sequence[int] or Mapping[str, int], optional
-        Ranks of the three layers (with ``match=``: the bonds matching leaves alone).
+    rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
+        Ranks of the three layers (with ``match=``: the bonds matching leaves alone); ``"exact"`` as
+        for [`MuMoE`][mumoe_tn.layers.MuMoE].
     match : "mlp" or int or float, optional
         Parameter-match the gated MLP block ``2·(I·H + H) + H·O + O`` (one rank for all three
         layers, the one gate counted), a parameter budget, or a fraction of the block's count.

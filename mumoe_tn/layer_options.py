@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
-from mumoe_tn.costs.matching import resolve_target
+from mumoe_tn.costs.matching import match_exact, resolve_target
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.decompositions.resolve import resolve_network as resolve_decomposition
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
 __all__ = [
+    "EXACT",
     "Match",
     "block_networks",
     "check_allocatable",
@@ -27,6 +28,10 @@ __all__ = [
 
 #: What ``match=`` accepts: a target name, a number of parameters, or a fraction of the replaced layer's.
 Match = str | int | float | None
+
+#: ``rank=EXACT``: the smallest ranks at which every expert can equal any matrix of the layer (see
+#: [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]), the ranks that make upcycling exact.
+EXACT = "exact"
 
 
 def resolve_network(
@@ -90,10 +95,14 @@ def split_rank_and_match(rank: object, match: object, layer: str) -> tuple[objec
     tuple
         ``(rank, match)``.
     """
+    if rank == EXACT:
+        if match is not None:
+            raise ValueError(f"{layer}: rank='exact' chooses the ranks; give it without match={match!r}")
+        return None, EXACT
     if isinstance(rank, str):
         if rank not in ("linear", "mlp", "match"):
             raise ValueError(
-                f"rank must be ranks (int, sequence or mapping), got the string {rank!r}; "
+                f"rank must be ranks (int, sequence or mapping) or 'exact', got the string {rank!r}; "
                 "use match= to match parameters"
             )
         warnings.warn(
@@ -241,7 +250,9 @@ def block_networks(
     shared = {"bias": bias, "options": options, "resize": True}
     first = resolve_network(decomposition, expert_dims, in_features, hidden_features, build_rank, **shared)
     second = resolve_network(decomposition, expert_dims, hidden_features, out_features, build_rank, **shared)
-    if match is not None:
+    if match == EXACT:
+        first, second = match_exact((first, second), bonds=match_bonds, multiple=rank_multiple)[1]
+    elif match is not None:
         first, second = matcher(first, second, match, match_bonds)
     else:
         check_match_only_options(match_bonds, rank_multiple)

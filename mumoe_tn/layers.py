@@ -26,12 +26,13 @@ from mumoe_tn.contractions.plan import (
 )
 from mumoe_tn.costs.baselines import linear as linear_cost
 from mumoe_tn.costs.baselines import mlp as mlp_cost
-from mumoe_tn.costs.matching import match_block, match_layer
+from mumoe_tn.costs.matching import match_block, match_exact, match_layer
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.gate_config import GateSpec, gate_from_options
 from mumoe_tn.gating import PerThreadRecords
 from mumoe_tn.init import INIT_RULES, check_expert_noise, init_cores
 from mumoe_tn.layer_options import (
+    EXACT,
     Match,
     block_networks,
     check_allocatable,
@@ -629,10 +630,12 @@ class MuMoE(SharedGateLayers):
         registered), a [`Format`][mumoe_tn.decompositions.format.Format], a spec string such as
         ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork]
         whose legs match the layer, or a builder ``(expert_dims, in, out, rank) -> ExpertNetwork``.
-    rank : int or Sequence[int] or Mapping[str, int], optional
+    rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
         Ranks for the decomposition (a mapping of bond -> size for spec strings). Not needed
         with an [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork]; with ``match=`` it sets the bonds matching leaves
-        alone (1 by default).
+        alone (1 by default). ``"exact"``: the smallest ranks of the bonds matching would scale at
+        which every expert can equal any ``I × O`` matrix — what makes upcycling exact, for any
+        network (see [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]).
     match : "linear" or int or float, optional
         Parameter-match instead of giving ranks: ``"linear"`` matches
         ``nn.Linear(in_features, out_features)`` with gating counted, an int is a parameter
@@ -721,7 +724,9 @@ class MuMoE(SharedGateLayers):
         network = resolve_network(
             decomposition, expert_dims, in_features, out_features, build_rank, bias=bias, options=decomposition_options
         )
-        if match is not None:
+        if match == EXACT:
+            network = match_exact([network], bonds=match_bonds, multiple=rank_multiple)[1][0]
+        elif match is not None:
             reference = linear_cost(in_features, out_features, bias=bias).params
             target = match_target(match, reference, "linear", "MuMoE")
             matched = match_layer(
@@ -774,8 +779,8 @@ class MuMoEMLP(SharedGateLayers):
     decomposition : str or Format or ExpertNetwork or Callable, optional
         As for [`MuMoE`][mumoe_tn.layers.MuMoE] (both layers use it; a ready network gives its structure and bond
         sizes, its legs are set to each layer's sizes).
-    rank : int or Sequence[int] or Mapping[str, int], optional
-        Ranks of both layers.
+    rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
+        Ranks of both layers; ``"exact"`` as for [`MuMoE`][mumoe_tn.layers.MuMoE] (one rank that suits both).
     match : "mlp" or int or float, optional
         Parameter-match instead: ``"mlp"`` matches the MLP block ``I → H → O`` (one rank for
         both layers, the one gate counted), an int is a budget, a float a fraction of the MLP

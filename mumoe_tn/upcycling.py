@@ -9,6 +9,7 @@ reports the error it reaches.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,12 +17,71 @@ import torch
 from torch import nn
 
 from mumoe_tn.contractions.dense import materialize
+from mumoe_tn.costs.matching import match_exact
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, resolve_network
 from mumoe_tn.fitting import als_fit
 from mumoe_tn.layers import FactorizedExperts, MuMoE
 from mumoe_tn.network import ExpertNetwork, is_expert_leg
 
-__all__ = ["decompose_dense", "linear_matrix", "upcycle_experts", "upcycle_linear"]
+__all__ = [
+    "UpcycleWarning",
+    "decompose_dense",
+    "exact_rank_hint",
+    "linear_matrix",
+    "upcycle_experts",
+    "upcycle_linear",
+    "upcycle_threshold",
+    "warn_if_inexact",
+]
+
+#: Relative upcycle error above which the layer no longer computes what the pretrained one did and a
+#: [`UpcycleWarning`][mumoe_tn.upcycling.UpcycleWarning] is given (raised to ``8 · eps`` for half precision).
+UPCYCLE_TOLERANCE = 1e-3
+
+
+class UpcycleWarning(UserWarning):
+    """Upcycled experts that differ from the pretrained layer by more than rounding."""
+
+
+def upcycle_threshold(dtype: torch.dtype) -> float:
+    """The relative error above which upcycling in ``dtype`` is reported: ``max(1e-3, 8 · eps(dtype))``."""
+    return max(UPCYCLE_TOLERANCE, 8 * torch.finfo(dtype).eps)
+
+
+def exact_rank_hint(networks: Sequence[ExpertNetwork]) -> str:
+    """Where upcycling of these layers becomes exact: the bonds and rank of ``rank="exact"``, with parameters."""
+    try:
+        exact = match_exact(networks)[1]
+    except ValueError as error:
+        return f"no rank of the scaled bonds makes it exact ({error})"
+    bonds = ", ".join(f"{bond}={exact[0].sizes[bond]}" for bond in exact[0].bonds)
+    params = sum(net.n_params for net in exact)
+    return f"rank='exact' ({bonds}; {params:,} expert parameters) makes every expert equal the pretrained layer"
+
+
+def warn_if_inexact(error: float, networks: Sequence[ExpertNetwork], dtype: torch.dtype, what: str) -> None:
+    """Warn (an [`UpcycleWarning`][mumoe_tn.upcycling.UpcycleWarning]) when ``error`` exceeds the threshold.
+
+    Parameters
+    ----------
+    error : float
+        The largest relative upcycle error of the layers.
+    networks : Sequence of ExpertNetwork
+        The upcycled layers' networks (one block's).
+    dtype : torch.dtype
+        Their parameters' dtype.
+    what : str
+        The upcycled module, for the message.
+    """
+    threshold = upcycle_threshold(dtype)
+    if error > threshold:
+        bonds = ", ".join(f"{bond}={networks[0].sizes[bond]}" for bond in networks[0].bonds)
+        warnings.warn(
+            f"upcycling {what} at {bonds} leaves a relative error of {error:.3g} (above {threshold:.0e}): the μMoE "
+            f"does not compute what the pretrained layer did; {exact_rank_hint(networks)}",
+            UpcycleWarning,
+            stacklevel=4,  # the caller of convert / upcycle_linear
+        )
 
 
 def linear_matrix(linear: nn.Linear) -> torch.Tensor:
@@ -50,9 +110,12 @@ def upcycle_linear(
     linear: nn.Linear,
     expert_dims: int | Sequence[int],
     decomposition: Decomposition = "cp",
-    rank: Rank | None = None,
+    rank: Rank | str | None = "exact",
     *,
     match: Any = None,
+    max_iter: int = 200,
+    tol: float = 1e-10,
+    progress: bool | None = None,
     **layer_options: Any,
 ) -> tuple[MuMoE, float]:
     """A μMoE layer whose every expert starts as the trained ``linear``.
@@ -70,11 +133,17 @@ def upcycle_linear(
         ``N`` or ``(N_1, …, N_E)``.
     decomposition : str or Format or ExpertNetwork or Callable, optional
         The μMoE's decomposition, as for [`MuMoE`][mumoe_tn.layers.MuMoE] (any network works).
-    rank : int or Sequence[int] or Mapping[str, int], optional
-        Ranks; by default (and without ``match``) the smallest ``R`` that holds ``W`` exactly,
-        ``min(I + 1, O)``, for every bond.
+    rank : int or Sequence[int] or Mapping[str, int] or "exact" or None, optional
+        Ranks. ``"exact"`` (the default; None means the same) gives the bonds parameter matching
+        scales the smallest rank at which every expert equals ``W`` (see
+        [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]); ignored for a ready
+        network.
     match : "linear" or int or float, optional
-        Parameter-match instead of giving ranks (see [`MuMoE`][mumoe_tn.layers.MuMoE]).
+        Parameter-match instead of giving ranks (see [`MuMoE`][mumoe_tn.layers.MuMoE]): fewer
+        parameters, and an upcycle error that an [`UpcycleWarning`][mumoe_tn.upcycling.UpcycleWarning] reports
+        when it exceeds [`upcycle_threshold`][mumoe_tn.upcycling.upcycle_threshold].
+    max_iter, tol, progress : optional
+        Bounds and progress bar of the generic fit (see [`upcycle_experts`][mumoe_tn.upcycling.upcycle_experts]).
     **layer_options
         Further [`MuMoE`][mumoe_tn.layers.MuMoE] arguments (activation, gate_norm, …).
 
@@ -85,10 +154,12 @@ def upcycle_linear(
         ``‖W − Ŵ‖_F / ‖W‖_F`` of every expert matrix.
     """
     matrix = linear_matrix(linear)
-    if isinstance(rank, str) and match is None:  # the deprecated rank="linear"
+    if isinstance(rank, str) and rank != "exact" and match is None:  # the deprecated rank="linear"
         rank, match = None, rank
-    if rank is None and match is None and not isinstance(decomposition, ExpertNetwork):
-        rank = min(matrix.shape)
+    if match is not None and rank == "exact":
+        rank = None
+    if rank is None and match is None:
+        rank = None if isinstance(decomposition, ExpertNetwork) else "exact"
     factory = {"device": linear.weight.device, "dtype": linear.weight.dtype}
     layer = MuMoE(
         linear.in_features,
@@ -101,11 +172,21 @@ def upcycle_linear(
         **factory,
         **layer_options,
     )
-    return layer, upcycle_experts(layer.experts, matrix)
+    error = upcycle_experts(layer.experts, matrix, max_iter=max_iter, tol=tol, progress=progress)
+    what = f"an nn.Linear({linear.in_features}, {linear.out_features}) into {layer.network.name!r}"
+    warn_if_inexact(error, [layer.network], linear.weight.dtype, what)
+    return layer, error
 
 
 @torch.no_grad()
-def upcycle_experts(experts: FactorizedExperts, matrix: torch.Tensor, *, n_iter_max: int = 200) -> float:
+def upcycle_experts(
+    experts: FactorizedExperts,
+    matrix: torch.Tensor,
+    *,
+    max_iter: int = 200,
+    tol: float = 1e-10,
+    progress: bool | None = None,
+) -> float:
     """Set ``experts``' cores so that every expert's matrix equals ``matrix``.
 
     A format with a closed form (CP, TR, TT, Tucker) splits ``matrix`` by an SVD into its
@@ -121,15 +202,26 @@ def upcycle_experts(experts: FactorizedExperts, matrix: torch.Tensor, *, n_iter_
     matrix : torch.Tensor
         Shape ``(I, O)`` in the μMoE's layout, leg ``i`` first: ``[Wᵀ; b]`` for a Linear with a
         folded bias (see [`linear_matrix`][mumoe_tn.upcycling.linear_matrix]).
-    n_iter_max : int, optional
-        Sweeps of the generic solver.
+    max_iter : int, optional
+        Most sweeps of the generic solver (alternating least squares).
+    tol : float, optional
+        The generic solver stops once the relative error is below this.
+    progress : bool, optional
+        Show the generic solver's progress bar (default: when standard error is a terminal).
 
     Returns
     -------
     float
         ``‖M − Ŵ_n‖_F / ‖M‖_F`` for every expert ``n``: 0 up to rounding when the network holds
-        ``matrix`` exactly, else the error of the best fit found.
+        ``matrix`` exactly, else the error of the best fit found. The closed forms are optimal: at
+        ``k`` held components the error is the Eckart–Young bound
+        ``sqrt(Σ_{j>k} σ_j²) / ‖M‖_F``. This function does not warn; the callers that choose ranks
+        ([`upcycle_linear`][mumoe_tn.upcycling.upcycle_linear], [`convert`][mumoe_tn.convert.convert]) do.
     """
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter must be a positive int (sweeps of the generic fit), got {max_iter!r}")
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+        raise ValueError(f"tol must be a non-negative number (relative error), got {tol!r}")
     if not isinstance(experts, FactorizedExperts):
         raise TypeError(f"upcycle_experts needs FactorizedExperts (e.g. layer.experts), got {type(experts).__name__}")
     net = experts.network
@@ -153,7 +245,7 @@ def upcycle_experts(experts: FactorizedExperts, matrix: torch.Tensor, *, n_iter_
         fmt.upcycle(net, cores, (left[:, :k] * root).to(**factory), (right_t[:k].T * root).to(**factory))
     else:
         reduced = {name: tuple(x for x in labels if not is_expert_leg(x)) for name, labels in net.cores.items()}
-        fitted, _ = als_fit(reduced, net.sizes, compute, ("i", "o"), n_iter_max=n_iter_max)
+        fitted, _ = als_fit(reduced, net.sizes, compute, ("i", "o"), n_iter_max=max_iter, tol=tol, progress=progress)
         for name, labels in net.cores.items():
             shape = [1 if is_expert_leg(x) else net.sizes[x] for x in labels]
             cores[name].copy_(fitted[name].reshape(shape).expand(cores[name].shape))

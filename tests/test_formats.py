@@ -206,7 +206,7 @@ def test_generic_upcycling_matches_the_closed_form(network):
         network.in_features, network.out_features, decomposition=generic_net, bias=False, dtype=torch.float64
     )
     closed_error = upcycle_experts(named.experts, matrix)
-    generic_error = upcycle_experts(generic.experts, matrix, n_iter_max=100)
+    generic_error = upcycle_experts(generic.experts, matrix, max_iter=100)
     assert generic_error <= closed_error + 1e-4 or closed_error > rank_bound(network)  # never worse, up to ALS noise
     for index in ((0,) * network.n_expert_modes, tuple(n - 1 for n in network.expert_dims)):
         torch.testing.assert_close(generic.experts.expert(index), generic.experts.expert((0,) * network.n_expert_modes))

@@ -11,10 +11,12 @@ from mumoe_tn.costs.matching import (
     Match,
     MatchingWarning,
     match_block,
+    match_exact,
     match_layer,
     resolve_target,
     scaled_bonds,
     solve_rank,
+    upcycle_capacity,
 )
 from mumoe_tn.costs.params import ParameterCount, block_parameters, layer_parameters
 from mumoe_tn.costs.rank import collapsed_expert_modes, min_cut, rank_bound
@@ -40,6 +42,7 @@ __all__ = [
     "layer_parameters",
     "linear",
     "match_block",
+    "match_exact",
     "match_layer",
     "materialize_fma",
     "matmul_fma",
@@ -51,4 +54,5 @@ __all__ = [
     "scaled_bonds",
     "solve_rank",
     "sparse_moe",
+    "upcycle_capacity",
 ]

@@ -40,10 +40,12 @@ __all__ = [
     "Match",
     "MatchingWarning",
     "match_block",
+    "match_exact",
     "match_layer",
     "resolve_target",
     "scaled_bonds",
     "solve_rank",
+    "upcycle_capacity",
 ]
 
 _MAX_RANK = 1 << 40
@@ -285,3 +287,93 @@ def match_block(
     rank = solve_rank(count, target, what=f"a {first.name} block scaling {names}", multiple=rank_multiple)
     step = count(rank + rank_multiple) - count(rank)
     return _checked(Match(rank, names, count(rank), target, step, resized(rank)))
+
+
+def upcycle_capacity(network: ExpertNetwork) -> int:
+    """How many singular components of a matrix every expert of ``network`` can hold when upcycled.
+
+    The format's closed form says (e.g. TR: its input–output bond); a network without one is
+    fitted generically, which can reach its expert-matrix rank bound
+    ([`rank_bound`][mumoe_tn.costs.rank.rank_bound]: a min cut between ``i`` and ``o``).
+    """
+    capacity = None if network.format is None else network.format.upcycle_capacity(network)
+    return rank_bound(network) if capacity is None else capacity
+
+
+def _bond_cap(network: ExpertNetwork, bond: str) -> int:
+    """The largest size of ``bond`` that can matter.
+
+    A bond joining two cores can be compressed to the rank of either core seen as a matrix (other
+    labels × bond), at most the product of its other sizes. A hyperedge (CP's rank) has no such cap.
+    """
+    if len(network.cores_with(bond)) > 2:
+        return _MAX_RANK
+    caps = []
+    for core in network.cores_with(bond):
+        others = [label for label in network.cores[core] if label != bond]
+        caps.append(math.prod(network.sizes[label] for label in others))
+    return max(1, min(caps))
+
+
+def match_exact(
+    networks: Sequence[ExpertNetwork], *, bonds: Sequence[str] | None = None, multiple: int = 1
+) -> tuple[int, tuple[ExpertNetwork, ...]]:
+    """The smallest rank at which every expert of every network can equal any matrix of its layer.
+
+    The bonds parameter matching would scale (``bonds``, else the format's) are set to one rank
+    ``r`` — each capped where a larger size cannot matter (a bond between two cores beyond the
+    product of either core's other sizes) — and ``r`` is the smallest with
+    [`upcycle_capacity`][mumoe_tn.costs.matching.upcycle_capacity] ``≥ min(I, O)`` for every network: upcycling
+    at that rank is exact (up to rounding) for any pretrained layer, for any network.
+
+    Parameters
+    ----------
+    networks : Sequence of ExpertNetwork
+        The layers of one block (one network for a single layer); other sizes stay as they are.
+    bonds : Sequence[str], optional
+        Bonds to scale; the format's default (every bond without a format) if omitted.
+    multiple : int, optional
+        Round ``r`` up to a multiple of this (default 1).
+
+    Returns
+    -------
+    rank : int
+        ``r``.
+    networks : tuple of ExpertNetwork
+        The networks at ``r``.
+
+    Raises
+    ------
+    ValueError
+        If no rank reaches ``min(I, O)`` because a bond that is not scaled bounds the capacity.
+    """
+    networks = tuple(networks)
+    names = scaled_bonds(networks[0], bonds)
+    for network in networks[1:]:
+        scaled_bonds(network, names)
+
+    def resized(r: int) -> tuple[ExpertNetwork, ...]:
+        uncapped = tuple(net.with_sizes(**dict.fromkeys(names, r)) for net in networks)
+        return tuple(net.with_sizes(**{bond: min(r, _bond_cap(net, bond)) for bond in names}) for net in uncapped)
+
+    def holds(r: int) -> bool:
+        return all(upcycle_capacity(net) >= min(net.in_features, net.out_features) for net in resized(r))
+
+    high = max(max(net.in_features, net.out_features, *net.sizes.values()) for net in networks)
+    if not holds(high):
+        worst = min(networks, key=lambda net: upcycle_capacity(resized(high)[networks.index(net)]))
+        raise ValueError(
+            f"no rank of the bonds {list(names)} lets every expert of {worst!r} hold a {worst.in_features} × "
+            f"{worst.out_features} matrix: another bond bounds it (capacity "
+            f"{upcycle_capacity(resized(high)[networks.index(worst)])}); scale that bond too (match_bonds=) or "
+            "give ranks"
+        )
+    low = 1
+    while low < high:
+        middle = (low + high) // 2
+        if holds(middle):
+            high = middle
+        else:
+            low = middle + 1
+    rank = check_size("multiple", multiple) * math.ceil(low / multiple)
+    return rank, resized(rank)
