@@ -1,10 +1,13 @@
 """Upcycle a Hugging Face GPT-2's MLPs into μMoE blocks with a million experts each, then fine-tune.
 
 Every MLP block (``c_fc`` → GELU → ``c_proj``, Hugging Face ``Conv1D`` layers) becomes a CP μMoE
-block with 32×32×32×32 = 1,048,576 experts, parameter-matched to the block it replaces (the gate
-counted), each expert starting as the pretrained block's best approximation of that rank
-(``convert(..., upcycle=True)``; the table gives the error). The dense model and the μMoE model
-are then fine-tuned for the same steps on Python's own ``pydoc_data`` text.
+block with 32×32×32×32 = 1,048,576 experts, each expert starting as the pretrained block
+(``convert(..., upcycle=True)``): at ``--ranks match`` (the default) parameter-matched to the block
+it replaces (the gate counted), each expert the best approximation of that rank; at ``exact`` the
+smallest ranks at which every expert equals the pretrained block, so the converted model starts
+computing what the dense one did. The table gives, per variant, the upcycle error, how far the
+logits moved, and the validation loss before and after fine-tuning for the same steps on
+Python's own ``pydoc_data`` text: the trade-off between parameters and a faithful start.
 
 Without ``--weights`` the GPT-2 is built from a small config (byte tokens) and first trained
 briefly as a stand-in for pretrained weights; with ``--weights DIR`` a local checkpoint (and its
@@ -21,6 +24,7 @@ import copy
 import itertools
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +33,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from mumoe_tn.convert import convert
+from mumoe_tn.upcycling import UpcycleWarning
 
 
 def corpus() -> str:
@@ -105,6 +110,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="a tiny run, well under a minute")
     parser.add_argument("--experts", type=int, nargs="+", default=[32, 32, 32, 32])
     parser.add_argument("--decomposition", default="cp")
+    parser.add_argument(
+        "--ranks", nargs="+", default=["match"], help="μMoE variants: 'match', 'exact' or an int rank (each one row)"
+    )
     parser.add_argument("--steps", type=int, default=200, help="fine-tuning steps")
     parser.add_argument("--pretrain-steps", type=int, default=200, help="dense steps before upcycling (no --weights)")
     parser.add_argument("--width", type=int, default=128)
@@ -129,52 +137,64 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.weights:
         train(model, train_data, args.pretrain_steps, args, "pretraining the dense GPT-2")
 
+    probe = next(batches(val_data, args.context, args.batch, torch.Generator().manual_seed(2))).to(args.device)
+    with torch.no_grad():
+        dense_logits = model.eval()(probe).logits
     rows = []
-    for variant in ("dense", "μMoE"):
+    for variant in ("dense", *args.ranks):
         candidate = copy.deepcopy(model)
-        error = None
-        if variant == "μMoE":
-            report = convert(
-                candidate,
-                expert_dims=args.experts,
-                mlps=r"mlp$",
-                decomposition=args.decomposition,
-                rank="match",
-                upcycle=True,
-            )
+        error = moved = None
+        if variant != "dense":
+            rank = int(variant) if variant.isdigit() else variant
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UpcycleWarning)  # the table reports every error
+                report = convert(
+                    candidate,
+                    expert_dims=args.experts,
+                    mlps=r"mlp$",
+                    decomposition=args.decomposition,
+                    rank=rank,
+                    upcycle=True,
+                )
             error = max(r.upcycle_error for r in report.replacements)
+            with torch.no_grad():
+                moved = float((candidate.eval()(probe).logits - dense_logits).norm() / dense_logits.norm())
         before = evaluate(candidate, val_data, args)
         speed = train(candidate, train_data, args.steps, args, f"fine-tuning {variant}")
         after = evaluate(candidate, val_data, args)
         rows.append(
             {
-                "model": variant,
+                "model": "dense" if variant == "dense" else f"μMoE rank={variant}",
                 "experts": 1 if variant == "dense" else math.prod(args.experts),
                 "params": sum(p.numel() for p in candidate.parameters()),
                 "mlp_params": mlp_parameters(candidate),
                 "upcycle_error": error,
+                "logits_moved": moved,
                 "loss_before": before,
                 "loss_after": after,
                 "tokens_per_s": speed,
             }
         )
     table = Table(title=f"GPT-2 MLPs upcycled into μMoE blocks ({args.steps} fine-tuning steps)")
-    for column in ("model", "experts/MLP", "params", "MLP params", "upcycle err", "loss before", "loss after"):
+    columns = ("model", "experts/MLP", "params", "MLP params", "upcycle err", "logits moved", "loss before")
+    for column in (*columns, "loss after"):
         table.add_column(column, justify="left" if column == "model" else "right")
     table.add_column("tokens/s", justify="right")
     for row in rows:
-        error = "" if row["upcycle_error"] is None else f"{row['upcycle_error']:.2f}"
+        error = "" if row["upcycle_error"] is None else f"{row['upcycle_error']:.2g}"
+        moved = "" if row["logits_moved"] is None else f"{row['logits_moved']:.2g}"
         table.add_row(
             row["model"],
             f"{row['experts']:,}",
             f"{row['params']:,}",
             f"{row['mlp_params']:,}",
             error,
+            moved,
             f"{row['loss_before']:.3f}",
             f"{row['loss_after']:.3f}",
             f"{row['tokens_per_s']:,.0f}",
         )
-    Console(width=100).print(table)
+    Console(width=120).print(table)
     return rows
 
 

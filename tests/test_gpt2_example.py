@@ -12,8 +12,12 @@ def test_gpt2_upcycle_quick(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     import gpt2_upcycle
 
-    dense, mumoe = gpt2_upcycle.main(["--quick"])
-    assert (dense["model"], mumoe["model"]) == ("dense", "μMoE")
+    dense, mumoe, exact = gpt2_upcycle.main(["--quick", "--ranks", "match", "exact"])
+    assert (dense["model"], mumoe["model"], exact["model"]) == ("dense", "μMoE rank=match", "μMoE rank=exact")
+    # exact: every expert is the pretrained block, so the model computes what the dense one did
+    assert exact["upcycle_error"] < 1e-5 and exact["logits_moved"] < 1e-5
+    assert abs(exact["loss_before"] - dense["loss_before"]) < 1e-4
+    assert exact["mlp_params"] > mumoe["mlp_params"] and mumoe["logits_moved"] > 1e-3
     assert mumoe["experts"] == 32**4 == 1_048_576
     # equal parameters: the μMoE blocks are matched to the MLP blocks (within one rank step)
     assert abs(mumoe["mlp_params"] - dense["mlp_params"]) / dense["mlp_params"] < 0.02
