@@ -93,6 +93,10 @@ def test_save_pretrained_then_load_converted_gives_bitwise_equal_logits_and_gene
 def test_plain_from_pretrained_of_a_converted_checkpoint_is_what_load_converted_fixes(tmp_path):
     model = _converted("gpt2")
     model.save_pretrained(tmp_path)
+    half = load_converted(transformers.GPT2LMHeadModel, tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    stats = [b for name, b in half.named_buffers() if "running" in name]
+    assert stats and all(b.dtype == torch.float32 for b in stats)  # the gates' statistics stay float32
     assert "mumoe_conversion" in json.loads((tmp_path / "config.json").read_text())
     dense = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)  # cannot know: builds dense blocks
     assert not any(isinstance(m, MuMoEMLP) for m in dense.modules())
