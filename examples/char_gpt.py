@@ -4,7 +4,9 @@ The corpus is the English text of the Python standard library's ``pydoc_data.top
 ships with Python, nothing is downloaded). The same transformer is trained with plain MLP
 blocks, with μMoE blocks (CP and TR, 64 experts) parameter-matched to them, and with a
 hierarchical CP μMoE block of 32×32×32×32 = 1,048,576 experts at about the same parameter
-count. Each run prints its parameter count and train/validation loss.
+count. The model is causal, so every μMoE gate normalises its logits per token (LayerNorm, not
+the paper's BatchNorm, whose training statistics would let a position see later tokens). Each run
+prints its parameter count and train/validation loss.
 
 Each variant's row prints as soon as it has trained, with its median time per training step and
 that time relative to the first variant (the MLP).
@@ -67,11 +69,16 @@ def mlp_block(width: int) -> nn.Module:
     return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
 
+#: A causal model needs token-wise gates: a BatchNorm gate's training statistics would span later positions.
+CAUSAL_GATE = {"gate_norm": "layer"}
+
 VARIANTS = {
     "MLP": lambda w: mlp_block(w),
-    "CP μMoE (64 experts)": lambda w: MuMoEMLP(w, 4 * w, w, 64, "cp", match="mlp"),
-    "TR μMoE (64 experts)": lambda w: MuMoEMLP(w, 4 * w, w, 64, "tr", match="mlp"),
-    "CP μMoE (32×32×32×32 experts)": lambda w: MuMoEMLP(w, 4 * w, w, (32, 32, 32, 32), "cp", match="mlp"),
+    "CP μMoE (64 experts)": lambda w: MuMoEMLP(w, 4 * w, w, 64, "cp", match="mlp", **CAUSAL_GATE),
+    "TR μMoE (64 experts)": lambda w: MuMoEMLP(w, 4 * w, w, 64, "tr", match="mlp", **CAUSAL_GATE),
+    "CP μMoE (32×32×32×32 experts)": lambda w: MuMoEMLP(
+        w, 4 * w, w, (32, 32, 32, 32), "cp", match="mlp", **CAUSAL_GATE
+    ),
 }
 
 

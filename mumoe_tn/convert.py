@@ -23,6 +23,7 @@ from mumoe_tn.conversion_record import (
     network_from_data,
     network_to_data,
 )
+from mumoe_tn.gate_config import CausalityWarning, gate_from_options
 from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.layers import Decomposition, FactorizedExperts, MuMoE, MuMoEMLP
 from mumoe_tn.mlp_blocks import MLPParts, mlp_parts
@@ -37,6 +38,7 @@ __all__ = [
     "convert",
     "decompose_dense",
     "find_mlp_blocks",
+    "is_causal_model",
     "upcycle_linear",
 ]
 # decompose_dense and upcycle_linear live in mumoe_tn.upcycling; re-exported here for convenience.
@@ -82,9 +84,21 @@ class Replacement:
 
 @dataclass
 class ConversionReport:
-    """What [`convert`][mumoe_tn.convert.convert] replaced."""
+    """What [`convert`][mumoe_tn.convert.convert] replaced.
+
+    Attributes
+    ----------
+    replacements : list of Replacement
+        One per replaced module.
+    causal : bool
+        Whether the model was treated as causal (see [`is_causal_model`][mumoe_tn.convert.is_causal_model]).
+    notes : list of str
+        Choices conversion made for the user (e.g. the causal-safe gate), printed under the table.
+    """
 
     replacements: list[Replacement] = field(default_factory=list)
+    causal: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def params_before(self) -> int:
@@ -108,6 +122,7 @@ class ConversionReport:
                 f"| {name} | {r.kind} | {r.params_before:,} | {r.params_after:,} | {experts} | {r.ranks} | {error} |"
             )
         lines.append(f"| **total** | | {self.params_before:,} | {self.params_after:,} | | | |")
+        lines.extend(f"\n{note}" for note in self.notes)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -138,6 +153,58 @@ def find_mlp_blocks(model: nn.Module) -> list[str]:
     [`mumoe_tn.mlp_blocks`][mumoe_tn.mlp_blocks].
     """
     return [name for name, module in model.named_modules() if name and mlp_parts(module) is not None]
+
+
+def is_causal_model(model: nn.Module) -> bool:
+    """Whether ``model`` is autoregressive: a position must not see later tokens.
+
+    True when its config says it decodes (Hugging Face ``is_decoder`` or ``is_encoder_decoder``)
+    or any submodule declares causal attention with ``is_causal = True`` (the attention modules
+    of GPT-2, Llama, Mistral, Qwen, T5's decoder and many more do). A model whose causality lives
+    only in the mask it is called with (e.g. ``nn.MultiheadAttention`` with a triangular
+    ``attn_mask``) cannot be recognised: tell [`convert`][mumoe_tn.convert.convert] with ``causal=True``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any model.
+
+    Returns
+    -------
+    bool
+    """
+    config = getattr(model, "config", None)
+    if any(getattr(config, flag, False) is True for flag in ("is_decoder", "is_encoder_decoder")):
+        return True
+    return any(getattr(module, "is_causal", False) is True for module in model.modules())
+
+
+def _causal_gate_options(causal: bool, options: dict[str, Any], report: ConversionReport) -> dict[str, Any]:
+    """The layer options with a token-wise gate for a causal model; a warning for a gate that mixes tokens."""
+    if not causal:
+        return options
+    if options.get("gate") is None and options.get("gate_norm") is None:
+        report.notes.append(
+            "Causal model: every gate normalises its logits per token (gate_norm='layer'), so no position "
+            "sees later tokens in training (a BatchNorm gate would)."
+        )
+        return {**options, "gate_norm": "layer"}
+    spec = gate_from_options(
+        options.get("gate"),
+        activation=options.get("activation"),
+        norm=options.get("gate_norm"),
+        init=options.get("gate_init"),
+    )
+    if getattr(spec, "mixes_tokens", False) is True:
+        warnings.warn(
+            f"the gate {spec!r} takes training-mode statistics over every token of the batch, later positions "
+            "included: this causal model would see the future while training, and generate with other (running) "
+            "statistics. Use gate_norm='layer' (or 'none'), or convert with causal=False if the model is not "
+            "autoregressive",
+            CausalityWarning,
+            stacklevel=3,
+        )
+    return options
 
 
 def _ranks(network: ExpertNetwork) -> str:
@@ -270,6 +337,7 @@ def convert(
     max_iter: int = 200,
     tol: float = 1e-10,
     progress: bool | None = None,
+    causal: bool | None = None,
     **layer_options: Any,
 ) -> ConversionReport:
     """Replace chosen linear layers and MLP blocks of ``model`` with μMoE layers, in place.
@@ -314,6 +382,12 @@ def convert(
     max_iter, tol, progress : optional
         Bounds and progress bar of the generic fit for networks without a closed form (see
         [`mumoe_tn.upcycling.upcycle_experts`][mumoe_tn.upcycling.upcycle_experts]).
+    causal : bool, optional
+        Whether the model is autoregressive (default: recognised by
+        [`is_causal_model`][mumoe_tn.convert.is_causal_model]). In a causal model a gate must be
+        token-wise in training too: without gate options, every gate then normalises its logits per
+        token (``gate_norm="layer"``) and the report says so; a gate with batch statistics
+        (``gate_norm="batch"``) gives a [`CausalityWarning`][mumoe_tn.gate_config.CausalityWarning].
     **layer_options
         Further layer arguments (activation, gate_norm, input_norm, …).
 
@@ -333,6 +407,8 @@ def convert(
     if rank is None:
         rank = "exact"
     fit = {"max_iter": max_iter, "tol": tol, "progress": progress}
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool or None (recognise it), got {causal!r}")
     choices = _choose(model, select_linear, select_mlp)
     if not choices:
         hint = ""
@@ -349,6 +425,8 @@ def convert(
                     f"cannot convert {choice.paths[0]!r}: {what} has dtype {view.dtype}, not a floating dtype "
                     "(dequantize the model first)"
                 )
+    report = ConversionReport(causal=is_causal_model(model) if causal is None else causal)
+    layer_options = _causal_gate_options(report.causal, layer_options, report)
     built = []
     for choice in choices:
         try:
@@ -361,7 +439,6 @@ def convert(
             new.requires_grad_(False)
         new.train(choice.module.training)
         built.append((choice, new, layers, error))
-    report = ConversionReport()
     for choice, new, layers, error in built:
         _install(model, choice, new)
         network = next(iter(layers.values())).network

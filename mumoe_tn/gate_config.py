@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_GATE",
     "GATE_INITS",
+    "TOKEN_MIXING_NORMS",
+    "CausalityWarning",
     "Gate",
     "GateSpec",
     "TopKGate",
@@ -77,6 +79,15 @@ def _check_name(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a non-empty name, got {value!r}")
 
 
+class CausalityWarning(UserWarning):
+    """A gate whose training-mode coefficients mix the tokens of a batch, put into a causal model."""
+
+
+#: Logit norms whose training-mode output for one token depends on the other tokens of the batch
+#: (batch statistics). Add the name of a norm you register in [`GATE_NORMS`][mumoe_tn.gating] if it does.
+TOKEN_MIXING_NORMS = {"batch"}
+
+
 class _LinearLogits:
     """Costs shared by gates whose logits are one bias-free ``I × N_e`` projection per mode."""
 
@@ -84,6 +95,19 @@ class _LinearLogits:
     init: str
     balance_loss: bool
     z_loss: bool
+
+    @property
+    def mixes_tokens(self) -> bool:
+        """Whether, in training mode, one token's coefficients depend on the other tokens of the batch.
+
+        True for a norm with batch statistics (``"batch"``, see
+        [`TOKEN_MIXING_NORMS`][mumoe_tn.gate_config]): in a causal language model such a gate lets every
+        position see the later tokens of its sequence while training (and the model then generates with
+        other, running, statistics). In eval mode every gate is token-wise. ``"layer"`` and ``"none"``
+        are token-wise in both modes. The auxiliary losses are batch means either way: they shape
+        the gradients, never a token's output.
+        """
+        return self.norm in TOKEN_MIXING_NORMS
 
     def _check_shared_options(self) -> None:
         """The norm name, the init and the two loss flags, which every linear-logit gate has."""
@@ -113,7 +137,10 @@ class Gate(_LinearLogits):
         float ``α > 1`` for α-entmax by bisection.
     norm : str, optional
         Normalisation of the logits: ``"batch"`` (default, BatchNorm without affine as in the
-        paper), ``"layer"`` (LayerNorm without affine) or ``"none"``.
+        paper), ``"layer"`` (LayerNorm without affine) or ``"none"``. ``"batch"`` is not causal:
+        in training mode its statistics come from every token of the batch, later positions
+        included; autoregressive models need ``"layer"`` or ``"none"`` (the paper's authors advise
+        LayerNorm there), which [`convert`][mumoe_tn.convert.convert] chooses for causal models.
     init : {"default", "zeros"}, optional
         ``"default"``: nn.Linear's initialisation; ``"zeros"``: all projections zero, so every
         coefficient starts at ``1/N_e`` (the authors' GPT-2 configuration; entmax15, sparsemax
