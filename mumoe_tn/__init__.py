@@ -40,6 +40,7 @@ _LAZY = {
     "materialize": "mumoe_tn.contractions.dense",
     "init_cores": "mumoe_tn.init",
     "plan_forward": "mumoe_tn.contractions.plan",
+    "token_mask": "mumoe_tn.masking",
 }
 
 __all__ = ["ExpertNetwork", "Format", "decompositions", "register", *sorted(_LAZY)]

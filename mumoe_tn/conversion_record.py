@@ -190,10 +190,17 @@ class ConversionRecord:
     """
 
     modules: tuple[ConvertedModule, ...] = ()
+    #: The argument of the model's ``forward`` that carries its token mask (see
+    #: [`mumoe_tn.masking`][mumoe_tn.masking]), or None.
+    mask_argument: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able data (what ``config.json`` and safetensors metadata hold)."""
-        return {"version": RECORD_VERSION, "modules": [module.to_dict() for module in self.modules]}
+        return {
+            "version": RECORD_VERSION,
+            "modules": [module.to_dict() for module in self.modules],
+            "mask_argument": self.mask_argument,
+        }
 
     def to_json(self) -> str:
         """The record as a JSON string."""
@@ -223,7 +230,10 @@ class ConversionRecord:
                 f"the conversion record has version {version!r}; this mumoe_tn reads versions up to "
                 f"{RECORD_VERSION}: upgrade mumoe_tn"
             )
-        return cls(tuple(ConvertedModule.from_dict(module) for module in data["modules"]))
+        mask_argument = data.get("mask_argument")
+        if mask_argument is not None and not isinstance(mask_argument, str):
+            raise ValueError(f"a conversion record's mask_argument is a name or null, got {mask_argument!r}")
+        return cls(tuple(ConvertedModule.from_dict(module) for module in data["modules"]), mask_argument)
 
     def __add__(self, other: ConversionRecord) -> ConversionRecord:
-        return ConversionRecord(self.modules + other.modules)
+        return ConversionRecord(self.modules + other.modules, other.mask_argument or self.mask_argument)

@@ -26,6 +26,7 @@ from mumoe_tn.conversion_record import (
 from mumoe_tn.gate_config import CausalityWarning, gate_from_options
 from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.layers import Decomposition, FactorizedExperts, MuMoE, MuMoEMLP
+from mumoe_tn.masking import accepts_argument, install_mask_hook
 from mumoe_tn.mlp_blocks import MLPParts, mlp_parts
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.upcycling import decompose_dense, upcycle_experts, upcycle_linear, warn_if_inexact
@@ -338,6 +339,7 @@ def convert(
     tol: float = 1e-10,
     progress: bool | None = None,
     causal: bool | None = None,
+    mask_argument: str | None = "auto",
     **layer_options: Any,
 ) -> ConversionReport:
     """Replace chosen linear layers and MLP blocks of ``model`` with μMoE layers, in place.
@@ -388,6 +390,12 @@ def convert(
         token-wise in training too: without gate options, every gate then normalises its logits per
         token (``gate_norm="layer"``) and the report says so; a gate with batch statistics
         (``gate_norm="batch"``) gives a [`CausalityWarning`][mumoe_tn.gate_config.CausalityWarning].
+    mask_argument : str or None, optional
+        The argument of ``model.forward`` that says which tokens are real (True/1) and which are
+        padding: every call of the converted model then hands it to the μMoE layers inside, so
+        padding never enters their gate statistics, losses or records (see
+        [`mumoe_tn.masking`][mumoe_tn.masking]). ``"auto"`` (default): ``"attention_mask"`` when
+        ``forward`` takes one (Hugging Face models do); None: none.
     **layer_options
         Further layer arguments (activation, gate_norm, input_norm, …).
 
@@ -425,6 +433,13 @@ def convert(
                     f"cannot convert {choice.paths[0]!r}: {what} has dtype {view.dtype}, not a floating dtype "
                     "(dequantize the model first)"
                 )
+    if mask_argument == "auto":
+        mask_argument = "attention_mask" if accepts_argument(model, "attention_mask") else None
+    elif mask_argument is not None and not accepts_argument(model, mask_argument):
+        raise ValueError(
+            f"mask_argument={mask_argument!r} is not an argument of {type(model).__name__}.forward; give the name "
+            "of the argument that marks real tokens, or None"
+        )
     report = ConversionReport(causal=is_causal_model(model) if causal is None else causal)
     layer_options = _causal_gate_options(report.causal, layer_options, report)
     built = []
@@ -449,7 +464,13 @@ def convert(
                 name, choice.kind, before, _count([new]), network.expert_dims, _ranks(network), error, tuple(aliases)
             )
         )
-    _extend_record(model, [(choice, new, layers) for choice, new, layers, _ in built])
+    _extend_record(model, [(choice, new, layers) for choice, new, layers, _ in built], mask_argument)
+    if mask_argument is not None:
+        install_mask_hook(model, mask_argument)
+        report.notes.append(
+            f"Padding: every call hands its {mask_argument!r} to the μMoE layers, whose gates then count real "
+            "tokens only."
+        )
     return report
 
 
@@ -511,10 +532,13 @@ def _describe(choice: _Choice, new: nn.Module, layers: Mapping[str, FactorizedEx
     )
 
 
-def _extend_record(model: nn.Module, replaced: Sequence[tuple[_Choice, nn.Module, dict]]) -> None:
+def _extend_record(
+    model: nn.Module, replaced: Sequence[tuple[_Choice, nn.Module, dict]], mask_argument: str | None
+) -> None:
     """Add these replacements to ``model``'s record (its HF config, or an attribute of the model)."""
     try:
-        added = ConversionRecord(tuple(_describe(choice, new, layers) for choice, new, layers in replaced))
+        described = tuple(_describe(choice, new, layers) for choice, new, layers in replaced)
+        added = ConversionRecord(described, mask_argument)
     except TypeError as error:
         warnings.warn(
             f"the conversion cannot be recorded, so the converted model will not reload from a checkpoint by "
@@ -580,9 +604,16 @@ def apply_conversion(model: nn.Module, record: ConversionRecord | Mapping[str, A
         new, layers = _rebuild(choice, entry)
         new.train(choice.module.training)
         rebuilt.append((choice, new, layers))
+    if record.mask_argument is not None and not accepts_argument(model, record.mask_argument):
+        raise ValueError(
+            f"the conversion record hands the argument {record.mask_argument!r} of forward to the μMoE layers, but "
+            f"{type(model).__name__}.forward has none"
+        )
     for choice, new, _ in rebuilt:
         _install(model, choice, new)
-    _extend_record(model, rebuilt)
+    _extend_record(model, rebuilt, record.mask_argument)
+    if record.mask_argument is not None:
+        install_mask_hook(model, record.mask_argument)
     return model
 
 

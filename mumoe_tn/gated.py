@@ -158,9 +158,12 @@ class MuMoEGatedMLP(SharedGateLayers):
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.gate_proj, self.up_proj, self.down_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``."""
-        z, coefficients = self._gate(x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
+
+        ``mask``: which tokens are real, as for [`MuMoE`][mumoe_tn.layers.MuMoE].
+        """
+        z, coefficients = self._gate(x, mask)
         gate = self._contract(self.gate_proj, z, coefficients)
         up = self._contract(self.up_proj, z, coefficients)
         return self._contract(self.down_proj, self.hidden_activation(gate) * up, coefficients)

@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.activations import entmax15, sparsemax
-from mumoe_tn.gate_config import GATE_INITS
+from mumoe_tn.gate_config import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.network import expert_leg, normalize_expert_dims
 
 __all__ = [
@@ -113,14 +113,26 @@ class LogitBatchNorm(nn.BatchNorm1d):
                 self._buffers[name] = old.to(device=new.device, dtype=wanted)
         return self
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        """Normalise ``(rows, N)`` logits; in training mode ``rows`` must be at least 2."""
-        if self.training and input.shape[0] < 2:
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise ``(rows, N)`` logits; in training mode at least 2 rows must be real tokens.
+
+        With a token ``mask`` (``(rows,)`` booleans, True = real) the training statistics and the
+        running averages come from the real rows only; padding rows come out as zeros.
+        """
+        if not self.training or mask is None:
+            self._check_rows(input.shape[0])
+            return super().forward(input)
+        real = input[mask]
+        self._check_rows(real.shape[0], " real")
+        normed = super().forward(real)
+        return torch.zeros_like(input).masked_scatter(mask[:, None].expand_as(input), normed)
+
+    def _check_rows(self, rows: int, what: str = "") -> None:
+        if self.training and rows < 2:
             raise ValueError(
-                f"gate_norm='batch' needs at least 2 tokens per batch in training mode, got {input.shape[0]}: "
+                f"gate_norm='batch' needs at least 2{what} tokens per batch in training mode, got {rows}: "
                 "use gate_norm='layer' (or 'none'), or call layer.eval() for single-token inference"
             )
-        return super().forward(input)
 
 
 def _batch_norm(n: int, factory: dict[str, Any]) -> nn.Module:
@@ -303,8 +315,16 @@ class ExpertGate(PerThreadRecords):
         top = coefficients.argmax(dim=-1)
         return coefficients, F.one_hot(top, coefficients.shape[-1]).to(coefficients.dtype)
 
-    def forward(self, z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, z: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Expert coefficients for input ``z`` of shape ``(…, I)``.
+
+        Parameters
+        ----------
+        z : torch.Tensor
+            The tokens, ``(…, I)``.
+        mask : torch.Tensor, optional
+            ``(∏…,)`` booleans, True = real token (see [`mumoe_tn.masking`][mumoe_tn.masking]): batch
+            statistics and the auxiliary losses then use the real tokens only.
 
         Returns
         -------
@@ -318,23 +338,36 @@ class ExpertGate(PerThreadRecords):
             weights = [projection.weight.to(compute) for projection in self.projections.values()]
             logits = F.linear(flat, weights[0] if len(weights) == 1 else torch.cat(weights))
             split = logits.split(self.expert_dims, dim=-1)
-            parts = [norm(part) for part, norm in zip(split, self.norms.values(), strict=True)]
+            masked = mask is not None and self.norm in TOKEN_MIXING_NORMS
+            norms = zip(split, self.norms.values(), strict=True)
+            parts = [norm(part, mask) if masked else norm(part) for part, norm in norms]
             coefficients = [self._activate(part, mode) for mode, part in enumerate(parts)]
-            self._record_losses(parts, coefficients)
+            self._record_losses(parts, coefficients, mask)
         return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
 
-    def _record_losses(self, logits: list[torch.Tensor], coefficients: list[torch.Tensor]) -> None:
+    def _record_losses(
+        self, logits: list[torch.Tensor], coefficients: list[torch.Tensor], mask: torch.Tensor | None
+    ) -> None:
         if not (self.balance_loss or self.z_loss):
             return
+        if mask is None:
+            mean = functools.partial(torch.mean, dim=0)
+        else:
+            weights = mask.to(logits[0].dtype)
+            count = weights.sum().clamp_min(1)
+
+            def mean(values: torch.Tensor) -> torch.Tensor:
+                return (values * weights.reshape(-1, *([1] * (values.ndim - 1)))).sum(0) / count
+
         losses = {}
         if self.balance_loss:
             terms = []
             for mode, (part, a) in enumerate(zip(logits, coefficients, strict=True)):
                 probabilities, dispatch = self._balance_terms(part, a, mode)
-                terms.append(part.shape[-1] * (dispatch.mean(0) * probabilities.mean(0)).sum())
+                terms.append(part.shape[-1] * (mean(dispatch) * mean(probabilities)).sum())
             losses["balance"] = torch.stack(terms).mean()
         if self.z_loss:
-            losses["z"] = torch.stack([torch.logsumexp(part, dim=-1).square().mean() for part in logits]).mean()
+            losses["z"] = torch.stack([mean(torch.logsumexp(part, dim=-1).square()) for part in logits]).mean()
         self._remember("losses", losses)
 
     def losses(self) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from collections import OrderedDict
@@ -42,6 +43,7 @@ from mumoe_tn.layer_options import (
     resolve_network,
     split_rank_and_match,
 )
+from mumoe_tn.masking import resolve_token_mask
 from mumoe_tn.network import INPUT_LEG, ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
@@ -510,6 +512,23 @@ class SharedGateLayers(PerThreadRecords):
         self.gate = module
         self.ablation: Any = None
 
+    def _gate_mask_options(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"mask": tokens}`` for a gate whose ``forward`` takes a token mask; nothing for a token-wise one."""
+        parameters = inspect.signature(self.gate.forward).parameters
+        if "mask" in parameters:
+            return {"mask": tokens}
+        if getattr(self.gate_spec, "mixes_tokens", False) is True:
+            raise TypeError(
+                f"the gate {type(self.gate).__name__} mixes tokens but its forward takes no token mask: give it "
+                "forward(z, mask=None) (mask: (rows,) booleans, True = real token) to train on padded batches"
+            )
+        return {}
+
+    @property
+    def last_token_mask(self) -> torch.Tensor | None:
+        """Which tokens of this thread's last forward pass were real (None: all of them)."""
+        return self._recall("token_mask")
+
     @property
     def last_coefficients(self) -> tuple[torch.Tensor, ...] | None:
         """The (detached) coefficients of this thread's last forward pass, one per expert mode."""
@@ -585,18 +604,24 @@ class SharedGateLayers(PerThreadRecords):
                 f"cast the input (x.to({weight.dtype})) or the layer (layer.to({x.dtype}))"
             )
 
-    def _gate(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def _gate(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Validate ``x``, normalise it, compute and record the coefficients, apply any ablation mask."""
         self._check_input(x)
+        tokens = resolve_token_mask(mask, tuple(x.shape[:-1]), x.device)
         z = self.input_norm(x)
         gated = x if self.gate_input == "raw" else z
-        coefficients = self.gate(gated) if self.ablation is None else self.ablation.gate(self.gate, gated)
+        options = {} if tokens is None else self._gate_mask_options(tokens)
+        if self.ablation is None:
+            coefficients = self.gate(gated, **options)
+        else:
+            coefficients = self.ablation.gate(self.gate, gated, **options)
         if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, Sequence):
             raise TypeError(
                 f"the gate {type(self.gate).__name__} must return a tuple of tensors, one per expert mode, "
                 f"got {type(coefficients).__name__}"
             )
         self._remember("coefficients", tuple(a.detach() for a in coefficients))
+        self._remember("token_mask", None if tokens is None else tokens.reshape(x.shape[:-1]))
         if not torch.is_autocast_enabled(z.device.type):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)
         if self.ablation is not None:
@@ -755,9 +780,14 @@ class MuMoE(SharedGateLayers):
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.experts,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the layer to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``."""
-        z, coefficients = self._gate(x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the layer to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
+
+        ``mask`` (shape ``x.shape[:-1]``, True/1 = real token) keeps padding out of the gate's
+        statistics, losses and records (see [`mumoe_tn.masking`][mumoe_tn.masking]); by default the
+        enclosing [`token_mask`][mumoe_tn.masking.token_mask] context's, if any.
+        """
+        z, coefficients = self._gate(x, mask)
         return self._contract(self.experts, z, coefficients)
 
     def extra_repr(self) -> str:
@@ -870,9 +900,12 @@ class MuMoEMLP(SharedGateLayers):
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.experts1, self.experts2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``."""
-        z, coefficients = self._gate(x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
+
+        ``mask``: which tokens are real, as for [`MuMoE`][mumoe_tn.layers.MuMoE].
+        """
+        z, coefficients = self._gate(x, mask)
         hidden = self.hidden_activation(self._contract(self.experts1, z, coefficients))
         return self._contract(self.experts2, hidden, coefficients)
 

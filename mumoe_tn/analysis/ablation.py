@@ -105,20 +105,20 @@ class ExpertAblation:
             )
         return len(self.groups)
 
-    def gate(self, gate: nn.Module, z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def gate(self, gate: nn.Module, z: torch.Tensor, **options: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Run ``gate`` on ``z``, once per distinct group.
 
         Batched ablations replicate the same samples in every group; the coefficients are then
         computed on the first group and repeated (checked exactly with ``torch.equal``, so a
         different input in any group falls back to gating every row).
         """
-        if self.group_size is None or len(self.groups) == 1:
-            return gate(z)
+        if self.group_size is None or len(self.groups) == 1 or options:  # a token mask: gate every row
+            return gate(z, **options)
         groups = len(self.groups)
         self._rows(z)
         first = z[: self.group_size]
         if not torch.equal(z.reshape(groups, self.group_size, *z.shape[1:]), first.expand(groups, *first.shape)):
-            return gate(z)
+            return gate(z, **options)
         return tuple(a.repeat(groups, *([1] * (a.ndim - 1))) for a in gate(first))
 
     def mask(self, coefficients: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -10,7 +10,7 @@ inputs of shape ``(samples, tokens, features)``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -147,6 +147,13 @@ class LayerCoefficients:
     modes: list[ExpertStatistics] = field(default_factory=list)
 
 
+def _default_forward(model: nn.Module, batch: object) -> object:
+    """``model(**batch)`` for a mapping, ``model(batch[0])`` for a tuple or list, else ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    return model(batch[0]) if isinstance(batch, (tuple, list)) else model(batch)
+
+
 @torch.no_grad()
 def collect_coefficients(
     model: nn.Module,
@@ -178,8 +185,15 @@ def collect_coefficients(
         Also accumulate coefficient-weighted input sums (``N × I`` per mode), for
         [`ExpertStatistics.centres`][mumoe_tn.analysis.coefficients.ExpertStatistics.centres] and steering.
     forward : Callable, optional
-        ``forward(model, batch)``; by default ``model(batch[0])`` for tuples/lists (an
+        ``forward(model, batch)``; by default ``model(**batch)`` for a mapping (a Hugging Face
+        batch with ``input_ids`` and ``attention_mask``), ``model(batch[0])`` for tuples/lists (an
         ``(inputs, labels)`` loader) and ``model(batch)`` otherwise.
+
+    Notes
+    -----
+    Padding tokens are skipped: the rows a layer's token mask marks as padding (see
+    [`mumoe_tn.masking`][mumoe_tn.masking]; a converted model takes it from its ``attention_mask``)
+    count towards no statistic, and row numbers (``top_rows``) count real tokens only.
 
     Returns
     -------
@@ -220,13 +234,18 @@ def collect_coefficients(
             if not stats:
                 width = module.in_features if centres else None
                 stats += [ExpertStatistics.empty(a.shape[-1], top_k, width, threshold) for a in coefficients]
+            tokens = module.last_token_mask
+            x = args[0] if centres else None
+            if tokens is not None:  # padding tokens are not counted
+                coefficients = [a[tokens] for a in coefficients]
+                x = None if x is None else x[tokens]
             for mode, a in zip(stats, coefficients, strict=True):
-                mode.update(a, args[0] if centres else None)
+                mode.update(a, x)
 
         return record
 
     handles = [found[name].register_forward_hook(hook(name)) for name in names]
-    call = forward or (lambda m, batch: m(batch[0]) if isinstance(batch, (tuple, list)) else m(batch))
+    call = forward or _default_forward
     try:
         for batch in batches:
             call(model, batch)
