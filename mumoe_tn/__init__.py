@@ -20,13 +20,13 @@ from mumoe_tn.network import ExpertNetwork
 __version__ = "0.1.0"
 
 _LAZY = {
-    "ExpertGate": "mumoe_tn.gating",
+    "ExpertGate": "mumoe_tn.gates.modules",
     "FactorizedExperts": "mumoe_tn.layers",
     "MuMoE": "mumoe_tn.layers",
     "MuMoEMLP": "mumoe_tn.layers",
     "MuMoEGatedMLP": "mumoe_tn.gated",
-    "Gate": "mumoe_tn.gate_config",
-    "TopKGate": "mumoe_tn.gate_config",
+    "Gate": "mumoe_tn.gates.specs",
+    "TopKGate": "mumoe_tn.gates.specs",
     "compare": "mumoe_tn.costs",
     "convert": "mumoe_tn.convert",
     "apply_conversion": "mumoe_tn.convert",

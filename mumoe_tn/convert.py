@@ -23,8 +23,8 @@ from mumoe_tn.conversion_record import (
     network_from_data,
     network_to_data,
 )
-from mumoe_tn.gate_config import CausalityWarning, gate_from_options
 from mumoe_tn.gated import MuMoEGatedMLP
+from mumoe_tn.gates.specs import CausalityWarning, gate_from_options
 from mumoe_tn.layers import Decomposition, FactorizedExperts, MuMoE, MuMoEMLP
 from mumoe_tn.masking import accepts_argument, install_mask_hook
 from mumoe_tn.mlp_blocks import MLPParts, mlp_parts
@@ -389,7 +389,7 @@ def convert(
         [`is_causal_model`][mumoe_tn.convert.is_causal_model]). In a causal model a gate must be
         token-wise in training too: without gate options, every gate then normalises its logits per
         token (``gate_norm="layer"``) and the report says so; a gate with batch statistics
-        (``gate_norm="batch"``) gives a [`CausalityWarning`][mumoe_tn.gate_config.CausalityWarning].
+        (``gate_norm="batch"``) gives a [`CausalityWarning`][mumoe_tn.gates.specs.CausalityWarning].
     mask_argument : str or None, optional
         The argument of ``model.forward`` that says which tokens are real (True/1) and which are
         padding: every call of the converted model then hands it to the μMoE layers inside, so

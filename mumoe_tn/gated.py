@@ -10,7 +10,7 @@ from torch import nn
 
 from mumoe_tn.costs import layer_parameters, linear, scaled_bonds, solve_rank
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
-from mumoe_tn.gate_config import GateSpec, gate_from_options
+from mumoe_tn.gates.specs import GateSpec, gate_from_options
 from mumoe_tn.layer_options import Match, block_networks, check_factory, match_target
 from mumoe_tn.layers import FactorizedExperts, SharedGateLayers
 from mumoe_tn.network import ExpertNetwork
@@ -38,7 +38,7 @@ def gated_mlp_parameters(
     bias : bool, optional
         Whether leg ``i`` of each network holds a folded bias column.
     gate : bool or GateSpec, optional
-        The shared gate, counted once (see [`mumoe_tn.gate_config`][mumoe_tn.gate_config]).
+        The shared gate, counted once (see [`mumoe_tn.gates.specs`][mumoe_tn.gates.specs]).
     input_norm : bool, optional
         Count an input LayerNorm.
 

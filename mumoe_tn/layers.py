@@ -29,8 +29,8 @@ from mumoe_tn.costs.baselines import linear as linear_cost
 from mumoe_tn.costs.baselines import mlp as mlp_cost
 from mumoe_tn.costs.matching import match_block, match_exact, match_layer
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
-from mumoe_tn.gate_config import GateSpec, gate_from_options
-from mumoe_tn.gating import PerThreadRecords
+from mumoe_tn.gates.records import PerThreadRecords
+from mumoe_tn.gates.specs import GateSpec, gate_from_options
 from mumoe_tn.init import INIT_RULES, check_expert_noise, init_cores
 from mumoe_tn.layer_options import (
     EXACT,
@@ -689,11 +689,11 @@ class MuMoE(SharedGateLayers):
     gate_init : {"default", "zeros"}, optional
         Gate projection init (default nn.Linear's; ``"zeros"`` starts every coefficient at 1/N).
     gate : GateSpec, optional
-        A gate descriptor ([`Gate`][mumoe_tn.gate_config.Gate],
-        [`TopKGate`][mumoe_tn.gate_config.TopKGate] or your own); excludes the three options above.
+        A gate descriptor ([`Gate`][mumoe_tn.gates.specs.Gate],
+        [`TopKGate`][mumoe_tn.gates.specs.TopKGate] or your own); excludes the three options above.
     gate_input : {"normed", "raw"}, optional
         Gate on the experts' input (default; ``LayerNorm(x)`` with ``input_norm=True``) or on
-        the raw ``x`` (the authors' GPT-2 configuration); see [`mumoe_tn.gating`][mumoe_tn.gating].
+        the raw ``x`` (the authors' GPT-2 configuration); see [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules].
     input_norm : bool, optional
         Apply a LayerNorm (with affine parameters) to the input first (default False).
     init : {"auto", "paper", "linear"}, optional

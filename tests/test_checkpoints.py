@@ -11,8 +11,8 @@ from torch import nn
 from mumoe_tn.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion_record import ConversionRecord
 from mumoe_tn.convert import apply_conversion, conversion_record, convert
-from mumoe_tn.gate_config import Gate, TopKGate
 from mumoe_tn.gated import MuMoEGatedMLP
+from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 
 transformers = pytest.importorskip("transformers")

@@ -35,7 +35,7 @@ from mumoe_tn.costs.baselines import mlp, moe_block
 from mumoe_tn.costs.display import TERMINAL_HEADERS, bytes_per_element, cells, format_bytes, format_value, rich_table
 from mumoe_tn.costs.matching import MatchingWarning, resolve_target, scaled_bonds
 from mumoe_tn.decompositions import cp, get_format, tr, tt, tucker
-from mumoe_tn.gate_config import Gate
+from mumoe_tn.gates.specs import Gate
 from mumoe_tn.measure import expert_ranks
 from mumoe_tn.network import BATCH_LABEL
 

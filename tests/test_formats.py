@@ -296,7 +296,7 @@ def test_named_formats_are_networks_of_their_format():
 
 
 def test_compare_counts_a_custom_gate_descriptor():
-    from mumoe_tn.gate_config import Gate
+    from mumoe_tn.gates.specs import Gate
 
     class WideGate(Gate):
         """The default gate plus a bias per expert: more parameters and FMAs than I·ΣN."""

@@ -19,8 +19,8 @@ from torch import nn
 from mumoe_tn import MuMoE
 from mumoe_tn.costs import gate_fma, layer_flops, layer_parameters
 from mumoe_tn.decompositions import build
-from mumoe_tn.gate_config import DEFAULT_GATE, Gate, GateSpec, TopKGate
-from mumoe_tn.gating import gate_losses
+from mumoe_tn.gates.modules import gate_losses
+from mumoe_tn.gates.specs import DEFAULT_GATE, Gate, GateSpec, TopKGate
 from mumoe_tn.layers import MuMoEMLP
 
 DTYPE = torch.float64
@@ -116,8 +116,8 @@ def test_bad_gate_arguments_to_costs():
 
 def test_descriptors_and_costs_import_no_torch():
     code = (
-        "import sys; import mumoe_tn.gate_config, mumoe_tn.costs; "
-        "from mumoe_tn.gate_config import TopKGate; TopKGate(k=2).parameter_count(4, (3,)); "
+        "import sys; import mumoe_tn.gates.specs, mumoe_tn.costs; "
+        "from mumoe_tn.gates.specs import TopKGate; TopKGate(k=2).parameter_count(4, (3,)); "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

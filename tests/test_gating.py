@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mumoe_tn.activations import entmax15, sparsemax
-from mumoe_tn.gating import ACTIVATIONS, GATE_NORMS, ExpertGate, resolve_activation
+from mumoe_tn.gates.entmax import entmax15, sparsemax
+from mumoe_tn.gates.modules import ACTIVATIONS, GATE_NORMS, ExpertGate, resolve_activation
 
 
 @given(st.integers(1, 8), st.integers(1, 40), st.floats(0.1, 20), st.integers(0, 2**16))

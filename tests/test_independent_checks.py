@@ -32,8 +32,8 @@ from mumoe_tn.costs import (
 )
 from mumoe_tn.costs.params import block_parameters, layer_in_features
 from mumoe_tn.decompositions import build, cp, tr, tt, tucker
-from mumoe_tn.gate_config import Gate, TopKGate, gate_fma_per_token, gate_from_options, gate_parameter_count
-from mumoe_tn.gating import ExpertGate, TopKRouter, gate_losses
+from mumoe_tn.gates.modules import ExpertGate, TopKRouter, gate_losses
+from mumoe_tn.gates.specs import Gate, TopKGate, gate_fma_per_token, gate_from_options, gate_parameter_count
 from mumoe_tn.measure import expert_ranks
 
 DTYPE = torch.float64

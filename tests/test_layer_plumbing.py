@@ -17,7 +17,7 @@ from torch import nn
 from mumoe_tn import FactorizedExperts, MuMoE, layers
 from mumoe_tn.contractions import autotune_candidates
 from mumoe_tn.decompositions import build
-from mumoe_tn.gate_config import Gate
+from mumoe_tn.gates.specs import Gate
 from mumoe_tn.layers import MuMoEMLP
 from mumoe_tn.network import BATCH_LABEL
 

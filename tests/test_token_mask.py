@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from mumoe_tn.analysis import collect_coefficients
 from mumoe_tn.convert import conversion_record, convert
-from mumoe_tn.gate_config import Gate, TopKGate
 from mumoe_tn.gated import MuMoEGatedMLP
-from mumoe_tn.gating import gate_losses
+from mumoe_tn.gates.modules import gate_losses
+from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.masking import token_mask
 

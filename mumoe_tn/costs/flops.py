@@ -14,7 +14,7 @@ from typing import Any
 
 from mumoe_tn.contractions.plan import plan_dense, plan_forward
 from mumoe_tn.costs.params import layer_in_features
-from mumoe_tn.gate_config import GateSpec, gate_fma_per_token
+from mumoe_tn.gates.specs import GateSpec, gate_fma_per_token
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_size
 
@@ -37,7 +37,7 @@ def gate_fma(network: ExpertNetwork, *, bias: bool = True, gate: bool | GateSpec
     """FMAs of the gate for one token.
 
     ``gate=True`` counts the default gate's logits ``G_eᵀ z`` (``I·ΣN_e``), ``False`` gives 0,
-    and a gate descriptor ([`mumoe_tn.gate_config`][mumoe_tn.gate_config]) reports its own count.
+    and a gate descriptor ([`mumoe_tn.gates.specs`][mumoe_tn.gates.specs]) reports its own count.
     """
     return gate_fma_per_token(gate, layer_in_features(network, bias), network.expert_dims)
 

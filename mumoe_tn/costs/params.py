@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mumoe_tn.gate_config import GateSpec, gate_parameter_count
+from mumoe_tn.gates.specs import GateSpec, gate_parameter_count
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_bool
 
@@ -71,7 +71,7 @@ def layer_parameters(
         Whether leg ``i`` holds a folded bias column.
     gate : bool or GateSpec, optional
         ``True``: count the default gate's ``I·ΣN_e``; ``False``: do not count gating; a gate
-        descriptor ([`mumoe_tn.gate_config`][mumoe_tn.gate_config]): count what it reports.
+        descriptor ([`mumoe_tn.gates.specs`][mumoe_tn.gates.specs]): count what it reports.
     input_norm : bool, optional
         Count an input LayerNorm (``2·I``).
 

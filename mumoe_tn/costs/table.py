@@ -18,7 +18,7 @@ from mumoe_tn.costs.rank import rank_bound
 from mumoe_tn.decompositions.format import Format
 from mumoe_tn.decompositions.registry import get_format, normalize_ranks
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, is_spec, resolve_network
-from mumoe_tn.gate_config import GateSpec, gate_fma_per_token, gate_parameter_count
+from mumoe_tn.gates.specs import GateSpec, gate_fma_per_token, gate_parameter_count
 from mumoe_tn.network import ExpertNetwork, normalize_expert_dims
 from mumoe_tn.validation import check_bool, check_size
 
@@ -211,7 +211,7 @@ def compare(
         Fold a bias into the input leg, and give baselines a bias.
     gate : bool or GateSpec, optional
         Count gating/router parameters and FMAs: True (the default gate), False, or a gate
-        descriptor (see [`mumoe_tn.gate_config`][mumoe_tn.gate_config]) that reports its own counts. MoE baselines
+        descriptor (see [`mumoe_tn.gates.specs`][mumoe_tn.gates.specs]) that reports its own counts. MoE baselines
         count a plain ``I·N`` router whenever gating is counted.
     batch : int, optional
         Tokens per forward pass, for the planned FMAs and the peak intermediate.

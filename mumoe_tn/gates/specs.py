@@ -10,17 +10,18 @@ A *descriptor* is a small immutable object that answers three questions without 
   it may define ``losses() -> dict[str, Tensor]`` (auxiliary training losses of the last
   forward pass in the calling thread) and ``reset_parameters()``.
 
-Anything with these three methods is a gate ([`GateSpec`][mumoe_tn.gate_config.GateSpec] is the protocol): the layers
+Anything with these three methods is a gate ([`GateSpec`][mumoe_tn.gates.specs.GateSpec] is the protocol): the layers
 (``MuMoE(…, gate=spec)``) and the cost model (``layer_parameters(net, gate=spec)``,
 ``gate_fma(net, gate=spec)``) use it with no edits to the package. The cost model also takes
 ``True`` (the default gate, ``I·ΣN_e`` parameters and FMAs) and ``False`` (gating not counted).
 
-Shipped descriptors: [`Gate`][mumoe_tn.gate_config.Gate] (entmax15 / sparsemax / softmax / α-entmax with batch,
-layer or no normalisation of the logits) and [`TopKGate`][mumoe_tn.gate_config.TopKGate] (a softmax top-k router). Both
+Shipped descriptors: [`Gate`][mumoe_tn.gates.specs.Gate] (entmax15 / sparsemax / softmax / α-entmax with batch,
+layer or no normalisation of the logits) and [`TopKGate`][mumoe_tn.gates.specs.TopKGate] (a softmax top-k router). Both
 count ``I·ΣN_e`` parameters (the logit norms have no affine parameters) and ``I·ΣN_e`` FMAs
 (the logits; the norm and φ are elementwise and not counted, as in the paper's tables).
-Activation and norm *names* are checked against the registries of [`mumoe_tn.gating`][mumoe_tn.gating] when
-the gate is built (the layer's constructor), so registering a new norm needs no edit here.
+Activation and norm *names* are checked against the registries of
+[`mumoe_tn.gates.modules`][mumoe_tn.gates.modules] when the gate is built (the layer's constructor), so
+registering a new norm needs no edit here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -45,9 +48,6 @@ __all__ = [
     "gate_from_options",
     "gate_parameter_count",
 ]
-
-#: Initialisations of the gate projections: nn.Linear's default, or all zeros (uniform start).
-GATE_INITS = ("default", "zeros")
 
 
 @runtime_checkable
@@ -83,11 +83,6 @@ class CausalityWarning(UserWarning):
     """A gate whose training-mode coefficients mix the tokens of a batch, put into a causal model."""
 
 
-#: Logit norms whose training-mode output for one token depends on the other tokens of the batch
-#: (batch statistics). Add the name of a norm you register in [`GATE_NORMS`][mumoe_tn.gating] if it does.
-TOKEN_MIXING_NORMS = {"batch"}
-
-
 class _LinearLogits:
     """Costs shared by gates whose logits are one bias-free ``I × N_e`` projection per mode."""
 
@@ -101,7 +96,7 @@ class _LinearLogits:
         """Whether, in training mode, one token's coefficients depend on the other tokens of the batch.
 
         True for a norm with batch statistics (``"batch"``, see
-        [`TOKEN_MIXING_NORMS`][mumoe_tn.gate_config]): in a causal language model such a gate lets every
+        [`TOKEN_MIXING_NORMS`][mumoe_tn.gates.options]): in a causal language model such a gate lets every
         position see the later tokens of its sequence while training (and the model then generates with
         other, running, statistics). In eval mode every gate is token-wise. ``"layer"`` and ``"none"``
         are token-wise in both modes. The auxiliary losses are batch means either way: they shape
@@ -147,7 +142,7 @@ class Gate(_LinearLogits):
         and softmax all map equal logits to the uniform vector, with the full support).
     balance_loss : bool, optional
         Record a Switch-style load-balancing loss after each forward pass (see
-        [`mumoe_tn.gating.ExpertGate`][mumoe_tn.gating.ExpertGate]).
+        [`mumoe_tn.gates.modules.ExpertGate`][mumoe_tn.gates.modules.ExpertGate]).
     z_loss : bool, optional
         Record the router z-loss (mean squared logsumexp of the logits).
     """
@@ -171,8 +166,8 @@ class Gate(_LinearLogits):
     def build(
         self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
     ) -> nn.Module:
-        """An [`ExpertGate`][mumoe_tn.gating.ExpertGate] with these options."""
-        from mumoe_tn.gating import ExpertGate
+        """An [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate] with these options."""
+        from mumoe_tn.gates.modules import ExpertGate
 
         return ExpertGate(
             in_features,
@@ -202,11 +197,11 @@ class TopKGate(_LinearLogits):
     norm : str, optional
         Normalisation of the logits (default ``"none"``, as in Switch/Mixtral routers).
     init : {"default", "zeros"}, optional
-        As for [`Gate`][mumoe_tn.gate_config.Gate]. Zero logits all tie: ``k`` experts (``torch.topk`` picks which)
+        As for [`Gate`][mumoe_tn.gates.specs.Gate]. Zero logits all tie: ``k`` experts (``torch.topk`` picks which)
         get ``1/k`` each, so unlike a dense gate a zero-initialised router starts by training
         only those; the balance loss then spreads the routing.
     balance_loss, z_loss : bool, optional
-        As for [`Gate`][mumoe_tn.gate_config.Gate]; the balance loss uses the router's full softmax and the top-k
+        As for [`Gate`][mumoe_tn.gates.specs.Gate]; the balance loss uses the router's full softmax and the top-k
         dispatch fractions.
     """
 
@@ -230,8 +225,8 @@ class TopKGate(_LinearLogits):
     def build(
         self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
     ) -> nn.Module:
-        """A [`TopKRouter`][mumoe_tn.gating.TopKRouter] with these options."""
-        from mumoe_tn.gating import TopKRouter
+        """A [`TopKRouter`][mumoe_tn.gates.modules.TopKRouter] with these options."""
+        from mumoe_tn.gates.modules import TopKRouter
 
         return TopKRouter(
             in_features,
@@ -258,7 +253,7 @@ def _as_spec(gate: object) -> GateSpec | None:
     if not isinstance(gate, GateSpec):
         raise TypeError(
             "gate must be True (the default gate), False (not counted) or a gate descriptor with "
-            f"parameter_count, fma_per_token and build (see mumoe_tn.gate_config.GateSpec), got {gate!r}"
+            f"parameter_count, fma_per_token and build (see mumoe_tn.gates.specs.GateSpec), got {gate!r}"
         )
     return gate
 
@@ -319,14 +314,14 @@ def gate_from_options(
     norm: str | None = None,
     init: str | None = None,
 ) -> GateSpec:
-    """The descriptor a layer uses: ``gate`` itself, or a [`Gate`][mumoe_tn.gate_config.Gate] from the short options.
+    """The descriptor a layer uses: ``gate`` itself, or a [`Gate`][mumoe_tn.gates.specs.Gate] from the short options.
 
     Parameters
     ----------
     gate : GateSpec, optional
         A ready descriptor; then the other options must be left unset.
     activation, norm, init : optional
-        [`Gate`][mumoe_tn.gate_config.Gate] fields (defaults ``"entmax15"``, ``"batch"``, ``"default"``).
+        [`Gate`][mumoe_tn.gates.specs.Gate] fields (defaults ``"entmax15"``, ``"batch"``, ``"default"``).
 
     Returns
     -------
@@ -338,7 +333,7 @@ def gate_from_options(
     if isinstance(gate, bool) or not isinstance(gate, GateSpec):
         raise TypeError(
             "gate must be a gate descriptor with parameter_count, fma_per_token and build "
-            f"(e.g. mumoe_tn.gate_config.Gate or TopKGate), got {gate!r}"
+            f"(e.g. mumoe_tn.gates.specs.Gate or TopKGate), got {gate!r}"
         )
     options = {"activation": activation, "gate_norm": norm, "gate_init": init}
     given = [name for name, value in options.items() if value is not None]

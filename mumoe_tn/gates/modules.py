@@ -1,8 +1,9 @@
 """Expert gating modules: ``a_e = φ(norm(G_eᵀ z))`` per expert mode, in float32 or wider.
 
-The modules here are what the descriptors of [`mumoe_tn.gate_config`][mumoe_tn.gate_config] build. Activations
-([`ACTIVATIONS`][mumoe_tn.gating]) and logit norms ([`GATE_NORMS`][mumoe_tn.gating]) are registries: add an entry to
-make a new name available to [`Gate`][mumoe_tn.gate_config.Gate]. Everything stored in a gate
+The modules here are what the descriptors of [`mumoe_tn.gates.specs`][mumoe_tn.gates.specs] build.
+Activations ([`ACTIVATIONS`][mumoe_tn.gates.modules]) and logit norms
+([`GATE_NORMS`][mumoe_tn.gates.modules]) are registries: add an entry to make a new name available to
+[`Gate`][mumoe_tn.gates.specs.Gate]. Everything stored in a gate
 is a module-level function or an ``nn.Module``, so gates pickle, deep-copy and
 ``torch.save`` as whole modules.
 
@@ -23,14 +24,15 @@ gradient from the first step. The layers keep nn.Linear's default init as the de
 BatchNorm is scaled by ``1/√eps`` (about 316), which a random start avoids.
 
 **Auxiliary losses** (opt in with ``balance_loss=True`` / ``z_loss=True``), recorded after
-each forward pass for the calling thread and returned by [`ExpertGate.losses`][mumoe_tn.gating.ExpertGate.losses], in
-the gate's compute dtype (float32, or the input's when wider) and not detached, so a training
+each forward pass for the calling thread and returned by
+[`ExpertGate.losses`][mumoe_tn.gates.modules.ExpertGate.losses], in the gate's compute dtype (float32, or the
+input's when wider) and not detached, so a training
 loop adds them to its loss:
 
 - ``"balance"``: Switch-style ``N_e · Σ_i f_i · P_i`` per mode, averaged over modes, where
   ``f_i`` is the fraction of the batch's routing slots dispatched to expert ``i`` (the top-k
-  experts of a [`TopKRouter`][mumoe_tn.gating.TopKRouter], the arg-max expert of a dense gate) and ``P_i`` the mean
-  router probability of expert ``i`` (the full softmax of a router, the coefficients of a
+  experts of a [`TopKRouter`][mumoe_tn.gates.modules.TopKRouter], the arg-max expert of a dense gate) and
+  ``P_i`` the mean router probability of expert ``i`` (the full softmax of a router, the coefficients of a
   dense gate). It is 1 for perfectly balanced routing; gradients flow through ``P``.
 - ``"z"``: the router z-loss ``mean_tokens (logsumexp logits)²``, averaged over modes, on
   the logits that enter φ (after the norm).
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,8 +50,9 @@ from entmax import entmax_bisect
 from torch import nn
 from torch.nn import functional as F
 
-from mumoe_tn.activations import entmax15, sparsemax
-from mumoe_tn.gate_config import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.entmax import entmax15, sparsemax
+from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.network import expert_leg, normalize_expert_dims
 
 __all__ = [
@@ -58,7 +60,6 @@ __all__ = [
     "GATE_NORMS",
     "ExpertGate",
     "LogitBatchNorm",
-    "PerThreadRecords",
     "TopKRouter",
     "gate_losses",
     "resolve_activation",
@@ -161,7 +162,7 @@ def resolve_activation(activation: str | float) -> Callable[[torch.Tensor], torc
     Parameters
     ----------
     activation : str or float
-        A name of [`ACTIVATIONS`][mumoe_tn.gating] (``"entmax15"``, the paper's default, ``"sparsemax"``,
+        A name of [`ACTIVATIONS`][mumoe_tn.gates.modules] (``"entmax15"``, the paper's default, ``"sparsemax"``,
         ``"softmax"``), or a finite float ``α > 1`` for α-entmax computed by bisection
         (``α = 1.5`` equals entmax15, ``α = 2`` sparsemax).
 
@@ -187,46 +188,12 @@ def resolve_activation(activation: str | float) -> Callable[[torch.Tensor], torc
     return ACTIVATIONS[activation]
 
 
-class _ThreadStore(threading.local):
-    """Thread-local attributes that pickle and deep-copy as empty."""
-
-    def __reduce__(self) -> tuple[type, tuple]:
-        return (type(self), ())
-
-
-class PerThreadRecords(nn.Module):
-    """An ``nn.Module`` that records per-forward values separately for every thread.
-
-    Values recorded in eager mode live in thread-local storage, so concurrent forward passes
-    on one module never see each other's records. While ``torch.compile`` traces the module
-    (dynamo cannot trace thread-local storage) they are kept on the module, shared by threads.
-    Records are dropped by pickling, ``copy.deepcopy`` and ``torch.save``.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._thread_records = _ThreadStore()
-
-    def _remember(self, name: str, value: Any) -> None:
-        if torch.compiler.is_compiling():
-            setattr(self, f"_compiled_{name}", value)
-        else:
-            setattr(self._thread_records, name, value)
-
-    def _recall(self, name: str) -> Any:
-        value = getattr(self._thread_records, name, None)
-        return self.__dict__.get(f"_compiled_{name}") if value is None else value
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {key: value for key, value in self.__dict__.items() if not key.startswith("_compiled_")}
-
-
 class ExpertGate(PerThreadRecords):
     """Gating of every expert mode: ``a_e = φ(norm(G_eᵀ z))`` (paper Eq. 1 / hierarchy-sum).
 
     One bias-free projection ``G_e ∈ R^{I×N_e}`` per expert mode (stored as
     ``projections.n<e>.weight``), a per-mode normalisation of the logits from
-    [`GATE_NORMS`][mumoe_tn.gating] (BatchNorm without affine parameters, as in the paper; LayerNorm without
+    [`GATE_NORMS`][mumoe_tn.gates.modules] (BatchNorm without affine parameters, as in the paper; LayerNorm without
     affine; or none), then φ. The computation runs with autocast disabled in ``float32`` (or
     the input's dtype when wider): entmax row sums drift by about 1 % in bfloat16. A row of
     non-finite logits gives NaN coefficients in that row only.
@@ -238,9 +205,9 @@ class ExpertGate(PerThreadRecords):
     expert_dims : int or Sequence[int]
         ``N_1 … N_E``.
     activation : str or float, optional
-        See [`resolve_activation`][mumoe_tn.gating.resolve_activation]; ``"entmax15"`` by default.
+        See [`resolve_activation`][mumoe_tn.gates.modules.resolve_activation]; ``"entmax15"`` by default.
     norm : str, optional
-        A name of [`GATE_NORMS`][mumoe_tn.gating], ``"batch"`` by default.
+        A name of [`GATE_NORMS`][mumoe_tn.gates.modules], ``"batch"`` by default.
     init : {"default", "zeros"}, optional
         nn.Linear's init, or zero projections (every coefficient starts at ``1/N_e``).
     balance_loss, z_loss : bool, optional
@@ -412,9 +379,9 @@ class TopKRouter(ExpertGate):
     k : int or Sequence[int], optional
         Experts kept per token: one for every mode, or one per mode (each ``1 ≤ k ≤ N_e``).
     norm : str, optional
-        A name of [`GATE_NORMS`][mumoe_tn.gating], ``"none"`` by default.
+        A name of [`GATE_NORMS`][mumoe_tn.gates.modules], ``"none"`` by default.
     init, balance_loss, z_loss, device, dtype
-        As for [`ExpertGate`][mumoe_tn.gating.ExpertGate].
+        As for [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate].
     """
 
     def __init__(

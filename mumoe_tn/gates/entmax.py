@@ -30,7 +30,7 @@ so ``torch.func`` (``vmap``, ``grad``, ``jacrev``, …) works through them.
 Non-finite logits behave as in ``torch.softmax``: a row holding NaN or ``+inf`` (or only
 ``-inf``) gives NaN in that row only, and ``-inf`` entries of other rows get probability 0.
 Huge finite logits (``3e38``) do not overflow: after subtracting the row maximum, entries
-below [`FLOOR`][mumoe_tn.activations] are clamped to it. That is exact, because every entry of the support lies
+below [`FLOOR`][mumoe_tn.gates.entmax] are clamped to it. That is exact, because every entry of the support lies
 within 1 (sparsemax) or 2 (1.5-entmax) of the maximum, so a clamped entry stays outside the
 support and leaves the threshold unchanged.
 """
@@ -103,7 +103,7 @@ def _newton_threshold(rows: torch.Tensor, sparse_map: _Map) -> tuple[torch.Tenso
     """``τ`` of every row of the 2-D, max-shifted ``rows``, and which rows it is exact for.
 
     Starts at ``τ = −1`` (the maximum, 0, alone gives mass ≥ 1 there), takes
-    [`NEWTON_STEPS`][mumoe_tn.activations] steps, then computes the closed-form threshold of the
+    [`NEWTON_STEPS`][mumoe_tn.gates.entmax] steps, then computes the closed-form threshold of the
     support ``{x > τ}``. A row's threshold is exact when that support is the one it implies.
     """
     tau = rows.new_full((rows.shape[0], 1), -1.0)
@@ -141,7 +141,7 @@ def _threshold(x: torch.Tensor, dim: int, sparse_map: _Map) -> torch.Tensor:
 
 
 def _shifted(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` minus its row maximum, floored at [`FLOOR`][mumoe_tn.activations], and the rows softmax makes NaN.
+    """``x`` minus its row maximum, floored at [`FLOOR`][mumoe_tn.gates.entmax], and the rows softmax makes NaN.
 
     A row is bad when the shift yields NaN: a NaN entry, ``+inf`` (``inf - inf``) or only
     ``-inf``. Bad rows are replaced by zeros so the threshold search stays in bounds.

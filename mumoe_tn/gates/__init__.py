@@ -1,0 +1,50 @@
+"""Gates: what a user declares (descriptors, torch-free), what runs (modules), and the entmax kernels.
+
+- [`mumoe_tn.gates.specs`][mumoe_tn.gates.specs]: gate descriptors ([`Gate`][mumoe_tn.gates.specs.Gate],
+  [`TopKGate`][mumoe_tn.gates.specs.TopKGate], the [`GateSpec`][mumoe_tn.gates.specs.GateSpec] protocol) and their
+  costs; no torch.
+- [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules]: the gate modules they build, with the registries of
+  activations and logit norms.
+- [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax]: entmax15 and sparsemax.
+- [`mumoe_tn.gates.records`][mumoe_tn.gates.records]: per-thread records of forward passes.
+
+The descriptors import without torch; the torch names load on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.specs import DEFAULT_GATE, CausalityWarning, Gate, GateSpec, TopKGate
+
+_LAZY = {
+    "ACTIVATIONS": "mumoe_tn.gates.modules",
+    "GATE_NORMS": "mumoe_tn.gates.modules",
+    "ExpertGate": "mumoe_tn.gates.modules",
+    "LogitBatchNorm": "mumoe_tn.gates.modules",
+    "TopKRouter": "mumoe_tn.gates.modules",
+    "gate_losses": "mumoe_tn.gates.modules",
+    "resolve_activation": "mumoe_tn.gates.modules",
+    "entmax15": "mumoe_tn.gates.entmax",
+    "sparsemax": "mumoe_tn.gates.entmax",
+    "PerThreadRecords": "mumoe_tn.gates.records",
+}
+
+__all__ = [
+    "DEFAULT_GATE",
+    "GATE_INITS",
+    "TOKEN_MIXING_NORMS",
+    "CausalityWarning",
+    "Gate",
+    "GateSpec",
+    "TopKGate",
+    *sorted(_LAZY),
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mumoe_tn.gates' has no attribute {name!r}")

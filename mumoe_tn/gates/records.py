@@ -1,0 +1,45 @@
+"""Per-forward records of a module (coefficients, losses, token masks), kept separately for every thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PerThreadRecords"]
+
+
+class _ThreadStore(threading.local):
+    """Thread-local attributes that pickle and deep-copy as empty."""
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (type(self), ())
+
+
+class PerThreadRecords(nn.Module):
+    """An ``nn.Module`` that records per-forward values separately for every thread.
+
+    Values recorded in eager mode live in thread-local storage, so concurrent forward passes
+    on one module never see each other's records. While ``torch.compile`` traces the module
+    (dynamo cannot trace thread-local storage) they are kept on the module, shared by threads.
+    Records are dropped by pickling, ``copy.deepcopy`` and ``torch.save``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._thread_records = _ThreadStore()
+
+    def _remember(self, name: str, value: Any) -> None:
+        if torch.compiler.is_compiling():
+            setattr(self, f"_compiled_{name}", value)
+        else:
+            setattr(self._thread_records, name, value)
+
+    def _recall(self, name: str) -> Any:
+        value = getattr(self._thread_records, name, None)
+        return self.__dict__.get(f"_compiled_{name}") if value is None else value
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if not key.startswith("_compiled_")}
