@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from mumoe_tn.convert import convert
-from mumoe_tn.upcycling import UpcycleWarning
+from mumoe_tn.conversion.convert import convert
+from mumoe_tn.conversion.upcycling import UpcycleWarning
 
 
 def corpus() -> str:

@@ -685,7 +685,7 @@ class MuMoE(SharedGateLayers):
         Normalisation of the gate logits (default ``"batch"``, as in the paper). ``"batch"`` is not
         causal: in training its statistics span every token of the batch, later positions included.
         In an autoregressive model use ``"layer"`` (the paper's authors' advice) or ``"none"``;
-        [`convert`][mumoe_tn.convert.convert] does so for causal models.
+        [`convert`][mumoe_tn.conversion.convert.convert] does so for causal models.
     gate_init : {"default", "zeros"}, optional
         Gate projection init (default nn.Linear's; ``"zeros"`` starts every coefficient at 1/N).
     gate : GateSpec, optional

@@ -7,7 +7,7 @@ layer takes it directly (``layer(x, mask=mask)``), or from the enclosing context
     with token_mask(attention_mask):
         loss = model(input_ids, attention_mask=attention_mask).loss
 
-and a model converted by [`convert`][mumoe_tn.convert.convert] whose ``forward`` takes an
+and a model converted by [`convert`][mumoe_tn.conversion.convert.convert] whose ``forward`` takes an
 ``attention_mask`` sets that context itself on every call. With a mask, BatchNorm gate statistics
 (and their running averages), the balance and z losses, the coefficient records and the analysis
 tools use the real tokens only; outputs at padding positions are finite but otherwise arbitrary.

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mumoe_tn import dense_forward
-from mumoe_tn.adapters import LayerAdapter, adapter_for, linear_view, register_adapter
-from mumoe_tn.convert import convert, find_mlp_blocks
+from mumoe_tn.conversion.adapters import LayerAdapter, adapter_for, linear_view, register_adapter
+from mumoe_tn.conversion.blocks import GatedNames, mlp_parts, register_gated_names
+from mumoe_tn.conversion.convert import convert, find_mlp_blocks
 from mumoe_tn.costs import linear
 from mumoe_tn.gated import MuMoEGatedMLP, gated_mlp_parameters
 from mumoe_tn.layers import MuMoE, MuMoEMLP
-from mumoe_tn.mlp_blocks import GatedNames, mlp_parts, register_gated_names
 
 DTYPE = torch.float64
 NAMED = ("cp", "tr", "tt", "tucker")

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from mumoe_tn.convert import convert, is_causal_model
+from mumoe_tn.conversion.convert import convert, is_causal_model
 from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.gates.specs import CausalityWarning, Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.checkpoints import load_converted, save_converted
-from mumoe_tn.conversion_record import ConversionRecord
-from mumoe_tn.convert import apply_conversion, conversion_record, convert
+from mumoe_tn.conversion.checkpoints import load_converted, save_converted
+from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
+from mumoe_tn.conversion.record import ConversionRecord
 from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP

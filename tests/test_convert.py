@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mumoe_tn import MuMoE, dense_forward, materialize
-from mumoe_tn.convert import convert, decompose_dense, find_mlp_blocks, upcycle_linear
+from mumoe_tn.conversion.convert import convert, decompose_dense, find_mlp_blocks, upcycle_linear
+from mumoe_tn.conversion.interop import from_tltorch, to_tltorch
 from mumoe_tn.costs import block_parameters, layer_parameters, linear, mlp
 from mumoe_tn.decompositions import build, get_format
-from mumoe_tn.interop import from_tltorch, to_tltorch
 from mumoe_tn.layers import MuMoEMLP
 
 DTYPE = torch.float64
@@ -330,3 +330,16 @@ def test_upcycling_into_more_components_than_the_linear_has_is_exact(name, rank)
     assert error < 1e-12
     x = torch.randn(5, 3, dtype=DTYPE)
     torch.testing.assert_close(layer(x), original(x))
+
+
+def test_mumoe_tn_convert_is_always_the_function():
+    import sys
+
+    import mumoe_tn
+    import mumoe_tn.conversion.convert  # importing the submodule must not shadow the function
+
+    from mumoe_tn import convert as top
+    from mumoe_tn.conversion import convert as package
+
+    module = sys.modules["mumoe_tn.conversion.convert"]
+    assert callable(top) and top is package is mumoe_tn.convert is mumoe_tn.conversion.convert is module.convert

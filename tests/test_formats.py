@@ -19,6 +19,7 @@ from torch import nn
 from mumoe_tn import ExpertNetwork, MuMoE, MuMoEMLP
 from mumoe_tn.cli import main
 from mumoe_tn.contractions import materialize
+from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_experts, upcycle_linear
 from mumoe_tn.costs import (
     MatchingWarning,
     compare,
@@ -31,7 +32,6 @@ from mumoe_tn.costs import (
 from mumoe_tn.decompositions import Format, available, build, cp, get_format, normalize_ranks, tr, unregister
 from mumoe_tn.init import init_cores
 from mumoe_tn.network import physical_sizes
-from mumoe_tn.upcycling import decompose_dense, upcycle_experts, upcycle_linear
 
 HT_SPEC = "U1: n1 a, U2: n2 b, Ui: i c, Uo: o d, L: a b e, R: c d e"
 

@@ -10,7 +10,7 @@ from pydoc_data.topics import topics
 import pytest
 import torch
 
-from mumoe_tn.convert import convert, find_mlp_blocks
+from mumoe_tn.conversion.convert import convert, find_mlp_blocks
 from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mumoe_tn.analysis import collect_coefficients
-from mumoe_tn.convert import conversion_record, convert
+from mumoe_tn.conversion.convert import conversion_record, convert
 from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.gates.modules import gate_losses
 from mumoe_tn.gates.specs import Gate, TopKGate

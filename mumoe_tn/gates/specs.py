@@ -135,7 +135,7 @@ class Gate(_LinearLogits):
         paper), ``"layer"`` (LayerNorm without affine) or ``"none"``. ``"batch"`` is not causal:
         in training mode its statistics come from every token of the batch, later positions
         included; autoregressive models need ``"layer"`` or ``"none"`` (the paper's authors advise
-        LayerNorm there), which [`convert`][mumoe_tn.convert.convert] chooses for causal models.
+        LayerNorm there), which [`convert`][mumoe_tn.conversion.convert.convert] chooses for causal models.
     init : {"default", "zeros"}, optional
         ``"default"``: nn.Linear's initialisation; ``"zeros"``: all projections zero, so every
         coefficient starts at ``1/N_e`` (the authors' GPT-2 configuration; entmax15, sparsemax

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.adapters import LinearView, linear_view
-from mumoe_tn.conversion_record import (
+from mumoe_tn.conversion.adapters import LinearView, linear_view
+from mumoe_tn.conversion.blocks import MLPParts, mlp_parts
+from mumoe_tn.conversion.record import (
     EXECUTION_OPTIONS,
     RECORD_KEY,
     ConversionRecord,
@@ -23,13 +24,12 @@ from mumoe_tn.conversion_record import (
     network_from_data,
     network_to_data,
 )
+from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_experts, upcycle_linear, warn_if_inexact
 from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.gates.specs import CausalityWarning, gate_from_options
 from mumoe_tn.layers import Decomposition, FactorizedExperts, MuMoE, MuMoEMLP
 from mumoe_tn.masking import accepts_argument, install_mask_hook
-from mumoe_tn.mlp_blocks import MLPParts, mlp_parts
 from mumoe_tn.network import ExpertNetwork
-from mumoe_tn.upcycling import decompose_dense, upcycle_experts, upcycle_linear, warn_if_inexact
 
 __all__ = [
     "ConversionReport",
@@ -42,7 +42,7 @@ __all__ = [
     "is_causal_model",
     "upcycle_linear",
 ]
-# decompose_dense and upcycle_linear live in mumoe_tn.upcycling; re-exported here for convenience.
+# decompose_dense and upcycle_linear live in mumoe_tn.conversion.upcycling; re-exported here for convenience.
 
 Selector = str | Callable[[str, nn.Module], bool] | None
 
@@ -58,7 +58,7 @@ class Replacement:
         Qualified name of the replaced module (an MLP block's name for blocks).
     kind : {"linear", "mlp", "gated", "split"}
         A linear layer, a plain MLP block, a gated (SwiGLU/GeGLU) block, or a BERT-style block
-        split across two sibling modules (see [`mumoe_tn.mlp_blocks`][mumoe_tn.mlp_blocks]).
+        split across two sibling modules (see [`mumoe_tn.conversion.blocks`][mumoe_tn.conversion.blocks]).
     params_before, params_after : int
         Parameters of the replaced layers and of their μMoE replacement.
     expert_dims : tuple of int
@@ -85,14 +85,14 @@ class Replacement:
 
 @dataclass
 class ConversionReport:
-    """What [`convert`][mumoe_tn.convert.convert] replaced.
+    """What [`convert`][mumoe_tn.conversion.convert.convert] replaced.
 
     Attributes
     ----------
     replacements : list of Replacement
         One per replaced module.
     causal : bool
-        Whether the model was treated as causal (see [`is_causal_model`][mumoe_tn.convert.is_causal_model]).
+        Whether the model was treated as causal (see [`is_causal_model`][mumoe_tn.conversion.convert.is_causal_model]).
     notes : list of str
         Choices conversion made for the user (e.g. the causal-safe gate), printed under the table.
     """
@@ -145,13 +145,14 @@ def _select(selector: Selector, argument: str) -> Callable[[str, nn.Module], boo
 
 
 def find_mlp_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the modules of ``model`` that [`convert`][mumoe_tn.convert.convert] treats as MLP blocks.
+    """Qualified names of the modules of ``model`` that ``convert`` treats as MLP blocks.
 
     Plain two-layer MLPs (``nn.Linear``, Hugging Face ``Conv1D`` or any layer type registered
-    with [`mumoe_tn.adapters.register_adapter`][mumoe_tn.adapters.register_adapter]), gated MLPs (Llama-style
+    with [`mumoe_tn.conversion.adapters.register_adapter`][mumoe_tn.conversion.adapters.register_adapter]), gated
+    MLPs (Llama-style
     ``gate_proj/up_proj/down_proj``, timm ``SwiGLU``/``GluMlp``) and BERT-style layers whose MLP
     is split into ``intermediate`` and ``output`` (the layer's name is listed); see
-    [`mumoe_tn.mlp_blocks`][mumoe_tn.mlp_blocks].
+    [`mumoe_tn.conversion.blocks`][mumoe_tn.conversion.blocks].
     """
     return [name for name, module in model.named_modules() if name and mlp_parts(module) is not None]
 
@@ -163,7 +164,7 @@ def is_causal_model(model: nn.Module) -> bool:
     or any submodule declares causal attention with ``is_causal = True`` (the attention modules
     of GPT-2, Llama, Mistral, Qwen, T5's decoder and many more do). A model whose causality lives
     only in the mask it is called with (e.g. ``nn.MultiheadAttention`` with a triangular
-    ``attn_mask``) cannot be recognised: tell [`convert`][mumoe_tn.convert.convert] with ``causal=True``.
+    ``attn_mask``) cannot be recognised: tell [`convert`][mumoe_tn.conversion.convert.convert] with ``causal=True``.
 
     Parameters
     ----------
@@ -345,7 +346,8 @@ def convert(
     """Replace chosen linear layers and MLP blocks of ``model`` with μMoE layers, in place.
 
     Linear layers are any module with an adapter (``nn.Linear``, Hugging Face ``Conv1D``, or a
-    type registered with [`mumoe_tn.adapters.register_adapter`][mumoe_tn.adapters.register_adapter]). Every replacement
+    type registered with
+    [`mumoe_tn.conversion.adapters.register_adapter`][mumoe_tn.conversion.adapters.register_adapter]). Every replacement
     is built (and upcycled) before the model is touched, so a failing conversion leaves the model
     as it was. A replacement keeps the replaced module's train/eval mode; it is frozen
     (``requires_grad=False`` on all its parameters) when every parameter it replaces was
@@ -361,32 +363,37 @@ def convert(
         Linear layers to replace with [`MuMoE`][mumoe_tn.layers.MuMoE]: a regex searched in the
         qualified module name, or a predicate ``(name, module) -> bool``.
     mlps : str or Callable, optional
-        MLP blocks (see [`find_mlp_blocks`][mumoe_tn.convert.find_mlp_blocks]) to replace, selected the same way: plain
+        MLP blocks (see [`find_mlp_blocks`][mumoe_tn.conversion.convert.find_mlp_blocks]) to replace, selected the
+        same way: plain
         blocks by [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP], gated ones by
         [`MuMoEGatedMLP`][mumoe_tn.gated.MuMoEGatedMLP]. Dropout inside a block is not carried over.
     decomposition : str or Callable, optional
         Decomposition of every new layer.
     rank : int or Sequence[int] or "match" or "exact" or None, optional
         ``"match"`` (default) parameter-matches each replacement to what it replaces (gating
-        counted); ``"exact"`` (or None, as for [`upcycle_linear`][mumoe_tn.upcycling.upcycle_linear]) gives each the
+        counted); ``"exact"`` (or None, as for [`upcycle_linear`][mumoe_tn.conversion.upcycling.upcycle_linear])
+        gives each the
         smallest ranks at which every expert can equal the replaced layers (see
         [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]); otherwise explicit ranks.
     upcycle : bool, optional
         Start every expert of each new layer as the layer it replaces (for blocks: each of the
-        block's layers; see [`mumoe_tn.upcycling.upcycle_experts`][mumoe_tn.upcycling.upcycle_experts]). With
+        block's layers; see
+        [`mumoe_tn.conversion.upcycling.upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts]). With
         ``rank="exact"`` the converted model computes what the original did, for any gate output, up
         to rounding. At other ranks each layer is the best approximation the format's closed form
         gives (the Eckart–Young truncation of its matrix for CP, TR, TT and Tucker) or the generic
-        fit finds; the report gives the error, and an [`UpcycleWarning`][mumoe_tn.upcycling.UpcycleWarning] names
-        every module whose error exceeds [`upcycle_threshold`][mumoe_tn.upcycling.upcycle_threshold] with the exact
+        fit finds; the report gives the error, and an
+        [`UpcycleWarning`][mumoe_tn.conversion.upcycling.UpcycleWarning] names
+        every module whose error exceeds [`upcycle_threshold`][mumoe_tn.conversion.upcycling.upcycle_threshold]
+        with the exact
         rank. Parameter-matched ranks are usually far below it: upcycling then starts the model
         close to, not at, the original.
     max_iter, tol, progress : optional
         Bounds and progress bar of the generic fit for networks without a closed form (see
-        [`mumoe_tn.upcycling.upcycle_experts`][mumoe_tn.upcycling.upcycle_experts]).
+        [`mumoe_tn.conversion.upcycling.upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts]).
     causal : bool, optional
         Whether the model is autoregressive (default: recognised by
-        [`is_causal_model`][mumoe_tn.convert.is_causal_model]). In a causal model a gate must be
+        [`is_causal_model`][mumoe_tn.conversion.convert.is_causal_model]). In a causal model a gate must be
         token-wise in training too: without gate options, every gate then normalises its logits per
         token (``gate_norm="layer"``) and the report says so; a gate with batch statistics
         (``gate_norm="batch"``) gives a [`CausalityWarning`][mumoe_tn.gates.specs.CausalityWarning].
@@ -492,7 +499,7 @@ def _hf_config(model: nn.Module) -> Any:
 
 
 def conversion_record(model: nn.Module) -> ConversionRecord | None:
-    """The record of what [`convert`][mumoe_tn.convert.convert] did to a model (None if nothing).
+    """The record of what [`convert`][mumoe_tn.conversion.convert.convert] did to a model (None if nothing).
 
     Parameters
     ----------
@@ -568,7 +575,7 @@ def apply_conversion(model: nn.Module, record: ConversionRecord | Mapping[str, A
     model : nn.Module
         A model built like the one that was converted (same class and configuration), not yet converted.
     record : ConversionRecord or Mapping or str
-        The record (from [`conversion_record`][mumoe_tn.convert.conversion_record], its ``to_dict()``, or its
+        The record (from [`conversion_record`][mumoe_tn.conversion.convert.conversion_record], its ``to_dict()``, or its
         JSON).
 
     Returns

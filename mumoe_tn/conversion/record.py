@@ -1,12 +1,14 @@
 """The conversion of a model as plain data: which modules became which μMoE layers, saved with checkpoints.
 
-[`convert`][mumoe_tn.convert.convert] writes a [`ConversionRecord`][mumoe_tn.conversion_record.ConversionRecord]
+[`convert`][mumoe_tn.conversion.convert.convert] writes a
+[`ConversionRecord`][mumoe_tn.conversion.record.ConversionRecord]
 for every model it changes: for each replaced module its paths, its kind, the expert network of every
 factorized layer (cores, labels, sizes and format name), the gate descriptor and the execution
 options. It is JSON-able data — for a Hugging Face model it lives in ``model.config`` under
 ``"mumoe_conversion"`` and so travels in ``config.json`` — and
-[`apply_conversion`][mumoe_tn.convert.apply_conversion] replays it on a fresh copy of the original
-model, after which the checkpoint's state dict loads as it is (see [`mumoe_tn.checkpoints`][mumoe_tn.checkpoints]).
+[`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion] replays it on a fresh copy of the original
+model, after which the checkpoint's state dict loads as it is (see
+[`mumoe_tn.conversion.checkpoints`][mumoe_tn.conversion.checkpoints]).
 
 Nothing in a record is executed: a gate descriptor is rebuilt only from a class that is already
 imported (mumoe_tn's own, or one the user's code imported), and a format only from the registry.
@@ -61,7 +63,7 @@ def network_to_data(network: ExpertNetwork) -> dict[str, Any]:
 
 
 def network_from_data(data: Mapping[str, Any]) -> ExpertNetwork:
-    """The expert network described by [`network_to_data`][mumoe_tn.conversion_record.network_to_data]'s output.
+    """The expert network described by [`network_to_data`][mumoe_tn.conversion.record.network_to_data]'s output.
 
     Raises
     ------
@@ -110,7 +112,7 @@ def gate_to_data(spec: object) -> dict[str, Any]:
 
 
 def gate_from_data(data: Mapping[str, Any]) -> object:
-    """The gate descriptor described by [`gate_to_data`][mumoe_tn.conversion_record.gate_to_data]'s output.
+    """The gate descriptor described by [`gate_to_data`][mumoe_tn.conversion.record.gate_to_data]'s output.
 
     A class of mumoe_tn is imported if needed; any other class must already be imported (a record
     never imports code of its own accord).
@@ -140,7 +142,7 @@ class ConvertedModule:
     paths : tuple of str
         Every qualified name the replaced module sat at (a shared module has several).
     kind : {"linear", "mlp", "gated", "split"}
-        What was replaced (see [`Replacement`][mumoe_tn.convert.Replacement]).
+        What was replaced (see [`Replacement`][mumoe_tn.conversion.convert.Replacement]).
     networks : tuple of (str, dict)
         ``(role, network)`` for every factorized layer in the block's order (``"layer"``; ``"up"``,
         ``"down"``; ``"gate"``, ``"up"``, ``"down"``), each network as data.
@@ -169,7 +171,7 @@ class ConvertedModule:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ConvertedModule:
-        """Read the output of [`to_dict`][mumoe_tn.conversion_record.ConvertedModule.to_dict]."""
+        """Read the output of [`to_dict`][mumoe_tn.conversion.record.ConvertedModule.to_dict]."""
         names = {field.name for field in dataclasses.fields(cls)}
         if not isinstance(data, Mapping) or set(data) != names:
             got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
@@ -185,8 +187,8 @@ class ConversionRecord:
     """Every module conversion replaced in a model, in the order it replaced them.
 
     Replay it on a fresh copy of the original model with
-    [`apply_conversion`][mumoe_tn.convert.apply_conversion]; read it from a model with
-    [`conversion_record`][mumoe_tn.convert.conversion_record].
+    [`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion]; read it from a model with
+    [`conversion_record`][mumoe_tn.conversion.convert.conversion_record].
     """
 
     modules: tuple[ConvertedModule, ...] = ()
@@ -208,7 +210,7 @@ class ConversionRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ConversionRecord:
-        """Read the output of [`to_dict`][mumoe_tn.conversion_record.ConversionRecord.to_dict].
+        """Read the output of [`to_dict`][mumoe_tn.conversion.record.ConversionRecord.to_dict].
 
         Raises
         ------

@@ -1,9 +1,11 @@
 """Recognise MLP blocks in existing models: plain, gated (SwiGLU/GeGLU), packed-gated, split.
 
-Four shapes are recognised, each read through [`mumoe_tn.adapters`][mumoe_tn.adapters] (so ``nn.Linear``,
+Four shapes are recognised, each read through [`mumoe_tn.conversion.adapters`][mumoe_tn.conversion.adapters] (so
+``nn.Linear``,
 Hugging Face ``Conv1D`` and any registered layer type count as linear layers):
 
-- **gated**: children named as in a registered [`GatedNames`][mumoe_tn.mlp_blocks.GatedNames] — Llama/Mistral/Qwen/Gemma
+- **gated**: children named as in a registered [`GatedNames`][mumoe_tn.conversion.blocks.GatedNames] —
+Llama/Mistral/Qwen/Gemma
   ``gate_proj, up_proj, down_proj, act_fn`` and timm ``SwiGLU`` ``fc1_g, fc1_x, fc2, act``;
   computes ``down(act(gate(z)) ⊙ up(z))``.
 - **packed gated**: one projection holding both halves — timm ``GluMlp``/``SwiGLUPacked``
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mumoe_tn.adapters import LinearView, linear_view
+from mumoe_tn.conversion.adapters import LinearView, linear_view
 
 __all__ = ["GatedNames", "MLPParts", "mlp_parts", "register_gated_names"]
 
@@ -63,7 +65,13 @@ _PACKED_CLASSES = {"timm.layers.mlp.GluMlp": GatedNames("fc1", None, "fc2", "act
 
 
 def register_gated_names(names: GatedNames) -> None:
-    """Recognise a further gated MLP layout by its child names (see [`GatedNames`][mumoe_tn.mlp_blocks.GatedNames])."""
+    """Recognise a further gated MLP layout by its child names.
+
+    Parameters
+    ----------
+    names : GatedNames
+        The child names of the layout (see [`GatedNames`][mumoe_tn.conversion.blocks.GatedNames]).
+    """
     if not isinstance(names, GatedNames):
         raise TypeError(f"names must be a GatedNames, got {type(names).__name__}")
     _GATED.insert(0, names)

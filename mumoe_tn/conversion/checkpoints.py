@@ -1,10 +1,10 @@
 """Save a converted model and load it back as itself: Hugging Face directories and safetensors files.
 
-A converted model carries its [`ConversionRecord`][mumoe_tn.conversion_record.ConversionRecord]. Saving writes
+A converted model carries its [`ConversionRecord`][mumoe_tn.conversion.record.ConversionRecord]. Saving writes
 the record next to the weights — in ``config.json`` for a Hugging Face model (``save_pretrained``
 does it: the record lives in ``model.config``), in the file's metadata for a safetensors file —
 and loading builds the original model, replays the record with
-[`apply_conversion`][mumoe_tn.convert.apply_conversion] and loads the weights, checking every key
+[`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion] and loads the weights, checking every key
 and shape first:
 
 ```python
@@ -17,7 +17,7 @@ model = load_converted(build_model(), "converted.safetensors")
 
 ``GPT2LMHeadModel.from_pretrained("converted")`` alone cannot know about the conversion: it builds
 the dense model and transformers reports the μMoE weights as unused. Load converted checkpoints
-with [`load_converted`][mumoe_tn.checkpoints.load_converted].
+with [`load_converted`][mumoe_tn.conversion.checkpoints.load_converted].
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion_record import RECORD_KEY, ConversionRecord
-from mumoe_tn.convert import apply_conversion, conversion_record
+from mumoe_tn.conversion.convert import apply_conversion, conversion_record
+from mumoe_tn.conversion.record import RECORD_KEY, ConversionRecord
 
 __all__ = ["load_converted", "save_converted"]
 
@@ -50,7 +50,7 @@ def save_converted(model: nn.Module, path: str | os.PathLike, **save_options: An
     Parameters
     ----------
     model : nn.Module
-        A model changed by [`convert`][mumoe_tn.convert.convert].
+        A model changed by [`convert`][mumoe_tn.conversion.convert.convert].
     path : str or PathLike
         For a Hugging Face model (one with ``save_pretrained``): a directory, written by
         ``model.save_pretrained(path, **save_options)`` (the record is in its config). For any
@@ -85,7 +85,7 @@ def save_converted(model: nn.Module, path: str | os.PathLike, **save_options: An
 def load_converted(
     model: nn.Module | type, path: str | os.PathLike, *, dtype: torch.dtype | None = None, strict: bool = True
 ) -> nn.Module:
-    """Load a converted model saved by ``save_pretrained`` or [`save_converted`][mumoe_tn.checkpoints.save_converted].
+    """Load a converted model saved by ``save_pretrained`` or ``save_converted``, with its conversion.
 
     Parameters
     ----------
