@@ -337,7 +337,6 @@ def test_mumoe_tn_convert_is_always_the_function():
 
     import mumoe_tn
     import mumoe_tn.conversion.convert  # importing the submodule must not shadow the function
-
     from mumoe_tn import convert as top
     from mumoe_tn.conversion import convert as package
 
