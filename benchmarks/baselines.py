@@ -12,7 +12,7 @@ authors' READMEs show; a peer that is not installed is reported, not faked.
   top-2 router with capacity factors (ST-MoE); its auxiliary losses are not back-propagated.
 - The paper's appendix "Fast μMoE implementations" (CP and TR, one and two expert modes),
   transcribed with ``torch.einsum`` (the paper's ``einops.einsum`` calls it) over the very
-  cores of a :class:`~mumoe_tn.layers.FactorizedExperts`.
+  cores of a :class:`~mumoe_tn.layers.experts.FactorizedExperts`.
 """
 
 from __future__ import annotations

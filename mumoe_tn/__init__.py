@@ -24,7 +24,7 @@ _LAZY = {
     "FactorizedExperts": "mumoe_tn.layers",
     "MuMoE": "mumoe_tn.layers",
     "MuMoEMLP": "mumoe_tn.layers",
-    "MuMoEGatedMLP": "mumoe_tn.gated",
+    "MuMoEGatedMLP": "mumoe_tn.layers.mlp",
     "Gate": "mumoe_tn.gates.specs",
     "TopKGate": "mumoe_tn.gates.specs",
     "compare": "mumoe_tn.costs",
@@ -38,7 +38,7 @@ _LAZY = {
     "dense_forward": "mumoe_tn.contractions.dense",
     "expert_matrix": "mumoe_tn.contractions.dense",
     "materialize": "mumoe_tn.contractions.dense",
-    "init_cores": "mumoe_tn.init",
+    "init_cores": "mumoe_tn.layers.init",
     "plan_forward": "mumoe_tn.contractions.plan",
     "token_mask": "mumoe_tn.masking",
 }

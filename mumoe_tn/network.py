@@ -98,7 +98,8 @@ class ExpertNetwork:
     cores : Mapping[str, str | Sequence[str]]
         Ordered mapping of core name to its labels, either as a sequence of labels or as a
         whitespace-separated string (``"n1 r"``). Core names must be Python identifiers; they
-        become parameter names in [`mumoe_tn.layers.FactorizedExperts`][mumoe_tn.layers.FactorizedExperts].
+        become parameter names in
+        [`mumoe_tn.layers.experts.FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
     sizes : Mapping[str, int]
         Size of every label: the physical legs ``n1``…``nE`` (``N_e``), ``i`` (``I``, or ``I+1``
         when a bias is folded in), ``o`` (``O``) and every bond.

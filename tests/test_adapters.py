@@ -13,8 +13,8 @@ from mumoe_tn.conversion.adapters import LayerAdapter, adapter_for, linear_view,
 from mumoe_tn.conversion.blocks import GatedNames, mlp_parts, register_gated_names
 from mumoe_tn.conversion.convert import convert, find_mlp_blocks
 from mumoe_tn.costs import linear
-from mumoe_tn.gated import MuMoEGatedMLP, gated_mlp_parameters
 from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers.mlp import MuMoEGatedMLP, gated_mlp_parameters
 
 DTYPE = torch.float64
 NAMED = ("cp", "tr", "tt", "tucker")

@@ -102,7 +102,7 @@ def test_ablation_in_mlp_block_and_errors():
     with pytest.raises(ValueError, match=r"first dimension must be 8"):
         with ablate(block, [[(0, 0)], [(1, 1)]], group_size=4):
             block(x)
-    with pytest.raises(TypeError, match=r"layer must be a MuMoE or MuMoEMLP"):
+    with pytest.raises(TypeError, match=r"layer must be a μMoE layer"):
         with ablate(nn.Linear(2, 2), [0]):
             pass
 
@@ -270,7 +270,7 @@ BAD_CALLS = {
         r"mean holds NaN",
     ),
     "blind head": (lambda m: blind_threshold(m.layer, -5), ValueError, r"head -5 is out of range"),
-    "blind layer": (lambda m: blind_threshold(nn.Linear(2, 2), 0), TypeError, r"layer must be a MuMoE"),
+    "blind layer": (lambda m: blind_threshold(nn.Linear(2, 2), 0), TypeError, r"layer must be a μMoE layer"),
     "poly float labels": (
         lambda m: class_polysemanticity(m, m.layer, X, LABELS.float()),
         TypeError,

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mumoe_tn.conversion.convert import convert, is_causal_model
-from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.gates.specs import CausalityWarning, Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -11,9 +11,9 @@ from torch import nn
 from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
 from mumoe_tn.conversion.record import ConversionRecord
-from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

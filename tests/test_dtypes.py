@@ -13,9 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 

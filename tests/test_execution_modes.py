@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import any_network, named_networks
 
-import mumoe_tn.layers as layers
+import mumoe_tn.layers.experts as layers
 from mumoe_tn.contractions import constant_steps, dense_forward, per_call_fma, plan_forward, plan_inference
 from mumoe_tn.decompositions import build
 from mumoe_tn.layers import FactorizedExperts

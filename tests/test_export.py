@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 BLOCKS = {
     "layer": lambda: MuMoE(12, 10, (3, 4), "tr", 4),

@@ -30,7 +30,7 @@ from mumoe_tn.costs import (
     rank_bound,
 )
 from mumoe_tn.decompositions import Format, available, build, cp, get_format, normalize_ranks, tr, unregister
-from mumoe_tn.init import init_cores
+from mumoe_tn.layers.init import init_cores
 from mumoe_tn.network import physical_sizes
 
 HT_SPEC = "U1: n1 a, U2: n2 b, Ui: i c, Uo: o d, L: a b e, R: c d e"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mumoe_tn.conversion.convert import convert, find_mlp_blocks
-from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -92,7 +92,7 @@ def test_generator_makes_init_reproducible():
 
 
 def test_default_expert_noise_has_one_value_per_mode():
-    from mumoe_tn.init import default_expert_noise
+    from mumoe_tn.layers.init import default_expert_noise
 
     assert default_expert_noise(1) == (1.0,)
     assert default_expert_noise(3) == (1.0, 0.0, 0.0)

@@ -14,11 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn import FactorizedExperts, MuMoE, layers
+from mumoe_tn import FactorizedExperts, MuMoE
 from mumoe_tn.contractions import autotune_candidates
 from mumoe_tn.decompositions import build
 from mumoe_tn.gates.specs import Gate
 from mumoe_tn.layers import MuMoEMLP
+from mumoe_tn.layers import experts as layers
 from mumoe_tn.network import BATCH_LABEL
 
 DTYPE = torch.float64

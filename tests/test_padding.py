@@ -105,7 +105,7 @@ def test_a_layer_pads_its_large_bond_and_gives_the_unpadded_result(monkeypatch):
         seen.append([tuple(t.shape) for t in operands[:3]])
         return real_run_plan(plan, operands, **kwargs)
 
-    monkeypatch.setattr("mumoe_tn.layers.run_plan", spy)
+    monkeypatch.setattr("mumoe_tn.layers.experts.run_plan", spy)
     z = torch.randn(6, 3, dtype=DTYPE, requires_grad=True)
     a = [torch.rand(6, 3, dtype=DTYPE)]
     for recompute in (False, True):
@@ -137,7 +137,7 @@ def test_inference_constants_come_from_the_unpadded_cores(monkeypatch):
         seen.append((kwargs.get("constants"), [tuple(t.shape) for t in operands[: len(layer.network.cores)]]))
         return real_run_plan(plan, operands, **kwargs)
 
-    monkeypatch.setattr("mumoe_tn.layers.run_plan", spy)
+    monkeypatch.setattr("mumoe_tn.layers.experts.run_plan", spy)
     x = torch.randn(3, 4, dtype=DTYPE)
     with torch.no_grad():
         cached = layer(x)
@@ -188,7 +188,7 @@ def test_chunks_share_one_padded_copy_of_the_cores(monkeypatch):
         calls.append(1)
         return real_pad_cores(*args)
 
-    monkeypatch.setattr("mumoe_tn.layers.pad_cores", counted)
+    monkeypatch.setattr("mumoe_tn.layers.experts.pad_cores", counted)
     layer = _cp_with_large_rank()
     expected = _cp_with_large_rank(pad_bonds=None)
     layer.chunk_size = expected.chunk_size = 4
@@ -223,7 +223,7 @@ def test_the_compiled_layer_pads_and_matches_the_unpadded_eager_layer(monkeypatc
         padded_shapes.append(dict(padding))
         return real_pad_cores(cores, labels, padding)
 
-    monkeypatch.setattr("mumoe_tn.layers.pad_cores", noted)
+    monkeypatch.setattr("mumoe_tn.layers.experts.pad_cores", noted)
     compiled = torch.compile(layer, fullgraph=True)(x)
     assert padded_shapes and padded_shapes[0] == {"r": 304}  # traced through the padding
     torch.testing.assert_close(compiled, expected, rtol=1e-4, atol=1e-5)

@@ -255,15 +255,15 @@ def test_plan_cache_is_least_recently_used():
 
 
 def test_concurrent_forwards_with_a_one_plan_cache(monkeypatch):
-    import mumoe_tn.layers
+    import mumoe_tn.layers.experts
 
-    real = mumoe_tn.layers.plan_forward
+    real = mumoe_tn.layers.experts.plan_forward
 
     def slow_plan_forward(*args, **kwargs):  # planning yields the GIL: threads interleave
         time.sleep(0.002)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mumoe_tn.layers, "plan_forward", slow_plan_forward)
+    monkeypatch.setattr(mumoe_tn.layers.experts, "plan_forward", slow_plan_forward)
     torch.manual_seed(0)
     module = FactorizedExperts(build("tr", (3, 2), 4, 5, 2), max_plans=1, dtype=DTYPE)
     calls = [random_call(module.network, batch, seed=batch) for batch in (1, 3, 5, 9, 17, 33, 65, 129)]

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from mumoe_tn.analysis import collect_coefficients
 from mumoe_tn.conversion.convert import conversion_record, convert
-from mumoe_tn.gated import MuMoEGatedMLP
 from mumoe_tn.gates.modules import gate_losses
 from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers.mlp import MuMoEGatedMLP
 from mumoe_tn.masking import token_mask
 
 GATES = st.one_of(

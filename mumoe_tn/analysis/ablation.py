@@ -4,7 +4,8 @@ The μMoE output is linear in every coefficient vector, so zeroing coefficient `
 zeroing the slice ``W[…, n, …]`` of the dense tensor along mode ``e``. For one expert mode that
 *is* switching expert ``n`` off. In a hierarchical layer a single expert is a multi-index
 ``(n_1, …, n_E)``; its contribution ``a_{1,n_1}⋯a_{E,n_E}·W_{n_1…n_E}ᵀ z`` is subtracted, with
-its matrix computed from the cores ([`FactorizedExperts.expert`][mumoe_tn.layers.FactorizedExperts.expert]), never from
+its matrix computed from the cores
+([`FactorizedExperts.expert`][mumoe_tn.layers.experts.FactorizedExperts.expert]), never from
 ``W``.
 
 Ablations can differ per group of samples: with ``group_size=B`` the first input dimension
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from mumoe_tn.analysis.validation import check_int, check_layer
-from mumoe_tn.layers import FactorizedExperts, MuMoE, MuMoEMLP
+from mumoe_tn.layers import FactorizedExperts, MuMoEBase
 
 __all__ = ["ExpertAblation", "ablate"]
 
@@ -178,12 +179,12 @@ class ExpertAblation:
 
 
 @contextmanager
-def ablate(layer: MuMoE | MuMoEMLP, experts: object, *, group_size: int | None = None) -> Iterator[ExpertAblation]:
+def ablate(layer: MuMoEBase, experts: object, *, group_size: int | None = None) -> Iterator[ExpertAblation]:
     """Switch experts off inside ``layer`` for the duration of a ``with`` block.
 
     Parameters
     ----------
-    layer : MuMoE or MuMoEMLP
+    layer : MuMoEBase
         The layer (weights are never modified).
     experts : int, tuple, or sequence of them
         Without ``group_size``: the experts to switch off (ints for one expert mode, tuples

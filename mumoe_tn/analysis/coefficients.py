@@ -1,7 +1,7 @@
 """Expert coefficients of every μMoE layer of a model, collected with forward hooks.
 
-Nothing in the model is edited: a forward hook on each [`MuMoE`][mumoe_tn.layers.MuMoE] /
-[`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP] reads ``last_coefficients`` after every call. Memory stays
+Nothing in the model is edited: a forward hook on each [`MuMoE`][mumoe_tn.layers.moe.MuMoE] /
+[`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] reads ``last_coefficients`` after every call. Memory stays
 bounded for any expert count: per expert mode, running sums, a load count, a running top-k of
 activating rows, and the coefficient-weighted sum of the layer's inputs (for cluster centres).
 Rows are counted in the order the layer sees them (``row = sample · tokens + token`` for
@@ -17,15 +17,15 @@ import torch
 from torch import nn
 
 from mumoe_tn.analysis.validation import check_callable, check_int, check_model, check_real, check_tensor
-from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers import MuMoEBase
 
 __all__ = ["ExpertStatistics", "LayerCoefficients", "collect_coefficients", "mumoe_layers"]
 
 
-def mumoe_layers(model: nn.Module) -> dict[str, MuMoE | MuMoEMLP]:
+def mumoe_layers(model: nn.Module) -> dict[str, MuMoEBase]:
     """Every μMoE layer of ``model`` by qualified name (the model itself is named ``""``)."""
     check_model("model", model)
-    return {name: module for name, module in model.named_modules() if isinstance(module, (MuMoE, MuMoEMLP))}
+    return {name: module for name, module in model.named_modules() if isinstance(module, MuMoEBase)}
 
 
 @dataclass
@@ -170,7 +170,8 @@ def collect_coefficients(
     Parameters
     ----------
     model : nn.Module
-        Any model containing [`MuMoE`][mumoe_tn.layers.MuMoE] / [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP] layers (put it in
+        Any model containing [`MuMoE`][mumoe_tn.layers.moe.MuMoE] / [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP]
+        layers (put it in
         ``eval()`` mode yourself if its gates use BatchNorm).
     batches : Iterable
         Inputs (a DataLoader, a list …); each is passed to ``forward``.
@@ -224,7 +225,7 @@ def collect_coefficients(
     if unknown:
         raise ValueError(f"no μMoE layer named {unknown}; the model has {list(found)}")
     if not names:
-        raise ValueError("the model has no MuMoE or MuMoEMLP layer")
+        raise ValueError("the model has no μMoE layer (MuMoE, MuMoEMLP or MuMoEGatedMLP)")
     results = {name: LayerCoefficients(name) for name in names}
 
     def hook(name: str):

@@ -18,7 +18,7 @@ from torch import nn
 
 from mumoe_tn.analysis.ablation import ExpertAblation, ablate
 from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
-from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers import MuMoEBase
 
 __all__ = ["Polysemanticity", "class_accuracies", "class_polysemanticity"]
 
@@ -107,7 +107,7 @@ def _predict(model: nn.Module, inputs: torch.Tensor, forward: Callable | None, d
 @torch.no_grad()
 def class_polysemanticity(
     model: nn.Module,
-    layer: MuMoE | MuMoEMLP,
+    layer: MuMoEBase,
     inputs: torch.Tensor,
     labels: torch.Tensor,
     *,
@@ -122,7 +122,7 @@ def class_polysemanticity(
     ----------
     model : nn.Module
         A classifier containing ``layer``; evaluated in ``eval()`` mode (restored after).
-    layer : MuMoE or MuMoEMLP
+    layer : MuMoEBase
         The layer whose experts are ablated.
     inputs : torch.Tensor
         Evaluation inputs; the first dimension is the sample dimension.

@@ -24,7 +24,7 @@ from mumoe_tn.analysis.validation import (
     check_real,
     check_tensor,
 )
-from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers import MuMoEBase
 
 __all__ = [
     "blind_threshold",
@@ -49,7 +49,7 @@ def _apply_mean(mean: torch.Tensor, coefficients: tuple[torch.Tensor, ...]) -> t
 @torch.no_grad()
 def mean_coefficients(
     model: nn.Module,
-    layer: MuMoE | MuMoEMLP,
+    layer: MuMoEBase,
     batches: Iterable[object],
     *,
     forward: Callable[[nn.Module, object], object] | None = None,
@@ -60,7 +60,7 @@ def mean_coefficients(
     ----------
     model : nn.Module
         The model (evaluated as given; use ``eval()`` for BatchNorm gates).
-    layer : MuMoE or MuMoEMLP
+    layer : MuMoEBase
         The layer inside ``model``.
     batches : Iterable
         The subpopulation's inputs (tuples/lists are read as ``(inputs, …)``).
@@ -106,12 +106,12 @@ def mean_coefficients(
     return total / rows
 
 
-def rewrite(layer: MuMoE | MuMoEMLP, head: int, mean: torch.Tensor, scale: float) -> RemovableHandle:
+def rewrite(layer: MuMoEBase, head: int, mean: torch.Tensor, scale: float) -> RemovableHandle:
     """Add ``scale · āᵀa`` to output ``head`` of ``layer`` (a forward hook; call ``.remove()``).
 
     Parameters
     ----------
-    layer : MuMoE or MuMoEMLP
+    layer : MuMoEBase
         The layer whose output is re-written.
     head : int
         Output index ``o``.
@@ -143,7 +143,7 @@ def rewrite(layer: MuMoE | MuMoEMLP, head: int, mean: torch.Tensor, scale: float
     return layer.register_forward_hook(hook)
 
 
-def blind_threshold(layer: MuMoE | MuMoEMLP, head: int, scale: float = 2.5) -> RemovableHandle:
+def blind_threshold(layer: MuMoEBase, head: int, scale: float = 2.5) -> RemovableHandle:
     """The blind-threshold baseline: ``ā`` all ones, an unconditional shift of ``head``."""
     layer = check_layer("layer", layer)
     return rewrite(layer, head, torch.ones(layer.expert_dims), scale)

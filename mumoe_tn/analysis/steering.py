@@ -7,12 +7,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mumoe_tn.analysis.validation import check_layer, check_real, check_tensor
-from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers import MuMoEBase
 
 __all__ = ["steer"]
 
 
-def steer(layer: MuMoE | MuMoEMLP, direction: torch.Tensor, strength: float = 1.0) -> RemovableHandle:
+def steer(layer: MuMoEBase, direction: torch.Tensor, strength: float = 1.0) -> RemovableHandle:
     """Add ``strength · direction`` to every token's input of ``layer`` (a forward pre-hook).
 
     ``direction`` is typically an expert's cluster centre,
@@ -20,7 +20,7 @@ def steer(layer: MuMoE | MuMoEMLP, direction: torch.Tensor, strength: float = 1.
 
     Parameters
     ----------
-    layer : MuMoE or MuMoEMLP
+    layer : MuMoEBase
         The layer to steer.
     direction : torch.Tensor
         A vector of size ``in_features``.

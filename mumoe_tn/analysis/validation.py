@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mumoe_tn.layers import MuMoE, MuMoEMLP
+from mumoe_tn.layers import MuMoEBase
 
 __all__ = [
     "check_callable",
@@ -105,10 +105,10 @@ def check_model(name: str, value: object) -> nn.Module:
     return value
 
 
-def check_layer(name: str, value: object) -> MuMoE | MuMoEMLP:
+def check_layer(name: str, value: object) -> MuMoEBase:
     """``value`` as a μMoE layer (TypeError otherwise)."""
-    if not isinstance(value, (MuMoE, MuMoEMLP)):
-        raise TypeError(f"{name} must be a MuMoE or MuMoEMLP layer, got {type(value).__name__}")
+    if not isinstance(value, MuMoEBase):
+        raise TypeError(f"{name} must be a μMoE layer (MuMoE, MuMoEMLP, MuMoEGatedMLP), got {type(value).__name__}")
     return value
 
 

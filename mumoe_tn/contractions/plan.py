@@ -41,7 +41,7 @@ __all__ = [
 #: Named path optimizers accepted as ``optimize=``. ``"auto"`` (the default) is this library's
 #: size-aware planner (`mumoe_tn.contractions.search`): FMA-optimal among several exact
 #: searches on small networks, bounded-time heuristics on large ones. ``"autotune"`` plans like
-#: ``"auto"`` here; a [`FactorizedExperts`][mumoe_tn.layers.FactorizedExperts] module given it also times the
+#: ``"auto"`` here; a [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts] module given it also times the
 #: best candidate paths on its device once per batch-size bucket and keeps the fastest. The other
 #: names are opt_einsum's (they can take long on large networks), ``"cotengra"`` needs cotengra.
 OPTIMIZERS = (

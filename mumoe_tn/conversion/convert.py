@@ -25,9 +25,10 @@ from mumoe_tn.conversion.record import (
     network_to_data,
 )
 from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_experts, upcycle_linear, warn_if_inexact
-from mumoe_tn.gated import MuMoEGatedMLP
+from mumoe_tn.decompositions.resolve import Decomposition
 from mumoe_tn.gates.specs import CausalityWarning, gate_from_options
-from mumoe_tn.layers import Decomposition, FactorizedExperts, MuMoE, MuMoEMLP
+from mumoe_tn.layers import FactorizedExperts, MuMoE, MuMoEMLP
+from mumoe_tn.layers.mlp import MuMoEGatedMLP
 from mumoe_tn.masking import accepts_argument, install_mask_hook
 from mumoe_tn.network import ExpertNetwork
 
@@ -360,13 +361,13 @@ def convert(
     expert_dims : int or Sequence[int]
         Experts of every new layer.
     linears : str or Callable, optional
-        Linear layers to replace with [`MuMoE`][mumoe_tn.layers.MuMoE]: a regex searched in the
+        Linear layers to replace with [`MuMoE`][mumoe_tn.layers.moe.MuMoE]: a regex searched in the
         qualified module name, or a predicate ``(name, module) -> bool``.
     mlps : str or Callable, optional
         MLP blocks (see [`find_mlp_blocks`][mumoe_tn.conversion.convert.find_mlp_blocks]) to replace, selected the
         same way: plain
-        blocks by [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP], gated ones by
-        [`MuMoEGatedMLP`][mumoe_tn.gated.MuMoEGatedMLP]. Dropout inside a block is not carried over.
+        blocks by [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP], gated ones by
+        [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP]. Dropout inside a block is not carried over.
     decomposition : str or Callable, optional
         Decomposition of every new layer.
     rank : int or Sequence[int] or "match" or "exact" or None, optional

@@ -134,14 +134,14 @@ def upcycle_linear(
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``.
     decomposition : str or Format or ExpertNetwork or Callable, optional
-        The μMoE's decomposition, as for [`MuMoE`][mumoe_tn.layers.MuMoE] (any network works).
+        The μMoE's decomposition, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE] (any network works).
     rank : int or Sequence[int] or Mapping[str, int] or "exact" or None, optional
         Ranks. ``"exact"`` (the default; None means the same) gives the bonds parameter matching
         scales the smallest rank at which every expert equals ``W`` (see
         [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]); ignored for a ready
         network.
     match : "linear" or int or float, optional
-        Parameter-match instead of giving ranks (see [`MuMoE`][mumoe_tn.layers.MuMoE]): fewer
+        Parameter-match instead of giving ranks (see [`MuMoE`][mumoe_tn.layers.moe.MuMoE]): fewer
         parameters, and an upcycle error that an [`UpcycleWarning`][mumoe_tn.conversion.upcycling.UpcycleWarning]
         reports
         when it exceeds [`upcycle_threshold`][mumoe_tn.conversion.upcycling.upcycle_threshold].
@@ -149,7 +149,7 @@ def upcycle_linear(
         Bounds and progress bar of the generic fit (see
         [`upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts]).
     **layer_options
-        Further [`MuMoE`][mumoe_tn.layers.MuMoE] arguments (activation, gate_norm, …).
+        Further [`MuMoE`][mumoe_tn.layers.moe.MuMoE] arguments (activation, gate_norm, …).
 
     Returns
     -------
@@ -274,7 +274,7 @@ def decompose_dense(
     ``tensor_ring`` / ``tensor_ring_als`` for TR, ``tensor_train`` for TT, ``tucker`` for Tucker,
     in a pytorch backend context); any other network (a spec string, a ready network, a
     format without a decomposition) is fitted by alternating least squares. The cores come back
-    as a [`FactorizedExperts`][mumoe_tn.layers.FactorizedExperts] on ``weight``'s device.
+    as a [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts] on ``weight``'s device.
 
     Parameters
     ----------

@@ -61,7 +61,7 @@ def layer_in_features(network: ExpertNetwork, bias: bool) -> int:
 def layer_parameters(
     network: ExpertNetwork, *, bias: bool = True, gate: bool | GateSpec = True, input_norm: bool = False
 ) -> ParameterCount:
-    """Parameters of a [`MuMoE`][mumoe_tn.layers.MuMoE] layer built on ``network``.
+    """Parameters of a [`MuMoE`][mumoe_tn.layers.moe.MuMoE] layer built on ``network``.
 
     Parameters
     ----------

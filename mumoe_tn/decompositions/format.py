@@ -60,7 +60,7 @@ class Format:
     name : str
         The registered name.
     init_rule : str
-        Initialisation rule used by ``init="auto"`` (see [`mumoe_tn.init`][mumoe_tn.init]): ``"linear"``
+        Initialisation rule used by ``init="auto"`` (see [`mumoe_tn.layers.init`][mumoe_tn.layers.init]): ``"linear"``
         (default, any network) or ``"paper"`` (the paper's CP/TR rule).
     tltorch_class : str or None
         Name of the tensorly-torch ``FactorizedTensor`` class this format converts to, if any.

@@ -226,7 +226,7 @@ def block_networks(
     Parameters
     ----------
     decomposition, expert_dims, rank, match, match_bonds, rank_multiple
-        The block's arguments (see [`MuMoEMLP`][mumoe_tn.layers.MuMoEMLP]).
+        The block's arguments (see [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP]).
     sizes : tuple of int
         ``(in_features, hidden_features, out_features)``.
     bias : bool

@@ -94,7 +94,7 @@ def init_cores(
         ``fan_in`` of the ``nn.Linear`` whose variance the ``"linear"`` rule targets; the size
         of leg ``i`` by default (pass the layer's ``in_features`` when a bias is folded).
     expert_noise : Sequence[float], optional
-        ``σ_e`` for every expert mode; [`default_expert_noise`][mumoe_tn.init.default_expert_noise] by default.
+        ``σ_e`` for every expert mode; [`default_expert_noise`][mumoe_tn.layers.init.default_expert_noise] by default.
     generator : torch.Generator, optional
         Random generator on the cores' device, for reproducible draws.
     """

@@ -1,4 +1,4 @@
-"""A gated μMoE MLP block (SwiGLU / GeGLU): three factorized layers sharing one set of coefficients."""
+"""μMoE MLP blocks: the paper's two-layer block and the gated (SwiGLU / GeGLU) block, one gate each."""
 
 from __future__ import annotations
 
@@ -9,13 +9,143 @@ import torch
 from torch import nn
 
 from mumoe_tn.costs import layer_parameters, linear, scaled_bonds, solve_rank
+from mumoe_tn.costs.baselines import mlp as mlp_cost
+from mumoe_tn.costs.matching import match_block
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.gates.specs import GateSpec, gate_from_options
-from mumoe_tn.layer_options import Match, block_networks, check_factory, match_target
-from mumoe_tn.layers import FactorizedExperts, SharedGateLayers
+from mumoe_tn.layers.base import MuMoEBase
+from mumoe_tn.layers.experts import FactorizedExperts
+from mumoe_tn.layers.options import (
+    Match,
+    block_networks,
+    check_factory,
+    match_target,
+)
 from mumoe_tn.network import ExpertNetwork
 
-__all__ = ["MuMoEGatedMLP", "gated_mlp_parameters"]
+__all__ = ["MuMoEGatedMLP", "MuMoEMLP", "gated_mlp_parameters"]
+
+
+class MuMoEMLP(MuMoEBase):
+    """The paper's two-layer μMoE block (Section "Large language/vision μMoE networks").
+
+    ``a = φ(norm(Gᵀ z))`` once per token, shared by both layers:
+    ``y = W2 ×_1 a ×_2 [act(W1 ×_1 a ×_2 [z; 1]); 1]`` — a drop-in for a transformer or
+    mixer MLP ``Linear(I, H) → GELU → Linear(H, O)``.
+
+    Parameters
+    ----------
+    in_features, hidden_features : int
+        Input and hidden sizes.
+    out_features : int, optional
+        Output size (default ``in_features``).
+    expert_dims : int or Sequence[int]
+        ``N`` or ``(N_1, …, N_E)``, shared by both layers.
+    decomposition : str or Format or ExpertNetwork or Callable, optional
+        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE] (both layers use it; a ready network gives its structure and bond
+        sizes, its legs are set to each layer's sizes).
+    rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
+        Ranks of both layers; ``"exact"`` as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE] (one rank that suits both).
+    match : "mlp" or int or float, optional
+        Parameter-match instead: ``"mlp"`` matches the MLP block ``I → H → O`` (one rank for
+        both layers, the one gate counted), an int is a budget, a float a fraction of the MLP
+        block's parameters.
+    match_bonds : Sequence[str], optional
+        The bonds ``match=`` scales in both layers.
+    rank_multiple : int, optional
+        With ``match=``, give the scaled bonds a multiple of this (default 1; see
+        [`MuMoE`][mumoe_tn.layers.moe.MuMoE]).
+    bias : bool, optional
+        Fold a bias into both layers' input legs (default True).
+    activation, gate_norm, gate_init, gate, gate_input : optional
+        The one gate shared by both layers, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
+    input_norm : bool, optional
+        LayerNorm on the block's input first.
+    hidden_activation : nn.Module, optional
+        Non-linearity between the layers (default ``nn.GELU()``).
+    init, expert_noise, optimize, device, dtype, **decomposition_options
+        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
+
+    Attributes
+    ----------
+    last_coefficients : tuple of torch.Tensor or None
+        The (detached) shared coefficients of the last forward pass in the calling thread.
+    ablation : object or None
+        An active counterfactual ablation, applied to both layers (see [`MuMoE`][mumoe_tn.layers.moe.MuMoE]).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        out_features: int | None = None,
+        expert_dims: int | Sequence[int] | None = None,
+        decomposition: Decomposition = "cp",
+        rank: Rank | None = None,
+        *,
+        match: Match = None,
+        match_bonds: Sequence[str] | None = None,
+        rank_multiple: int = 1,
+        bias: bool = True,
+        activation: str | float | None = None,
+        gate_norm: str | None = None,
+        gate_init: str | None = None,
+        gate: GateSpec | None = None,
+        gate_input: str = "normed",
+        input_norm: bool = False,
+        hidden_activation: nn.Module | None = None,
+        init: str = "auto",
+        expert_noise: Sequence[float] | None = None,
+        optimize: Any = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **decomposition_options: Any,
+    ) -> None:
+        super().__init__()
+        factory = check_factory(device, dtype)
+        out_features = in_features if out_features is None else out_features
+        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+
+        def matcher(first: ExpertNetwork, second: ExpertNetwork, match: Any, bonds: Any) -> tuple:
+            reference = mlp_cost(in_features, hidden_features, out_features, bias=bias).params
+            target = match_target(match, reference, "mlp", "MuMoEMLP")
+            block = match_block(first, second, target, bonds=bonds, bias=bias, gate=gate, rank_multiple=rank_multiple)
+            return block.networks
+
+        sizes = (in_features, hidden_features, out_features)
+        first, second = block_networks(
+            decomposition, expert_dims, sizes, rank, match, match_bonds, rank_multiple,
+            bias=bias, options=decomposition_options, layer="MuMoEMLP", matcher=matcher,
+        )  # fmt: skip
+        self.hidden_features, self.out_features = hidden_features, out_features
+        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
+        layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
+        self.experts1 = FactorizedExperts(first, fan_in=in_features, **layer)
+        self.experts2 = FactorizedExperts(second, fan_in=hidden_features, **layer)
+        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
+            raise TypeError(
+                f"hidden_activation must be an nn.Module instance such as nn.GELU(), got {hidden_activation!r}"
+            )
+        self.hidden_activation = nn.GELU() if hidden_activation is None else hidden_activation
+
+    def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.experts1, self.experts2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
+
+        ``mask``: which tokens are real, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
+        """
+        z, coefficients = self._gate(x, mask)
+        hidden = self.hidden_activation(self._contract(self.experts1, z, coefficients))
+        return self._contract(self.experts2, hidden, coefficients)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
+            f"out_features={self.out_features}, bias={self.bias}"
+        )
 
 
 def gated_mlp_parameters(
@@ -50,7 +180,7 @@ def gated_mlp_parameters(
     return shared + sum(layer_parameters(net, bias=bias, gate=False).total for net in (up, down))
 
 
-class MuMoEGatedMLP(SharedGateLayers):
+class MuMoEGatedMLP(MuMoEBase):
     """Gated μMoE MLP block: ``y = down(act(gate(z)) ⊙ up(z))`` with μMoE layers.
 
     One set of expert coefficients per token is shared by the three factorized layers
@@ -66,11 +196,11 @@ class MuMoEGatedMLP(SharedGateLayers):
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``, shared by the three layers.
     decomposition : str or Format or ExpertNetwork or Callable, optional
-        As for [`MuMoE`][mumoe_tn.layers.MuMoE] (a ready network gives the structure and bond
+        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE] (a ready network gives the structure and bond
         sizes; its legs are set to each layer's sizes).
     rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
         Ranks of the three layers (with ``match=``: the bonds matching leaves alone); ``"exact"`` as
-        for [`MuMoE`][mumoe_tn.layers.MuMoE].
+        for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
     match : "mlp" or int or float, optional
         Parameter-match the gated MLP block ``2·(I·H + H) + H·O + O`` (one rank for all three
         layers, the one gate counted), a parameter budget, or a fraction of the block's count.
@@ -78,15 +208,15 @@ class MuMoEGatedMLP(SharedGateLayers):
         The bonds ``match=`` scales (default: the format's, or every bond).
     rank_multiple : int, optional
         With ``match=``, give the scaled bonds a multiple of this (default 1; see
-        [`MuMoE`][mumoe_tn.layers.MuMoE]).
+        [`MuMoE`][mumoe_tn.layers.moe.MuMoE]).
     bias : bool, optional
         Fold a bias into every layer's input leg (default True; Llama's MLP has none).
     gate, activation, gate_norm, gate_init, gate_input, input_norm : optional
-        The shared gate, as for [`MuMoE`][mumoe_tn.layers.MuMoE].
+        The shared gate, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
     hidden_activation : nn.Module, optional
         The ``act`` of the gate projection (default ``nn.SiLU()``: SwiGLU).
     init, expert_noise, optimize, device, dtype, **decomposition_options
-        As for [`MuMoE`][mumoe_tn.layers.MuMoE].
+        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes
     ----------
@@ -161,7 +291,7 @@ class MuMoEGatedMLP(SharedGateLayers):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
 
-        ``mask``: which tokens are real, as for [`MuMoE`][mumoe_tn.layers.MuMoE].
+        ``mask``: which tokens are real, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
         """
         z, coefficients = self._gate(x, mask)
         gate = self._contract(self.gate_proj, z, coefficients)

@@ -1,0 +1,30 @@
+"""μMoE layers as PyTorch modules.
+
+- [`experts`][mumoe_tn.layers.experts]: [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts], the
+  expert tensor held as a network's cores and contracted along planned paths.
+- [`base`][mumoe_tn.layers.base]: [`MuMoEBase`][mumoe_tn.layers.base.MuMoEBase], what every layer shares — one
+  gate, the input norm, per-thread records, token masks, ablation.
+- [`moe`][mumoe_tn.layers.moe]: [`MuMoE`][mumoe_tn.layers.moe.MuMoE], the drop-in for ``nn.Linear``.
+- [`mlp`][mumoe_tn.layers.mlp]: [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] and
+  [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP], drop-ins for MLP blocks.
+- [`options`][mumoe_tn.layers.options] and [`init`][mumoe_tn.layers.init]: the arguments every layer shares,
+  and the initialisation of any network's cores.
+"""
+
+from mumoe_tn.layers.base import GATE_INPUTS, MuMoEBase
+from mumoe_tn.layers.experts import COMPILE_PLAN_BATCH, FactorizedExperts
+from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP, gated_mlp_parameters
+from mumoe_tn.layers.moe import MuMoE
+from mumoe_tn.layers.options import resolve_network
+
+__all__ = [
+    "COMPILE_PLAN_BATCH",
+    "GATE_INPUTS",
+    "FactorizedExperts",
+    "MuMoE",
+    "MuMoEBase",
+    "MuMoEGatedMLP",
+    "MuMoEMLP",
+    "gated_mlp_parameters",
+    "resolve_network",
+]

@@ -1,0 +1,187 @@
+"""What every μMoE layer shares: one gate, the input norm, per-thread records, token masks, ablation."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mumoe_tn.gates.records import PerThreadRecords
+from mumoe_tn.gates.specs import GateSpec
+from mumoe_tn.layers.experts import FactorizedExperts
+from mumoe_tn.masking import resolve_token_mask
+from mumoe_tn.validation import check_bool
+
+__all__ = ["GATE_INPUTS", "MuMoEBase"]
+
+#: What the gate of a layer reads: the experts' (normalised) input, or the raw input.
+GATE_INPUTS = ("normed", "raw")
+
+
+class MuMoEBase(PerThreadRecords):
+    """Base of layers whose factorized expert layers share one gate: MuMoE, MuMoEMLP, MuMoEGatedMLP.
+
+    It holds the gate, the input norm, the per-thread record of the coefficients and any
+    active ablation. A subclass calls ``_setup_gate`` in its constructor, lists its factorized
+    layers in ``_expert_layers`` and, in ``forward``, gets ``z, coefficients = self._gate(x)``
+    and contracts each layer with ``self._contract(experts, z, coefficients)``.
+    """
+
+    in_features: int
+    bias: bool
+    input_norm: nn.Module
+    gate: nn.Module
+    gate_spec: GateSpec
+
+    def _setup_gate(
+        self,
+        in_features: int,
+        expert_dims: tuple[int, ...],
+        *,
+        bias: bool,
+        gate: GateSpec,
+        gate_input: str,
+        input_norm: bool,
+        factory: dict,
+    ) -> None:
+        if gate_input not in GATE_INPUTS:
+            raise ValueError(f"gate_input must be one of {list(GATE_INPUTS)}, got {gate_input!r}")
+        self.in_features = in_features
+        self.bias = bias
+        self.expert_dims = expert_dims
+        self.gate_input = gate_input
+        check_bool("input_norm", input_norm)
+        self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
+        self.gate_spec = gate
+        module = gate.build(in_features, expert_dims, **factory)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"the gate descriptor {gate!r} built {type(module).__name__}, not an nn.Module")
+        self.gate = module
+        self.ablation: Any = None
+
+    def _gate_mask_options(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"mask": tokens}`` for a gate whose ``forward`` takes a token mask; nothing for a token-wise one."""
+        parameters = inspect.signature(self.gate.forward).parameters
+        if "mask" in parameters:
+            return {"mask": tokens}
+        if getattr(self.gate_spec, "mixes_tokens", False) is True:
+            raise TypeError(
+                f"the gate {type(self.gate).__name__} mixes tokens but its forward takes no token mask: give it "
+                "forward(z, mask=None) (mask: (rows,) booleans, True = real token) to train on padded batches"
+            )
+        return {}
+
+    @property
+    def last_token_mask(self) -> torch.Tensor | None:
+        """Which tokens of this thread's last forward pass were real (None: all of them)."""
+        return self._recall("token_mask")
+
+    @property
+    def last_coefficients(self) -> tuple[torch.Tensor, ...] | None:
+        """The (detached) coefficients of this thread's last forward pass, one per expert mode."""
+        return self._recall("coefficients")
+
+    @last_coefficients.setter
+    def last_coefficients(self, value: tuple[torch.Tensor, ...] | None) -> None:
+        self._remember("coefficients", value)
+
+    def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the gate, the input norm and the expert cores."""
+        if hasattr(self.gate, "reset_parameters"):
+            self.gate.reset_parameters()
+        else:
+            for module in self.gate.modules():
+                if module is not self.gate and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+        if hasattr(self.input_norm, "reset_parameters"):
+            self.input_norm.reset_parameters()
+        for experts in self._expert_layers():
+            experts.reset_parameters()
+
+    def gate_losses(self) -> dict[str, torch.Tensor]:
+        """The gate's auxiliary losses from this thread's last forward pass (empty if it has none).
+
+        Returns
+        -------
+        dict of str to torch.Tensor
+            ``"balance"`` (load balancing) and/or ``"z"`` (router z-loss), scalars in float32
+            (or wider) that carry gradients to the gate: ``loss = task + λ * layer.gate_losses()["balance"]``.
+        """
+        losses = getattr(self.gate, "losses", None)
+        return {} if losses is None else losses()
+
+    def aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss of the last forward pass (needs a gate with ``balance_loss=True``)."""
+        return self._named_loss("balance", "balance_loss")
+
+    def z_loss(self) -> torch.Tensor:
+        """The router z-loss of the last forward pass (needs a gate with ``z_loss=True``)."""
+        return self._named_loss("z", "z_loss")
+
+    def _named_loss(self, key: str, option: str) -> torch.Tensor:
+        losses = self.gate_losses()
+        if key not in losses:
+            raise ValueError(
+                f"this layer's gate {self.gate_spec!r} does not record the {key!r} loss: build it with {option}=True"
+            )
+        return losses[key]
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if torch.jit.is_tracing():
+            raise RuntimeError(
+                f"{type(self).__name__} cannot be traced with torch.jit.trace: its contraction plan and sparse gate "
+                "depend on the batch size and the data, which a trace would freeze. Use torch.export.export "
+                "(dynamic batch: dynamic_shapes={'x': {0: torch.export.Dim('batch')}}) or torch.compile instead"
+            )
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.is_complex() or not x.is_floating_point():
+            raise TypeError(f"input must be a real floating-point tensor, got dtype {x.dtype}")
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
+        weight = next(iter(self._expert_layers()[0].cores.values()))
+        if x.device != weight.device:
+            raise ValueError(f"input is on {x.device} but the layer's parameters are on {weight.device}")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"input has dtype {x.dtype} but the layer's parameters have dtype {weight.dtype}: "
+                f"cast the input (x.to({weight.dtype})) or the layer (layer.to({x.dtype}))"
+            )
+
+    def _gate(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Validate ``x``, normalise it, compute and record the coefficients, apply any ablation mask."""
+        self._check_input(x)
+        tokens = resolve_token_mask(mask, tuple(x.shape[:-1]), x.device)
+        z = self.input_norm(x)
+        gated = x if self.gate_input == "raw" else z
+        options = {} if tokens is None else self._gate_mask_options(tokens)
+        if self.ablation is None:
+            coefficients = self.gate(gated, **options)
+        else:
+            coefficients = self.ablation.gate(self.gate, gated, **options)
+        if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, Sequence):
+            raise TypeError(
+                f"the gate {type(self.gate).__name__} must return a tuple of tensors, one per expert mode, "
+                f"got {type(coefficients).__name__}"
+            )
+        self._remember("coefficients", tuple(a.detach() for a in coefficients))
+        self._remember("token_mask", None if tokens is None else tokens.reshape(x.shape[:-1]))
+        if not torch.is_autocast_enabled(z.device.type):
+            coefficients = tuple(a.to(z.dtype) for a in coefficients)
+        if self.ablation is not None:
+            coefficients = self.ablation.mask(coefficients)
+        return z, coefficients
+
+    def _contract(
+        self, experts: FactorizedExperts, z: torch.Tensor, coefficients: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        y = experts(z, coefficients, append_one=self.bias)
+        if self.ablation is None:
+            return y
+        return self.ablation.correct(experts, z, coefficients, y, append_one=self.bias)

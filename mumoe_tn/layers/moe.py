@@ -1,0 +1,185 @@
+"""The μMoE layer: a drop-in replacement for ``nn.Linear``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mumoe_tn.costs.baselines import linear as linear_cost
+from mumoe_tn.costs.matching import match_exact, match_layer
+from mumoe_tn.decompositions.resolve import Decomposition, Rank
+from mumoe_tn.gates.specs import GateSpec, gate_from_options
+from mumoe_tn.layers.base import MuMoEBase
+from mumoe_tn.layers.experts import FactorizedExperts
+from mumoe_tn.layers.options import (
+    EXACT,
+    Match,
+    check_allocatable,
+    check_factory,
+    check_match_only_options,
+    match_target,
+    resolve_network,
+    split_rank_and_match,
+)
+from mumoe_tn.network import ExpertNetwork
+
+__all__ = ["MuMoE"]
+
+
+class MuMoE(MuMoEBase):
+    """A μMoE layer: a drop-in replacement for ``nn.Linear(in_features, out_features)``.
+
+    ``a_e = φ(norm(G_eᵀ z))`` for every expert mode ``e``, then
+    ``y = W ×_1 a_1 … ×_E a_E ×_{E+1} [z; 1]`` with ``W`` held in factorized form. With
+    ``bias=True`` (default) each expert's bias is folded into the input leg (``I + 1``).
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        Sizes of the input and output features.
+    expert_dims : int or Sequence[int]
+        Number of experts ``N``, or ``(N_1, …, N_E)`` for a hierarchical layer.
+    decomposition : str or Format or ExpertNetwork or Callable, optional
+        A registered name (``"cp"`` default, ``"tr"``, ``"tt"``, ``"tucker"``, or any format you
+        registered), a [`Format`][mumoe_tn.decompositions.format.Format], a spec string such as
+        ``"n1 a b, a i c, b c o"`` (bond sizes from ``rank``), a ready [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork]
+        whose legs match the layer, or a builder ``(expert_dims, in, out, rank) -> ExpertNetwork``.
+    rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
+        Ranks for the decomposition (a mapping of bond -> size for spec strings). Not needed
+        with an [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork]; with ``match=`` it sets the bonds matching leaves
+        alone (1 by default). ``"exact"``: the smallest ranks of the bonds matching would scale at
+        which every expert can equal any ``I × O`` matrix — what makes upcycling exact, for any
+        network (see [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]).
+    match : "linear" or int or float, optional
+        Parameter-match instead of giving ranks: ``"linear"`` matches
+        ``nn.Linear(in_features, out_features)`` with gating counted, an int is a parameter
+        budget, a float a fraction of the Linear's parameters (as tensorly-torch's
+        ``rank=0.5``). The format chooses the bonds to scale (CP ``R``, TR/TT the input–output
+        bond, Tucker and custom networks every bond) unless ``match_bonds`` names them; see
+        [`mumoe_tn.costs.matching`][mumoe_tn.costs.matching] (a
+        [`MatchingWarning`][mumoe_tn.costs.matching.MatchingWarning] reports a missed target or collapsed experts).
+    match_bonds : Sequence[str], optional
+        The bonds ``match=`` scales.
+    rank_multiple : int, optional
+        With ``match=``, give the scaled bonds a multiple of this (default 1). Matrix-multiply
+        kernels are markedly faster when inner sizes are multiples of the SIMD width or
+        tensor-core tile: 16 costs at most 8 rank units of parameter resolution and, e.g., takes
+        CP's matched ``R = 529`` (768 → 3072) to 528.
+    bias : bool, optional
+        Fold a per-expert bias into the input leg (default True).
+    activation : str or float, optional
+        Gate activation φ: ``"entmax15"`` (default), ``"sparsemax"``, ``"softmax"`` or an
+        entmax ``α`` (shorthand for ``gate=Gate(activation=…)``).
+    gate_norm : {"batch", "layer", "none"}, optional
+        Normalisation of the gate logits (default ``"batch"``, as in the paper). ``"batch"`` is not
+        causal: in training its statistics span every token of the batch, later positions included.
+        In an autoregressive model use ``"layer"`` (the paper's authors' advice) or ``"none"``;
+        [`convert`][mumoe_tn.conversion.convert.convert] does so for causal models.
+    gate_init : {"default", "zeros"}, optional
+        Gate projection init (default nn.Linear's; ``"zeros"`` starts every coefficient at 1/N).
+    gate : GateSpec, optional
+        A gate descriptor ([`Gate`][mumoe_tn.gates.specs.Gate],
+        [`TopKGate`][mumoe_tn.gates.specs.TopKGate] or your own); excludes the three options above.
+    gate_input : {"normed", "raw"}, optional
+        Gate on the experts' input (default; ``LayerNorm(x)`` with ``input_norm=True``) or on
+        the raw ``x`` (the authors' GPT-2 configuration); see [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules].
+    input_norm : bool, optional
+        Apply a LayerNorm (with affine parameters) to the input first (default False).
+    init : {"auto", "paper", "linear"}, optional
+        Core initialisation rule (see [`mumoe_tn.layers.init`][mumoe_tn.layers.init]).
+    expert_noise : Sequence[float], optional
+        ``σ_e`` per expert mode for the initialisation.
+    optimize : str or object, optional
+        Path optimizer for the factorized contraction (default ``"auto"``, see
+        [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]).
+    device, dtype : optional
+        Factory arguments.
+    **decomposition_options
+        Passed to the named builder (e.g. ``expert_rank=`` for TR/TT).
+
+    Attributes
+    ----------
+    last_coefficients : tuple of torch.Tensor or None
+        The (detached) expert coefficients of the last forward pass in the calling thread,
+        one per expert mode (before any ablation).
+    ablation : object or None
+        An active counterfactual ablation (see [`mumoe_tn.analysis.ablation`][mumoe_tn.analysis.ablation]): it masks
+        coefficients inside the contraction, or removes single experts' contributions, and
+        never touches the weights.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        expert_dims: int | Sequence[int] | None = None,
+        decomposition: Decomposition = "cp",
+        rank: Rank | None = None,
+        *,
+        match: Match = None,
+        match_bonds: Sequence[str] | None = None,
+        rank_multiple: int = 1,
+        bias: bool = True,
+        activation: str | float | None = None,
+        gate_norm: str | None = None,
+        gate_init: str | None = None,
+        gate: GateSpec | None = None,
+        gate_input: str = "normed",
+        input_norm: bool = False,
+        init: str = "auto",
+        expert_noise: Sequence[float] | None = None,
+        optimize: Any = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **decomposition_options: Any,
+    ) -> None:
+        super().__init__()
+        factory = check_factory(device, dtype)
+        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+        rank, match = split_rank_and_match(rank, match, "MuMoE")
+        build_rank = 1 if match is not None and rank is None else rank
+        network = resolve_network(
+            decomposition, expert_dims, in_features, out_features, build_rank, bias=bias, options=decomposition_options
+        )
+        if match == EXACT:
+            network = match_exact([network], bonds=match_bonds, multiple=rank_multiple)[1][0]
+        elif match is not None:
+            reference = linear_cost(in_features, out_features, bias=bias).params
+            target = match_target(match, reference, "linear", "MuMoE")
+            matched = match_layer(
+                network, target, bonds=match_bonds, bias=bias, gate=gate, input_norm=input_norm,
+                rank_multiple=rank_multiple,
+            )  # fmt: skip
+            network = matched.networks[0]
+        else:
+            check_match_only_options(match_bonds, rank_multiple)
+        check_allocatable(network)
+        self.out_features = out_features
+        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        self._setup_gate(in_features, network.expert_dims, bias=bias, **gating)
+        self.experts = FactorizedExperts(
+            network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize, **factory
+        )
+
+    @property
+    def network(self) -> ExpertNetwork:
+        """The expert network (its leg ``i`` includes the bias column when ``bias=True``)."""
+        return self.experts.network
+
+    def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.experts,)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the layer to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
+
+        ``mask`` (shape ``x.shape[:-1]``, True/1 = real token) keeps padding out of the gate's
+        statistics, losses and records (see [`mumoe_tn.masking`][mumoe_tn.masking]); by default the
+        enclosing [`token_mask`][mumoe_tn.masking.token_mask] context's, if any.
+        """
+        z, coefficients = self._gate(x, mask)
+        return self._contract(self.experts, z, coefficients)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias}"
