@@ -171,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--plot", metavar="FILE.png", help="also save the curve to this file")
 
-    from mumoe_tn.specialisation import configure_parser
+    from mumoe_tn.experiments.specialisation import configure_parser
 
     configure_parser(
         commands.add_parser(
@@ -229,7 +229,7 @@ def _compare(args: argparse.Namespace) -> int:
     else:
         _print_rich(table, args.dtype, args.wide)
     if args.plot:
-        from mumoe_tn.plots import plot_parameters_vs_experts
+        from mumoe_tn.costs.plots import plot_parameters_vs_experts
 
         path = plot_parameters_vs_experts(table, args.plot)
         print(f"saved {path}", file=sys.stderr)
@@ -289,7 +289,7 @@ def _demo(args: argparse.Namespace) -> int:
         raise UsageError(
             "the demo needs scikit-learn's digits, which is not installed: pip install 'mumoe_tn[examples]'"
         )
-    from mumoe_tn.demo import format_rows, run_demo
+    from mumoe_tn.experiments.demo import format_rows, run_demo
 
     rows = run_demo(args.experts, epochs=args.epochs, rank=args.rank, seed=args.seed, plot=args.plot)
     print(format_rows(rows))
@@ -299,7 +299,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _specialisation(args: argparse.Namespace) -> int:
-    from mumoe_tn.specialisation import run
+    from mumoe_tn.experiments.specialisation import run
 
     return run(args)
 

@@ -23,8 +23,8 @@ from mumoe_tn.analysis import (
     steer,
     subpopulation_accuracies,
 )
+from mumoe_tn.analysis.ranks import expert_ranks
 from mumoe_tn.layers import MuMoEMLP
-from mumoe_tn.measure import expert_ranks
 
 DTYPE = torch.float64
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from strategies import any_network, custom_networks, named_networks
 
 from mumoe_tn import ExpertNetwork, MuMoE
+from mumoe_tn.analysis.ranks import expert_ranks
 from mumoe_tn.contractions import plan_contraction, plan_forward
 from mumoe_tn.costs import (
     COLUMNS,
@@ -36,7 +37,6 @@ from mumoe_tn.costs.display import TERMINAL_HEADERS, bytes_per_element, cells, f
 from mumoe_tn.costs.matching import MatchingWarning, resolve_target, scaled_bonds
 from mumoe_tn.decompositions import cp, get_format, tr, tt, tucker
 from mumoe_tn.gates.specs import Gate
-from mumoe_tn.measure import expert_ranks
 from mumoe_tn.network import BATCH_LABEL
 
 

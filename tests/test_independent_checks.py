@@ -20,6 +20,7 @@ from torch_calls import TorchCalls
 
 from mumoe_tn import ExpertNetwork, FactorizedExperts
 from mumoe_tn.analysis.coefficients import ExpertStatistics
+from mumoe_tn.analysis.ranks import expert_ranks
 from mumoe_tn.contractions import plan_contraction, plan_forward, run_plan
 from mumoe_tn.costs import (
     collapsed_expert_modes,
@@ -34,7 +35,6 @@ from mumoe_tn.costs.params import block_parameters, layer_in_features
 from mumoe_tn.decompositions import build, cp, tr, tt, tucker
 from mumoe_tn.gates.modules import ExpertGate, TopKRouter, gate_losses
 from mumoe_tn.gates.specs import Gate, TopKGate, gate_fma_per_token, gate_from_options, gate_parameter_count
-from mumoe_tn.measure import expert_ranks
 
 DTYPE = torch.float64
 EPS = 1e-5  # BatchNorm1d / LayerNorm default

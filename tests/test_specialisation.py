@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mumoe_tn import MuMoE
 from mumoe_tn.analysis import class_polysemanticity
 from mumoe_tn.cli import main as cli_main
-from mumoe_tn.specialisation import ExperimentConfig, expert_ablation_effects, main, make_features
+from mumoe_tn.experiments.specialisation import ExperimentConfig, expert_ablation_effects, main, make_features
 
 DTYPE = torch.float64
 
@@ -195,7 +195,7 @@ def test_demo_rejects_arguments_that_would_report_an_untrained_model(argv, messa
 )
 def test_demo_function_rejects_an_untrained_model(options, message):
     """The same checks in the library function, for callers that bypass the CLI."""
-    from mumoe_tn.demo import run_demo
+    from mumoe_tn.experiments.demo import run_demo
 
     with pytest.raises(ValueError, match=message):
         run_demo(**options)

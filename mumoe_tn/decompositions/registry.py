@@ -21,6 +21,19 @@ __all__ = ["available", "build", "get_format", "normalize_ranks", "register", "u
 _FORMATS: dict[str, Format] = {}
 
 
+def _is_format(value: object) -> bool:
+    """Whether ``value`` is a format: what [`Format`][mumoe_tn.decompositions.format.Format] instances provide.
+
+    Checked by its interface, so the registry never imports the format module (formats use the
+    registry, not the reverse).
+    """
+    return (
+        not isinstance(value, type)
+        and isinstance(getattr(value, "name", None), str)
+        and all(callable(getattr(value, method, None)) for method in ("build", "check", "matched_bonds"))
+    )
+
+
 def register(format: Format, *, replace: bool = False) -> Format:
     """Register a format instance under its ``name`` (lower-cased).
 
@@ -43,9 +56,7 @@ def register(format: Format, *, replace: bool = False) -> Format:
     ValueError
         If the name is taken and ``replace`` is False.
     """
-    from mumoe_tn.decompositions.format import Format
-
-    if not isinstance(format, Format):
+    if not _is_format(format):
         raise TypeError(f"register() takes a Format instance, got {type(format).__name__}")
     key = format.name.lower()
     if not key:
@@ -111,9 +122,7 @@ def build(
     -------
     ExpertNetwork
     """
-    from mumoe_tn.decompositions.format import Format
-
-    format = name if isinstance(name, Format) else get_format(name)
+    format = name if _is_format(name) else get_format(name)
     return format.build(expert_dims, in_features, out_features, rank, **options)
 
 

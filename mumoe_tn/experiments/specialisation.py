@@ -8,10 +8,12 @@ that entmax15 and the gate's BatchNorm give lower values than softmax and no nor
 
 This module tests that claim where it can be tested on 2 CPU cores without downloads: a
 deterministic generator of frozen "backbone features" with ImageNet's kind of class structure
-([`make_features`][mumoe_tn.specialisation.make_features]: superclasses of related classes, several modes per class, a
+([`make_features`][mumoe_tn.experiments.specialisation.make_features]: superclasses of related classes, several
+modes per class, a
 fixed random ReLU feature map), a CP μMoE as the final layer, ``N`` from 16 to 1,024, three gate settings
 and several seeds. Every expert is switched off in turn with the exact linear identity the
-library's ablation relies on ([`expert_ablation_effects`][mumoe_tn.specialisation.expert_ablation_effects]), evaluating
+library's ablation relies on
+([`expert_ablation_effects`][mumoe_tn.experiments.specialisation.expert_ablation_effects]), evaluating
 only the (sample, expert) pairs whose prediction a bound says could change.
 """
 
@@ -89,11 +91,11 @@ class ExperimentConfig:
     expert_counts : tuple of int
         Numbers of experts ``N`` of the μMoE head.
     gates : tuple of str
-        Keys of [`GATES`][mumoe_tn.specialisation].
+        Keys of [`GATES`][mumoe_tn.experiments.specialisation].
     seeds : tuple of int
         Model seeds (initialisation and batch order); the data are the same for every seed.
     classes, superclasses, modes, latent, features : int
-        Generator sizes (see [`make_features`][mumoe_tn.specialisation.make_features]).
+        Generator sizes (see [`make_features`][mumoe_tn.experiments.specialisation.make_features]).
     noise : float
         Within-mode standard deviation of the generator (sets how hard the task is).
     train_per_class, test_per_class : int
@@ -372,7 +374,8 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
     Parameters
     ----------
     runs : Sequence of dict
-        One dict per (gate, experts, seed) as made by [`run_experiment`][mumoe_tn.specialisation.run_experiment].
+        One dict per (gate, experts, seed) as made by
+        [`run_experiment`][mumoe_tn.experiments.specialisation.run_experiment].
 
     Returns
     -------
@@ -418,8 +421,8 @@ def run_experiment(config: ExperimentConfig, *, progress: bool = True) -> dict:
     -------
     dict
         ``config``, ``linear_probe_accuracy`` (per seed), ``runs`` (per model, see
-        [`measure_model`][mumoe_tn.specialisation.measure_model]), ``table``
-        ([`aggregate`][mumoe_tn.specialisation.aggregate]), ``seconds`` and ``machine``.
+        [`measure_model`][mumoe_tn.experiments.specialisation.measure_model]), ``table``
+        ([`aggregate`][mumoe_tn.experiments.specialisation.aggregate]), ``seconds`` and ``machine``.
     """
     from tqdm import tqdm
 
@@ -508,7 +511,7 @@ def plot_results(result: dict, path: str | Path) -> Path:
     Parameters
     ----------
     result : dict
-        As returned by [`run_experiment`][mumoe_tn.specialisation.run_experiment].
+        As returned by [`run_experiment`][mumoe_tn.experiments.specialisation.run_experiment].
     path : str or Path
         PNG file.
 
@@ -642,7 +645,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m mumoe_tn.specialisation [options]``; returns the exit status."""
+    """``python -m mumoe_tn.experiments.specialisation [options]``; returns the exit status."""
     parser = configure_parser(
         argparse.ArgumentParser(prog="mumoe-tn specialisation", description=__doc__.split("\n")[0])
     )
