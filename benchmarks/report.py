@@ -199,7 +199,7 @@ def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
     ]
     summary = [t for section in sections for t in section["targets"]]
     if summary:
-        lines += ["## Targets (issue 16)", "", PAIRED_NOTE, "", *targets_header()]
+        lines += ["## Targets", "", PAIRED_NOTE, "", *targets_header()]
         lines += [target_line(target) for target in summary]
         lines.append("")
     for section in sections:
@@ -272,7 +272,7 @@ def update_docs(store: dict, order: tuple[str, ...], device: str, image: str, co
     body += ["*" + _measured(sections) + "*", ""] if sections else []
     summary = [t for section in sections for t in section["targets"]]
     if summary:
-        body += [PAIRED_NOTE, "", *targets_header("target (issue 16)")]
+        body += [PAIRED_NOTE, "", *targets_header("target")]
         body += [target_line(target) for target in summary]
         body.append("")
     for name in ("params", "experts"):

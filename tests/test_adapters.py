@@ -1,4 +1,4 @@
-"""Layer adapters, MLP-block recognition, the gated μMoE block, and conversion edge cases (issue 11)."""
+"""Layer adapters, MLP-block recognition, the gated μMoE block, and conversion edge cases."""
 
 import copy
 
@@ -223,7 +223,7 @@ def test_gated_block_errors():
         MuMoEGatedMLP(4, 8, 4, 2, "cp", 2)(torch.randn(2, 5))
 
 
-# ----------------------------------------------------------------------------- issue 11: convert
+# ----------------------------------------------------------------------------- convert
 def test_upcycle_is_honoured_for_mlp_blocks():
     torch.manual_seed(0)
     original = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 6)).double().eval()

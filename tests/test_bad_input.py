@@ -1,6 +1,6 @@
 """Hostile input: every malformed declaration, constructor argument or input gets the library's own error.
 
-The rule checked (DEVELOPERS.md, issue 11): bad input raises a ``ValueError`` or ``TypeError``
+The rule checked: bad input raises a ``ValueError`` or ``TypeError``
 raised *by mumoe_tn itself* (the innermost frame is in the package, not in torch, opt_einsum or
 Python) whose message names the offending argument or quotes its value — never a ``KeyError``,
 ``IndexError``, ``AttributeError``, ``RuntimeError``, ``AssertionError`` or ``OverflowError``,

@@ -1,6 +1,6 @@
 """Custom networks are first-class: a format registered here, in the test file, gets every tool.
 
-Also one test per failure that issue 10 lists (custom networks named like a format, upcycling
+Also one test per known failure mode (custom networks named like a format, upcycling
 and matching of custom networks, mixed cost tables, collapsed matches).
 """
 
@@ -152,7 +152,7 @@ def test_unregister_and_duplicate_names():
         get_format("temporary_test")
 
 
-# ------------------------------------------------------------------ the failures of issue 10
+# ------------------------------------------------------------------ known failure modes
 def test_custom_network_named_like_a_format_takes_the_generic_path():
     spec = "A: n1 a b, B: a i c, C: b c o"
     net = ExpertNetwork.from_spec(spec, expert_dims=8, in_features=9, out_features=7, ranks=2, name="tr")

@@ -2,7 +2,7 @@
 
 Each test states an observable consequence of one argument (a matched rank counted by hand, a
 mean square the init rule fixes exactly, a module type, a message) so that a constructor that
-drops or swaps an argument fails here; found by mutation testing of ``layers.py`` (issue 13).
+drops or swaps an argument fails here; found by mutation testing of the layers.
 """
 
 import copy

@@ -310,7 +310,7 @@ def test_cached_plans_are_not_pickled_and_the_module_round_trips():
     try:
         pickle.dumps(module.network)
     except TypeError:
-        pytest.skip("ExpertNetwork itself does not pickle yet (issue 11, state)")
+        pytest.skip("ExpertNetwork itself does not pickle yet")
     coefficients, z = random_call(module.network, 3)
     y = module(z, coefficients)
     for clone in (pickle.loads(pickle.dumps(module)), copy.deepcopy(module)):

@@ -178,7 +178,7 @@ def test_quick_run_json_through_the_cli(capsys, tmp_path):
     ],
 )
 def test_demo_rejects_arguments_that_would_report_an_untrained_model(argv, message, capsys):
-    """Issue 11: ``demo --epochs -1`` printed an untrained model's figures as results."""
+    """``demo --epochs -1`` once printed an untrained model's figures as results."""
     with pytest.raises(SystemExit) as exit_info:
         cli_main(argv)
     assert exit_info.value.code == 2
