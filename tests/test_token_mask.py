@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mumoe_tn.analysis import collect_coefficients
+from mumoe_tn.analysis import collect_coefficients, mean_coefficients
 from mumoe_tn.conversion.convert import conversion_record, convert
 from mumoe_tn.gates.modules import gate_losses
 from mumoe_tn.gates.specs import Gate, TopKGate
@@ -137,6 +137,8 @@ def test_analysis_skips_padding():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     padded = collect_coefficients(model, [x], forward=lambda m, b: m[0](b, mask=mask), centres=True)
     real = collect_coefficients(model, [x[mask]], centres=True)
+    padded_mean = mean_coefficients(model, model[0], [x], forward=lambda m, b: m[0](b, mask=mask))
+    torch.testing.assert_close(padded_mean, mean_coefficients(model, model[0], [x[mask]]))
     for ours, reference in zip(padded["0"].modes, real["0"].modes, strict=True):
         assert ours.rows == reference.rows == int(mask.sum())
         torch.testing.assert_close(ours.total, reference.total)

@@ -19,7 +19,7 @@ from torch import nn
 from mumoe_tn.analysis.validation import check_callable, check_int, check_model, check_real, check_tensor
 from mumoe_tn.layers import MuMoEBase
 
-__all__ = ["ExpertStatistics", "LayerCoefficients", "collect_coefficients", "mumoe_layers"]
+__all__ = ["ExpertStatistics", "LayerCoefficients", "collect_coefficients", "default_forward", "mumoe_layers"]
 
 
 def mumoe_layers(model: nn.Module) -> dict[str, MuMoEBase]:
@@ -147,7 +147,7 @@ class LayerCoefficients:
     modes: list[ExpertStatistics] = field(default_factory=list)
 
 
-def _default_forward(model: nn.Module, batch: object) -> object:
+def default_forward(model: nn.Module, batch: object) -> object:
     """``model(**batch)`` for a mapping, ``model(batch[0])`` for a tuple or list, else ``model(batch)``."""
     if isinstance(batch, Mapping):
         return model(**batch)
@@ -246,7 +246,7 @@ def collect_coefficients(
         return record
 
     handles = [found[name].register_forward_hook(hook(name)) for name in names]
-    call = forward or _default_forward
+    call = forward or default_forward
     try:
         for batch in batches:
             call(model, batch)

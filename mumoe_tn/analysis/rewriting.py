@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mumoe_tn.analysis.coefficients import default_forward
 from mumoe_tn.analysis.validation import (
     check_callable,
     check_inside,
@@ -82,16 +83,22 @@ def mean_coefficients(
             "wrap a single tensor as [tensor]"
         )
     total, rows = None, 0
-    call = forward or (lambda m, batch: m(batch[0]) if isinstance(batch, (tuple, list)) else m(batch))
-    seen: list[tuple[torch.Tensor, ...]] = []
-    handle = layer.register_forward_hook(lambda module, args, output: seen.append(module.last_coefficients))
+    call = forward or default_forward
+    seen: list[tuple[tuple[torch.Tensor, ...], torch.Tensor | None]] = []
+
+    def record(module: nn.Module, args: tuple, output: object) -> None:
+        seen.append((module.last_coefficients, module.last_token_mask))
+
+    handle = layer.register_forward_hook(record)
     try:
         for number, batch in enumerate(batches):
             seen.clear()
             call(model, batch)
             if not seen:
                 raise ValueError(f"layer did not run on batch {number}: the batches must pass through it")
-            for recorded in seen:
+            for recorded, tokens in seen:
+                if tokens is not None:  # padding tokens do not count
+                    recorded = tuple(a[tokens] for a in recorded)
                 coefficients = [a.reshape(-1, a.shape[-1]).double() for a in recorded]
                 letters = "abcdefghijklmnopqrstuvw"[: len(coefficients)]
                 outer = torch.einsum(",".join(f"r{x}" for x in letters) + "->" + letters, *coefficients)
