@@ -6,7 +6,7 @@ ablates every expert in turn, and reports that the mean class-level polysemantic
 experts whose ablation changes some class's accuracy falls as ``N`` grows from 32 to 1,024, and
 that entmax15 and the gate's BatchNorm give lower values than softmax and no normalisation.
 
-This module tests that claim where it can be tested on 2 CPU cores without downloads: a
+This module tests that claim where it can be tested on a small CPU machine without downloads: a
 deterministic generator of frozen "backbone features" with ImageNet's kind of class structure
 ([`make_features`][mumoe_tn.experiments.specialisation.make_features]: superclasses of related classes, several
 modes per class, a
