@@ -106,6 +106,7 @@ def _ddp_worker(rank, world, init_file, data, out):
     _train(model, x[shard], y[shard])
     if rank == 0:
         torch.save(model.module.state_dict(), out)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
@@ -137,6 +138,7 @@ def _fsdp2_worker(rank, world, init_file, data, out):
     state = {name: value.full_tensor() for name, value in model.state_dict().items()}
     if rank == 0:
         torch.save(state, out)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
