@@ -26,7 +26,98 @@ from mumoe_tn.network import ExpertNetwork
 __all__ = ["MuMoEGatedMLP", "MuMoEMLP", "gated_mlp_parameters"]
 
 
-class MuMoEMLP(MuMoEBase):
+class _MLPBlock(MuMoEBase):
+    """What both MLP blocks share: their arguments, matching, gate and expert layers ``I → H → O``.
+
+    A subclass names its default hidden activation, the dense block it replaces (for
+    ``match="mlp"``), its matching, and builds its factorized layers from the networks ``I → H``
+    and ``H → O``.
+    """
+
+    #: The hidden activation when none is given.
+    default_hidden_activation: type[nn.Module] = nn.GELU
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        out_features: int | None = None,
+        expert_dims: int | Sequence[int] | None = None,
+        decomposition: Decomposition = "cp",
+        rank: Rank | None = None,
+        *,
+        match: Match = None,
+        match_bonds: Sequence[str] | None = None,
+        rank_multiple: int = 1,
+        bias: bool = True,
+        activation: str | float | None = None,
+        gate_norm: str | None = None,
+        gate_init: str | None = None,
+        gate: GateSpec | None = None,
+        gate_input: str = "normed",
+        input_norm: bool = False,
+        hidden_activation: nn.Module | None = None,
+        init: str = "auto",
+        expert_noise: Sequence[float] | None = None,
+        optimize: Any = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **decomposition_options: Any,
+    ) -> None:
+        super().__init__()
+        factory = check_factory(device, dtype)
+        out_features = in_features if out_features is None else out_features
+        name = type(self).__name__
+        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
+            example = f"nn.{self.default_hidden_activation.__name__}()"
+            raise TypeError(
+                f"hidden_activation must be an nn.Module instance such as {example}, got {hidden_activation!r}"
+            )
+        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+        sizes = (in_features, hidden_features, out_features)
+
+        def matcher(first: ExpertNetwork, second: ExpertNetwork, match: Any, bonds: Any) -> tuple:
+            target = match_target(match, self._reference_parameters(*sizes, bias=bias), "mlp", name)
+            options = {"bias": bias, "gate": gate, "input_norm": input_norm, "multiple": rank_multiple}
+            return self._match_block(first, second, target, bonds, **options)
+
+        first, second = block_networks(
+            decomposition, expert_dims, sizes, rank, match, match_bonds, rank_multiple,
+            bias=bias, options=decomposition_options, layer=name, matcher=matcher,
+        )  # fmt: skip
+        self.hidden_features, self.out_features = hidden_features, out_features
+        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
+        layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
+        self._build_layers(
+            lambda net: FactorizedExperts(net, fan_in=in_features, **layer),
+            lambda net: FactorizedExperts(net, fan_in=hidden_features, **layer),
+            first,
+            second,
+        )
+        self.hidden_activation = self.default_hidden_activation() if hidden_activation is None else hidden_activation
+
+    @staticmethod
+    def _reference_parameters(in_features: int, hidden_features: int, out_features: int, *, bias: bool) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def _match_block(
+        first: ExpertNetwork, second: ExpertNetwork, target: int, bonds: Any, **options: Any
+    ) -> tuple[ExpertNetwork, ExpertNetwork]:
+        raise NotImplementedError
+
+    def _build_layers(self, inner: Any, outer: Any, first: ExpertNetwork, second: ExpertNetwork) -> None:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
+            f"out_features={self.out_features}, bias={self.bias}"
+        )
+
+
+class MuMoEMLP(_MLPBlock):
     """The paper's two-layer μMoE block (Section "Large language/vision μMoE networks").
 
     ``a = φ(norm(Gᵀ z))`` once per token, shared by both layers:
@@ -74,60 +165,25 @@ class MuMoEMLP(MuMoEBase):
         An active counterfactual ablation, applied to both layers (see [`MuMoE`][mumoe_tn.layers.moe.MuMoE]).
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        hidden_features: int,
-        out_features: int | None = None,
-        expert_dims: int | Sequence[int] | None = None,
-        decomposition: Decomposition = "cp",
-        rank: Rank | None = None,
-        *,
-        match: Match = None,
-        match_bonds: Sequence[str] | None = None,
-        rank_multiple: int = 1,
-        bias: bool = True,
-        activation: str | float | None = None,
-        gate_norm: str | None = None,
-        gate_init: str | None = None,
-        gate: GateSpec | None = None,
-        gate_input: str = "normed",
-        input_norm: bool = False,
-        hidden_activation: nn.Module | None = None,
-        init: str = "auto",
-        expert_noise: Sequence[float] | None = None,
-        optimize: Any = "auto",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **decomposition_options: Any,
-    ) -> None:
-        super().__init__()
-        factory = check_factory(device, dtype)
-        out_features = in_features if out_features is None else out_features
-        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+    default_hidden_activation = nn.GELU
 
-        def matcher(first: ExpertNetwork, second: ExpertNetwork, match: Any, bonds: Any) -> tuple:
-            reference = mlp_cost(in_features, hidden_features, out_features, bias=bias).params
-            target = match_target(match, reference, "mlp", "MuMoEMLP")
-            block = match_block(first, second, target, bonds=bonds, bias=bias, gate=gate, rank_multiple=rank_multiple)
-            return block.networks
+    @staticmethod
+    def _reference_parameters(in_features: int, hidden_features: int, out_features: int, *, bias: bool) -> int:
+        return mlp_cost(in_features, hidden_features, out_features, bias=bias).params
 
-        sizes = (in_features, hidden_features, out_features)
-        first, second = block_networks(
-            decomposition, expert_dims, sizes, rank, match, match_bonds, rank_multiple,
-            bias=bias, options=decomposition_options, layer="MuMoEMLP", matcher=matcher,
+    @staticmethod
+    def _match_block(
+        first: ExpertNetwork, second: ExpertNetwork, target: int, bonds: Any, **options: Any
+    ) -> tuple[ExpertNetwork, ExpertNetwork]:
+        matched = match_block(
+            first, second, target, bonds=bonds, bias=options["bias"], gate=options["gate"],
+            rank_multiple=options["multiple"],
         )  # fmt: skip
-        self.hidden_features, self.out_features = hidden_features, out_features
-        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
-        self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
-        layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
-        self.experts1 = FactorizedExperts(first, fan_in=in_features, **layer)
-        self.experts2 = FactorizedExperts(second, fan_in=hidden_features, **layer)
-        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
-            raise TypeError(
-                f"hidden_activation must be an nn.Module instance such as nn.GELU(), got {hidden_activation!r}"
-            )
-        self.hidden_activation = nn.GELU() if hidden_activation is None else hidden_activation
+        return matched.networks
+
+    def _build_layers(self, inner: Any, outer: Any, first: ExpertNetwork, second: ExpertNetwork) -> None:
+        self.experts1 = inner(first)
+        self.experts2 = outer(second)
 
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.experts1, self.experts2)
@@ -140,12 +196,6 @@ class MuMoEMLP(MuMoEBase):
         z, coefficients = self._gate(x, mask)
         hidden = self.hidden_activation(self._contract(self.experts1, z, coefficients))
         return self._contract(self.experts2, hidden, coefficients)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
-            f"out_features={self.out_features}, bias={self.bias}"
-        )
 
 
 def gated_mlp_parameters(
@@ -180,7 +230,7 @@ def gated_mlp_parameters(
     return shared + sum(layer_parameters(net, bias=bias, gate=False).total for net in (up, down))
 
 
-class MuMoEGatedMLP(MuMoEBase):
+class MuMoEGatedMLP(_MLPBlock):
     """Gated μMoE MLP block: ``y = down(act(gate(z)) ⊙ up(z))`` with μMoE layers.
 
     One set of expert coefficients per token is shared by the three factorized layers
@@ -224,61 +274,23 @@ class MuMoEGatedMLP(MuMoEBase):
         The (detached) shared coefficients of this thread's last forward pass.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        hidden_features: int,
-        out_features: int | None = None,
-        expert_dims: int | Sequence[int] | None = None,
-        decomposition: Decomposition = "cp",
-        rank: Rank | None = None,
-        *,
-        match: Match = None,
-        match_bonds: Sequence[str] | None = None,
-        rank_multiple: int = 1,
-        bias: bool = True,
-        activation: str | float | None = None,
-        gate_norm: str | None = None,
-        gate_init: str | None = None,
-        gate: GateSpec | None = None,
-        gate_input: str = "normed",
-        input_norm: bool = False,
-        hidden_activation: nn.Module | None = None,
-        init: str = "auto",
-        expert_noise: Sequence[float] | None = None,
-        optimize: Any = "auto",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **decomposition_options: Any,
-    ) -> None:
-        super().__init__()
-        factory = check_factory(device, dtype)
-        out_features = in_features if out_features is None else out_features
-        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
-            raise TypeError(f"hidden_activation must be an nn.Module such as nn.SiLU(), got {hidden_activation!r}")
-        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+    default_hidden_activation = nn.SiLU
 
-        def matcher(first: ExpertNetwork, second: ExpertNetwork, match: Any, bonds: Any) -> tuple:
-            reference = 2 * linear(in_features, hidden_features, bias=bias).params
-            reference += linear(hidden_features, out_features, bias=bias).params
-            target = match_target(match, reference, "mlp", "MuMoEGatedMLP")
-            return _match(
-                first, second, target, bonds, bias=bias, gate=gate, input_norm=input_norm, multiple=rank_multiple
-            )
+    @staticmethod
+    def _reference_parameters(in_features: int, hidden_features: int, out_features: int, *, bias: bool) -> int:
+        reference = 2 * linear(in_features, hidden_features, bias=bias).params
+        return reference + linear(hidden_features, out_features, bias=bias).params
 
-        sizes = (in_features, hidden_features, out_features)
-        first, second = block_networks(
-            decomposition, expert_dims, sizes, rank, match, match_bonds, rank_multiple,
-            bias=bias, options=decomposition_options, layer="MuMoEGatedMLP", matcher=matcher,
-        )  # fmt: skip
-        self.hidden_features, self.out_features = hidden_features, out_features
-        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
-        self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
-        layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
-        self.gate_proj = FactorizedExperts(first, fan_in=in_features, **layer)
-        self.up_proj = FactorizedExperts(first, fan_in=in_features, **layer)
-        self.down_proj = FactorizedExperts(second, fan_in=hidden_features, **layer)
-        self.hidden_activation = nn.SiLU() if hidden_activation is None else hidden_activation
+    @staticmethod
+    def _match_block(
+        first: ExpertNetwork, second: ExpertNetwork, target: int, bonds: Any, **options: Any
+    ) -> tuple[ExpertNetwork, ExpertNetwork]:
+        return _match(first, second, target, bonds, **options)
+
+    def _build_layers(self, inner: Any, outer: Any, first: ExpertNetwork, second: ExpertNetwork) -> None:
+        self.gate_proj = inner(first)
+        self.up_proj = inner(first)
+        self.down_proj = outer(second)
 
     @property
     def expert_layers(self) -> dict[str, FactorizedExperts]:
@@ -297,12 +309,6 @@ class MuMoEGatedMLP(MuMoEBase):
         gate = self._contract(self.gate_proj, z, coefficients)
         up = self._contract(self.up_proj, z, coefficients)
         return self._contract(self.down_proj, self.hidden_activation(gate) * up, coefficients)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
-            f"out_features={self.out_features}, bias={self.bias}"
-        )
 
 
 def _match(
