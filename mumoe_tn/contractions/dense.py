@@ -86,6 +86,8 @@ def expert_matrix(
     legs = network.expert_legs
     if isinstance(index, int) and not isinstance(index, bool):
         index = (index,)
+    if isinstance(index, (bool, str)) or not isinstance(index, Sequence):
+        raise TypeError(f"an expert index is an int or one int per expert mode {legs}, got {index!r}")
     index = tuple(index)
     if len(index) != len(legs) or not all(isinstance(k, int) and not isinstance(k, bool) for k in index):
         raise ValueError(f"an expert index needs one int per expert mode {legs}, got {index!r}")

@@ -71,7 +71,7 @@ def sparse_moe(
     n_experts: int, top_k: int, in_features: int, out_features: int, *, bias: bool = True, gate: bool = True
 ) -> Baseline:
     """Sparse top-``K`` MoE: ``N·(I + bias)·O`` parameters, ``K·(I + bias)·O`` FMAs."""
-    _sizes(top_k=top_k)
+    _sizes(n_experts=n_experts, top_k=top_k)
     if top_k > n_experts:
         raise ValueError(f"top_k={top_k} cannot exceed the number of experts {n_experts}")
     return _moe(f"sparse top-{top_k} MoE (N={n_experts})", n_experts, top_k, in_features, out_features, bias, gate)

@@ -852,3 +852,8 @@ def test_matching_warning_states_the_closest_match_by_hand():
     with pytest.warns(MatchingWarning, match=message):
         match = match_layer(chain(2, 4, 3, a=2, c=1), 30, bonds=["c"], bias=False)
     assert (match.rank, match.params, match.step) == (2, 34, 11)
+
+
+def test_a_sparse_moe_with_no_experts_is_refused_for_its_expert_count():
+    with pytest.raises(ValueError, match="n_experts must be a positive int, got -2"):
+        sparse_moe(-2, 1, 4, 4)

@@ -217,3 +217,10 @@ def test_from_tensors_keeps_the_given_cores_dtype_name_and_optimizer():
     torch.testing.assert_close(module(z, [a]), torch.einsum("bn,na,aio,bi->bo", a, tensors["A"], tensors["B"], z))
     assert FactorizedExperts.from_tensors({"A": "n1 a", "B": "a i o"}, tensors).network.name == "custom"
     assert FactorizedExperts.from_tensors({"A": "n1 a", "B": "a i o"}, tensors).optimize == "auto"
+
+
+@pytest.mark.parametrize("index", [True, "a", 1.5, None])
+def test_an_expert_index_that_is_not_ints_gets_the_library_error(index):
+    layer = MuMoE(4, 4, 3, "cp", 2)
+    with pytest.raises(TypeError, match=r"an expert index is an int or one int per expert mode \('n1',\)"):
+        layer.experts.expert(index)
