@@ -271,3 +271,16 @@ def test_unexpected_library_errors_are_one_line(capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "compare", broken)
     _fails_with_one_line(capsys, ["compare"], "error: OverflowError: int too large to convert second line")
+
+
+def test_the_cli_page_names_every_command(capsys):
+    import re
+    from pathlib import Path
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    commands = re.search(r"\{([a-z,]+)\}", capsys.readouterr().out).group(1).split(",")
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    first = page.split("\n\n")[1]
+    assert f"has {['no', 'one', 'two', 'three', 'four', 'five'][len(commands)]} commands" in first
+    assert all(f"`{command}`" in first for command in commands)
