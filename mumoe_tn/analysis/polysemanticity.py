@@ -85,6 +85,13 @@ class Polysemanticity:
             return float("nan")
         return float(self.polysemanticity[self.changed].mean())
 
+    def __repr__(self) -> str:
+        changed = int(self.changed.sum())
+        return (
+            f"Polysemanticity(experts={len(self.experts)}, classes={self.accuracy.numel()}, "
+            f"changed={changed}, mean={self.mean:.4g})"
+        )
+
 
 def _check_labels(labels: torch.Tensor, n_classes: int) -> None:
     if labels.numel() and int(labels.min()) < 0:

@@ -84,3 +84,14 @@ def test_ablating_an_expert_of_a_gated_block_equals_zeroing_its_weights():
             (a,),
         )
     torch.testing.assert_close(ablated, expected)
+
+
+def test_polysemanticity_prints_a_summary_not_its_tensors():
+    model = _model("mlp")
+    x = torch.randn(20, 5)
+    with torch.no_grad():
+        labels = model(x).argmax(-1)
+    result = class_polysemanticity(model, model[1], x, labels, n_classes=3)
+    text = repr(result)
+    assert text.startswith("Polysemanticity(experts=4, classes=3, changed=") and "tensor" not in text
+    assert len(text) < 120
