@@ -36,6 +36,7 @@ from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_size
 
 __all__ = [
+    "MAX_FRACTION",
     "TOLERANCE",
     "Match",
     "MatchingWarning",
@@ -52,6 +53,9 @@ _MAX_RANK = 1 << 40
 
 #: Relative distance to the target above which a match is reported as missed.
 TOLERANCE = 0.05
+
+#: The largest fraction ``match=`` takes: a float far above 1 is a budget written as a float.
+MAX_FRACTION = 10.0
 
 
 class MatchingWarning(UserWarning):
@@ -78,6 +82,12 @@ def resolve_target(match: object, reference: int) -> int:
     if isinstance(match, float):
         if not math.isfinite(match) or match <= 0:
             raise ValueError(f"a fractional match must be a finite number > 0, got {match!r}")
+        if match > MAX_FRACTION:
+            budget = f"{int(match):,}" if match.is_integer() else f"{match:g}"
+            raise ValueError(
+                f"match={match!r} is a fraction of the replaced layer's {reference:,} parameters, {match:g}× of it: "
+                f"fractions above {MAX_FRACTION:g} are refused; for a budget of {budget} parameters pass an int"
+            )
         return max(1, round(match * reference))
     if match <= 0:
         raise ValueError(f"match must be a positive number of parameters, got {match}")

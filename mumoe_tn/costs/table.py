@@ -274,6 +274,12 @@ def compare(
     for entry in entries:
         given = next((ranks[alias] for alias in entry.aliases if alias in ranks), None)
         scaled = next((bonds[alias] for alias in entry.aliases if alias in bonds), None)
+        if scaled is not None and (given is not None or match is None):
+            why = "has explicit ranks" if given is not None else "is not matched (match=None)"
+            raise ValueError(
+                f"bonds= names the bonds parameter matching scales, but row {entry.label!r} {why}: give one or "
+                "the other"
+            )
         layers = [entry.make(dims, width, out_features, given)]
         if block:
             layers.append(entry.make(dims, out_features + int(bias), in_features, given))

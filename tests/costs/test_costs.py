@@ -857,3 +857,15 @@ def test_matching_warning_states_the_closest_match_by_hand():
 def test_a_sparse_moe_with_no_experts_is_refused_for_its_expert_count():
     with pytest.raises(ValueError, match="n_experts must be a positive int, got -2"):
         sparse_moe(-2, 1, 4, 4)
+
+
+def test_compare_refuses_bonds_it_would_ignore_and_fractions_that_are_budgets():
+    with pytest.raises(ValueError, match=r"row 'cp' has explicit ranks: give one or the other"):
+        compare(64, 128, 16, ("cp",), ranks={"cp": 8}, bonds={"cp": ["r"]})
+    with pytest.raises(ValueError, match=r"row 'tr' is not matched \(match=None\)"):
+        compare(64, 128, 16, ("cp", "tr"), match=None, ranks={"cp": 8}, bonds={"tr": ["r3"]})
+    with pytest.raises(
+        ValueError, match=r"fractions above 10 are refused; for a budget of 100,000 parameters pass an int"
+    ):
+        compare(64, 128, 16, ("cp",), match=1e5)
+    assert compare(64, 128, 16, ("cp",), match=2.0).rows  # a fraction above 1 is still a fraction
