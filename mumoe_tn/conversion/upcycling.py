@@ -19,7 +19,7 @@ from torch import nn
 
 from mumoe_tn.contractions.dense import materialize
 from mumoe_tn.conversion.fitting import als_fit
-from mumoe_tn.costs.matching import match_exact
+from mumoe_tn.costs.matching import bond_cap, match_exact
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, resolve_network
 from mumoe_tn.layers import FactorizedExperts, MuMoE
 from mumoe_tn.network import ExpertNetwork, is_expert_leg
@@ -306,7 +306,7 @@ def decompose_dense(
         )
     _check_values("weight", weight)
     *dims, in_features, out_features = weight.shape
-    network = resolve_network(decomposition, tuple(dims), in_features, out_features, rank, resize=True)
+    network = _clipped(resolve_network(decomposition, tuple(dims), in_features, out_features, rank, resize=True))
     data = weight.detach().to(torch.promote_types(weight.dtype, torch.float32))
     fmt = network.format
     factors = (
@@ -325,8 +325,34 @@ def decompose_dense(
     experts = FactorizedExperts(network, device=weight.device, dtype=weight.dtype)
     for name, factor in zip(network.cores, factors, strict=True):
         getattr(experts, name).copy_(factor.reshape(network.core_shape(name)))
-    error = (materialize(network, experts.cores).to(data.dtype) - data).norm() / data.norm().clamp_min(1e-30)
-    return experts, float(error)
+    error = float((materialize(network, experts.cores).to(data.dtype) - data).norm() / data.norm().clamp_min(1e-30))
+    if not math.isfinite(error):
+        raise ValueError(
+            f"the decomposition into {network!r} diverged (NaN or inf): try other ranks, more iterations or "
+            "another method"
+        )
+    return experts, error
+
+
+def _clipped(network: ExpertNetwork) -> ExpertNetwork:
+    """``network`` with every bond cut to the largest size a tensor of its legs can use, with a warning."""
+    clipped: dict[str, tuple[int, int]] = {}
+    while True:
+        caps = {bond: bond_cap(network, bond) for bond in network.bonds}
+        over = {bond: cap for bond, cap in caps.items() if network.sizes[bond] > cap}
+        if not over:
+            break
+        for bond, cap in over.items():
+            clipped[bond] = (clipped.get(bond, (network.sizes[bond], cap))[0], cap)
+        network = network.with_sizes(**over)
+    if clipped:
+        changes = ", ".join(f"{bond} {before} → {after}" for bond, (before, after) in clipped.items())
+        warnings.warn(
+            f"ranks above what a tensor of shape {network.dense_shape} can use were clipped: {changes}",
+            UserWarning,
+            stacklevel=4,
+        )
+    return network
 
 
 def _check_values(what: str, tensor: torch.Tensor) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "TOLERANCE",
     "Match",
     "MatchingWarning",
+    "bond_cap",
     "match_block",
     "match_exact",
     "match_layer",
@@ -310,16 +311,31 @@ def upcycle_capacity(network: ExpertNetwork) -> int:
     return rank_bound(network) if capacity is None else capacity
 
 
-def _bond_cap(network: ExpertNetwork, bond: str) -> int:
-    """The largest size of ``bond`` that can matter.
+def bond_cap(network: ExpertNetwork, bond: str) -> int:
+    """The largest size of ``bond`` that can matter for any tensor the network represents.
 
-    A bond joining two cores can be compressed to the rank of either core seen as a matrix (other
-    labels × bond), at most the product of its other sizes. A hyperedge (CP's rank) has no such cap.
+    A bond joining two cores can be compressed to the rank of either core seen as a matrix (its
+    other labels × the bond), at most the product of its other sizes. A hyperedge (CP's rank)
+    sums rank-one terms of the legs it joins, and no tensor needs more of them than its number of
+    entries over its largest leg.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        The network, at its current sizes.
+    bond : str
+        One of its bonds.
+
+    Returns
+    -------
+    int
     """
-    if len(network.cores_with(bond)) > 2:
-        return _MAX_RANK
+    owners = network.cores_with(bond)
+    if len(owners) > 2:
+        legs = [network.sizes[label] for label in network.sizes if label not in network.bonds]
+        return max(1, math.prod(legs) // max(legs))
     caps = []
-    for core in network.cores_with(bond):
+    for core in owners:
         others = [label for label in network.cores[core] if label != bond]
         caps.append(math.prod(network.sizes[label] for label in others))
     return max(1, min(caps))
@@ -364,7 +380,7 @@ def match_exact(
 
     def resized(r: int) -> tuple[ExpertNetwork, ...]:
         uncapped = tuple(net.with_sizes(**dict.fromkeys(names, r)) for net in networks)
-        return tuple(net.with_sizes(**{bond: min(r, _bond_cap(net, bond)) for bond in names}) for net in uncapped)
+        return tuple(net.with_sizes(**{bond: min(r, bond_cap(net, bond)) for bond in names}) for net in uncapped)
 
     def holds(r: int) -> bool:
         return all(upcycle_capacity(net) >= min(net.in_features, net.out_features) for net in resized(r))

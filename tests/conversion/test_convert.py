@@ -240,16 +240,17 @@ def test_iterative_decompositions_run_tensorly_with_the_documented_options(name,
     torch.testing.assert_close(materialize(network, dict(zip(network.cores, values, strict=True))), expected)
 
 
-def test_tucker_ranks_above_a_mode_size_are_clipped_and_padded_back():
-    # ranks (3, 3, 3) on modes of size (2, 3, 4): tensorly gets (2, 3, 3), the core is zero-padded to 3
+def test_tucker_ranks_above_a_mode_size_are_clipped_with_a_warning():
+    # ranks (3, 3, 3) on modes of size (2, 3, 4): s_n1 cannot use more than 2
     network = build("tucker", 2, 3, 4, (3, 3, 3))
     cores = {
         c: torch.randn(s, generator=torch.Generator().manual_seed(2), dtype=DTYPE)
         for c, s in network.core_shapes.items()
     }
     weight = materialize(network, cores).detach()
-    experts, error = decompose_dense(weight, "tucker", (3, 3, 3))
-    assert experts.network == network and error < 1e-8
+    with pytest.warns(UserWarning, match="were clipped: s_n1 3 → 2"):
+        experts, error = decompose_dense(weight, "tucker", (3, 3, 3))
+    assert experts.network == network.with_sizes(s_n1=2) and error < 1e-8
     torch.testing.assert_close(experts.to_dense().detach(), weight)
 
 

@@ -153,3 +153,17 @@ def test_layers_accept_rank_exact_and_refuse_it_with_match():
     assert layer.network.sizes["r3"] == 16 and layer.network.sizes["r1"] == 4
     with pytest.raises(ValueError, match="rank='exact' chooses the ranks; give it without match="):
         MuMoE(24, 16, 4, "cp", rank="exact", match="linear")
+
+
+@pytest.mark.parametrize(
+    ("decomposition", "rank", "clipped"),
+    [("cp", 60, "r 60 → 12"), ("tucker", 50, "s_n1 50 → 3, s_i 50 → 4, s_o 50 → 5"), ("tt", (9, 9), "r1 9 → 3")],
+)
+def test_decompose_dense_clips_ranks_a_tensor_cannot_use(decomposition, rank, clipped):
+    from mumoe_tn.conversion import decompose_dense
+
+    weight = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with pytest.warns(UserWarning, match=rf"tensor of shape \(3, 4, 5\) can use were clipped: {clipped}"):
+        experts, error = decompose_dense(weight, decomposition, rank)
+    assert type(error) is float and error < 1e-4  # clipped ranks still hold the whole tensor
+    assert sum(p.numel() for p in experts.parameters()) < weight.numel() * 4

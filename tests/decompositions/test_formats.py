@@ -317,11 +317,13 @@ def test_compare_counts_a_custom_gate_descriptor():
 def test_decompose_dense_clipped_ranks_and_bad_tensors():
     torch.manual_seed(0)
     weight = torch.randn(3, 4, 5, dtype=torch.float64)
-    # tensorly clips TT/Tucker ranks to the unfoldings' sizes; the cores are padded back.
-    experts, error = decompose_dense(weight, "tucker", 50)
-    assert experts.network.sizes["s_i"] == 50 and error < 1e-10
-    experts, error = decompose_dense(weight, "tt", 2)
-    assert experts.network.core_shape("G_i") == (4, 4, 2) and 0 < error < 1  # r1 = 4 (expert rank), r2 = 2
+    # ranks a tensor of this shape cannot use are clipped, with a warning
+    with pytest.warns(UserWarning, match="were clipped"):
+        experts, error = decompose_dense(weight, "tucker", 50)
+    assert experts.network.sizes["s_i"] == 4 and error < 1e-10
+    with pytest.warns(UserWarning, match="were clipped: r1 4 → 3"):
+        experts, error = decompose_dense(weight, "tt", 2)
+    assert experts.network.core_shape("G_i") == (3, 4, 2) and 0 < error < 1  # r1 = 3 (clipped expert rank), r2 = 2
     reported = float((experts.to_dense() - weight).norm() / weight.norm())
     assert reported == pytest.approx(error, rel=1e-9)
     with pytest.raises(TypeError, match=r"weight must be a floating-point tensor, got dtype torch.int64"):
