@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="mean expert polysemanticity vs number of experts on scikit-learn's digits",
         description="Trains a CP μMoE classification head per expert count on 8×8 digits, ablates every expert, "
-        "and prints test accuracy and mean class-level polysemanticity (paper Eq. polysemanticity). "
+        "and prints test accuracy and mean class-level polysemanticity (as the paper defines it). "
         "Writes no file unless --plot is given.",
     )
     demo.add_argument("--experts", type=_positive, nargs="+", default=[8, 16, 32, 64, 128, 256])
@@ -176,7 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     configure_parser(
         commands.add_parser(
             "specialisation",
-            help="does expert class-polysemanticity fall with more experts? (paper Fig. polysemanticity)",
+            help="does expert class-polysemanticity fall with more experts? (the paper's specialisation figure)",
             description="Trains CP μMoE final layers (N = 16 … 1,024; entmax15/softmax; BatchNorm/none; several "
             "seeds) on 100 generated classes, ablates every expert and reports mean class-level polysemanticity.",
         )

@@ -154,3 +154,15 @@ def test_tutorials_show_their_output_and_end_with_a_table_or_figure(site):
         ends_with_result = "<table" in tail or "<svg" in tail or "<img" in tail
         assert ends_with_result, f"{source.name} does not end with a table or figure"
         assert "Traceback" not in article, source.name
+
+
+def test_no_equation_label_of_the_paper_leaks_into_the_text():
+    label = re.compile(r"\b(?:Eq|Fig|Table)\. ?[a-z][a-z-]+")  # "Eq. polysemanticity": a LaTeX label, not a name
+    sources = [*PAGES, *sorted((ROOT / "mumoe_tn").rglob("*.py"))]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}: {label.search(line).group()}"
+        for path in sources
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if label.search(line)
+    ]
+    assert not offenders, offenders

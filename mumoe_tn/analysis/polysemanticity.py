@@ -1,4 +1,4 @@
-"""Class-level polysemanticity of experts (paper Eq. polysemanticity).
+"""Class-level polysemanticity of experts (as the paper defines it).
 
 For every expert ``n``: ``d^(n)_c = (y_c − ŷ^(n)_c) / y_c`` is the relative drop of class
 ``c``'s accuracy when expert ``n`` is switched off, and ``p^(n) = ‖d^(n) − 1^(n)‖₂`` its

@@ -1,4 +1,4 @@
-"""Expert-conditional re-writing (paper Eq. mmoe-intervention) and the fairness metrics.
+"""Expert-conditional re-writing (the paper's expert-conditional intervention) and the fairness metrics.
 
 ``y_o ← y_o + λ āᵀa``: an output head ``o`` is shifted by how much a token's coefficients
 ``a`` overlap with ``ā``, the mean coefficients of a target subpopulation. With ``ā`` a vector

@@ -109,7 +109,7 @@ def expert_matrix(
 
 
 def dense_forward(weight: torch.Tensor, coefficients: Sequence[torch.Tensor], z: torch.Tensor) -> torch.Tensor:
-    """The naive μMoE forward pass over a materialised ``W`` (paper Eq. 1 and Eq. hierarchy-sum).
+    """The naive μMoE forward pass over a materialised ``W`` (paper Eq. 1 and its hierarchical sum).
 
     ``y = W ×_1 a_1 … ×_E a_E ×_{E+1} z``, computed as in the paper's description: first every
     expert's matrix times the input, then the sums over the expert modes weighted by the

@@ -48,7 +48,7 @@ def materialize_fma(network: ExpertNetwork) -> int:
 
 
 def dense_forward_fma(network: ExpertNetwork) -> int:
-    """FMAs per token of the naive forward over a materialised ``W`` (paper Eq. 1/hierarchy-sum).
+    """FMAs per token of the naive forward over a materialised ``W`` (paper Eq. 1 and its hierarchical sum).
 
     Every expert's matrix times the input (``N·I·O``, ``N = ∏N_e``), then the sums over the
     expert modes weighted by the coefficients (``N_1⋯N_E·O + N_2⋯N_E·O + … + N_E·O``).

@@ -92,8 +92,12 @@ class CostTable:
         return [{**{key: getattr(row, key) for key in COLUMNS}, "spec": row.spec} for row in self.rows]
 
     def to_json(self) -> str:
-        """The configuration and the rows as JSON."""
-        return json.dumps({"config": dict(self.config), "rows": self.records()}, indent=2)
+        """The configuration and the rows as JSON; a μMoE row's ranks as ``{bond: size}`` (null for baselines)."""
+        rows = []
+        for record, row in zip(self.records(), self.rows, strict=True):
+            first = row.networks[0] if row.networks else None
+            rows.append({**record, "ranks": None if first is None else {b: first.sizes[b] for b in first.bonds}})
+        return json.dumps({"config": dict(self.config), "rows": rows}, indent=2)
 
     def to_csv(self) -> str:
         """The rows as CSV with the column keys as header."""

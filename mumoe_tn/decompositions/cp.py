@@ -17,7 +17,7 @@ def _legs(network: ExpertNetwork) -> list[str]:
 
 
 class CPFormat(Format, name="cp"):
-    """CPμMoE (paper Eq. fast-CP and its hierarchical form Eq. full-fast-cp).
+    """CPμMoE (paper the fast CP forward and its hierarchical form).
 
     ``W = Σ_r u^(1)_r ∘ … ∘ u^(E)_r ∘ u^(E+1)_r ∘ u^(E+2)_r`` with factor matrices
     ``U_n1 … U_nE, U_i, U_o`` of shape ``(leg, R)`` (tensorly's layout); the rank label ``r`` is
@@ -44,7 +44,7 @@ class CPFormat(Format, name="cp"):
         return ExpertNetwork({f"U_{leg}": (leg, "r") for leg in legs}, {**sizes, "r": r})
 
     def closed_form_fma(self, network: ExpertNetwork) -> int:
-        """``R(ΣN_e + I + O)`` (paper Table decomp-tradeoff, Eq. fast-CP / full-fast-cp)."""
+        """``R(ΣN_e + I + O)`` (paper decomposition trade-off table, the fast CP forward)."""
         return network.sizes["r"] * (sum(network.expert_dims) + network.in_features + network.out_features)
 
     def hand_fma(self, network: ExpertNetwork) -> int:

@@ -20,7 +20,7 @@ def _ranks(network: ExpertNetwork) -> list[int]:
 
 
 class TRFormat(Format, name="tr"):
-    """TRμMoE (paper Eq. fast-TR and its hierarchical form Eq. full-fast-TR).
+    """TRμMoE (paper the fast TR forward and its hierarchical form).
 
     Cores ``G_n1 (R_1, N_1, R_2) … G_nE (R_E, N_E, R_{E+1})``, ``G_i (R_{E+1}, I, R_{E+2})`` and
     ``G_o (R_{E+2}, O, R_1)``, in tensorly's ``(r_k, n_k, r_{k+1})`` layout; bonds
@@ -49,7 +49,7 @@ class TRFormat(Format, name="tr"):
 
         For ``E = 1`` this is the paper's ``R1NR2 + R2IR3 + R1R2R3 + R1OR3`` (Table
         decomp-tradeoff); for ``E > 1`` the mode-2 products and the left-to-right chain of
-        ``R_1 × R_{e+1}`` matrix products of Eq. full-fast-TR. Nothing is omitted.
+        ``R_1 × R_{e+1}`` matrix products of the paper's hierarchical TR forward. Nothing is omitted.
         """
         r = _ranks(network)
         n_modes = network.n_expert_modes

@@ -3,7 +3,7 @@
 A small classifier (a GELU layer, then a CP μMoE classification head with BatchNorm entmax
 gates, as in the paper's fine-tuned final layers) is trained on scikit-learn's 8×8 digits for
 each expert count; every expert of the head is then ablated in turn (batched) and the mean
-class-level polysemanticity (paper Eq. polysemanticity) of the experts whose ablation changes
+class-level polysemanticity (as the paper defines it) of the experts whose ablation changes
 some class is reported — the paper's Figure "polysemanticity" at small scale. Needs
 scikit-learn (``pip install 'mumoe_tn[examples]'``).
 """

@@ -1,6 +1,6 @@
 """``mumoe-tn specialisation``: expert class-polysemanticity against the number of experts.
 
-The paper (Section "Expert specialism", Eq. polysemanticity and its footnote, appendix
+The paper (Section "Expert specialism", the polysemanticity measure and its footnote, appendix
 ablations) fine-tunes CP μMoE final layers on CLIP/DINO features over ImageNet's 1,000 classes,
 ablates every expert in turn, and reports that the mean class-level polysemanticity of the
 experts whose ablation changes some class's accuracy falls as ``N`` grows from 32 to 1,024, and
@@ -260,7 +260,7 @@ def expert_ablation_effects(
     Returns
     -------
     effects : Polysemanticity
-        Per-expert class accuracies, ``d`` and ``p`` (paper Eq. polysemanticity).
+        Per-expert class accuracies, ``d`` and ``p`` (as the paper defines it).
     coefficients : torch.Tensor
         The gate's coefficients on ``inputs``, ``(S, N)``.
     """

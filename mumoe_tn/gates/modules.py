@@ -189,7 +189,7 @@ def resolve_activation(activation: str | float) -> Callable[[torch.Tensor], torc
 
 
 class ExpertGate(PerThreadRecords):
-    """Gating of every expert mode: ``a_e = φ(norm(G_eᵀ z))`` (paper Eq. 1 / hierarchy-sum).
+    """Gating of every expert mode: ``a_e = φ(norm(G_eᵀ z))`` (paper Eq. 1 and its hierarchical sum).
 
     One bias-free projection ``G_e ∈ R^{I×N_e}`` per expert mode (stored as
     ``projections.n<e>.weight``), a per-mode normalisation of the logits from

@@ -168,7 +168,8 @@ def test_compare_spec_adds_custom_networks_next_to_cp_and_tr(capsys, monkeypatch
     assert [row["name"] for row in rows[:2]] == ["cp μMoE", "tr μMoE"]
     assert all(row["name"].endswith("μMoE") and row["name"] not in ("cp μMoE", "tr μMoE") for row in custom)
     # the first spec, bonds a = b = c = R: 256 R² + 769 R² + 3072 R² expert parameters
-    r = int(custom[0]["ranks"].split("=")[1].split(",")[0])
+    r = custom[0]["ranks"]["a"]
+    assert custom[0]["ranks"] == {"a": r, "b": r, "c": r}
     assert custom[0]["params_experts"] == (256 + 769 + 3072) * r * r
     monkeypatch.setenv("COLUMNS", "100")
     assert main(args) == 0
