@@ -78,8 +78,50 @@ def _match(text: str) -> str | int | float:
     return int(value) if value == int(value) and value >= 1 else value
 
 
+#: The entry-point group under which a package declares the module that registers its formats.
+FORMATS_ENTRY_POINTS = "mumoe_tn.formats"
+
+
+def _load_user_formats(argv: Sequence[str]) -> None:
+    """Import the modules that register user formats: every ``--import MODULE``, then the entry points.
+
+    Runs before the full parser is built, so registered formats appear in ``--help`` and are
+    accepted by ``--decompositions``. A module that cannot be imported ends the command with one
+    line naming it.
+    """
+    from importlib import import_module
+    from importlib.metadata import entry_points
+
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--import", dest="modules", action="append", default=[])
+    known, _ = early.parse_known_args(list(argv))
+    for point in entry_points(group=FORMATS_ENTRY_POINTS):
+        try:
+            point.load()
+        except Exception as error:
+            raise UsageError(
+                f"the {FORMATS_ENTRY_POINTS} entry point {point.name!r} ({point.value}) failed: {error}"
+            ) from None
+    for module in known.modules:
+        try:
+            import_module(module)
+        except Exception as error:
+            raise UsageError(f"--import {module}: cannot import it ({type(error).__name__}: {error})") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mumoe-tn", description="Multilinear mixture-of-experts tools.")
+    parser.add_argument(
+        "--import",
+        dest="modules",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help=(
+            "import MODULE first, e.g. the module that registers your own formats (repeatable); packages "
+            f"can declare such modules under the {FORMATS_ENTRY_POINTS!r} entry-point group instead"
+        ),
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     cmp = commands.add_parser(
@@ -181,6 +223,11 @@ def _parser() -> argparse.ArgumentParser:
             "seeds) on 100 generated classes, ablates every expert and reports mean class-level polysemanticity.",
         )
     )
+    for command in commands.choices.values():  # --import may also stand after the command
+        command.add_argument(
+            "--import", dest="modules", action="append", default=argparse.SUPPRESS, metavar="MODULE",
+            help="import MODULE first (as before the command)",
+        )  # fmt: skip
     return parser
 
 
@@ -306,6 +353,11 @@ def _specialisation(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mumoe-tn`` command; returns the exit status (2 for any error, printed as one line)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        _load_user_formats(argv)
+    except UsageError as error:
+        _Parser(prog="mumoe-tn").exit(2, f"mumoe-tn: error: {error}\n")
     parser = _parser()
     args = parser.parse_args(argv)
     commands = {"compare": _compare, "plan": _plan, "demo": _demo, "specialisation": _specialisation}

@@ -285,3 +285,49 @@ def test_the_cli_page_names_every_command(capsys):
     first = page.split("\n\n")[1]
     assert f"has {['no', 'one', 'two', 'three', 'four', 'five'][len(commands)]} commands" in first
     assert all(f"`{command}`" in first for command in commands)
+
+
+FORMAT_MODULE = """
+from mumoe_tn import ExpertNetwork, Format
+from mumoe_tn.decompositions import normalize_ranks
+
+
+class {cls}(Format, name="{name}"):
+    def network(self, expert_dims, in_features, out_features, rank, **options):
+        a, b = normalize_ranks(self.name, rank, 2)
+        return ExpertNetwork.from_spec(
+            "E: n1 a, I: i a b, O: b o", expert_dims=expert_dims, in_features=in_features,
+            out_features=out_features, ranks={{"a": a, "b": b}},
+        )
+"""
+
+
+def _compare_rows(capsys, argv):
+    assert main(argv) == 0
+    return [row["name"] for row in json.loads(capsys.readouterr().out)["rows"]]
+
+
+def test_user_formats_load_by_import_and_by_entry_point(tmp_path, monkeypatch, capsys):
+    from mumoe_tn.decompositions import available, unregister
+
+    (tmp_path / "my_formats.py").write_text(FORMAT_MODULE.format(cls="Chain", name="chain_cli"))
+    package = tmp_path / "plugged"
+    package.mkdir()
+    (package / "__init__.py").write_text(FORMAT_MODULE.format(cls="Plugged", name="plugged_cli"))
+    info = tmp_path / "plugged-0.1.dist-info"  # an installed distribution, as importlib.metadata finds one
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: plugged\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[mumoe_tn.formats]\nplugged = plugged\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        args = ["compare", "--experts", "8", "--json", "--decompositions", "chain_cli", "plugged_cli"]
+        assert _compare_rows(capsys, ["--import", "my_formats", *args])[:2] == ["chain_cli μMoE", "plugged_cli μMoE"]
+        assert _compare_rows(capsys, [*args, "--import", "my_formats"])[0] == "chain_cli μMoE"  # after the command
+        with pytest.raises(SystemExit) as stopped:
+            main(["--import", "not_a_module_here", "compare"])
+        assert stopped.value.code == 2
+        assert "--import not_a_module_here: cannot import it (ModuleNotFoundError" in capsys.readouterr().err
+    finally:
+        for name in ("chain_cli", "plugged_cli"):
+            if name in available():
+                unregister(name)
