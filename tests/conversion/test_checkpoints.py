@@ -16,25 +16,19 @@ from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 transformers = pytest.importorskip("transformers")
+import hf_models  # noqa: E402  (needs transformers)
+
 transformers.logging.set_verbosity_error()
 
 VOCAB = 100
 
 
 def _gpt2(layers=2, width=64):
-    config = transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
-    )
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
-    return transformers.GPT2LMHeadModel(config)
+    return hf_models.gpt2(layers=layers, width=width, vocab=VOCAB, bos_token_id=0, eos_token_id=0)
 
 
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return hf_models.llama(vocab=VOCAB, bos_token_id=0, eos_token_id=0)
 
 
 FAMILIES = {

@@ -15,6 +15,8 @@ from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 transformers = pytest.importorskip("transformers")
+import hf_models  # noqa: E402  (needs transformers)
+
 transformers.logging.set_verbosity_error()
 
 DTYPE = torch.float64
@@ -28,26 +30,11 @@ def _batch(batch=4, length=24, seed=0):
 
 
 def _gpt2():
-    config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
-    )
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
-    return transformers.GPT2LMHeadModel(config)
+    return hf_models.gpt2(width=32, heads=2, vocab=VOCAB, bos_token_id=0, eos_token_id=0)
 
 
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return hf_models.llama(vocab=VOCAB, bos_token_id=0, eos_token_id=0)
 
 
 # (model factory, block class, conversion arguments): ranks hold every matrix (exact upcycling)

@@ -20,6 +20,8 @@ from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 transformers = pytest.importorskip("transformers")
+import hf_models  # noqa: E402  (needs transformers)
+
 transformers.logging.set_verbosity_error()
 
 NORMS = ("batch", "layer", "none")
@@ -77,18 +79,7 @@ def test_no_position_sees_later_tokens_unless_the_gate_says_it_mixes_tokens(
             assert leaked < 1e-6, f"{gate}, {'train' if training else 'eval'}: position {t} moved by {leaked:.2e}"
 
 
-def _gpt2():
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64)
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+_gpt2, _llama = hf_models.gpt2, hf_models.llama
 
 
 MODELS = {"gpt2": (_gpt2, {"mlps": r"mlp$", "linears": r"c_attn$"}), "llama": (_llama, {"mlps": r"mlp$"})}

@@ -147,13 +147,13 @@ def test_analysis_skips_padding():
 
 
 transformers = pytest.importorskip("transformers")
+import hf_models  # noqa: E402  (needs transformers)
+
 transformers.logging.set_verbosity_error()
 
 
 def _gpt2():
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=32)
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
-    return transformers.GPT2LMHeadModel(config)
+    return hf_models.gpt2(width=32, heads=2, vocab=50, positions=32)
 
 
 def _bert():
