@@ -31,6 +31,7 @@ from mumoe_tn.layers import FactorizedExperts, MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
 from mumoe_tn.masking import accepts_argument, install_mask_hook
 from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.validation import check_bool, check_size
 
 __all__ = [
     "ConversionReport",
@@ -676,8 +677,16 @@ def _rebuild(choice: _Choice, entry: ConvertedModule) -> tuple[nn.Module, dict[s
                 f"the conversion record does not fit the model at {path!r}: its {role!r} layer is recorded as "
                 f"{network!r}, the model gives {found!r}"
             )
+    execution = {option: entry.execution[option] for option in EXECUTION_OPTIONS[1:] if option in entry.execution}
+    try:
+        for option, value in execution.items():
+            if option in ("recompute", "precontract"):
+                check_bool(option, value)
+            elif value is not None or option == "max_plans":
+                check_size(option, value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the conversion record's execution options at {path!r} are invalid: {error}") from None
     for experts in layers.values():
-        for option in EXECUTION_OPTIONS:
-            if option != "optimize" and option in entry.execution:
-                setattr(experts, option, entry.execution[option])
+        for option, value in execution.items():
+            setattr(experts, option, value)
     return new, layers

@@ -265,3 +265,14 @@ def test_a_gate_that_cannot_be_recorded_warns_at_conversion():
     with pytest.warns(UserWarning, match="cannot be recorded.*not a dataclass"):
         convert(model, expert_dims=3, mlps=r"^0$", rank=2, gate=Opaque())
     assert conversion_record(model) is None
+
+
+def test_a_record_with_invalid_execution_options_is_refused_before_any_change():
+    model = _plain()
+    convert(model, expert_dims=3, mlps=r"^0$", rank=2)
+    data = conversion_record(model).to_dict()
+    data["modules"][0]["execution"]["max_plans"] = -1
+    fresh = _plain()
+    with pytest.raises(ValueError, match=r"execution options at '0' are invalid: max_plans must be a positive int"):
+        apply_conversion(fresh, data)
+    assert conversion_record(fresh) is None and not isinstance(fresh[0], MuMoEMLP)
