@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mumoe_tn"
 #: model, so the gates sit below the costs.
 FLOORS = {
     "validation": 0,
+    "caching": 0,
     "network": 1,
     "decompositions": 2,
     "gates": 2,

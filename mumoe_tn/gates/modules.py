@@ -50,6 +50,7 @@ from entmax import entmax_bisect
 from torch import nn
 from torch.nn import functional as F
 
+from mumoe_tn.caching import DerivedCache
 from mumoe_tn.gates.entmax import entmax15, sparsemax
 from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.records import PerThreadRecords
@@ -127,6 +128,19 @@ class LogitBatchNorm(nn.BatchNorm1d):
         self._check_rows(real.shape[0], " real")
         normed = super().forward(real)
         return torch.zeros_like(input).masked_scatter(mask[:, None].expand_as(input), normed)
+
+    def eval_affine(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The eval-mode map as ``(scale, shift)``: ``norm(x) = x · scale + shift`` (None in training).
+
+        Lets an inference gate fold the norm into its projection (one matrix product, no norm).
+        """
+        if self.training or self.running_mean is None or self.running_var is None:
+            return None
+        scale = torch.rsqrt(self.running_var + self.eps)
+        shift = -self.running_mean * scale
+        if self.affine:
+            scale, shift = scale * self.weight, shift * self.weight + self.bias
+        return scale, shift
 
     def _check_rows(self, rows: int, what: str = "") -> None:
         if self.training and rows < 2:
@@ -258,7 +272,12 @@ class ExpertGate(PerThreadRecords):
         self.norms = nn.ModuleDict(
             {leg: GATE_NORMS[norm](n, factory) for leg, n in zip(legs, self.expert_dims, strict=True)}
         )
+        self._inference_weights: DerivedCache[tuple[torch.Tensor, torch.Tensor | None, bool]] = DerivedCache()
         self.reset_parameters()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_inference_weights", DerivedCache())  # pickled before inference caching
 
     def reset_parameters(self) -> None:
         """Re-initialise the projections (by ``init``) and the norms' running statistics."""
@@ -274,6 +293,77 @@ class ExpertGate(PerThreadRecords):
     def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
         """Coefficients ``(rows, N_e)`` of expert mode ``mode`` from its normalised logits."""
         return self._phi(logits)
+
+    def _activate_modes(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        """Coefficients of every mode from the normalised logits ``(rows, ΣN_e)``, modes side by side.
+
+        Modes of one size go through φ in one call (φ acts on each row of each mode alone).
+        """
+        sizes = self.expert_dims
+        if len(sizes) > 1 and len(set(sizes)) == 1:
+            stacked = self._phi(logits.view(logits.shape[0], len(sizes), sizes[0]))
+            return list(stacked.unbind(1))
+        return [self._activate(part, mode) for mode, part in enumerate(logits.split(sizes, dim=-1))]
+
+    def _folded_weights(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The projections of every mode stacked, with the norms folded in where they are affine maps.
+
+        Returns ``(weight, bias, folded)``: ``norm(G_eᵀ z)`` of every mode is ``z @ weight.T + bias``
+        when ``folded``; otherwise the norms still have to be applied to ``z @ weight.T``. Made once
+        per change of the projections or the norms' statistics (see [`mumoe_tn.caching`][mumoe_tn.caching]).
+        """
+        projections = [projection.weight for projection in self.projections.values()]
+        norms = list(self.norms.values())
+        sources = [*projections]
+        for norm in norms:  # the norms' own tensors (their running statistics included)
+            sources += [t for t in norm._parameters.values() if t is not None]
+            sources += [t for t in norm._buffers.values() if t is not None]
+
+        def make() -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+            affine = [None if isinstance(norm, nn.Identity) else _eval_affine(norm) for norm in norms]
+            foldable = all(
+                isinstance(norm, nn.Identity) or map_ is not None for norm, map_ in zip(norms, affine, strict=True)
+            )
+            weights, biases = [], []
+            for weight, map_ in zip(projections, affine, strict=True):
+                weight = weight.detach().to(compute)
+                if foldable and map_ is not None:
+                    scale, shift = (t.detach().to(compute) for t in map_)
+                    weights.append(weight * scale[:, None])
+                    biases.append(shift)
+                else:
+                    weights.append(weight)
+                    biases.append(weight.new_zeros(weight.shape[0]))
+            has_bias = foldable and any(map_ is not None for map_ in affine)
+            stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
+            return stacked.contiguous(), torch.cat(biases) if has_bias else None, foldable
+
+        return self._inference_weights.get(sources, make)
+
+    def clear_inference_cache(self) -> None:
+        """Forget the folded projections (needed only after in-place edits through ``.data``)."""
+        self._inference_weights.clear()
+
+    def _infer(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Coefficients of the rows ``flat`` without gradients: one matrix product, norms folded in."""
+        weight, bias, folded = self._folded_weights(flat.dtype)
+        logits = F.linear(flat, weight, bias)
+        if not folded:
+            norms = list(self.norms.values())
+            if len(norms) == 1:
+                logits = norms[0](logits)
+            else:
+                parts = logits.split(self.expert_dims, dim=-1)
+                logits = torch.cat([norm(part) for part, norm in zip(parts, norms, strict=True)], dim=-1)
+        return self._activate_modes(logits)
+
+    def _inference_applies(self, z: torch.Tensor) -> bool:
+        """Whether a call may take the inference path (no gradient, no losses to record, not traced)."""
+        if torch.is_grad_enabled() and (z.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        if self.balance_loss or self.z_loss or torch.compiler.is_compiling():
+            return False
+        return not torch._C._are_functorch_transforms_active()
 
     def _balance_terms(
         self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
@@ -300,6 +390,13 @@ class ExpertGate(PerThreadRecords):
         """
         lead = z.shape[:-1]
         compute = torch.promote_types(z.dtype, torch.float32)
+        if self._inference_applies(z):
+            if torch.is_autocast_enabled(z.device.type):
+                with torch.autocast(device_type=z.device.type, enabled=False):
+                    coefficients = self._infer(z.reshape(-1, z.shape[-1]).to(compute))
+            else:
+                coefficients = self._infer(z.reshape(-1, z.shape[-1]).to(compute))
+            return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
         with torch.autocast(device_type=z.device.type, enabled=False):
             flat = z.reshape(-1, z.shape[-1]).to(compute)
             weights = [projection.weight.to(compute) for projection in self.projections.values()]
@@ -414,6 +511,10 @@ class TopKRouter(ExpertGate):
         finite = torch.isfinite(logits).all(dim=-1, keepdim=True)
         return torch.where(finite, routed, torch.nan)
 
+    def _activate_modes(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        parts = logits.split(self.expert_dims, dim=-1)
+        return [self._activate(part, mode) for mode, part in enumerate(parts)]
+
     def _balance_terms(
         self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,6 +525,12 @@ class TopKRouter(ExpertGate):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k={self.k}"
+
+
+def _eval_affine(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A norm's eval-mode map as ``(scale, shift)``, where it offers one (``eval_affine()``) and is in eval."""
+    method = getattr(norm, "eval_affine", None)
+    return method() if callable(method) else None
 
 
 def gate_losses(model: nn.Module) -> dict[str, torch.Tensor]:

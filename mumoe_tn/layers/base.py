@@ -104,6 +104,18 @@ class MuMoEBase(PerThreadRecords):
         for experts in self._expert_layers():
             experts.reset_parameters()
 
+    def clear_inference_cache(self) -> None:
+        """Drop what inference keeps from the weights (folded gate, padded and laid-out cores, plans' operands).
+
+        Needed only after editing a parameter through ``.data`` in place, the one change PyTorch
+        does not track (see [`mumoe_tn.caching`][mumoe_tn.caching]); any other change of the
+        weights is noticed on the next call.
+        """
+        for module in self.modules():
+            cache = getattr(module, "clear_inference_cache", None)
+            if module is not self and callable(cache):
+                cache()
+
     def gate_losses(self) -> dict[str, torch.Tensor]:
         """The gate's auxiliary losses from this thread's last forward pass (empty if it has none).
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mumoe_tn.caching import DerivedCache
 from mumoe_tn.contractions.autotune import fastest_plan
 from mumoe_tn.contractions.dense import expert_matrix, materialize
 from mumoe_tn.contractions.execute import constant_intermediates, run_plan
@@ -24,6 +25,7 @@ from mumoe_tn.contractions.plan import (
     plan_inference,
     resolve_optimizer,
 )
+from mumoe_tn.contractions.prepared import PreparedPlan
 from mumoe_tn.layers.init import INIT_RULES, check_expert_noise, init_cores
 from mumoe_tn.layers.options import (
     check_allocatable,
@@ -32,12 +34,15 @@ from mumoe_tn.layers.options import (
 from mumoe_tn.network import INPUT_LEG, ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
-__all__ = ["COMPILE_PLAN_BATCH", "FactorizedExperts"]
+__all__ = ["COMPILE_PLAN_BATCH", "MAX_PLANS", "FactorizedExperts"]
 
 _MAX_FAN_IN = 1 << 40
 
 #: Batch size of the plan used while ``torch.compile`` traces a layer (made at construction).
 COMPILE_PLAN_BATCH = 1024
+
+#: Default size of a layer's plan cache: one slot per batch-size bucket (a power of two) and mode.
+MAX_PLANS = 64
 
 
 def _batch_bucket(batch: int) -> int:
@@ -50,16 +55,24 @@ class FactorizedExperts(nn.Module):
 
     Every core is one ``nn.Parameter`` named after the core, so ``state_dict`` keys are the
     core names. The forward pass contracts the cores with the expert coefficients and the
-    input along a path planned once per batch-size bucket (a power of two) and cached in a
-    bounded, thread-safe, least-recently-used per-module cache; ``W`` is never materialised.
+    input along a path planned once per batch-size bucket and cached in a bounded,
+    thread-safe, least-recently-used per-module cache; ``W`` is never materialised. A batch of
+    ``B`` rows uses the bucket of the next power of two (``B = 5 … 8`` share bucket 8): a path
+    depends on the batch only coarsely. Each bucket takes one cache slot in training and one in
+    inference, so a server whose batch sizes fall into at most ``max_plans`` buckets (the
+    default 64 covers every size from 1 to 2⁶³) plans each bucket once and then never again.
     While ``torch.compile`` traces the module it uses one plan made at construction (for a
     batch of [`COMPILE_PLAN_BATCH`][mumoe_tn.layers]): a plan's steps are valid for every batch size, so
     dynamic batch sizes neither replan inside the trace nor recompile.
 
-    In eval mode with gradients off (``torch.no_grad`` or ``torch.inference_mode``) the
-    contraction is planned with the cores constant: core-only sub-networks are contracted
-    once and reused while the cores are unchanged (tracked by their version counters and
-    storage), when that saves FMAs per call. Results are exact either way.
+    Without gradients (``torch.no_grad`` or ``torch.inference_mode``, as in inference) the
+    contraction is planned with the cores constant: core-only sub-networks are contracted once
+    and reused while the cores are unchanged, when that saves FMAs per call, and the padded
+    cores (``pad_bonds``) are made once instead of on every call. Both are kept until a core
+    changes by any tracked route (optimizer step, ``load_state_dict``, in-place edit, ``.to()``;
+    see [`mumoe_tn.caching`][mumoe_tn.caching]) and can be dropped with
+    [`clear_inference_cache`][mumoe_tn.layers.experts.FactorizedExperts.clear_inference_cache].
+    Results are exact either way.
 
     Parameters
     ----------
@@ -80,7 +93,8 @@ class FactorizedExperts(nn.Module):
         [`mumoe_tn.contractions.autotune_candidates`][mumoe_tn.contractions.plan.autotune_candidates]). Named optimizers
         are resolved afresh for every plan.
     max_plans : int, optional
-        Size of the plan cache (default 16 batch-size buckets).
+        Size of the plan cache in slots (default [`MAX_PLANS`][mumoe_tn.layers.experts]; one slot per
+        batch-size bucket and mode, training or inference).
     chunk_size : int, optional
         Contract at most this many rows at a time (bounds the intermediates of huge batches;
         exact). Default: the whole batch at once.
@@ -106,7 +120,7 @@ class FactorizedExperts(nn.Module):
         fan_in: int | None = None,
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
-        max_plans: int = 16,
+        max_plans: int = MAX_PLANS,
         chunk_size: int | None = None,
         recompute: bool = False,
         precontract: bool = True,
@@ -144,6 +158,7 @@ class FactorizedExperts(nn.Module):
         self.pad_bonds = pad_bonds  # checked by the property
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._plans_lock = threading.RLock()
+        self._prepared: DerivedCache[_PreparedCores] = DerivedCache()
         self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, self._path_optimizer())
         for name, shape in network.core_shapes.items():
             if hasattr(self, name):
@@ -162,6 +177,7 @@ class FactorizedExperts(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("_pad_bonds", PAD_MULTIPLE)  # pickled before the option existed
         self._plans_lock = threading.RLock()
+        self._prepared = DerivedCache()
 
     @property
     def pad_bonds(self) -> int | None:
@@ -173,6 +189,8 @@ class FactorizedExperts(nn.Module):
         if value is not None:
             check_size("pad_bonds", value)
         self._pad_bonds = value
+        if "_prepared" in self.__dict__:
+            self._prepared.clear()
 
     @classmethod
     def from_tensors(
@@ -266,42 +284,51 @@ class FactorizedExperts(nn.Module):
         """
         bucket = _batch_bucket(batch_size)
 
-        def make() -> ContractionPlan:
-            if self.optimize == "autotune" and operands is not None:
-                candidates = autotune_candidates(self.network, bucket)
-                return fastest_plan(candidates, operands, ones_appended=ones_appended)
-            return plan_forward(self.network, bucket, self._path_optimizer())
+        return self._cached(("train", bucket), lambda: self._make_plan(bucket, operands, ones_appended))
 
-        return self._cached(("train", bucket), make)
+    def _make_plan(self, bucket: int, operands: Sequence[torch.Tensor] | None, ones: str | None) -> ContractionPlan:
+        """A new plan for ``bucket``: autotuned on ``operands`` where asked and given, else by the optimizer."""
+        if self.optimize == "autotune" and operands is not None:
+            return fastest_plan(autotune_candidates(self.network, bucket), operands, ones_appended=ones)
+        return plan_forward(self.network, bucket, self._path_optimizer())
 
-    def _core_versions(self) -> tuple | None:
-        """What identifies the cores' current values, or None where it cannot be tracked."""
-        try:
-            return tuple((p._version, p.data_ptr(), p.device, p.dtype, p.shape) for p in self.cores.values())
-        except RuntimeError:  # inference tensors have no version counter
-            return None
+    def clear_inference_cache(self) -> None:
+        """Drop what inference keeps from the cores (padded copies, pre-contracted sub-networks).
 
-    def _inference_constants(self, batch: int) -> tuple[ContractionPlan, dict[int, torch.Tensor]] | None:
-        """The inference plan for ``batch`` and its core-only intermediates, if worth caching."""
-        versions = self._core_versions()
-        if versions is None:
-            return None
+        Needed only after editing a core through ``.data`` in place (``core.data.mul_(2)``), the one
+        change PyTorch does not track (see [`mumoe_tn.caching`][mumoe_tn.caching]); every other change
+        is noticed on the next call.
+        """
+        self._prepared.clear()
+
+    def _inference_program(
+        self, batch: int, prepared: _PreparedCores, rows: list[torch.Tensor], ones: str | None
+    ) -> _InferenceProgram:
+        """How inference contracts ``batch``'s bucket: its plan, cached steps and core layouts (made once).
+
+        One cache slot per bucket: with ``precontract`` the plan of
+        [`plan_inference`][mumoe_tn.contractions.plan.plan_inference] where it caches core-only
+        steps, otherwise the layer's own plan for the bucket.
+        """
         bucket = _batch_bucket(batch)
-        plan, steps = self._cached(("inference", bucket), lambda: plan_inference(self.network, bucket))
-        if not steps:
-            return None
-        key = ("constants", bucket)
-        with self._plans_lock:
-            found = self._plans.get(key)
-            if found is not None and found[0] == versions:
-                self._plans.move_to_end(key)
-                return plan, found[1]
-        constants = constant_intermediates(plan, list(self.cores.values()), steps)
-        with self._plans_lock:
-            self._plans[key] = (versions, constants)
-            while len(self._plans) > self.max_plans:
-                self._plans.popitem(last=False)
-        return plan, constants
+
+        def make() -> _InferenceProgram:
+            steps: frozenset[int] = frozenset()
+            if self.precontract:
+                plan, steps = plan_inference(self.network, bucket)
+            if not steps:
+                operands = [*prepared.padded(), *rows] if self.optimize == "autotune" else None
+                plan = self._make_plan(bucket, operands, ones)
+            return _InferenceProgram(plan, steps, len(self.network.cores))
+
+        return self._cached(("inference", bucket), make)
+
+    def _prepared_cores(self) -> _PreparedCores:
+        """What inference derives from the cores, kept until a core changes."""
+        cores = list(self.cores.values())
+        return self._prepared.get(
+            cores, lambda: _PreparedCores(cores, self.network, bond_padding(self.network, self.pad_bonds))
+        )
 
     def forward(
         self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], *, append_one: bool = False
@@ -333,7 +360,7 @@ class FactorizedExperts(nn.Module):
         ones = INPUT_LEG if append_one else None
         cores = _ExecutionCores(self)  # padded at most once per call, whatever the chunks
         if torch.compiler.is_compiling():
-            y = self._contract(self._compile_plan, rows, ones, None, cores)
+            y = self._contract(self._compile_plan, rows, ones, cores)
         elif self.chunk_size is not None and batch > self.chunk_size:
             chunks = zip(*(tensor.split(self.chunk_size) for tensor in rows), strict=True)
             y = torch.cat([self._contract_rows(list(chunk), ones, cores) for chunk in chunks])
@@ -343,24 +370,16 @@ class FactorizedExperts(nn.Module):
 
     def _contract_rows(self, rows: list[torch.Tensor], ones: str | None, cores: _ExecutionCores) -> torch.Tensor:
         """Contract the cores with one block of flattened rows (coefficients, then input)."""
-        batch = rows[-1].shape[0]
-        if self.precontract and not self.training and not torch.is_grad_enabled():
-            cached = self._inference_constants(max(batch, 1))
-            if cached is not None:
-                return self._contract(cached[0], rows, ones, cached[1], cores)
+        batch = max(rows[-1].shape[0], 1)
+        prepared = cores.prepared
+        if prepared is not None and rows[-1].shape[0] > 0:
+            return prepared.executor(self._inference_program(batch, prepared, rows, ones), ones)(rows)
         operands = [*cores.padded(), *rows] if self.optimize == "autotune" else None  # timed as they will run
-        return self._contract(self.plan(max(batch, 1), operands, ones_appended=ones), rows, ones, None, cores)
+        return self._contract(self.plan(batch, operands, ones_appended=ones), rows, ones, cores)
 
     def _contract(
-        self,
-        plan: ContractionPlan,
-        rows: list[torch.Tensor],
-        ones: str | None,
-        constants: dict[int, torch.Tensor] | None,
-        cores: _ExecutionCores,
+        self, plan: ContractionPlan, rows: list[torch.Tensor], ones: str | None, cores: _ExecutionCores
     ) -> torch.Tensor:
-        if constants is not None:  # cached from the unpadded cores
-            return run_plan(plan, [*cores.unpadded, *rows], ones_appended=ones, constants=constants)
         if self.recompute and torch.is_grad_enabled():
             # Padded inside the checkpoint: the padded copies are recomputed, not kept.
             run = partial(_run_padded, plan, ones, cores.padding, cores.labels, len(cores.unpadded))
@@ -384,15 +403,19 @@ class FactorizedExperts(nn.Module):
                 f"expected {net.n_expert_modes} coefficient tensor(s) for expert legs {net.expert_legs}, "
                 f"got {len(coefficients)}"
             )
-        weight = next(iter(self.cores.values()))
+        weight = getattr(self, next(iter(net.cores)))
         autocast = torch.is_autocast_enabled(z.device.type)
-        for name, tensor in [("input", z), *((f"coefficients[{k}]", a) for k, a in enumerate(coefficients))]:
+        for k, tensor in enumerate((z, *coefficients)):
             if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+                raise TypeError(f"{_operand_name(k)} must be a torch.Tensor, got {type(tensor).__name__}")
             if tensor.device != weight.device:
-                raise ValueError(f"{name} is on {tensor.device} but the expert cores are on {weight.device}")
+                raise ValueError(
+                    f"{_operand_name(k)} is on {tensor.device} but the expert cores are on {weight.device}"
+                )
             if not autocast and tensor.dtype != weight.dtype:
-                raise TypeError(f"{name} has dtype {tensor.dtype} but the expert cores have dtype {weight.dtype}")
+                raise TypeError(
+                    f"{_operand_name(k)} has dtype {tensor.dtype} but the expert cores have dtype {weight.dtype}"
+                )
         for k, (a, leg) in enumerate(zip(coefficients, net.expert_legs, strict=True)):
             expected = (*z.shape[:-1], net.sizes[leg])
             if tuple(a.shape) != expected:
@@ -417,11 +440,103 @@ class FactorizedExperts(nn.Module):
         )
 
 
+def _operand_name(position: int) -> str:
+    """How errors name the forward pass's operand at ``position`` (the input, then the coefficients)."""
+    return "input" if position == 0 else f"coefficients[{position - 1}]"
+
+
+def _constant_keys(plan: ContractionPlan, steps: frozenset[int]) -> dict[int, tuple]:
+    """What each core-only step of ``plan`` computes: the cores it joins and its result's labels.
+
+    Two plans (of different buckets) whose steps compute the same key compute the same tensor, so
+    the inference cache keeps one copy of it for every bucket.
+    """
+    covered = [frozenset([k]) for k in range(len(plan.inputs))]
+    keys = {}
+    for number, step in enumerate(plan.steps):
+        joined = frozenset().union(*(covered.pop(k) for k in step.positions))
+        if number in steps:
+            keys[number] = (joined, step.output)
+        covered.append(joined)
+    return keys
+
+
+class _InferenceProgram:
+    """One bucket's inference plan and the keys of its cached core-only steps."""
+
+    def __init__(self, plan: ContractionPlan, steps: frozenset[int], n_cores: int) -> None:
+        self.plan = plan
+        self.keys = _constant_keys(plan, steps)
+
+
+class _PreparedCores:
+    """What inference derives from one state of the cores: padded copies, core-only results, plans.
+
+    Core-only steps are computed from the cores as they are; the cores of a plan without such
+    steps are padded by the layer's ``pad_bonds``. Each plan is bound to its cores once
+    ([`PreparedPlan`][mumoe_tn.contractions.prepared.PreparedPlan]), sharing the matrices it
+    prepares with the other buckets' plans.
+    """
+
+    #: Most distinct core-only intermediates kept (different buckets rarely need different ones).
+    MAX_CONSTANTS = 16
+    #: Most bound plans kept (one per bucket and input form in use).
+    MAX_EXECUTORS = 256
+
+    def __init__(self, cores: list[torch.Tensor], network: ExpertNetwork, padding: dict[str, int]) -> None:
+        self.cores = cores
+        self._labels = list(network.cores.values())
+        self._padding = padding
+        self._padded: list[torch.Tensor] | None = None
+        self._constants: dict[tuple, torch.Tensor] = {}
+        self._derived: dict[bool, dict[tuple, torch.Tensor]] = {True: {}, False: {}}
+        self._executors: dict[tuple, PreparedPlan] = {}
+
+    def padded(self) -> list[torch.Tensor]:
+        """Every core, padded (made once)."""
+        if self._padded is None:
+            self._padded = pad_cores(self.cores, self._labels, self._padding) if self._padding else self.cores
+        return self._padded
+
+    def executor(self, program: _InferenceProgram, ones: str | None) -> PreparedPlan:
+        """``program``'s plan bound to these cores (made once per program and input form)."""
+        key = (id(program), ones)
+        found = self._executors.get(key)
+        if found is None or found.plan is not program.plan:
+            if len(self._executors) >= self.MAX_EXECUTORS:
+                self._executors = {}
+            cached = bool(program.keys)
+            cores = self.cores if cached else self.padded()
+            constants = self.constants(program) if cached else None
+            found = PreparedPlan(program.plan, cores, constants, ones_appended=ones, derived=self._derived[not cached])
+            self._executors[key] = found
+        return found
+
+    def constants(self, program: _InferenceProgram) -> dict[int, torch.Tensor]:
+        """The results of ``program``'s core-only steps, from the unpadded cores (computed once each)."""
+        missing = {number for number, key in program.keys.items() if key not in self._constants}
+        if missing:
+            if len(self._constants) + len(missing) > self.MAX_CONSTANTS:
+                self._constants = {}
+                missing = set(program.keys)
+            computed = constant_intermediates(program.plan, self.cores, missing)
+            for number in missing:
+                self._constants[program.keys[number]] = computed[number]
+        return {number: self._constants[key] for number, key in program.keys.items()}
+
+
 class _ExecutionCores:
-    """A layer's cores for one call: as they are, and padded by its ``pad_bonds`` (made once, on demand)."""
+    """A layer's cores for one call: as they are, and padded by its ``pad_bonds`` (made once, on demand).
+
+    When no gradient reaches the cores they come from the layer's inference cache (padded once per
+    change of the cores); otherwise the padded copies are made for this call, inside autograd.
+    """
 
     def __init__(self, experts: FactorizedExperts) -> None:
-        self.unpadded = list(experts.cores.values())
+        cores = list(experts.cores.values())
+        constant = not torch.is_grad_enabled() or not any(core.requires_grad for core in cores)
+        self.prepared = experts._prepared_cores() if constant and not torch.compiler.is_compiling() else None
+        self.unpadded = cores if self.prepared is None else self.prepared.cores
         self.padding = bond_padding(experts.network, experts.pad_bonds)
         self.labels = list(experts.network.cores.values())
         self._padded: list[torch.Tensor] | None = None

@@ -14,7 +14,7 @@ from mumoe_tn.costs.matching import match_block
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.gates.specs import GateSpec, gate_from_options
 from mumoe_tn.layers.base import MuMoEBase
-from mumoe_tn.layers.experts import FactorizedExperts
+from mumoe_tn.layers.experts import MAX_PLANS, FactorizedExperts
 from mumoe_tn.layers.options import (
     Match,
     block_networks,
@@ -60,6 +60,7 @@ class _MLPBlock(MuMoEBase):
         init: str = "auto",
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
+        max_plans: int = MAX_PLANS,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,
@@ -88,7 +89,7 @@ class _MLPBlock(MuMoEBase):
         self.hidden_features, self.out_features = hidden_features, out_features
         gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
-        layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
+        layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, "max_plans": max_plans, **factory}
         self._build_layers(
             lambda net: FactorizedExperts(net, fan_in=in_features, **layer),
             lambda net: FactorizedExperts(net, fan_in=hidden_features, **layer),
@@ -154,7 +155,7 @@ class MuMoEMLP(_MLPBlock):
         LayerNorm on the block's input first.
     hidden_activation : nn.Module, optional
         Non-linearity between the layers (default ``nn.GELU()``).
-    init, expert_noise, optimize, device, dtype, **decomposition_options
+    init, expert_noise, optimize, max_plans, device, dtype, **decomposition_options
         As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes
@@ -265,7 +266,7 @@ class MuMoEGatedMLP(_MLPBlock):
         The shared gate, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
     hidden_activation : nn.Module, optional
         The ``act`` of the gate projection (default ``nn.SiLU()``: SwiGLU).
-    init, expert_noise, optimize, device, dtype, **decomposition_options
+    init, expert_noise, optimize, max_plans, device, dtype, **decomposition_options
         As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes

@@ -12,7 +12,7 @@ from mumoe_tn.costs.matching import match_exact, match_layer
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.gates.specs import GateSpec, gate_from_options
 from mumoe_tn.layers.base import MuMoEBase
-from mumoe_tn.layers.experts import FactorizedExperts
+from mumoe_tn.layers.experts import MAX_PLANS, FactorizedExperts
 from mumoe_tn.layers.options import (
     EXACT,
     Match,
@@ -94,6 +94,10 @@ class MuMoE(MuMoEBase):
     optimize : str or object, optional
         Path optimizer for the factorized contraction (default ``"auto"``, see
         [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]).
+    max_plans : int, optional
+        Size of the layer's plan cache: one slot per batch-size bucket (the next power of two) in
+        training and one in inference (default 64, every bucket from 1 to 2⁶³), see
+        [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
     device, dtype : optional
         Factory arguments.
     **decomposition_options
@@ -131,6 +135,7 @@ class MuMoE(MuMoEBase):
         init: str = "auto",
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
+        max_plans: int = MAX_PLANS,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,
@@ -160,7 +165,13 @@ class MuMoE(MuMoEBase):
         gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, network.expert_dims, bias=bias, **gating)
         self.experts = FactorizedExperts(
-            network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize, **factory
+            network,
+            init=init,
+            fan_in=in_features,
+            expert_noise=expert_noise,
+            optimize=optimize,
+            max_plans=max_plans,
+            **factory,
         )
 
     @property

@@ -331,15 +331,20 @@ def test_each_batch_bucket_gets_its_own_plan_and_the_cache_keeps_the_newest():
     assert experts.plan(1) is not plans[1]
 
 
-def test_inference_constants_survive_a_full_cache(monkeypatch):
+def test_inference_constants_survive_a_full_cache_and_are_shared_by_buckets(monkeypatch):
     computed = spy(monkeypatch, "constant_intermediates", lambda plan, *_: plan.sizes[BATCH_LABEL])
     network = build("tucker", (2, 2), 6, 5, (4, 4, 3, 3))
     experts = FactorizedExperts(network, max_plans=3, dtype=DTYPE).eval()
     with torch.no_grad():
         for batch in (1, 2, 4, 8, 8):
             experts(torch.randn(batch, 6, dtype=DTYPE), [torch.rand(batch, 2, dtype=DTYPE)] * 2)
-    assert computed == [1, 2, 4, 8]  # the repeated bucket reuses its constants although the cache is full
-    assert len(experts._plans) == 3
+        # Every bucket's plan contracts the same core-only sub-network: computed once, for bucket 1.
+        assert computed == [1]
+        assert len(experts._plans) == 3
+        next(iter(experts.parameters())).mul_(2)  # a changed core: computed again, once
+        for batch in (8, 4):
+            experts(torch.randn(batch, 6, dtype=DTYPE), [torch.rand(batch, 2, dtype=DTYPE)] * 2)
+    assert computed == [1, 8]
 
 
 class _SequentialPath(oe.paths.PathOptimizer):
@@ -408,7 +413,7 @@ def test_reset_parameters_draws_from_the_given_generator():
 # ----------------------------------------------------------------------------- FactorizedExperts: arguments and inputs
 def test_factorized_experts_defaults_and_limits():
     network = build("cp", 3, 4, 5, 2)
-    assert FactorizedExperts(network).max_plans == 16
+    assert FactorizedExperts(network).max_plans == 64
     assert FactorizedExperts(network, max_plans=1).max_plans == 1  # one plan is a valid cache
     largest = (1 << 40) - 1
     assert FactorizedExperts(network, fan_in=largest, device="meta").fan_in == largest

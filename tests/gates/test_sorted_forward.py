@@ -1,0 +1,76 @@
+"""The decoding path of sparsemax and 1.5-entmax (a few rows, no gradient) against the ``entmax`` package."""
+
+import entmax
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mumoe_tn.gates import entmax as ours
+from mumoe_tn.gates.entmax import SORTED_ROWS, sorted_forward
+
+REFERENCES = {"entmax15": entmax.entmax15, "sparsemax": entmax.sparsemax}
+PUBLIC = {"entmax15": ours.entmax15, "sparsemax": ours.sparsemax}
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    name=st.sampled_from(sorted(REFERENCES)),
+    rows=st.integers(1, SORTED_ROWS),
+    width=st.integers(1, 300),
+    scale=st.sampled_from([1e-3, 0.3, 1.0, 10.0, 1e3]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_sorted_forward_equals_the_entmax_package(name, rows, width, scale, dtype, seed):
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed), dtype=dtype) * scale
+    expected = REFERENCES[name](x, dim=-1)
+    got = sorted_forward(x, name)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, expected)
+    # The same steps in torch (what other devices run).
+    torch.testing.assert_close(ours._torch_sorted_map(x, name == "entmax15"), expected)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rows_are_projected_in_float32(name, dtype):
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * 4
+    got = sorted_forward(x.to(dtype), name)
+    assert got.dtype == dtype
+    expected = REFERENCES[name](x.to(dtype).float(), dim=-1)
+    torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-2)
+    torch.testing.assert_close(got.float().sum(-1), torch.ones(3), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+@pytest.mark.parametrize("torch_steps", [False, True])
+def test_non_finite_rows_are_nan_in_that_row_only(name, torch_steps):
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[1.0, nan, 0.0], [inf, 1.0, 2.0], [-inf, -inf, -inf], [0.0, 1.0, -inf], [3e38, -3e38, 0.0]])
+    got = ours._torch_sorted_map(x, name == "entmax15") if torch_steps else sorted_forward(x, name)
+    assert torch.isnan(got[:3]).all()
+    torch.testing.assert_close(got[3:], REFERENCES[name](x[3:], dim=-1))
+    assert not torch.isnan(got[3:]).any()
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_public_maps_take_the_sorted_path_without_gradients_along_any_dim(name, monkeypatch):
+    calls = []
+    real = ours.sorted_forward
+
+    def spy(x, which):
+        calls.append(tuple(x.shape))
+        return real(x, which)
+
+    monkeypatch.setattr(ours, "sorted_forward", spy)
+    x = torch.randn(4, 7, 3)
+    with torch.no_grad():
+        got = PUBLIC[name](x, dim=1)
+    torch.testing.assert_close(got, REFERENCES[name](x, dim=1))
+    assert calls == [(4, 3, 7)]
+    y = PUBLIC[name](x.requires_grad_(), dim=1)  # gradients: the autograd path
+    assert y.requires_grad and len(calls) == 1
+    with torch.no_grad():
+        PUBLIC[name](torch.randn(SORTED_ROWS + 1, 5))  # more rows: the batched search
+    assert len(calls) == 1
