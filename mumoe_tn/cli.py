@@ -311,8 +311,11 @@ def _compare(args: argparse.Namespace) -> int:
     if args.json:
         print(table.to_json())
     elif args.markdown:
-        footnotes = "".join(f"\n\n{mark} {note}" for mark, note in _marks(notes))
-        print(table.title() + "\n\n" + table.to_markdown(dtype=args.dtype) + footnotes)
+        markdown = table.to_markdown(dtype=args.dtype)
+        for (index, _), (mark, note) in zip(sorted(notes.items()), _marks(notes), strict=True):
+            name = table.rows[index].name
+            markdown = markdown.replace(f"\n| {name} |", f"\n| {name}{mark} |", 1) + f"\n\n{mark} {note}"
+        print(table.title() + "\n\n" + markdown)
     elif args.csv:
         print(table.to_csv(), end="")
     else:
