@@ -14,8 +14,10 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
+import textwrap
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -409,13 +411,28 @@ def _plan(args: argparse.Namespace) -> int:
     plan = plan_forward(network, args.batch, args.optimize)
     labels, bound = min_cut(network)
     bias = f"{args.in_features} inputs + 1 folded bias, as in compare" if args.bias else "no bias"
-    print(f"i = {width} ({bias}); batch {args.batch:,}")
-    print(network)
-    print(plan)
     per_token = plan.fma / args.batch
-    print(f"largest intermediate per batch: {plan.largest_intermediate:,} elements; FMA per token: {per_token:,.0f}")
-    print(f"expert rank <= {bound} (cut {labels})")
+    _print_fitted(
+        f"i = {width} ({bias}); batch {args.batch:,}",
+        str(network),
+        str(plan),
+        f"largest intermediate per batch: {plan.largest_intermediate:,} elements; FMA per token: {per_token:,.0f}",
+        f"expert rank <= {bound} (cut {labels})",
+    )
     return 0
+
+
+def _print_fitted(*texts: str) -> None:
+    """Print lines wrapped at spaces to the terminal's width (or $COLUMNS); a word is never split."""
+    columns = shutil.get_terminal_size().columns
+    for line in "\n".join(texts).splitlines():
+        if len(line) <= columns:
+            print(line)
+        else:
+            indent = " " * (len(line) - len(line.lstrip()) + 4)
+            print(
+                textwrap.fill(line, columns, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+            )
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -219,3 +219,15 @@ def test_the_examples_time_column_never_rounds_a_short_run_to_zero(monkeypatch, 
     module = __import__(example)
     assert [module.seconds(s) for s in (0.04, 0.4, 3.14159, 12.6)] == ["0.04", "0.4", "3.1", "13"]
     del sys.modules[example]
+
+
+def test_plan_output_fits_the_terminal_and_keeps_words_whole(capsys, monkeypatch):
+    spec = "A: n1 a b, B: a i c, C: b c o"
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["plan", spec, "--rank", "16", "--batch", "64"]) == 0
+    wide = capsys.readouterr().out
+    monkeypatch.setenv("COLUMNS", "60")
+    assert main(["plan", spec, "--rank", "16", "--batch", "64"]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 60 < max(map(len, wide.splitlines()))
+    assert out.split() == wide.split()  # the same words, only the line breaks moved
