@@ -190,12 +190,16 @@ def rich_table(
     keys = [key for key in keys if key != "peak_bytes" or dtype is not None]
     records, footnotes = _marked(records, notes)
     rows = cells(records, keys, dtype)
+    headers = [TERMINAL_HEADERS[key].format(dtype=dtype) for key in keys]
+    text = [index for index, key in enumerate(keys) if key in _TEXT]
     shown = list(keys)
     while True:
-        table = _table(title, rows, keys, shown, dtype)
+        table = _build(title, headers, rows, [keys.index(key) for key in shown], text)
         if width is None or len(shown) <= 2 or _minimum_width(table) <= width:
             break
         shown.remove(next(key for key in reversed(_PRIORITY) if key in shown))
+    if width is not None and _minimum_width(table) > width:  # too narrow even for whole words: fold them
+        table = _build(title, headers, rows, [keys.index(key) for key in shown], text, whole_words=False)
     left_out = [key for key in keys if key not in shown]
     caption = list(footnotes)
     if left_out:
@@ -274,30 +278,22 @@ def column_groups(
     >>> [len(table.columns) for table in tables]
     [2, 2]
     """
-    columns = [[row[index] for row in rows] for index in range(len(headers))]
-
-    def build(chosen: Sequence[int], with_title: bool) -> Any:
-        from rich import box
-        from rich.table import Table
-
-        table = Table(title=title if with_title else None, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        for index in chosen:
-            _add_column(table, headers[index], columns[index], is_text=index in text)
-        for row in rows:
-            table.add_row(*(row[index] for index in chosen))
-        return table
-
     fixed = list(range(min(keep, len(headers))))
     groups: list[list[int]] = []
     current = list(fixed)
     for index in range(len(fixed), len(headers)):
         trial = [*current, index]
-        if len(current) > len(fixed) and _minimum_width(build(trial, False)) > width:
+        if len(current) > len(fixed) and _minimum_width(_build(None, headers, rows, trial, text)) > width:
             groups.append(current)
             trial = [*fixed, index]
         current = trial
     groups.append(current)
-    tables = [build(group, number == 0) for number, group in enumerate(groups)]
+    tables = []
+    for number, group in enumerate(groups):
+        table = _build(title if number == 0 else None, headers, rows, group, text)
+        if _minimum_width(table) > width:  # too narrow even for whole words: fold them
+            table = _build(title if number == 0 else None, headers, rows, group, text, whole_words=False)
+        tables.append(table)
     if caption:
         tables[-1].caption = caption
         tables[-1].caption_justify = "left"
@@ -318,27 +314,40 @@ def print_tables(console: Any, tables: Sequence[Any]) -> None:
         (console if needed <= console.width else Console(width=needed)).print(table)
 
 
-def _add_column(table: Any, header: str, column: Sequence[str], *, is_text: bool) -> None:
-    """A text column wraps at spaces only (never narrower than its longest word); numbers never wrap."""
+def _add_column(table: Any, header: str, column: Sequence[str], *, is_text: bool, whole_words: bool = True) -> None:
+    """Add a column: numbers never wrap; text wraps at spaces only, unless ``whole_words`` is False.
+
+    A text column is never narrower than its longest word; without ``whole_words`` rich folds a
+    word that is longer than the width left.
+    """
     if is_text:
         longest_word = max((len(word) for cell in [header, *column] for word in cell.split()), default=1)
-        table.add_column(header, justify="left", overflow="fold", min_width=longest_word)
+        table.add_column(header, justify="left", overflow="fold", min_width=longest_word if whole_words else None)
     else:  # a header wraps (at spaces) to its numbers' width, 12 at least; the numbers never wrap
         numbers = max(map(len, column), default=1)
         lines = [part for line in header.split("\n") for part in textwrap.wrap(line, max(numbers, 12)) or [""]]
         table.add_column("\n".join(lines), justify="right", no_wrap=True, min_width=max(numbers, *map(len, lines)))
 
 
-def _table(title: str, rows: list[list[str]], keys: Sequence[str], shown: Sequence[str], dtype: str | None) -> Any:
+def _build(
+    title: str | None,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    chosen: Sequence[int],
+    text: Sequence[int],
+    *,
+    whole_words: bool = True,
+) -> Any:
+    """A rich table of the ``chosen`` columns (indices into ``headers`` and each row)."""
     from rich import box
     from rich.table import Table
 
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for key in shown:
-        column = [row[keys.index(key)] for row in rows]
-        _add_column(table, TERMINAL_HEADERS[key].format(dtype=dtype), column, is_text=key in _TEXT)
+    for index in chosen:
+        column = [row[index] for row in rows]
+        _add_column(table, headers[index], column, is_text=index in text, whole_words=whole_words)
     for row in rows:
-        table.add_row(*(row[keys.index(key)] for key in shown))
+        table.add_row(*(row[index] for index in chosen))
     return table
 
 
