@@ -151,7 +151,10 @@ def test_an_unknown_name_lists_the_known_ones_and_suggests_the_closest(capsys, a
     (line,) = capsys.readouterr().err.splitlines()
     assert unknown in line
     if (args[0] == "compare" and "--dtype" not in args) or args[0] == "plan":
-        assert "the known ones are cp, tr, tt, tucker" in line
+        from mumoe_tn.decompositions.registry import available
+
+        assert f"the known ones are {', '.join(available())}" in line
+        assert {"cp", "tr", "tt", "tucker"} <= set(available())
     assert (suggestion in line) if suggestion else "did you mean" not in line
 
 
