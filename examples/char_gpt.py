@@ -125,7 +125,7 @@ def train(name: str, make_mlp, data: dict, args: argparse.Namespace) -> dict:
         optimizer.step()
         step_seconds.append(time.perf_counter() - tic)
         first_loss = loss.item() if first_loss is None else first_loss
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+        progress.set_postfix(loss=f"{loss.item():.3f}", refresh=False)  # shown with the step count, never before it
     return {
         "model": name,
         "params": sum(p.numel() for p in model.parameters()),
@@ -138,12 +138,17 @@ def train(name: str, make_mlp, data: dict, args: argparse.Namespace) -> dict:
     }
 
 
+def seconds(value: float) -> str:
+    """A duration with two significant digits below 10 s (a quick run is not 0 s), whole seconds above."""
+    return f"{value:.2g}" if value < 10 else f"{value:.0f}"
+
+
 def print_row(row: dict, first: dict) -> None:
     """One markdown row, printed as soon as its variant has trained."""
     relative = row["step_ms"] / first["step_ms"]
     print(
         f"| {row['model']} | {row['params']:,} | {row['mlp_params']:,} | {row['train_loss']:.3f} | "
-        f"{row['val_loss']:.3f} | {row['step_ms']:.1f} | {relative:.2f}× | {row['seconds']:.0f} |",
+        f"{row['val_loss']:.3f} | {row['step_ms']:.1f} | {relative:.2f}× | {seconds(row['seconds'])} |",
         flush=True,
     )
 

@@ -99,7 +99,7 @@ def run(name: str, make_mlp, data, args: argparse.Namespace) -> dict:
             schedule.step()
             losses.append(loss.item())
         epoch_losses.append(sum(losses) / len(losses))
-        progress.set_postfix(loss=f"{epoch_losses[-1]:.3f}")
+        progress.set_postfix(loss=f"{epoch_losses[-1]:.3f}", refresh=False)  # shown with the epoch count
     model.eval()
     with torch.no_grad():
         accuracy = (model(patches(x_test)).argmax(-1) == y_test).float().mean().item()
@@ -110,6 +110,11 @@ def run(name: str, make_mlp, data, args: argparse.Namespace) -> dict:
         "epoch_losses": epoch_losses,
         "seconds": time.perf_counter() - start,
     }
+
+
+def seconds(value: float) -> str:
+    """A duration with two significant digits below 10 s (a quick run is not 0 s), whole seconds above."""
+    return f"{value:.2g}" if value < 10 else f"{value:.0f}"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for name in args.variants:
         row = run(name, VARIANTS[name], data, args)
-        print(f"| {row['model']} | {row['params']:,} | {row['accuracy']:.3f} | {row['seconds']:.0f} |", flush=True)
+        print(f"| {row['model']} | {row['params']:,} | {row['accuracy']:.3f} | {seconds(row['seconds'])} |", flush=True)
         rows.append(row)
     return rows
 

@@ -1,21 +1,29 @@
 """The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a contraction, ``demo``.
 
 Every error — a bad argument, an output that cannot be written, a missing optional package, or
-an error from the library — is printed as one line naming the problem, with exit status 2.
+an error from the library — is printed as one line naming the problem, with exit status 2. Every
+warning is one line on stderr, ``mumoe-tn COMMAND: warning: ...``, without Python's file and source
+line.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import math
 import os
+import re
+import shutil
 import sys
 import tempfile
+import textwrap
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from mumoe_tn.costs.display import DTYPE_BYTES
+from mumoe_tn.costs.display import DTYPE_BYTES, FOOTNOTE_MARKS, print_tables, rich_table, rich_tables
+from mumoe_tn.costs.matching import TOLERANCE, MatchingWarning
 from mumoe_tn.costs.table import CostTable, compare
 from mumoe_tn.decompositions.registry import available
 
@@ -26,10 +34,29 @@ class UsageError(Exception):
     """A problem with the command line's inputs or outputs, found before any work is done."""
 
 
+def closest(name: str, known: Sequence[str]) -> str:
+    """``"; did you mean 'cp'?"`` for the known name closest to ``name`` (difflib), else ``""``."""
+    found = difflib.get_close_matches(name.lower(), [k.lower() for k in known], n=1, cutoff=0.5)
+    return f"; did you mean {found[0]!r}?" if found else ""
+
+
+def unknown_name(kind: str, name: str, known: Sequence[str]) -> str:
+    """The one-line message for an unknown name: the known ones, and the closest."""
+    return f"unknown {kind} {name!r}; the known ones are {', '.join(known)}{closest(name, known)}"
+
+
 class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (the usage is one ``--help`` away)."""
+    """An argument parser whose errors are one line (the usage is one ``--help`` away).
+
+    An invalid choice (a command, ``--dtype``, ``--gates``) also names the closest valid one.
+    """
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        choice = re.match(r"argument .*: invalid choice: '(.*)' \(choose from (.*)\)$", message)
+        if choice:
+            message += closest(
+                choice.group(1), re.findall(r"'([^']*)'", choice.group(2)) or choice.group(2).split(", ")
+            )
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -173,7 +200,11 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--dtype", choices=sorted(DTYPE_BYTES), default="float32", help="dtype of the memory column (default float32)"
     )
-    cmp.add_argument("--wide", action="store_true", help="show every column, even wider than the terminal")
+    cmp.add_argument(
+        "--wide",
+        action="store_true",
+        help="show every column: in several tables of the same rows where the terminal is too narrow for one",
+    )
     output = cmp.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print JSON")
     output.add_argument("--markdown", action="store_true", help="print a Markdown table (every column)")
@@ -186,9 +217,11 @@ def _parser() -> argparse.ArgumentParser:
         description="The input leg i counts the folded bias (i = in + 1), as in compare; --no-bias for i = in.",
     )
     plan.add_argument("network", help=f"a registered name {available()} or a spec such as 'n1 a b, a i c, b c o'")
-    plan.add_argument("--in", dest="in_features", type=_positive, default=768)
-    plan.add_argument("--out", dest="out_features", type=_positive, default=3072)
-    plan.add_argument("--experts", type=_positive, nargs="+", default=[256])
+    plan.add_argument("--in", dest="in_features", type=_positive, default=768, help="input features (default 768)")
+    plan.add_argument("--out", dest="out_features", type=_positive, default=3072, help="output features (default 3072)")
+    plan.add_argument(
+        "--experts", type=_positive, nargs="+", default=[256], help="experts per mode, e.g. 256 or 32 32 (default 256)"
+    )
     plan.add_argument(
         "--rank",
         type=_ranks,
@@ -198,7 +231,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--batch", type=_positive, default=1, help="tokens per forward (default 1)")
     plan.add_argument("--no-bias", dest="bias", action="store_false", help="no folded bias: i = in")
-    plan.add_argument("--optimize", default="auto", help="path optimizer (auto, dp, optimal, greedy, cotengra, …)")
+    plan.add_argument(
+        "--optimize", default="auto", help="path optimizer: auto (default), dp, optimal, greedy, cotengra, …"
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -207,10 +242,16 @@ def _parser() -> argparse.ArgumentParser:
         "and prints test accuracy and mean class-level polysemanticity (as the paper defines it). "
         "Writes no file unless --plot is given.",
     )
-    demo.add_argument("--experts", type=_positive, nargs="+", default=[8, 16, 32, 64, 128, 256])
-    demo.add_argument("--epochs", type=_positive, default=40)
-    demo.add_argument("--rank", type=_positive, default=32)
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--experts",
+        type=_positive,
+        nargs="+",
+        default=[8, 16, 32, 64, 128, 256],
+        help="expert counts, one head each (default 8 16 32 64 128 256)",
+    )
+    demo.add_argument("--epochs", type=_positive, default=40, help="training epochs per head (default 40)")
+    demo.add_argument("--rank", type=_positive, default=32, help="CP rank of the head (default 32)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the data split and the training (default 0)")
     demo.add_argument("--plot", metavar="FILE.png", help="also save the curve to this file")
 
     from mumoe_tn.experiments.specialisation import configure_parser
@@ -252,9 +293,69 @@ def _check_plot(path: str | None, extra: str) -> None:
         raise UsageError(f"--plot {path!r}: the file exists and is not writable")
 
 
+def _check_names(names: Sequence[str], kind: str = "decomposition") -> None:
+    """Refuse a registered-name-like word that names no format (a spec string has spaces or commas)."""
+    known = available()
+    for name in names:
+        if re.fullmatch(r"[\w.+-]+", name) and name.lower() not in known:
+            raise UsageError(unknown_name(kind, name, known))
+
+
 def _compare(args: argparse.Namespace) -> int:
     _check_plot(args.plot, "plot")
-    table = compare(
+    _check_names(args.decompositions)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MatchingWarning)
+        table = _compare_table(args)
+    notes = _budget_misses(table, [w for w in caught if issubclass(w.category, MatchingWarning)])
+    for warning in caught:  # the rest go to main's one-line report
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if args.json:
+        print(table.to_json())
+    elif args.markdown:
+        markdown = table.to_markdown(dtype=args.dtype)
+        for (index, _), (mark, note) in zip(sorted(notes.items()), _marks(notes), strict=True):
+            name = table.rows[index].name
+            markdown = markdown.replace(f"\n| {name} |", f"\n| {name}{mark} |", 1) + f"\n\n{mark} {note}"
+        print(table.title() + "\n\n" + markdown)
+    elif args.csv:
+        print(table.to_csv(), end="")
+    else:
+        _print_rich(table, args.dtype, args.wide, notes)
+    if args.plot:
+        from mumoe_tn.costs.plots import plot_parameters_vs_experts
+
+        path = plot_parameters_vs_experts(table, args.plot)
+        print(f"saved {path}", file=sys.stderr)
+    return 0
+
+
+def _budget_misses(table: CostTable, caught: Sequence[warnings.WarningMessage]) -> dict[int, str]:
+    """Footnotes for the rows whose parameter match missed its budget, by row index.
+
+    A row missed when a [`MatchingWarning`][mumoe_tn.costs.matching.MatchingWarning] of the
+    comparison names its parameter count as the closest match.
+    """
+    target = table.config["target_params"]
+    notes = {}
+    for index, row in enumerate(table.rows):
+        if row.networks and any(f"closest match has {row.params_total:,} parameters" in str(w.message) for w in caught):
+            miss = (row.params_total - target) / target
+            notes[index] = (
+                f"{row.name}: {row.params_total:,} parameters, {miss:+.1%} from the budget of {target:,}; the closest "
+                f"match its rank steps allow (the matcher's tolerance is ±{TOLERANCE:.0%})"
+            )
+    return notes
+
+
+def _marks(notes: dict[int, str]) -> list[tuple[str, str]]:
+    """``(mark, note)`` pairs in row order, marked as the terminal table marks them."""
+    ordered = [note for _, note in sorted(notes.items())]
+    return [(FOOTNOTE_MARKS[min(k, len(FOOTNOTE_MARKS) - 1)], note) for k, note in enumerate(ordered)]
+
+
+def _compare_table(args: argparse.Namespace) -> CostTable:
+    return compare(
         args.in_features,
         args.out_features,
         tuple(args.experts),
@@ -267,34 +368,22 @@ def _compare(args: argparse.Namespace) -> int:
         batch=args.batch,
         top_k=args.top_k,
     )
-    if args.json:
-        print(table.to_json())
-    elif args.markdown:
-        print(table.title() + "\n\n" + table.to_markdown(dtype=args.dtype))
-    elif args.csv:
-        print(table.to_csv(), end="")
-    else:
-        _print_rich(table, args.dtype, args.wide)
-    if args.plot:
-        from mumoe_tn.costs.plots import plot_parameters_vs_experts
-
-        path = plot_parameters_vs_experts(table, args.plot)
-        print(f"saved {path}", file=sys.stderr)
-    return 0
 
 
-def _print_rich(table: CostTable, dtype: str, wide: bool) -> None:
+def _print_rich(table: CostTable, dtype: str, wide: bool, notes: dict[int, str]) -> None:
     from rich.console import Console
-    from rich.measure import Measurement
 
     console = Console()  # sized by the terminal (or $COLUMNS)
-    rendered = table.to_rich(dtype=dtype, width=None if wide else console.width)
-    if rendered.caption and not wide:
-        rendered.caption += "; --wide shows them"
-    needed = Measurement.get(console, console.options.update_width(10_000), rendered).minimum
-    if needed > console.width:  # --wide, or a terminal too narrow for even two columns: never cut a number
-        console = Console(width=needed)
-    console.print(rendered)
+    keys = [*table.records()[0]]
+    keys.remove("spec")
+    keys.insert(keys.index("peak_elements") + 1, "peak_bytes")
+    if wide:
+        rendered = rich_tables(table.title(), table.records(), keys, dtype=dtype, width=console.width, notes=notes)
+    else:
+        rendered = [rich_table(table.title(), table.records(), keys, dtype=dtype, width=console.width, notes=notes)]
+        if "left out to fit" in (rendered[0].caption or ""):
+            rendered[0].caption += "; --wide shows them"
+    print_tables(console, rendered)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -305,6 +394,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     ranks = tuple(rank for group in args.rank for rank in group)
     width = args.in_features + int(args.bias)
+    _check_names([args.network], "network name")
     if args.network.lower() in available():
         rank = ranks[0] if len(ranks) == 1 else ranks
         network = build(args.network.lower(), tuple(args.experts), width, args.out_features, rank)
@@ -321,13 +411,28 @@ def _plan(args: argparse.Namespace) -> int:
     plan = plan_forward(network, args.batch, args.optimize)
     labels, bound = min_cut(network)
     bias = f"{args.in_features} inputs + 1 folded bias, as in compare" if args.bias else "no bias"
-    print(f"i = {width} ({bias}); batch {args.batch:,}")
-    print(network)
-    print(plan)
     per_token = plan.fma / args.batch
-    print(f"largest intermediate per batch: {plan.largest_intermediate:,} elements; FMA per token: {per_token:,.0f}")
-    print(f"expert rank <= {bound} (cut {labels})")
+    _print_fitted(
+        f"i = {width} ({bias}); batch {args.batch:,}",
+        str(network),
+        str(plan),
+        f"largest intermediate per batch: {plan.largest_intermediate:,} elements; FMA per token: {per_token:,.0f}",
+        f"expert rank <= {bound} (cut {labels})",
+    )
     return 0
+
+
+def _print_fitted(*texts: str) -> None:
+    """Print lines wrapped at spaces to the terminal's width (or $COLUMNS); a word is never split."""
+    columns = shutil.get_terminal_size().columns
+    for line in "\n".join(texts).splitlines():
+        if len(line) <= columns:
+            print(line)
+        else:
+            indent = " " * (len(line) - len(line.lstrip()) + 4)
+            print(
+                textwrap.fill(line, columns, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+            )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -361,13 +466,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     commands = {"compare": _compare, "plan": _plan, "demo": _demo, "specialisation": _specialisation}
-    try:
-        return commands[args.command](args)
-    except Exception as error:  # the command line prints every failure as one line, never a traceback
-        kind = "" if isinstance(error, (UsageError, ValueError, TypeError)) else f"{type(error).__name__}: "
-        message = " ".join(str(error).split())
-        parser.exit(2, f"mumoe-tn {args.command}: error: {kind}{message}\n")
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is shown
+        try:
+            return commands[args.command](args)
+        except Exception as error:  # the command line prints every failure as one line, never a traceback
+            kind = "" if isinstance(error, (UsageError, ValueError, TypeError)) else f"{type(error).__name__}: "
+            message = " ".join(str(error).split())
+            parser.exit(2, f"mumoe-tn {args.command}: error: {kind}{message}\n")
+        finally:
+            _report(args.command, caught)
     return 2  # pragma: no cover - parser.exit raises
+
+
+def _report(command: str, caught: Sequence[warnings.WarningMessage]) -> None:
+    """Every distinct warning as one line on stderr, in the program's words (no file, no source line)."""
+    seen = set()
+    for warning in caught:
+        message = " ".join(str(warning.message).split())
+        if message not in seen:
+            seen.add(message)
+            print(f"mumoe-tn {command}: warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ temporary directory); the build itself executes every ``exec="on"`` block of the
 on any error or warning.
 """
 
+import ast
+import builtins
 import os
 import re
 import subprocess
@@ -26,12 +28,67 @@ RAW_TEX = re.compile(r"\$\$|\\\(|\\\[|\$`|`\$|\\(?:frac|sum|mathbb|times|min|in)
 SPHINX_ROLE = re.compile(r":(?:class|func|mod|data|meth|attr|obj|exc|ref|math):(?:`|<code>)")
 
 
+#: The first line of a code block that runs only after the block above it (a reader sees it too).
+CONTINUATION = "# continued from the block above\n"
+#: Every ```python block, executed or not: (info string after "python", code).
+ANY_BLOCK = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def free_names(code: str) -> set[str]:
+    """Names a block reads but neither binds nor imports (nor are builtins): what it needs from elsewhere."""
+    tree = ast.parse(code)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - bound
+
+
+def test_free_names_sees_what_a_block_needs_from_elsewhere():
+    assert free_names("import torch\nx = torch.ones(2)\nprint(x)") == set()
+    assert free_names("y = layer(x)") == {"layer", "x"}
+    assert free_names("try:\n    f()\nexcept ValueError as error:\n    print(error)") == {"f"}
+    assert free_names("def f(a):\n    return a + b\n") == {"b"}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
-def test_plain_code_blocks_run(page, monkeypatch, tmp_path):
+def test_every_code_block_stands_alone_or_says_it_continues_the_one_above(page):
+    blocks = ANY_BLOCK.findall(page.read_text())
+    for number, (info, code) in enumerate(blocks):
+        needs = free_names(code)
+        if code.startswith(CONTINUATION):
+            assert number > 0, f"{page.name}, code block {number} continues a block that is not there"
+            assert needs, (
+                f"{page.name}, code block {number} says it continues the block above but needs nothing from it"
+            )
+            previous = blocks[number - 1][0]
+            session = re.search(r'session="([^"]+)"', info)
+            if "exec=" in info or "exec=" in previous:  # executed at build time: the same session as the block above
+                assert session and session.group(0) in previous, f"{page.name}, code block {number}: not in its session"
+        else:
+            assert not needs, (
+                f"{page.name}, code block {number} uses {sorted(needs)} from elsewhere: define them, or start it with "
+                f"{CONTINUATION.strip()!r}"
+            )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_plain_code_blocks_run_as_written(page, monkeypatch, tmp_path):
+    """Each block in a fresh namespace, unless it says it continues the one above."""
     blocks = PLAIN_BLOCK.findall(page.read_text())
     monkeypatch.chdir(tmp_path)
-    namespace = {"__name__": f"docs_{page.stem}"}
+    namespace: dict = {}
     for number, code in enumerate(blocks):
+        if not code.startswith(CONTINUATION):
+            namespace = {"__name__": f"docs_{page.stem}_{number}"}
         try:
             exec(compile(code, f"{page.name}[block {number}]", "exec"), namespace)
         except Exception as error:

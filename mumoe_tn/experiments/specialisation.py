@@ -432,7 +432,7 @@ def run_experiment(config: ExperimentConfig, *, progress: bool = True) -> dict:
     runs = []
     bar = tqdm(jobs, desc="specialisation", disable=not progress, file=sys.stderr)
     for gate, n, seed in bar:
-        bar.set_postfix_str(f"{gate} N={n} seed={seed}")
+        bar.set_postfix_str(f"{gate} N={n} seed={seed}", refresh=False)  # shown with the count, never before it
         activation, norm = GATES[gate]
         torch.manual_seed(seed)
         layer = MuMoE(
@@ -490,17 +490,17 @@ def to_markdown(result: dict) -> str:
 
 
 def _print_rich(result: dict) -> None:
+    """The table at the terminal's width: as many tables of the same rows as the columns need."""
     from rich.console import Console
-    from rich.table import Table
+
+    from mumoe_tn.costs.display import column_groups, print_tables
 
     seeds = len(result["config"]["seeds"])
-    table = Table(title=f"Expert class-polysemanticity (mean ± std over {seeds} seeds)")
-    for key, title, _ in _COLUMNS:
-        table.add_column(title, justify="left" if key == "gate" else "right")
-    for row in result["table"]:
-        table.add_row(*_cells(row))
-    console = Console(width=200)
-    console.print(table)
+    console = Console()  # sized by the terminal (or $COLUMNS)
+    headers = [title for _, title, _ in _COLUMNS]
+    rows = [_cells(row) for row in result["table"]]
+    title = f"Expert class-polysemanticity (mean ± std over {seeds} seeds)"
+    print_tables(console, column_groups(headers, rows, width=console.width, keep=2, title=title))
     probe = result["linear_probe_accuracy"]
     console.print(f"linear probe test accuracy: {sum(probe) / len(probe):.3f}; {result['seconds']} s")
 
