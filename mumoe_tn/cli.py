@@ -57,12 +57,22 @@ def _ranks(text: str) -> tuple[int, ...]:
     return ranks
 
 
-def _named_rank(text: str) -> tuple[str, int | tuple[int, ...]]:
+def _named_rank(text: str) -> tuple[str, int | tuple[int, ...] | dict[str, int]]:
+    """``cp=512`` / ``mine=8,8,8`` (per bond, in order) / ``mine=a=8,b=16`` (by bond); NAME kept as typed."""
     name, sep, value = text.partition("=")
+    usage = f"--rank takes NAME=R, NAME=R1,R2,… (per bond, in order) or NAME=BOND=R,BOND=R,…, got {text!r}"
     if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"--rank takes NAME=R or NAME=R1,R2,…, got {text!r}")
-    ranks = _ranks(value)
-    return name.strip().lower(), ranks[0] if len(ranks) == 1 else ranks
+        raise argparse.ArgumentTypeError(usage)
+    if "=" not in value:
+        ranks = _ranks(value)
+        return name.strip(), ranks[0] if len(ranks) == 1 else ranks
+    by_bond: dict[str, int] = {}
+    for part in value.split(","):
+        bond, sep, size = (piece.strip() for piece in part.partition("="))
+        if not sep or not bond or bond in by_bond:
+            raise argparse.ArgumentTypeError(usage + ("" if bond not in by_bond else f" (bond {bond!r} twice)"))
+        by_bond[bond] = _ranks(size)[0]
+    return name.strip(), by_bond
 
 
 def _match(text: str) -> str | int | float:
@@ -145,10 +155,16 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SPEC",
-        help="also a custom network, e.g. 'A: n1 a b, B: a i c, C: b c o' (repeatable)",
+        help="also a custom network, e.g. 'A: n1 a b, B: a i c, C: b c o', or named for its row and --rank: "
+        "'mine=A: n1 a b, B: a i c, C: b c o' (repeatable; unnamed ones are 'custom 1', 'custom 2', …)",
     )
     cmp.add_argument(
-        "--rank", type=_named_rank, action="append", default=[], help="explicit ranks, e.g. cp=512 or tr=4,4,128"
+        "--rank",
+        type=_named_rank,
+        action="append",
+        default=[],
+        help="explicit ranks of a row: cp=512, tr=4,4,128, one per bond in order (mine=8,8,8) or by bond "
+        "(mine=a=8,b=16)",
     )
     cmp.add_argument(
         "--match",
