@@ -1,4 +1,4 @@
-"""The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a contraction, ``demo``.
+"""The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a contraction, ``design``, ``demo``.
 
 Every error — a bad argument, an output that cannot be written, a missing optional package, or
 an error from the library — is printed as one line naming the problem, with exit status 2.
@@ -239,6 +239,20 @@ def _parser() -> argparse.ArgumentParser:
             "seeds) on 100 generated classes, ablates every expert and reports mean class-level polysemanticity.",
         )
     )
+    from mumoe_tn.design.command import configure_parser as configure_design
+
+    configure_design(
+        commands.add_parser(
+            "design",
+            help="which network for a budget? the Pareto front of a structure and rank search",
+            description="Searches CP, TR, TT, Tucker, every factorization of the experts into modes and generated "
+            "topologies (chains, rings, stars, trees), matches each to the budget, and prints the Pareto front of "
+            "parameters, FMAs per token, peak memory and the expert-rank bound. Defaults: the paper's GPT-2 layer, "
+            "768 -> 3072 with 256 experts, the nn.Linear's parameters.",
+        ),
+        positive=_positive,
+        budget=_match,
+    )
     for command in commands.choices.values():  # --import may also stand after the command
         command.add_argument(
             "--import", dest="modules", action="append", default=argparse.SUPPRESS, metavar="MODULE",
@@ -367,6 +381,13 @@ def _specialisation(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _design(args: argparse.Namespace) -> int:
+    _check_plot(args.plot, "plot")
+    from mumoe_tn.design.command import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mumoe-tn`` command; returns the exit status (2 for any error, printed as one line)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -376,7 +397,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _Parser(prog="mumoe-tn").exit(2, f"mumoe-tn: error: {error}\n")
     parser = _parser()
     args = parser.parse_args(argv)
-    commands = {"compare": _compare, "plan": _plan, "demo": _demo, "specialisation": _specialisation}
+    commands = {
+        "compare": _compare,
+        "plan": _plan,
+        "demo": _demo,
+        "specialisation": _specialisation,
+        "design": _design,
+    }
     try:
         return commands[args.command](args)
     except Exception as error:  # the command line prints every failure as one line, never a traceback
