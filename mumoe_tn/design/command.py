@@ -134,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        Console().print(result.to_rich(every=args.every, dtype=args.dtype))
+        console = Console()  # sized by the terminal (or $COLUMNS)
+        console.print(result.to_rich(every=args.every, dtype=args.dtype, width=console.width))
     if args.plot:
         path = result.plot(args.plot)
         print(f"saved {path}", file=sys.stderr)

@@ -27,6 +27,17 @@ COLUMNS = {
     "latency_ms": "latency (ms)",
 }
 _TEXT = ("structure", "experts", "ranks")
+#: Two-line headers for the terminal.
+_SHORT = {
+    "FMA per token": "FMA per\ntoken",
+    "peak intermediate": "peak\nelements",
+    "peak": "peak\nmemory",
+    "expert rank bound": "rank\nbound",
+    "upcycle error": "upcycle\nerror",
+    "latency": "latency\nms",
+}
+#: Which columns a narrow terminal loses first (higher first).
+_DROP_FIRST = {"peak": 6, "peak intermediate": 5, "ranks": 4, "latency": 3, "experts": 2, "FMA per token": 1}
 
 
 @dataclass(frozen=True)
@@ -191,18 +202,45 @@ class DesignResult:
         lines = ["| " + " | ".join(headers) + " |", rule, *("| " + " | ".join(row) + " |" for row in rows)]
         return "\n".join(lines)
 
-    def to_rich(self, *, every: bool = False, dtype: str | None = "float32") -> Any:
-        """The front (or every point) as a ``rich.table.Table``."""
+    def to_rich(self, *, every: bool = False, dtype: str | None = "float32", width: int | None = None) -> Any:
+        """The front (or every point) as a ``rich.table.Table``.
+
+        Parameters
+        ----------
+        every : bool, optional
+            Every matched network instead of the front.
+        dtype : str, optional
+            Show the peak intermediate's memory for this dtype (None: elements only).
+        width : int, optional
+            The terminal's width: columns are left out, least important first, until every cell
+            fits in full (the caption names them). None keeps every column.
+        """
+        text, headers, rows = self._cells(every, dtype)
+        shown = list(range(len(headers)))
+        while True:
+            table = self._rich(text, headers, rows, shown)
+            if width is None or len(shown) <= 2 or _minimum_width(table) <= width:
+                break
+            shown.remove(max(shown[2:], key=lambda k: _DROP_FIRST.get(headers[k].split(" (")[0], 0)))
+        left_out = [headers[k] for k in range(len(headers)) if k not in shown]
+        caption = f"best: {self.best_point.structure} ({self.best_point.experts} experts)"
+        table.caption = caption + (f"; left out to fit {width} columns: {', '.join(left_out)}" if left_out else "")
+        return table
+
+    def _rich(self, text: list[bool], headers: list[str], rows: list[list[str]], shown: list[int]) -> Any:
         from rich import box
         from rich.table import Table
 
-        text, headers, rows = self._cells(every, dtype)
         table = Table(title=self.title(), box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        for header, left in zip(headers, text, strict=True):
-            table.add_column(header, justify="left" if left else "right", overflow="fold", no_wrap=not left)
+        for k in shown:
+            header = _SHORT.get(headers[k].split(" (")[0], headers[k])
+            if text[k]:
+                table.add_column(header, justify="left", overflow="fold")
+            else:  # numbers: never wrapped, never cut
+                longest = max((len(row[k]) for row in rows), default=1)
+                table.add_column(header, justify="right", no_wrap=True, min_width=longest)
         for row in rows:
-            table.add_row(*row)
-        table.caption = f"best: {self.best_point.structure} ({self.best_point.experts} experts)"
+            table.add_row(*(row[k] for k in shown))
         return table
 
     def title(self) -> str:
@@ -268,3 +306,11 @@ def _cell(key: str, value: Any) -> str:
     if key == "latency_ms":
         return "—" if value is None else f"{value:.3f}"
     return format_value(key, value)
+
+
+def _minimum_width(table: Any) -> int:
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10_000)
+    return Measurement.get(console, console.options, table).minimum

@@ -274,7 +274,7 @@ def search_space(
     max_modes : int, optional
         Most expert modes of a factorization (default 3).
     families : Sequence[str], optional
-        Which of [`FAMILIES`][mumoe_tn.design.space.FAMILIES] to generate (default all).
+        Which of `FAMILIES` to generate (default all).
     expert_ranks : Sequence[int], optional
         Sizes tried for the fixed bonds (TR's ``R1``/``R2``, TT's and the topologies' expert bonds).
     topology_modes : int, optional

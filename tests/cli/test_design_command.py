@@ -37,6 +37,16 @@ def test_design_fits_a_saved_linear(capsys, tmp_path):
     assert all(0 <= p["upcycle_error"] <= 1 for p in points)
 
 
+def test_design_fits_the_terminal_and_measures_on_request(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main([*SMALL, "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 80 and "latency" in out and "best: " in out
+    assert main([*SMALL, "--measure", "--json"]) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert all(p["latency_ms"] > 0 for p in points)  # measured, whatever the machine
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
