@@ -1,4 +1,4 @@
-"""The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a contraction, ``demo``.
+"""The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a contraction, ``design``, ``demo``.
 
 Every error — a bad argument, an output that cannot be written, a missing optional package, or
 an error from the library — is printed as one line naming the problem, with exit status 2. Every
@@ -84,12 +84,22 @@ def _ranks(text: str) -> tuple[int, ...]:
     return ranks
 
 
-def _named_rank(text: str) -> tuple[str, int | tuple[int, ...]]:
+def _named_rank(text: str) -> tuple[str, int | tuple[int, ...] | dict[str, int]]:
+    """``cp=512`` / ``mine=8,8,8`` (per bond, in order) / ``mine=a=8,b=16`` (by bond); NAME kept as typed."""
     name, sep, value = text.partition("=")
+    usage = f"--rank takes NAME=R, NAME=R1,R2,… (per bond, in order) or NAME=BOND=R,BOND=R,…, got {text!r}"
     if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"--rank takes NAME=R or NAME=R1,R2,…, got {text!r}")
-    ranks = _ranks(value)
-    return name.strip().lower(), ranks[0] if len(ranks) == 1 else ranks
+        raise argparse.ArgumentTypeError(usage)
+    if "=" not in value:
+        ranks = _ranks(value)
+        return name.strip(), ranks[0] if len(ranks) == 1 else ranks
+    by_bond: dict[str, int] = {}
+    for part in value.split(","):
+        bond, sep, size = (piece.strip() for piece in part.partition("="))
+        if not sep or not bond or bond in by_bond:
+            raise argparse.ArgumentTypeError(usage + ("" if bond not in by_bond else f" (bond {bond!r} twice)"))
+        by_bond[bond] = _ranks(size)[0]
+    return name.strip(), by_bond
 
 
 def _match(text: str) -> str | int | float:
@@ -172,10 +182,16 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SPEC",
-        help="also a custom network, e.g. 'A: n1 a b, B: a i c, C: b c o' (repeatable)",
+        help="also a custom network, e.g. 'A: n1 a b, B: a i c, C: b c o', or named for its row and --rank: "
+        "'mine=A: n1 a b, B: a i c, C: b c o' (repeatable; unnamed ones are 'custom 1', 'custom 2', …)",
     )
     cmp.add_argument(
-        "--rank", type=_named_rank, action="append", default=[], help="explicit ranks, e.g. cp=512 or tr=4,4,128"
+        "--rank",
+        type=_named_rank,
+        action="append",
+        default=[],
+        help="explicit ranks of a row: cp=512, tr=4,4,128, one per bond in order (mine=8,8,8) or by bond "
+        "(mine=a=8,b=16)",
     )
     cmp.add_argument(
         "--match",
@@ -263,6 +279,20 @@ def _parser() -> argparse.ArgumentParser:
             description="Trains CP μMoE final layers (N = 16 … 1,024; entmax15/softmax; BatchNorm/none; several "
             "seeds) on 100 generated classes, ablates every expert and reports mean class-level polysemanticity.",
         )
+    )
+    from mumoe_tn.design.command import configure_parser as configure_design
+
+    configure_design(
+        commands.add_parser(
+            "design",
+            help="which network for a budget? the Pareto front of a structure and rank search",
+            description="Searches CP, TR, TT, Tucker, every factorization of the experts into modes and generated "
+            "topologies (chains, rings, stars, trees), matches each to the budget, and prints the Pareto front of "
+            "parameters, FMAs per token, peak memory and the expert-rank bound. Defaults: the paper's GPT-2 layer, "
+            "768 -> 3072 with 256 experts, the nn.Linear's parameters.",
+        ),
+        positive=_positive,
+        budget=_match,
     )
     for command in commands.choices.values():  # --import may also stand after the command
         command.add_argument(
@@ -456,6 +486,13 @@ def _specialisation(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _design(args: argparse.Namespace) -> int:
+    _check_plot(args.plot, "plot")
+    from mumoe_tn.design.command import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mumoe-tn`` command; returns the exit status (2 for any error, printed as one line)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -465,7 +502,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _Parser(prog="mumoe-tn").exit(2, f"mumoe-tn: error: {error}\n")
     parser = _parser()
     args = parser.parse_args(argv)
-    commands = {"compare": _compare, "plan": _plan, "demo": _demo, "specialisation": _specialisation}
+    commands = {
+        "compare": _compare,
+        "plan": _plan,
+        "demo": _demo,
+        "specialisation": _specialisation,
+        "design": _design,
+    }
     with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is shown
         try:
             return commands[args.command](args)

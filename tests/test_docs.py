@@ -7,6 +7,7 @@ on any error or warning.
 
 import ast
 import builtins
+import importlib.util
 import os
 import re
 import subprocess
@@ -163,6 +164,45 @@ def test_site_renders_maths_at_build_time(site):
     assert table.count('class="katex"') >= 20 and "<code>" not in table
 
 
+#: A TeX command left as the text of a MathML element (``<mo>\\min</mo>``): the browser shows it raw.
+RAW_COMMAND = re.compile(r">\\[A-Za-z]+<")
+MATH = re.compile(r"<math\b.*?</math>", re.DOTALL)
+ANNOTATION = re.compile(r"<annotation\b.*?</annotation>", re.DOTALL)
+
+
+def _raw_commands(html: str) -> list[str]:
+    """TeX commands shown as text in ``html``'s MathML (its TeX source annotations left aside)."""
+    return [hit for maths in MATH.findall(html) for hit in RAW_COMMAND.findall(ANNOTATION.sub("", maths))]
+
+
+def _mathml_hook():
+    spec = importlib.util.spec_from_file_location("docs_mathml_hook", ROOT / "docs" / "hooks" / "mathml.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_named_operators_render_as_words_not_commands():
+    markdown = pytest.importorskip("markdown")
+    pytest.importorskip("markdown_katex_rs", reason="the docs extra is not installed: pip install -e '.[docs]'")
+    source = (
+        "CP $`\\min\\{I, O, R\\}`$, capacities $`\\log \\dim b`$, $`\\max_k \\exp x`$\n\n"
+        "```math\n\\operatorname{rank} W \\le \\min_{C} \\prod_{b\\in C} \\dim b\n```\n"
+    )
+    html = markdown.markdown(
+        source,
+        extensions=["pymdownx.superfences", "markdown_katex_rs"],
+        extension_configs={"markdown_katex_rs": {"insert_fonts_css": False}},
+    )
+    assert "<math" in html
+    shown = _mathml_hook().mathml(html)
+    assert _raw_commands(shown) == [], _raw_commands(shown)
+    operators = re.findall(r"<mo[^>]*>([a-z]+)</mo>", shown)
+    assert operators == ["min", "log", "dim", "max", "exp", "min", "dim"], operators
+    # the TeX source stays in the annotation, untouched
+    assert "\\log \\dim b</annotation>" in shown
+
+
 def test_site_has_no_raw_tex_or_remote_assets(site):
     pages = sorted(site.rglob("*.html"))
     assert len(pages) >= 8
@@ -170,6 +210,7 @@ def test_site_has_no_raw_tex_or_remote_assets(site):
         html = page.read_text()
         text = _visible_text(html)
         assert not RAW_TEX.search(text), f"{page}: raw TeX {RAW_TEX.search(text).group()!r}"
+        assert not _raw_commands(html), f"{page}: TeX commands shown as MathML text {_raw_commands(html)}"
         # unrendered $`…`$ becomes $<code>…</code>$, an unrendered ```math fence a code block
         leftover = re.search(r"\$<code>|</code>\$|language-math", html)
         assert leftover is None, f"{page}: maths left unrendered ({leftover.group()!r})"

@@ -12,7 +12,9 @@ import networkx as nx
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "mumoe_tn"
 
 #: Lower floors never import higher ones. Gate descriptors report their own costs to the cost
-#: model, so the gates sit below the costs.
+#: model, so the gates sit below the costs. The design search stands on the costs alone, but it
+#: can fit a pretrained layer (conversion) and time one (layers), so it sits above them; those
+#: two import torch on use only.
 FLOORS = {
     "validation": 0,
     "caching": 0,
@@ -25,6 +27,7 @@ FLOORS = {
     "layers": 5,
     "conversion": 6,
     "analysis": 6,
+    "design": 7,
     "experiments": 7,
     "cli": 8,
 }

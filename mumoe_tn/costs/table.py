@@ -16,8 +16,8 @@ from mumoe_tn.costs.matching import Match, match_block, match_layer, resolve_tar
 from mumoe_tn.costs.params import ParameterCount, block_parameters, layer_parameters
 from mumoe_tn.costs.rank import rank_bound
 from mumoe_tn.decompositions.format import Format
-from mumoe_tn.decompositions.registry import get_format, normalize_ranks
-from mumoe_tn.decompositions.resolve import Decomposition, Rank, is_spec, resolve_network
+from mumoe_tn.decompositions.registry import get_format
+from mumoe_tn.decompositions.resolve import Decomposition, Rank, is_spec, resolve_network, spec_ranks, split_spec_name
 from mumoe_tn.gates.specs import GateSpec, gate_fma_per_token, gate_parameter_count
 from mumoe_tn.network import ExpertNetwork, normalize_expert_dims
 from mumoe_tn.validation import check_bool, check_size
@@ -196,12 +196,15 @@ def compare(
     expert_dims : int or Sequence[int]
         ``N`` or ``(N_1, …, N_E)``.
     decompositions : Sequence of str, Format or ExpertNetwork
-        Registered names, formats, spec strings (``"A: n1 a b, B: a i c, C: b c o"``) and
-        ready networks, mixed. A ready network keeps its structure and its bond sizes (unless
+        Registered names, formats, spec strings (``"A: n1 a b, B: a i c, C: b c o"``, or named:
+        ``"mine=A: n1 a b, …"``, which labels the row ``mine``) and ready networks, mixed. A
+        ready network keeps its structure and its bond sizes (unless
         ``bonds=`` names bonds of it to match); its physical legs are set to this table's sizes.
     ranks : Mapping[str, rank], optional
-        Explicit ranks per row label (a name, a spec string, or a network's name; see
-        ``CostRow.name``); names and spec strings without one are parameter-matched.
+        Explicit ranks per row label (a format's name, a named spec's ``NAME``, ``"custom 1"``, … for
+        unnamed specs in order, the spec string itself, or a network's name; see ``CostRow.name``):
+        one rank, one per bond in the order of the row's ranks column, or ``{bond: size}`` naming
+        every bond. Rows without one are parameter-matched.
     match : {"linear", "mlp"} or int or float or None, optional
         Parameter target of the matched rows: ``"linear"`` (the nn.Linear of the same sizes),
         ``"mlp"`` (the MLP block), a number of parameters (int), a fraction of the reference
@@ -267,17 +270,14 @@ def compare(
     else:
         raise ValueError(f"match must be 'linear', 'mlp', a number of parameters, a fraction or None, got {match!r}")
     entries = _entries(decompositions)
-    known = {alias for entry in entries for alias in entry.aliases}
-    for option, given in (("ranks", ranks), ("bonds", bonds)):
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ValueError(f"{option} given for {unknown}, which name no row; the rows are {sorted(known)}")
+    ranks = _by_label(entries, ranks, "ranks")
+    bonds = _by_label(entries, bonds, "bonds")
 
     width = in_features + int(bias)
     rows, networks = [], {}
     for entry in entries:
-        given = next((ranks[alias] for alias in entry.aliases if alias in ranks), None)
-        scaled = next((bonds[alias] for alias in entry.aliases if alias in bonds), None)
+        given = ranks.get(entry.label)
+        scaled = bonds.get(entry.label)
         if scaled is not None and (given is not None or match is None):
             why = "has explicit ranks" if given is not None else "is not matched (match=None)"
             raise ValueError(
@@ -350,6 +350,30 @@ def _plain(rank: Any) -> Any:
     return rank if isinstance(rank, int) else list(rank)
 
 
+def _by_label(entries: Sequence[_Entry], given: Mapping[Any, Any], option: str) -> dict[str, Any]:
+    """Key ``ranks=`` / ``bonds=`` by row label; a key is a row's label or alias, or a label in other case.
+
+    A key that selects no row, or a row twice, is refused; the message quotes the keys as given and
+    lists the rows by their labels.
+    """
+    out: dict[str, Any] = {}
+    unknown = []
+    for key, value in given.items():
+        entry = next((e for e in entries if any(key is a or key == a for a in e.aliases)), None)
+        if entry is None and isinstance(key, str):
+            entry = next((e for e in entries if e.label.casefold() == key.casefold()), None)
+        if entry is None:
+            unknown.append(key)
+        elif entry.label in out:
+            raise ValueError(f"{option} given twice for row {entry.label!r} (the second as {key!r})")
+        else:
+            out[entry.label] = value
+    if unknown:
+        rows = [entry.label for entry in entries]
+        raise ValueError(f"{option} given for {unknown}, which name no row; the rows are {rows}")
+    return out
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One μMoE row to build: its label, the keys that select it in ranks=/bonds=, and a maker."""
@@ -380,9 +404,11 @@ def _entries(decompositions: Sequence[Decomposition]) -> list[_Entry]:
             label = unique(f"custom {customs}" if item.name == "custom" else item.name)
             entries.append(_Entry(label, (label, item.name), _network_maker(item), True))
         elif isinstance(item, str) and is_spec(item):
-            customs += 1
-            label = unique(f"custom {customs}")
-            entries.append(_Entry(label, (label, item), _maker(item), False))
+            name, spec = split_spec_name(item)
+            if name is None:
+                customs += 1
+            label = unique(f"custom {customs}" if name is None else name)
+            entries.append(_Entry(label, (label, item, spec), _maker(item), False))
         elif isinstance(item, (str, Format)):
             format = get_format(item) if isinstance(item, str) else item
             label = unique(format.name)
@@ -397,6 +423,10 @@ def _entries(decompositions: Sequence[Decomposition]) -> list[_Entry]:
 
 def _maker(decomposition: str | Format) -> Callable[[tuple[int, ...], int, int, Any], ExpertNetwork]:
     def make(dims: tuple[int, ...], width: int, out: int, rank: Any) -> ExpertNetwork:
+        if isinstance(rank, Mapping) and not (isinstance(decomposition, str) and is_spec(decomposition)):
+            # a format's bonds by name: build its shape, then size every bond
+            shape = resolve_network(decomposition, dims, width, out, 1)
+            return shape.with_sizes(**spec_ranks(shape.bonds, rank, shape.name))
         return resolve_network(decomposition, dims, width, out, 1 if rank is None else rank)
 
     return make
@@ -407,10 +437,7 @@ def _network_maker(network: ExpertNetwork) -> Callable[[tuple[int, ...], int, in
         resized = resolve_network(network, dims, width, out, None, resize=True)
         if rank is None:
             return resized
-        if isinstance(rank, Mapping):
-            return resized.with_sizes(**rank)
-        sizes = normalize_ranks(resized.name, rank, len(resized.bonds))
-        return resized.with_sizes(**dict(zip(resized.bonds, sizes, strict=True)))
+        return resized.with_sizes(**spec_ranks(resized.bonds, rank, resized.name, every=False))
 
     return make
 

@@ -16,7 +16,14 @@ from mumoe_tn.decompositions.registry import (
     register,
     unregister,
 )
-from mumoe_tn.decompositions.resolve import Decomposition, Rank, is_spec, resolve_network
+from mumoe_tn.decompositions.resolve import (
+    Decomposition,
+    Rank,
+    is_spec,
+    resolve_network,
+    spec_ranks,
+    split_spec_name,
+)
 from mumoe_tn.decompositions.tr import TRFormat, tr
 from mumoe_tn.decompositions.tt import TTFormat, tt
 from mumoe_tn.decompositions.tucker import TuckerFormat, tucker
@@ -37,6 +44,8 @@ __all__ = [
     "normalize_ranks",
     "register",
     "resolve_network",
+    "spec_ranks",
+    "split_spec_name",
     "tr",
     "tt",
     "tucker",

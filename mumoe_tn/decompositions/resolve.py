@@ -2,12 +2,14 @@
 
 Accepted everywhere a decomposition is asked for (layers, cost tables, conversion, the CLI):
 a registered name (``"cp"``), a [`Format`][mumoe_tn.decompositions.format.Format], a spec string
-(``"A: n1 a b, B: a i c, C: b c o"``), a ready [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork], or a builder
+(``"A: n1 a b, B: a i c, C: b c o"``, optionally named: ``"mine=A: n1 a b, B: a i c, C: b c o"``),
+a ready [`ExpertNetwork`][mumoe_tn.network.ExpertNetwork], or a builder
 ``(expert_dims, in_features, out_features, rank, **options) -> ExpertNetwork``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +18,7 @@ from mumoe_tn.decompositions.registry import available, get_format
 from mumoe_tn.network import ExpertNetwork, expert_leg, normalize_expert_dims
 from mumoe_tn.validation import check_size
 
-__all__ = ["Decomposition", "Rank", "is_spec", "resolve_network"]
+__all__ = ["Decomposition", "Rank", "is_spec", "resolve_network", "spec_ranks", "split_spec_name"]
 
 #: Anything that names or describes an expert network.
 Decomposition = str | Format | ExpertNetwork | Callable[..., ExpertNetwork]
@@ -24,9 +26,78 @@ Decomposition = str | Format | ExpertNetwork | Callable[..., ExpertNetwork]
 Rank = int | Sequence[int] | Mapping[str, int]
 
 
+#: ``NAME=`` in front of a spec string: the network's (and a cost table row's) name.
+_SPEC_NAME = re.compile(r"\s*([A-Za-z0-9_][A-Za-z0-9_.+\-]*)\s*=(.*)\Z", re.DOTALL)
+
+
 def is_spec(text: str) -> bool:
     """Whether ``text`` is a spec string rather than a format name (it has cores or labels to split)."""
-    return isinstance(text, str) and text.lower() not in available() and any(c in text for c in ", :")
+    return isinstance(text, str) and text.lower() not in available() and any(c in text for c in ", :=")
+
+
+def split_spec_name(spec: str) -> tuple[str | None, str]:
+    """Split ``"NAME=SPEC"`` into ``(NAME, SPEC)``; a spec without a name gives ``(None, spec)``.
+
+    Examples
+    --------
+    >>> split_spec_name("mine=A: n1 a b, B: a i c, C: b c o")
+    ('mine', 'A: n1 a b, B: a i c, C: b c o')
+    >>> split_spec_name("n1 r, i r, r o")
+    (None, 'n1 r, i r, r o')
+    """
+    if "=" not in spec:
+        return None, spec
+    found = _SPEC_NAME.match(spec)
+    if found is None:
+        raise ValueError(
+            f"a named spec is NAME=SPEC with a NAME of letters, digits and _ . + - (such as "
+            f"'mine=n1 a b, a i c, b c o'), got {spec!r}"
+        )
+    return found.group(1), found.group(2).strip()
+
+
+def spec_ranks(bonds: Sequence[str], rank: Rank, name: str, *, every: bool = True) -> dict[str, int]:
+    """Bond sizes from one rank, one rank per bond (in the order of ``bonds``), or ``{bond: size}``.
+
+    Parameters
+    ----------
+    bonds : Sequence[str]
+        The network's bonds, in order of first appearance in its spec.
+    rank : int or Sequence[int] or Mapping[str, int]
+        One size for every bond, a size per bond in order, or every bond by name.
+    name : str
+        The network's name, for error messages.
+    every : bool, optional
+        Whether ``{bond: size}`` must name every bond (False: a network that already has sizes
+        changes only the named ones).
+
+    Returns
+    -------
+    dict of str to int
+    """
+    if isinstance(rank, Mapping):
+        unknown = [bond for bond in rank if bond not in bonds]
+        missing = [bond for bond in bonds if bond not in rank] if every else []
+        if unknown or missing:
+            problem = f"names no bond {unknown}" if unknown else f"leaves out {missing}"
+            raise ValueError(
+                f"ranks for {name!r} by bond {dict(rank)} {problem}; name every bond of {list(bonds)}, give one "
+                f"rank for all, or {len(bonds)} in that order"
+            )
+        return {bond: check_size(f"{name} rank of bond {bond!r}", rank[bond]) for bond in bonds if bond in rank}
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        return {bond: check_size(f"{name} rank", rank) for bond in bonds}
+    if isinstance(rank, str) or not isinstance(rank, Sequence):
+        raise TypeError(
+            f"ranks for {name!r} must be one int, {len(bonds)} ints (bonds {list(bonds)} in order) or "
+            f"{{bond: size}}, got {rank!r}"
+        )
+    if len(rank) != len(bonds):
+        raise ValueError(
+            f"{name!r} has {len(bonds)} bonds {list(bonds)}, so it takes one rank or {len(bonds)} in that order "
+            f"(or bond=size pairs), got {len(rank)}: {tuple(rank)}"
+        )
+    return {bond: check_size(f"{name} rank of bond {bond!r}", size) for bond, size in zip(bonds, rank, strict=True)}
 
 
 def resolve_network(
@@ -78,9 +149,11 @@ def resolve_network(
         if is_spec(decomposition):
             if options:
                 raise TypeError(f"a spec string takes no builder options, got {sorted(options)}")
-            return ExpertNetwork.from_spec(
-                decomposition, expert_dims=dims, in_features=in_features, out_features=out_features, ranks=rank
+            name, spec = split_spec_name(decomposition)
+            shape = ExpertNetwork.from_spec(
+                spec, expert_dims=dims, in_features=in_features, out_features=out_features, ranks=1, name=name
             )
+            return shape.with_sizes(**spec_ranks(shape.bonds, rank, shape.name))
         return get_format(decomposition).build(dims, in_features, out_features, rank, **options)
     if callable(decomposition):
         network = decomposition(dims, in_features, out_features, rank, **options)

@@ -178,6 +178,51 @@ def test_compare_spec_adds_custom_networks_next_to_cp_and_tr(capsys, monkeypatch
     assert f"{custom[0]['params_total']:,}" in out and f"{custom[1]['params_total']:,}" in out
 
 
+SPEC = "A: n1 a b, B: a i c, C: b c o"
+
+
+def _spec_row(capsys, args):
+    """The row of the one --spec in ``args``, next to a CP row."""
+    rows = _json_rows(capsys, ["compare", "--decompositions", "cp", *args])
+    assert len(rows) == 2 + 3, rows  # cp, the spec, then nn.Linear and the two MoEs
+    return rows[1]
+
+
+@pytest.mark.parametrize(
+    ("spec", "key"),
+    [(f"myRow={SPEC}", "myRow"), (SPEC, "custom 1"), (f"  Wide.Net-2 = {SPEC}", "Wide.Net-2")],
+)
+def test_spec_rows_have_one_name_for_the_table_and_rank(capsys, spec, key):
+    one = _spec_row(capsys, ["--spec", spec, "--rank", f"{key}=8"])
+    assert one["name"] == f"{key} μMoE" and one["ranks"] == {"a": 8, "b": 8, "c": 8}
+    # the first spec, bonds a = b = c = 8: (256 + 769 + 3072)·8² expert parameters
+    assert one["params_experts"] == (256 + 769 + 3072) * 64
+    in_order = _spec_row(capsys, ["--spec", spec, "--rank", f"{key}=2,3,5"])
+    assert in_order["ranks"] == {"a": 2, "b": 3, "c": 5}
+    assert in_order["params_experts"] == 256 * 2 * 3 + 769 * 2 * 5 + 3072 * 3 * 5
+    by_bond = _spec_row(capsys, ["--spec", spec, "--rank", f"{key}=c=5,a=2,b=3"])
+    assert by_bond["ranks"] == {"a": 2, "b": 3, "c": 5}
+
+
+NAMED = ["--spec", f"myRow={SPEC}", "--rank"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([*NAMED, "nope=4"], "given for ['nope'], which name no row; the rows are ['cp', 'tr', 'myRow']"),
+        (["--spec", SPEC, "--rank", "Other=4"], "['Other'], which name no row; the rows are ['cp', 'tr', 'custom 1']"),
+        ([*NAMED, "myRow=8,8"], "'myRow' has 3 bonds ['a', 'b', 'c'], so it takes one rank or 3"),
+        ([*NAMED, "myRow=a=8,b=4"], "ranks for 'myRow' by bond {'a': 8, 'b': 4} leaves out ['c']"),
+        ([*NAMED, "myRow=a=8,b=4,c=1,d=2"], "names no bond ['d']"),
+        ([*NAMED, "myRow=a=8,a=4"], "bond 'a' twice"),
+        (["--spec", f"my row={SPEC}"], "a named spec is NAME=SPEC"),
+    ],
+)  # fmt: skip
+def test_spec_row_errors_name_the_row_as_typed(capsys, args, message):
+    _fails_with_one_line(capsys, ["compare", *args], message)
+
+
 # ----------------------------------------------------------------------------- consistency
 
 

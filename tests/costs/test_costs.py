@@ -393,7 +393,8 @@ def test_ready_network_takes_explicit_ranks():
     assert (one.sizes["a"], one.sizes["b"], one.sizes["c"]) == (7, 7, 7)
     by_name = compare(8, 6, 4, (net,), ranks={"custom 1": {"c": 9}}, match=None).rows[0].networks[0]
     assert (by_name.sizes["a"], by_name.sizes["b"], by_name.sizes["c"]) == (2, 2, 9)
-    with raises(ValueError, "custom needs 3 ranks (one per bond), got 2: (2, 3)"):
+    message = "'custom' has 3 bonds ['a', 'b', 'c'], so it takes one rank or 3 in that order (or bond=size pairs)"
+    with raises(ValueError, message + ", got 2: (2, 3)"):
         compare(8, 6, 4, (net,), ranks={"custom 1": (2, 3)}, match=None)
 
 

@@ -1,0 +1,302 @@
+"""The search space of a design: network shapes over the legs, each with the bonds matching scales.
+
+A [`Shape`][mumoe_tn.design.space.Shape] is a network *structure*: a builder of the network for
+given leg sizes (one layer ``I → O``, or both layers of a block), the bonds parameter matching
+scales, and the sizes of the bonds it keeps fixed. The space holds
+
+- the registered formats CP, TR (expert ranks ``R1``/``R2`` over a few powers of two), TT and Tucker;
+- every factorization of the number of experts into 1 … ``max_modes`` expert modes;
+- generated custom topologies with one core per leg: chains and rings in every leg order, stars
+  (a hub core with no leg, or one leg's core as the hub) and trees (every labelled tree of the
+  leg cores), with every bond scaled, or the bonds of expert cores fixed and the rest scaled.
+
+Shapes that are the same network up to relabelling (core and bond names, expert modes of equal
+size) are kept once (networkx isomorphism on a graph with the legs and bond roles as attributes).
+Everything here is torch-free.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from mumoe_tn.decompositions.registry import get_format
+from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, expert_leg, physical_sizes
+from mumoe_tn.validation import check_size
+
+__all__ = [
+    "DEFAULT_EXPERT_RANKS",
+    "FAMILIES",
+    "Shape",
+    "expert_factorizations",
+    "named_shapes",
+    "search_space",
+    "topology_shapes",
+]
+
+#: Sizes tried for the bonds a TR/TT keeps fixed (the paper's TR uses 4) and for the fixed expert
+#: bonds of generated topologies.
+DEFAULT_EXPERT_RANKS = (2, 4, 8, 16)
+
+#: The families of a search space, in the order they are generated.
+FAMILIES = ("cp", "tr", "tt", "tucker", "chain", "ring", "star", "tree")
+
+#: A bond the matcher scales is marked with this size before matching.
+SCALED = 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A network structure with the bonds matching scales.
+
+    Attributes
+    ----------
+    family : str
+        ``"cp"``, ``"tr"``, ``"tt"``, ``"tucker"`` (registered formats) or ``"chain"``,
+        ``"ring"``, ``"star"``, ``"tree"`` (generated topologies).
+    expert_dims : tuple of int
+        ``N_1 … N_E``.
+    label : str
+        A short description for tables, e.g. ``"tr R1=4 R2=8"`` or ``"chain n1-i-o"``.
+    scaled : tuple of str
+        The bonds parameter matching scales (all to one rank).
+    make : Callable[[int, int], ExpertNetwork]
+        ``(i, o) -> network`` with the scaled bonds at size 1 (``i`` counts a folded bias).
+    """
+
+    family: str
+    expert_dims: tuple[int, ...]
+    label: str
+    scaled: tuple[str, ...]
+    make: Callable[[int, int], ExpertNetwork] = field(compare=False, repr=False)
+
+
+def expert_factorizations(n_experts: int, max_modes: int) -> list[tuple[int, ...]]:
+    """Every way to write ``n_experts`` as a product of 1 … ``max_modes`` factors ≥ 2.
+
+    Each multiset of factors comes in descending and ascending order (the order matters for
+    chains and rings; other orders are relabellings for CP and Tucker).
+
+    Examples
+    --------
+    >>> expert_factorizations(8, 3)
+    [(8,), (4, 2), (2, 4), (2, 2, 2)]
+    """
+    check_size("n_experts", n_experts)
+    check_size("max_modes", max_modes)
+
+    def multisets(rest: int, largest: int, modes: int) -> Iterator[tuple[int, ...]]:
+        if rest == 1:
+            yield ()
+            return
+        if modes == 0:
+            return
+        for factor in range(min(rest, largest), 1, -1):
+            if rest % factor == 0:
+                for tail in multisets(rest // factor, factor, modes - 1):
+                    yield (factor, *tail)
+
+    found: list[tuple[int, ...]] = [(1,)] if n_experts == 1 else []
+    for factors in multisets(n_experts, n_experts, max_modes):
+        for ordered in (factors, factors[::-1]):
+            if ordered not in found:
+                found.append(ordered)
+    return found
+
+
+def named_shapes(expert_dims: tuple[int, ...], expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS) -> list[Shape]:
+    """CP, TR (every ``(R1, R2)`` of ``expert_ranks`` with a ratio ≤ 4), TT and Tucker over ``expert_dims``."""
+    shapes = []
+    for name in ("cp", "tucker"):
+        fmt = get_format(name)
+        probe = fmt.build(expert_dims, 2, 2, 1)
+        shapes.append(Shape(name, expert_dims, name, fmt.matched_bonds(probe), _format_maker(name, expert_dims, 1)))
+    n_modes = len(expert_dims)
+    for r1, r2 in itertools.product(expert_ranks, repeat=2):
+        if max(r1, r2) > 4 * min(r1, r2):
+            continue
+        ranks = (r1, *([r2] * n_modes), 1)  # r1 closes the ring at the output core; the last is matched
+        shapes.append(
+            Shape(
+                "tr", expert_dims, f"tr R1={r1} R2={r2}", (f"r{n_modes + 2}",), _format_maker("tr", expert_dims, ranks)
+            )
+        )
+    for r in expert_ranks:
+        ranks = (*([r] * n_modes), 1)
+        shapes.append(
+            Shape("tt", expert_dims, f"tt R={r}", (f"r{n_modes + 1}",), _format_maker("tt", expert_dims, ranks))
+        )
+    return shapes
+
+
+def _format_maker(name: str, dims: tuple[int, ...], rank: int | tuple[int, ...]) -> Callable[[int, int], ExpertNetwork]:
+    def make(i: int, o: int) -> ExpertNetwork:
+        return get_format(name).build(dims, i, o, rank)
+
+    return make
+
+
+def _legs(expert_dims: tuple[int, ...]) -> list[str]:
+    return [*(expert_leg(m) for m in range(1, len(expert_dims) + 1)), INPUT_LEG, OUTPUT_LEG]
+
+
+def _trees(nodes: Sequence[str]) -> Iterator[tuple[tuple[str, str], ...]]:
+    """Every labelled tree on ``nodes`` (Prüfer sequences)."""
+    if len(nodes) == 2:
+        yield ((nodes[0], nodes[1]),)
+        return
+    for sequence in itertools.product(range(len(nodes)), repeat=len(nodes) - 2):
+        tree = nx.from_prufer_sequence(list(sequence))
+        yield tuple((nodes[a], nodes[b]) for a, b in tree.edges)
+
+
+def _topologies(legs: list[str]) -> Iterator[tuple[str, str, tuple[tuple[str, str], ...]]]:
+    """``(family, description, edges)``; nodes are legs (one core each) or ``"hub"``."""
+    for order in itertools.permutations(legs):
+        if order[0] < order[-1]:
+            yield "chain", "-".join(order), tuple(itertools.pairwise(order))
+    first, *rest = legs
+    for order in itertools.permutations(rest):
+        if len(order) < 2 or order[0] < order[-1]:
+            ring = (first, *order)
+            if len(ring) >= 3:
+                yield "ring", "-".join(ring), tuple(zip(ring, (*ring[1:], ring[0]), strict=True))
+    yield "star", "hub", tuple(("hub", leg) for leg in legs)
+    for centre in legs:
+        yield "star", f"hub {centre}", tuple((centre, leg) for leg in legs if leg != centre)
+    for edges in _trees(legs):
+        yield "tree", " ".join(f"{a}-{b}" for a, b in edges), edges
+
+
+def topology_shapes(expert_dims: tuple[int, ...], expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS) -> list[Shape]:
+    """Generated chains, rings, stars and trees with one core per leg (see the module docstring).
+
+    Every bond is scaled; and for each size ``s`` of ``expert_ranks``, the bonds of the expert
+    cores are fixed at ``s`` and the other bonds scaled (where some remain).
+    """
+    legs = _legs(expert_dims)
+    shapes = []
+    for family, description, edges in _topologies(legs):
+        bonds = {f"b{k}": edge for k, edge in enumerate(edges, start=1)}
+        cores: dict[str, list[str]] = {}
+        for node in (*legs, "hub"):
+            owned = [bond for bond, edge in bonds.items() if node in edge]
+            if owned:
+                cores[f"C_{node}"] = ([node] if node != "hub" else []) + owned
+        expert_bonds = tuple(b for b, edge in bonds.items() if any(end.startswith("n") for end in edge))
+        policies: list[tuple[str, tuple[str, ...], int]] = [("", tuple(bonds), 1)]
+        free = tuple(b for b in bonds if b not in expert_bonds)
+        if free and expert_bonds:
+            policies += [(f" Rn={s}", free, s) for s in expert_ranks]
+        for suffix, scaled, fixed in policies:
+            sizes = {b: (SCALED if b in scaled else fixed) for b in bonds}
+            shapes.append(
+                Shape(family, expert_dims, f"{family} {description}{suffix}", scaled, _maker(cores, sizes, expert_dims))
+            )
+    return shapes
+
+
+def _maker(
+    cores: dict[str, list[str]], bond_sizes: dict[str, int], dims: tuple[int, ...]
+) -> Callable[[int, int], ExpertNetwork]:
+    def make(i: int, o: int) -> ExpertNetwork:
+        return ExpertNetwork(cores, {**physical_sizes(dims, i, o), **bond_sizes})
+
+    return make
+
+
+def signature_graph(network: ExpertNetwork, scaled: Iterable[str] = ()) -> nx.Graph:
+    """A graph of ``network`` for isomorphism tests: cores and bonds as nodes, legs as attributes.
+
+    A core's attribute is the multiset of its physical legs (expert legs by size only, so modes
+    of equal size are interchangeable); a bond's is its size, or ``"scaled"``.
+    """
+    scaled = set(scaled)
+    graph = nx.Graph()
+    for core, labels in network.cores.items():
+        legs = sorted(
+            ("n", network.sizes[label]) if label.startswith("n") and label not in network.bonds else (label, 0)
+            for label in labels
+            if label not in network.bonds
+        )
+        _node(graph, ("core", core), ("core", tuple(legs)))
+        for bond in labels:
+            if bond in network.bonds:
+                _node(graph, ("bond", bond), ("bond", "scaled" if bond in scaled else network.sizes[bond]))
+                graph.add_edge(("core", core), ("bond", bond))
+    return graph
+
+
+def _node(graph: nx.Graph, node: tuple[str, str], kind: tuple[object, ...]) -> None:
+    graph.add_node(node, kind=kind, text=repr(kind))
+
+
+def _same(a: nx.Graph, b: nx.Graph) -> bool:
+    return nx.is_isomorphic(a, b, node_match=lambda x, y: x["kind"] == y["kind"])
+
+
+def deduplicate(shapes: Iterable[Shape], width: int = 7, out: int = 5) -> list[Shape]:
+    """``shapes`` without the ones equal to an earlier one up to relabelling (the first is kept).
+
+    Compared on the networks at legs ``i = width``, ``o = out`` with the scaled bonds marked, so
+    two shapes are equal exactly when they build the same network for every rank.
+    """
+    kept: list[Shape] = []
+    buckets: dict[str, list[nx.Graph]] = {}
+    for shape in shapes:
+        graph = signature_graph(shape.make(width, out), shape.scaled)
+        key = nx.weisfeiler_lehman_graph_hash(graph, node_attr="text")
+        bucket = buckets.setdefault(key, [])
+        if any(_same(graph, other) for other in bucket):
+            continue
+        bucket.append(graph)
+        kept.append(shape)
+    return kept
+
+
+def search_space(
+    n_experts: int | Sequence[int],
+    *,
+    max_modes: int = 3,
+    families: Sequence[str] = FAMILIES,
+    expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
+    topology_modes: int = 2,
+) -> list[Shape]:
+    """Every shape of the search, deduplicated.
+
+    Parameters
+    ----------
+    n_experts : int or Sequence[int]
+        The total number of experts, factored into 1 … ``max_modes`` modes, or fixed expert dims.
+    max_modes : int, optional
+        Most expert modes of a factorization (default 3).
+    families : Sequence[str], optional
+        Which of `FAMILIES` to generate (default all).
+    expert_ranks : Sequence[int], optional
+        Sizes tried for the fixed bonds (TR's ``R1``/``R2``, TT's and the topologies' expert bonds).
+    topology_modes : int, optional
+        Generated topologies only for factorizations with at most this many modes (default 2:
+        their number grows factorially with the legs).
+
+    Returns
+    -------
+    list of Shape
+    """
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown or not families:
+        raise ValueError(f"families must be a non-empty selection of {list(FAMILIES)}, got {list(families)}")
+    for size in expert_ranks:
+        check_size("expert_ranks", size)
+    if isinstance(n_experts, int):
+        factorizations = expert_factorizations(n_experts, max_modes)
+    else:
+        factorizations = [tuple(check_size("expert_dims", n) for n in n_experts)]
+    shapes = []
+    for dims in factorizations:
+        shapes += [s for s in named_shapes(dims, expert_ranks) if s.family in families]
+        if len(dims) <= topology_modes:
+            shapes += [s for s in topology_shapes(dims, expert_ranks) if s.family in families]
+    return deduplicate(shapes)
