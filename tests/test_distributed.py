@@ -1,12 +1,13 @@
 """μMoE models on PyTorch's distributed stack, against one process on the whole batch.
 
-FSDP2 (``fully_shard`` per block, bf16 parameters with fp32 gradient reduction) on a converted
-GPT-2, a converted Llama and an ``nn.Sequential`` of μMoE blocks (activation-checkpointed,
-BatchNorm gates synchronised); sharded saves with ``torch.distributed.checkpoint`` reloaded
-into the same and into a smaller world, and resumed; BatchNorm gates under
-``DistributedDataParallel`` with and without synchronisation. Each job spawns its two ranks once
-and runs all its checks (starting processes is most of the cost): gloo on CPU, and NCCL on two
-GPUs when a machine has them.
+FSDP2 (``fully_shard`` per block, float32 and bf16 parameters with float32 gradient reduction) on
+a converted GPT-2, a converted Llama and an ``nn.Sequential`` of μMoE blocks (activation-
+checkpointed, BatchNorm gates synchronised); sharded saves with ``torch.distributed.checkpoint``
+reloaded into the same and into a smaller world, and resumed; BatchNorm gates under
+``DistributedDataParallel`` with and without synchronisation; ``examples/distributed.py``.
+Starting processes is most of the cost, so one job spawns its two ranks once and runs every
+check (gloo on CPU, and NCCL on two GPUs when a machine has them); the tests read its results.
+``python tests/test_distributed.py`` prints the parity figures quoted in docs/distributed.md.
 """
 
 import functools
@@ -496,3 +497,35 @@ def test_no_warning_without_a_process_group():
     assert not dist.is_initialized()
     categories = _recorded(lambda: _blocks()(torch.randn(2, 3, WIDTH)))
     assert UnsynchronisedNormWarning.__name__ not in categories
+
+
+def _parity_table(results):
+    """Markdown: each sharded run's largest differences from one process in float32."""
+    lines = [
+        "| run | model | loss max abs | loss max rel | param max abs | update rel (norm) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for precision in ("fp32", "bf16"):
+        for family in FAMILIES:
+            losses, before, after, trained = _reference(family)
+            sharded = results[precision, family]
+            got, want = torch.tensor(sharded["losses"]), torch.tensor(losses)
+            state = sharded["state"]
+            update = torch.cat([(after[n] - before[n]).flatten() for n in trained])
+            moved = torch.cat([(state[n] - before[n]).flatten() for n in trained])
+            figures = (
+                (got - want).abs().max().item(),
+                ((got - want).abs() / want.abs()).max().item(),
+                max((state[n] - after[n]).abs().max().item() for n in trained),
+                _relative(moved, update),
+            )
+            lines.append(f"| FSDP2 {precision} | {family} | " + " | ".join(f"{f:.2g}" for f in figures) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python tests/test_distributed.py: the parity figures of the docs
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        _spawn(_worker, "gloo", Path(folder))
+        print(_parity_table(torch.load(Path(folder) / "rank0.pt", weights_only=True)))
