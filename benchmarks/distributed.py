@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks.measure import live_peak_bytes_here, synchronize
+from examples.distributed import Residual
 from mumoe_tn.gates import keep_statistics_on_recompute, sync_gate_norms
 from mumoe_tn.layers import MuMoEMLP
 
@@ -53,18 +54,6 @@ class Sizes:
 
 FULL = Sizes(width=256, depth=8, experts=(16, 16), batch=8, seq=128)
 QUICK = Sizes(width=32, depth=2, experts=(4, 4), batch=2, seq=16)
-
-
-class Residual(nn.Module):
-    """``x + block(LayerNorm(x))``."""
-
-    def __init__(self, block: nn.Module, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.block(self.norm(x))
 
 
 def build(s: Sizes, device: torch.device) -> nn.Sequential:
