@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     else:
         device = torch.device("cpu")
     mesh = init_device_mesh(device.type, (world,))
-    folder = args.checkpoint or tempfile.mkdtemp(prefix="mumoe-dcp-")
-    if args.checkpoint is None:  # every rank writes into rank 0's temporary folder
-        shared = [folder]
+    folder = args.checkpoint
+    if folder is None:  # every rank writes into a temporary folder of rank 0's
+        shared = [tempfile.mkdtemp(prefix="mumoe-dcp-") if rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         folder = shared[0]
 
