@@ -7,6 +7,10 @@
   activations and logit norms.
 - [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax]: entmax15 and sparsemax.
 - [`mumoe_tn.gates.records`][mumoe_tn.gates.records]: per-thread records of forward passes.
+- [`mumoe_tn.gates.sync`][mumoe_tn.gates.sync]: BatchNorm gates synchronised across data-parallel
+  ranks; [`mumoe_tn.gates.replicas`][mumoe_tn.gates.replicas]: the warning when they are not;
+  [`mumoe_tn.gates.recompute`][mumoe_tn.gates.recompute]: activation checkpointing that leaves
+  their running statistics alone.
 
 The descriptors import without torch; the torch names load on first access.
 """
@@ -30,6 +34,10 @@ _LAZY = {
     "entmax15": "mumoe_tn.gates.entmax",
     "sparsemax": "mumoe_tn.gates.entmax",
     "PerThreadRecords": "mumoe_tn.gates.records",
+    "SyncLogitBatchNorm": "mumoe_tn.gates.sync",
+    "sync_gate_norms": "mumoe_tn.gates.sync",
+    "UnsynchronisedNormWarning": "mumoe_tn.gates.replicas",
+    "keep_statistics_on_recompute": "mumoe_tn.gates.recompute",
 }
 
 __all__ = [

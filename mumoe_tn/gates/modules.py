@@ -54,6 +54,7 @@ from mumoe_tn.caching import DerivedCache
 from mumoe_tn.gates.entmax import entmax15, sparsemax
 from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.records import PerThreadRecords
+from mumoe_tn.gates.replicas import warn_unsynchronised
 from mumoe_tn.network import expert_leg, normalize_expert_dims
 
 __all__ = [
@@ -121,6 +122,8 @@ class LogitBatchNorm(nn.BatchNorm1d):
         With a token ``mask`` (``(rows,)`` booleans, True = real) the training statistics and the
         running averages come from the real rows only; padding rows come out as zeros.
         """
+        if self.training:
+            warn_unsynchronised(self)
         if not self.training or mask is None:
             self._check_rows(input.shape[0])
             return super().forward(input)
