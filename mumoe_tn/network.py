@@ -12,6 +12,7 @@ This module is pure Python: it never imports torch.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -330,12 +331,12 @@ class ExpertNetwork:
         return cls(dict(cores), sizes, name=name)
 
     # ------------------------------------------------------------------ derived facts
-    @property
+    @functools.cached_property
     def n_expert_modes(self) -> int:
         """Number of expert modes ``E``."""
         return sum(1 for label in self.sizes if is_expert_leg(label))
 
-    @property
+    @functools.cached_property
     def expert_legs(self) -> tuple[str, ...]:
         """Labels of the expert modes, ``("n1", …, "nE")``."""
         return tuple(expert_leg(m) for m in range(1, self.n_expert_modes + 1))

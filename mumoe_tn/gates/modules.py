@@ -303,7 +303,9 @@ class ExpertGate(PerThreadRecords):
         Modes of one size go through φ in one call (φ acts on each row of each mode alone).
         """
         sizes = self.expert_dims
-        if len(sizes) > 1 and len(set(sizes)) == 1:
+        if len(sizes) == 1:
+            return [self._activate(logits, 0)]
+        if len(set(sizes)) == 1:
             stacked = self._phi(logits.view(logits.shape[0], len(sizes), sizes[0]))
             return list(stacked.unbind(1))
         return [self._activate(part, mode) for mode, part in enumerate(logits.split(sizes, dim=-1))]
@@ -394,11 +396,14 @@ class ExpertGate(PerThreadRecords):
         lead = z.shape[:-1]
         compute = torch.promote_types(z.dtype, torch.float32)
         if self._inference_applies(z):
+            flat = (z if z.ndim == 2 else z.reshape(-1, z.shape[-1])).to(compute)
             if torch.is_autocast_enabled(z.device.type):
                 with torch.autocast(device_type=z.device.type, enabled=False):
-                    coefficients = self._infer(z.reshape(-1, z.shape[-1]).to(compute))
+                    coefficients = self._infer(flat)
             else:
-                coefficients = self._infer(z.reshape(-1, z.shape[-1]).to(compute))
+                coefficients = self._infer(flat)
+            if z.ndim == 2:
+                return tuple(coefficients)
             return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
         with torch.autocast(device_type=z.device.type, enabled=False):
             flat = z.reshape(-1, z.shape[-1]).to(compute)

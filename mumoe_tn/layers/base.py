@@ -157,7 +157,8 @@ class MuMoEBase(PerThreadRecords):
             raise TypeError(f"input must be a real floating-point tensor, got dtype {x.dtype}")
         if x.ndim < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
-        weight = next(iter(self._expert_layers()[0].cores.values()))
+        experts = self._expert_layers()[0]
+        weight = getattr(experts, next(iter(experts.network.cores)))
         if x.device != weight.device:
             raise ValueError(f"input is on {x.device} but the layer's parameters are on {weight.device}")
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):

@@ -321,11 +321,10 @@ class FactorizedExperts(nn.Module):
                 plan = self._make_plan(bucket, operands, ones)
             return _InferenceProgram(plan, steps, len(self.network.cores))
 
-        return self._cached(("inference", bucket), make)
+        return self._cached(("inference", bucket, self.precontract), make)
 
-    def _prepared_cores(self) -> _PreparedCores:
-        """What inference derives from the cores, kept until a core changes."""
-        cores = list(self.cores.values())
+    def _prepared_cores(self, cores: list[torch.Tensor]) -> _PreparedCores:
+        """What inference derives from ``cores`` (this layer's, in network order), kept until a core changes."""
         return self._prepared.get(
             cores, lambda: _PreparedCores(cores, self.network, bond_padding(self.network, self.pad_bonds))
         )
@@ -354,9 +353,13 @@ class FactorizedExperts(nn.Module):
         """
         self._check_inputs(z, coefficients, append_one)
         lead = z.shape[:-1]
-        batch = math.prod(lead)
-        rows = [a.reshape(batch, a.shape[-1]) for a in coefficients]
-        rows.append(z.reshape(batch, z.shape[-1]))
+        if z.ndim == 2:  # already rows
+            batch = z.shape[0]
+            rows = [*coefficients, z]
+        else:
+            batch = math.prod(lead)
+            rows = [a.reshape(batch, a.shape[-1]) for a in coefficients]
+            rows.append(z.reshape(batch, z.shape[-1]))
         ones = INPUT_LEG if append_one else None
         cores = _ExecutionCores(self)  # padded at most once per call, whatever the chunks
         if torch.compiler.is_compiling():
@@ -366,7 +369,7 @@ class FactorizedExperts(nn.Module):
             y = torch.cat([self._contract_rows(list(chunk), ones, cores) for chunk in chunks])
         else:
             y = self._contract_rows(rows, ones, cores)
-        return y.reshape(*lead, self.network.out_features)
+        return y if z.ndim == 2 else y.reshape(*lead, y.shape[-1])
 
     def _contract_rows(self, rows: list[torch.Tensor], ones: str | None, cores: _ExecutionCores) -> torch.Tensor:
         """Contract the cores with one block of flattened rows (coefficients, then input)."""
@@ -533,18 +536,31 @@ class _ExecutionCores:
     """
 
     def __init__(self, experts: FactorizedExperts) -> None:
-        cores = list(experts.cores.values())
+        cores = [getattr(experts, name) for name in experts.network.cores]
+        self._experts = experts
         constant = not torch.is_grad_enabled() or not any(core.requires_grad for core in cores)
-        self.prepared = experts._prepared_cores() if constant and not torch.compiler.is_compiling() else None
-        self.unpadded = cores if self.prepared is None else self.prepared.cores
-        self.padding = bond_padding(experts.network, experts.pad_bonds)
-        self.labels = list(experts.network.cores.values())
+        self.prepared = experts._prepared_cores(cores) if constant and not torch.compiler.is_compiling() else None
+        self.unpadded = cores
         self._padded: list[torch.Tensor] | None = None
+
+    @property
+    def padding(self) -> dict[str, int]:
+        """Bond → padded size, by the layer's ``pad_bonds``."""
+        return bond_padding(self._experts.network, self._experts.pad_bonds)
+
+    @property
+    def labels(self) -> list[tuple[str, ...]]:
+        """Each core's labels."""
+        return list(self._experts.network.cores.values())
 
     def padded(self) -> list[torch.Tensor]:
         """The cores with their large bonds padded (the cores themselves when none is)."""
         if self._padded is None:
-            self._padded = pad_cores(self.unpadded, self.labels, self.padding) if self.padding else self.unpadded
+            if self.prepared is not None:
+                self._padded = self.prepared.padded()
+            else:
+                padding = self.padding
+                self._padded = pad_cores(self.unpadded, self.labels, padding) if padding else self.unpadded
         return self._padded
 
 

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import any_network
 
+import mumoe_tn.layers.experts as experts_module
 from mumoe_tn import MuMoE
 from mumoe_tn.contractions import plan_forward, run_plan
 from mumoe_tn.contractions.padding import MIN_PADDED_SIZE, PAD_MULTIPLE, bond_padding, pad_cores
@@ -131,13 +132,13 @@ def test_inference_constants_come_from_the_unpadded_cores(monkeypatch):
     layer = MuMoE(4, 5, (2, 2), "tucker", [2, 2, 2, 260], dtype=DTYPE).eval()
     assert bond_padding(layer.network, 16)  # one bond of 260 → 272
     seen = []
-    real_run_plan = run_plan
+    real = experts_module.PreparedPlan
 
-    def spy(plan, operands, **kwargs):
-        seen.append((kwargs.get("constants"), [tuple(t.shape) for t in operands[: len(layer.network.cores)]]))
-        return real_run_plan(plan, operands, **kwargs)
+    def spy(plan, cores, constants=None, **kwargs):
+        seen.append((constants, [tuple(t.shape) for t in cores]))
+        return real(plan, cores, constants, **kwargs)
 
-    monkeypatch.setattr("mumoe_tn.layers.experts.run_plan", spy)
+    monkeypatch.setattr(experts_module, "PreparedPlan", spy)
     x = torch.randn(3, 4, dtype=DTYPE)
     with torch.no_grad():
         cached = layer(x)
@@ -146,6 +147,7 @@ def test_inference_constants_come_from_the_unpadded_cores(monkeypatch):
         assert shapes == list(layer.network.core_shapes.values())  # …with the cores as they are
         layer.experts.precontract = False
         every_call = layer(x)
+        assert 272 in {size for shape in seen[-1][1] for size in shape}  # without them the cores are padded
         layer.experts.pad_bonds = None
         plain = layer(x)
     torch.testing.assert_close(cached, plain)

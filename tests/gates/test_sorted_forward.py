@@ -74,3 +74,16 @@ def test_public_maps_take_the_sorted_path_without_gradients_along_any_dim(name, 
     with torch.no_grad():
         PUBLIC[name](torch.randn(SORTED_ROWS + 1, 5))  # more rows: the batched search
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+@pytest.mark.parametrize("width", [1, 2, 40, 64, 65, 256])
+@pytest.mark.parametrize("scale", [1e-3, 0.3, 1.0, 30.0])
+def test_one_row_walks_its_support_or_takes_the_vectorised_steps(name, width, scale):
+    # One row (a decoding step): the support is walked entry by entry up to SCALAR_SUPPORT entries.
+    gen = torch.Generator().manual_seed(width)
+    for dtype in (torch.float32, torch.float64):
+        x = (torch.randn(1, width, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        torch.testing.assert_close(sorted_forward(x, name), REFERENCES[name](x, dim=-1))
+    tied = torch.zeros(1, width)  # a zero-initialised gate: every entry in the support
+    torch.testing.assert_close(sorted_forward(tied, name), torch.full((1, width), 1 / width))
