@@ -324,13 +324,16 @@ def update_inference_docs(store: dict, device: str, image: str, page: Path) -> b
     if start not in text or end not in text:
         return False
     names = [name for name in ("inference", "latency", "generation") if name in store["sections"]]
-    commands = sorted({store["sections"][name].get("command", "") for name in names})
-    body = [
-        start,
-        "",
-        " or ".join(f"`{command}`" for command in commands) + " regenerated this block and the plot.",
-        "",
-    ]
+    body = [start, ""]
+    for name in names:
+        section = store["sections"][name]
+        info = section["machine"]
+        body.append(
+            f"*Measured on {info['processor']} ({info['device']}, {info['threads']} threads, load average "
+            f"{info.get('load average', '?')}; a machine shared with other jobs), {info['date']}, with "
+            f"`{section.get('command', '')}`: {section['title'].split(':')[0].lower()}.*"
+        )
+        body.append("")
     targets = [t for name in names for t in store["sections"][name]["targets"]]
     if targets:
         body += [PAIRED_NOTE, "", *targets_header("target")]

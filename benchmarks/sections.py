@@ -33,12 +33,14 @@ class Sizes:
     prompt: int = 16  # prompt tokens of the generation benchmark
     new_tokens: int = 32  # tokens generated
     generate_batches: tuple[int, ...] = (1, 8)
+    decode_reps: int = 30  # samples per case and round of the inference section
 
 
 FULL = Sizes(768, 8, 512, 256, (32, 32, 32, 32), 16, 128, 64, 64, 32, 64, rank_multiple=16)
 QUICK = Sizes(
     32, 2, 16, 16, (4, 4, 4), 4, 16, 16, 8, 2, 16, peer_heads=2, peer_topk=4,
-    decode_tokens=(1, 8), sweep_tokens=16, gpt2=(2, 2, 64, 64), prompt=4, new_tokens=4, generate_batches=(1, 2),
+    decode_tokens=(1, 8), sweep_tokens=16, gpt2=(2, 2, 64, 64), prompt=4, new_tokens=4,
+    generate_batches=(1, 2), decode_reps=10,
 )  # fmt: skip
 
 
@@ -440,7 +442,7 @@ def inference_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
         cases[0].label,
         tuple(cases),
         memory=False,
-        reps=10 if s is QUICK else 30,  # calls of a fraction of a millisecond: many samples per round
+        reps=s.decode_reps,  # calls of a fraction of a millisecond: many samples per round
         targets=tuple(targets),
         pairs=tuple(pairs),
         reference_text="nn.Linear (layers), the dense MLP (blocks) at the same tokens and threads, or the "
