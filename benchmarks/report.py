@@ -313,6 +313,10 @@ def plot_latency(store: dict, path: Path) -> Path | None:
     return path
 
 
+#: Sections shown in the inference block of the results page rather than the benchmarks block.
+INFERENCE = ("inference", "latency", "generation")
+
+
 def update_inference_docs(store: dict, device: str, image: str, page: Path) -> bool:
     """Replace the marked inference block of the results page; False when its markers are missing.
 
@@ -323,7 +327,7 @@ def update_inference_docs(store: dict, device: str, image: str, page: Path) -> b
     text = page.read_text()
     if start not in text or end not in text:
         return False
-    names = [name for name in ("inference", "latency", "generation") if name in store["sections"]]
+    names = [name for name in INFERENCE if name in store["sections"]]
     body = [start, ""]
     for name in names:
         section = store["sections"][name]
@@ -365,7 +369,8 @@ def update_docs(store: dict, order: tuple[str, ...], device: str, image: str, co
     text = page.read_text()
     if start not in text or end not in text:
         return False
-    sections = [store["sections"][name] for name in order if name in store["sections"]]
+    # The inference sections have their own block (update_inference_docs).
+    sections = [store["sections"][name] for name in order if name in store["sections"] and name not in INFERENCE]
     body = [start, "", f"`{command}` regenerates this block, `benchmarks/results-{device}.md` and the plot.", ""]
     body += ["*" + _measured(sections) + "*", ""] if sections else []
     summary = [t for section in sections for t in section["targets"]]
