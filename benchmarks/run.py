@@ -5,6 +5,7 @@ Run from the repository root::
     python -m benchmarks.run                    # everything; writes benchmarks/results-cpu.md (-gpu on CUDA)
     python -m benchmarks.run --quick            # tiny sizes, a smoke run (writes to a temporary folder)
     python -m benchmarks.run --only params experts
+    python -m benchmarks.run --only inference latency generation   # eval-mode inference and generation
     python -m benchmarks.run --optimize optimal # the path optimizer handed to every μMoE (optimize=)
 
 Each row prints as soon as it is measured and each finished section is saved at once, so an
