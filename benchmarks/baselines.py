@@ -13,6 +13,10 @@ authors' READMEs show; a peer that is not installed is reported, not faked.
 - The paper's appendix "Fast μMoE implementations" (CP and TR, one and two expert modes),
   transcribed with ``torch.einsum`` (the paper's ``einops.einsum`` calls it) over the very
   cores of a :class:`~mumoe_tn.layers.experts.FactorizedExperts`.
+- :class:`DenseMoE`: a soft mixture whose every expert (a narrow MLP) runs on every token, the
+  outputs weighted by a softmax gate: the dense-MoE baseline of the latency sweep.
+- :class:`Generation`: greedy ``generate`` of a small local GPT-2 (``transformers``), dense or
+  converted to μMoE blocks with ``mumoe_tn.convert``.
 """
 
 from __future__ import annotations
@@ -48,8 +52,11 @@ class Case:
     batch, seq : int
         Inputs are ``(batch, seq, width)`` tokens (``batch·seq`` tokens in all).
     inputs : str
-        ``"tokens"`` (one input of ``in_features``) or ``"contraction"`` (an input with the
-        bias column and one coefficient tensor per expert mode).
+        ``"tokens"`` (one input of ``in_features``), ``"contraction"`` (an input with the
+        bias column and one coefficient tensor per expert mode) or ``"prompt"`` (token ids of
+        ``vocab_size``).
+    threads : int, optional
+        CPU threads this case is timed with (default: the run's ``--threads``).
     """
 
     label: str
@@ -58,6 +65,7 @@ class Case:
     batch: int = 8
     seq: int = 512
     inputs: str = "tokens"
+    threads: int | None = None
 
     def to_json(self) -> dict:
         """The case as a JSON-ready dict."""
@@ -69,11 +77,17 @@ class Case:
         return cls(**data)
 
 
+#: Optional packages of the library's own cases: model → (module, registry package).
+OPTIONAL = {"generation": ("transformers", "transformers")}
+
+
 def missing_package(case: Case) -> str | None:
     """The registry package a case needs and that is not installed, else None."""
-    module = PEER_MODULES.get(case.model)
+    module, package = PEER_MODULES.get(case.model), PEER_PACKAGES.get(case.model)
+    if case.model in OPTIONAL:
+        module, package = OPTIONAL[case.model]
     if module is not None and importlib.util.find_spec(module) is None:
-        return PEER_PACKAGES[case.model]
+        return package
     return None
 
 
@@ -187,6 +201,70 @@ class HandwrittenLayer(nn.Module):
         return self.formula(self.layer.experts, z, list(coefficients))
 
 
+class DenseMoE(nn.Module):
+    """A soft mixture of narrow MLP experts, all evaluated on every token.
+
+    ``num_experts`` experts ``in_features → hidden_features / num_experts → in_features`` hold
+    the dense MLP's parameters (plus a ``in_features × num_experts`` gate), and every token
+    passes all of them: the MLP's multiply-adds, each expert's hidden units scaled by its
+    softmax gate weight before the down projection.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, num_experts: int) -> None:
+        super().__init__()
+        if hidden_features % num_experts:
+            raise ValueError(f"hidden_features={hidden_features} must divide into num_experts={num_experts}")
+        self.num_experts = num_experts
+        self.gate = nn.Linear(in_features, num_experts)
+        self.up = nn.Linear(in_features, hidden_features)  # the experts' up projections side by side
+        self.down = nn.Linear(hidden_features, in_features)  # and their down projections, summed
+        self.activation = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.gate(x), dim=-1)  # (..., experts)
+        hidden = self.activation(self.up(x)).unflatten(-1, (self.num_experts, -1))
+        return self.down((hidden * weights.unsqueeze(-1)).flatten(-2))
+
+
+class Generation(nn.Module):
+    """Greedy, KV-cached ``generate`` of a small local GPT-2, dense or converted to μMoE blocks.
+
+    The model is built from a ``GPT2Config`` (nothing is downloaded), dropout off, in eval mode.
+    With ``convert`` (keyword arguments of :func:`mumoe_tn.convert`) its MLP blocks are replaced
+    first. ``forward(prompt)`` generates exactly ``new_tokens`` tokens (no end-of-sequence token).
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: int,
+        width: int,
+        heads: int,
+        vocab_size: int,
+        positions: int,
+        new_tokens: int,
+        convert: dict | None = None,
+    ) -> None:
+        super().__init__()
+        import transformers
+
+        import mumoe_tn
+
+        config = transformers.GPT2Config(
+            n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab_size, n_positions=positions,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel(config).eval()
+        if convert is not None:
+            mumoe_tn.convert(self.model, **convert)
+        self.vocab_size, self.new_tokens = vocab_size, new_tokens
+        self.settings = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+        self.settings |= {"use_cache": True, "pad_token_id": 0}
+
+    def forward(self, prompt: torch.Tensor) -> torch.Tensor:
+        return self.model.generate(prompt, attention_mask=torch.ones_like(prompt), **self.settings)
+
+
 def _peer(**options: Any) -> nn.Module:
     from PEER_pytorch import PEER
 
@@ -223,6 +301,8 @@ BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "peer": _peer,
     "soft_moe": _soft_moe,
     "st_moe": TopKMoE,
+    "dense_moe": DenseMoE,
+    "generation": Generation,
 }
 
 
@@ -259,6 +339,9 @@ def make_inputs(case: Case, module: nn.Module, device: torch.device | str = "cpu
             for n in net.expert_dims
         ]
         return [z, *coefficients], (z, coefficients)
+    if case.inputs == "prompt":
+        prompt = torch.randint(1, module.vocab_size, lead, generator=generator).to(device)
+        return [], (prompt,)
     raise ValueError(f"unknown inputs {case.inputs!r}")
 
 

@@ -42,14 +42,20 @@ class Runner:
     """A built case: its forward+backward (train mode) and its forward (eval, no grad).
 
     Every input requires grad, so each layer computes its input gradient as it would inside a
-    network. Gradients are set to None before each timed step (as ``zero_grad`` does).
+    network. Gradients are set to None before each timed step (as ``zero_grad`` does). With
+    ``train=False`` only the forward is timed, and no input requires grad. A case that names
+    its ``threads`` is timed with that many CPU threads.
     """
 
-    def __init__(self, case: Case, device: torch.device) -> None:
+    def __init__(self, case: Case, device: torch.device, *, train: bool = True) -> None:
         self.case, self.device = case, device
         self.module = build_module(case, device)
         self.leaves, self.args = make_inputs(case, self.module, device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        if not train:
+            for leaf in self.leaves:
+                leaf.requires_grad_(False)
+            return
         generator = torch.Generator().manual_seed(2)
         self.module.train()
         with torch.no_grad():
@@ -74,6 +80,8 @@ class Runner:
         self.module.train(train)
         if train:
             self._clear()
+        if self.case.threads is not None and torch.get_num_threads() != self.case.threads:
+            torch.set_num_threads(self.case.threads)
         synchronize(self.device)
         start = time.perf_counter()
         step()
@@ -89,9 +97,9 @@ class Timing:
     infer: list[float] = field(default_factory=list)
 
     @property
-    def train_s(self) -> float:
-        """Median forward+backward seconds."""
-        return statistics.median(self.train)
+    def train_s(self) -> float | None:
+        """Median forward+backward seconds (None when only the forward was timed)."""
+        return statistics.median(self.train) if self.train else None
 
     @property
     def infer_s(self) -> float:
@@ -104,25 +112,29 @@ def alternate(
     *,
     rounds: int,
     reps: int,
+    train: bool = True,
     tick: Callable[[], None] = lambda: None,
     done: Callable[[str, Timing], None] = lambda label, timing: None,
 ) -> dict[str, Timing]:
     """Time every runner in rounds A, B, C, A, B, C, … and keep all samples.
 
     Each round runs every case ``reps`` times forward+backward and ``reps`` times forward, after
-    one untimed warm-up of each in the first round. A case's median is then taken over its samples
-    from all rounds, so slow phases of a shared machine hit every case alike. ``tick`` is called
-    after each case's turn in a round, ``done(label, timing)`` after a case's last round.
+    one untimed warm-up of each in the first round (forward only with ``train=False``). A case's
+    median is then taken over its samples from all rounds, so slow phases of a shared machine hit
+    every case alike. ``tick`` is called after each case's turn in a round, ``done(label, timing)``
+    after a case's last round.
     """
     timings = {label: Timing() for label in runners}
     for round_ in range(rounds):
         for label, runner in runners.items():
             if round_ == 0:
-                runner.time(runner.train_step, train=True)
+                if train:
+                    runner.time(runner.train_step, train=True)
                 runner.time(runner.infer_step, train=False)
             timing = timings[label]
             for _ in range(reps):
-                timing.train.append(runner.time(runner.train_step, train=True))
+                if train:
+                    timing.train.append(runner.time(runner.train_step, train=True))
                 timing.infer.append(runner.time(runner.infer_step, train=False))
             tick()
             if round_ == rounds - 1:

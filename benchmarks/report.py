@@ -143,12 +143,15 @@ def section_markdown(section: dict, level: str = "##") -> list[str]:
         + f"); torch {info['torch']}, mumoe_tn {info['mumoe_tn']}, path optimizer {section['optimize']}; "
         + f"median of {section['samples']} alternating samples per case; `{section.get('command', '')}`.*"
     )
-    header = "| case | params | fwd+bwd (ms) | × | fwd (ms) | × | peak fwd+bwd (MiB) | × | RSS peak (MiB) | × | note |"
-    lines += ["", header]
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    # Only the columns something was measured in (a forward-only section has no fwd+bwd or memory).
+    shown = [entry for entry in METRICS if any(row.get(entry[0]) is not None for row in section["rows"])] or METRICS
+    titles = {"train_s": "fwd+bwd (ms)", "infer_s": "fwd (ms)", "peak_bytes": "peak fwd+bwd (MiB)"}
+    titles["rss_bytes"] = "RSS peak (MiB)"
+    header = "| case | params | " + " | ".join(f"{titles[metric]} | ×" for metric, _, _ in shown) + " | note |"
+    lines += ["", header, "|---|---:|" + "---:|---:|" * len(shown) + "---|"]
     for row in section["rows"]:
         cells = [row["label"], f"{row['params']:,}" if row.get("params") is not None else ""]
-        for metric, _, scale in METRICS:
+        for metric, _, scale in shown:
             cells += [fmt_value(row, metric, scale), fmt_ratio(row.get("ratios", {}).get(metric))]
         cells.append(row.get("note", ""))
         lines.append("| " + " | ".join(cells) + " |")
@@ -252,6 +255,105 @@ def plot(store: dict, path: Path) -> Path | None:
     return path
 
 
+def latency_series(section: dict) -> dict[str, list[tuple[int, float, float | None]]]:
+    """The latency sweep's rows by model: ``(tokens, fwd seconds, ratio to its reference)``, by tokens.
+
+    A row's model is its label before the last ``", "`` (the labels end in ``", N tokens"``).
+    """
+    series: dict[str, list[tuple[int, float, float | None]]] = {}
+    for row in section["rows"]:
+        if row.get("infer_s") is None or row.get("tokens") is None:
+            continue
+        name = row["label"].rsplit(", ", 1)[0]
+        series.setdefault(name, []).append((row["tokens"], row["infer_s"], row.get("ratios", {}).get("infer_s")))
+    return {name: sorted(points) for name, points in series.items()}
+
+
+def plot_latency(store: dict, path: Path) -> Path | None:
+    """Log-log latency against tokens per call, and each μMoE / MoE's ratio to its dense counterpart."""
+    if "latency" not in store["sections"]:
+        return None
+    section = store["sections"]["latency"]
+    series = latency_series(section)
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    references = {row["reference"] for row in section["rows"]}
+    for name, points in series.items():
+        tokens = [point[0] for point in points]
+        dense = any(row["label"] in references and row["label"].startswith(name) for row in section["rows"])
+        style = "--" if dense else "-"
+        left.plot(tokens, [point[1] * 1e3 for point in points], style, marker="o", markersize=3, label=name)
+        if not dense:
+            right.plot(tokens, [point[2] or float("nan") for point in points], marker="o", markersize=3, label=name)
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("tokens per call")
+    left.set_ylabel("forward time (ms, log scale)")
+    left.set_title("Latency (eval, no grad)", fontsize=10)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.axhline(1.0, color="grey", linewidth=1)
+    right.set_xlabel("tokens per call")
+    right.set_ylabel("ratio to nn.Linear (layer) / dense MLP (blocks), log")
+    right.set_title("Ratio to the dense counterpart", fontsize=10)
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    info = section["machine"]
+    figure.suptitle(f"{info['processor']}, {info['threads']} threads, {info['date']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+#: Sections shown in the inference block of the results page rather than the benchmarks block.
+INFERENCE = ("inference", "latency", "generation")
+
+
+def update_inference_docs(store: dict, device: str, image: str, page: Path) -> bool:
+    """Replace the marked inference block of the results page; False when its markers are missing.
+
+    The block holds the targets and tables of the inference, latency and generation sections
+    measured so far, and the latency plot.
+    """
+    start, end = f"<!-- inference-{device}:start -->", f"<!-- inference-{device}:end -->"
+    text = page.read_text()
+    if start not in text or end not in text:
+        return False
+    names = [name for name in INFERENCE if name in store["sections"]]
+    body = [start, ""]
+    for name in names:
+        section = store["sections"][name]
+        info = section["machine"]
+        body.append(
+            f"*Measured on {info['processor']} ({info['device']}, {info['threads']} threads, load average "
+            f"{info.get('load average', '?')}; a machine shared with other jobs), {info['date']}, with "
+            f"`{section.get('command', '')}`: {section['title'].split(':')[0].lower()}.*"
+        )
+        body.append("")
+    targets = [t for name in names for t in store["sections"][name]["targets"]]
+    if targets:
+        body += [PAIRED_NOTE, "", *targets_header("target")]
+        body += [target_line(target) for target in targets]
+        body.append("")
+    if "latency" in store["sections"]:
+        body += [f"![inference latency against tokens per call]({image})", ""]
+    for name in names:
+        body += section_markdown(store["sections"][name], level="###")
+    body.append(end)
+    before, rest = text.split(start, 1)
+    after = rest.split(end, 1)[1]
+    page.write_text(before + "\n".join(body) + after)
+    return True
+
+
 def _short(count: int | None) -> str:
     if count is None:
         return "?"
@@ -267,7 +369,8 @@ def update_docs(store: dict, order: tuple[str, ...], device: str, image: str, co
     text = page.read_text()
     if start not in text or end not in text:
         return False
-    sections = [store["sections"][name] for name in order if name in store["sections"]]
+    # The inference sections have their own block (update_inference_docs).
+    sections = [store["sections"][name] for name in order if name in store["sections"] and name not in INFERENCE]
     body = [start, "", f"`{command}` regenerates this block, `benchmarks/results-{device}.md` and the plot.", ""]
     body += ["*" + _measured(sections) + "*", ""] if sections else []
     summary = [t for section in sections for t in section["targets"]]

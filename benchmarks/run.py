@@ -5,6 +5,7 @@ Run from the repository root::
     python -m benchmarks.run                    # everything; writes benchmarks/results-cpu.md (-gpu on CUDA)
     python -m benchmarks.run --quick            # tiny sizes, a smoke run (writes to a temporary folder)
     python -m benchmarks.run --only params experts
+    python -m benchmarks.run --only inference latency generation   # eval-mode inference and generation
     python -m benchmarks.run --optimize optimal # the path optimizer handed to every μMoE (optimize=)
 
 Each row prints as soon as it is measured and each finished section is saved at once, so an
@@ -51,7 +52,7 @@ def _gib(params: int) -> str:
 
 def _row_line(row: dict) -> str:
     parts = [f"  {row['label']:<52}", f"{row['params']:>14,}" if row.get("params") is not None else " " * 14]
-    if row.get("train_s") is None:
+    if row.get("train_s") is None and row.get("infer_s") is None:
         return "".join(parts) + f"  {row.get('note', '')}"
     for metric, name, scale in report.METRICS:
         value = report.fmt_value(row, metric, scale)
@@ -69,6 +70,7 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
     runnable: list[Case] = []
     for case in section.cases:
         row = {"label": case.label, "reference": section.reference_of(case.label), "note": "", "params": None}
+        row["tokens"] = case.batch * case.seq
         rows[case.label] = row
         package = missing_package(case)
         if package is not None:
@@ -111,7 +113,7 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
     for case in runnable:
         progress.set_postfix_str(f"building: {case.label}")
         try:
-            runners[case.label] = Runner(case, device)
+            runners[case.label] = Runner(case, device, train=section.train)
         except Exception as error:  # a peer that fails at this size is reported, not hidden
             rows[case.label]["note"] = f"failed: {type(error).__name__}: {error}"[:160]
             tqdm.write(_row_line(rows[case.label]))
@@ -131,7 +133,8 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
         progress.update()
 
     progress.set_postfix_str("timing")
-    alternate(runners, rounds=args.rounds, reps=section.reps, tick=tick, done=done)
+    alternate(runners, rounds=args.rounds, reps=section.reps, train=section.train, tick=tick, done=done)
+    torch.set_num_threads(threads)  # cases that name their threads leave the last one set
     progress.close()
     del runners
     gc.collect()
@@ -203,12 +206,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mumoe_tn benchmarks: rewriting {stem}.md from {stem}.json (nothing measured)")
     else:
         print(f"mumoe_tn benchmarks on {device} ({info['processor']}, {args.threads} threads); writing {stem}.md")
-    for section in [] if args.report_only else make_sections(args.only, sizes, extra, int(args.memory_limit * 2**30)):
+    chosen = (
+        [] if args.report_only else make_sections(args.only, sizes, extra, int(args.memory_limit * 2**30), args.threads)
+    )
+    for section in chosen:
         store["sections"][section.name] = run_section(section, sizes, args, device, store)
         report.save(stem.with_suffix(".json"), store)
         stem.with_suffix(".md").write_text(report.markdown(store, SECTIONS, COMMAND))
     stem.with_suffix(".md").write_text(report.markdown(store, SECTIONS, COMMAND))
     image = report.plot(store, stem.with_suffix(".png"))
+    latency = report.plot_latency(store, out / f"inference-latency-{kind}.png")
+    if latency is not None and not args.quick and not args.no_docs:
+        docs_latency = report.DOCS_PAGE.parent / "img" / latency.name
+        shutil.copyfile(latency, docs_latency)
+        if report.update_inference_docs(store, kind, f"img/{docs_latency.name}", report.DOCS_PAGE):
+            print(f"updated the inference block of {report.DOCS_PAGE}")
     if image is not None and not args.quick and not args.no_docs:
         docs_image = report.DOCS_PAGE.parent / "img" / f"benchmarks-{kind}.png"
         shutil.copyfile(image, docs_image)
@@ -224,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             spread = target.get("spread")
             paired = "" if spread is None else f" (paired quartiles {spread[0]:.2f}–{spread[1]:.2f}×)"
             print(f"  {target['name']:<72} {shown:>8} (limit {target['limit']}×) {verdict}{paired}")
-    print(f"\nwrote {stem}.md, {stem}.json" + (f", {image}" if image else ""))
+    print(f"\nwrote {stem}.md, {stem}.json" + "".join(f", {path}" for path in (image, latency) if path))
     return 0
 
 

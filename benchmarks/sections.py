@@ -27,10 +27,21 @@ class Sizes:
     peer_heads: int = 8
     peer_topk: int = 16
     rank_multiple: int = 1  # matched μMoE ranks are multiples of this (the small blocks always match exactly)
+    decode_tokens: tuple[int, ...] = (1, 8, 64)  # tokens per call of the inference section (decoding batches)
+    sweep_tokens: int = 4096  # the latency sweep runs 1, 2, 4, … up to this many tokens
+    gpt2: tuple[int, int, int, int] = (4, 12, 2048, 256)  # generation model: layers, heads, vocabulary, positions
+    prompt: int = 16  # prompt tokens of the generation benchmark
+    new_tokens: int = 32  # tokens generated
+    generate_batches: tuple[int, ...] = (1, 8)
+    decode_reps: int = 30  # samples per case and round of the inference section
 
 
 FULL = Sizes(768, 8, 512, 256, (32, 32, 32, 32), 16, 128, 64, 64, 32, 64, rank_multiple=16)
-QUICK = Sizes(32, 2, 16, 16, (4, 4, 4), 4, 16, 16, 8, 2, 16, peer_heads=2, peer_topk=4)
+QUICK = Sizes(
+    32, 2, 16, 16, (4, 4, 4), 4, 16, 16, 8, 2, 16, peer_heads=2, peer_topk=4,
+    decode_tokens=(1, 8), sweep_tokens=16, gpt2=(2, 2, 64, 64), prompt=4, new_tokens=4,
+    generate_batches=(1, 2), decode_reps=10,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,7 @@ class Section:
     borrowed: tuple[tuple[str, str], ...] = ()  # (row label, section measuring the same configuration)
     order: tuple[str, ...] = ()  # row order of the table when not cases, not_run, borrowed
     reference_text: str = ""  # what the × column divides by, when not the reference row alone
+    train: bool = True  # time fwd+bwd too; False: only the forward (eval, no grad, inputs without grad)
 
     def labels(self) -> list[str]:
         """Row labels in table order."""
@@ -338,45 +350,194 @@ def _per_call_fma(options: dict, tokens: int) -> tuple[int, int]:
     return plan_forward(network, tokens, "auto").fma, per_call_fma(plan, constant)
 
 
-def inference_section(s: Sizes, extra: dict) -> Section:
-    """Eval-mode pre-contraction of the parameter-only sub-networks, on and off."""
-    i, o = s.width, 4 * s.width
+def _threads(count: int) -> str:
+    return f"{count} thread" + ("s" if count > 1 else "")
+
+
+def inference_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
+    """Eval-mode forward at decoding batches, 1 thread and the run's threads, and Tucker pre-contraction."""
+    i, o, d = s.width, 4 * s.width, s.width
+    n = 1
+    for size in s.hierarchy:
+        n *= size
+    layer = {"in_features": i, "out_features": o, "expert_dims": s.experts, "decomposition": "cp"}
+    layer |= {"match": "linear", **extra}
+    cases, pairs, targets = [], [], []
+    for count in sorted({1, threads}):  # all cases of one thread count together: one switch per round
+        at = _threads(count)
+        for tokens in s.decode_tokens:
+            tag = f"B={tokens}, {at}"
+            linear = Case(
+                f"nn.Linear, {tag}", "linear", {"in_features": i, "out_features": o}, tokens, 1, threads=count
+            )
+            cp_layer = Case(f"CP layer, {tag}", "mumoe", layer, tokens, 1, threads=count)
+            mlp = Case(
+                f"dense MLP, {tag}", "mlp", {"in_features": d, "hidden_features": 4 * d}, tokens, 1, threads=count
+            )
+            blocks = {}
+            for name in ("cp", "tr", "tt"):
+                options = {"in_features": d, "hidden_features": 4 * d, "out_features": d, "expert_dims": s.experts}
+                options |= {"decomposition": name, "match": "mlp", **extra}
+                blocks[name] = Case(f"{name.upper()} block, {tag}", "mumoe_mlp", options, tokens, 1, threads=count)
+            group = [linear, cp_layer, mlp, *blocks.values()]
+            if tokens == 1:
+                options = {"in_features": d, "hidden_features": 4 * d, "out_features": d}
+                options |= {"expert_dims": list(s.hierarchy), "decomposition": "cp", "match": "mlp", **extra}
+                label = f"CP block {_dims(s.hierarchy)} = {n:,} experts, {tag}"
+                group.append(Case(label, "mumoe_mlp", options, tokens, 1, threads=count))
+                targets.append(Target(f"{label} ÷ dense MLP", label, mlp.label, "infer_s", 1.5))
+            cases += group
+            pairs += [(linear.label, linear.label), (cp_layer.label, linear.label), (mlp.label, mlp.label)]
+            pairs += [(case.label, mlp.label) for case in group[3:]]
+            targets.append(
+                Target(
+                    f"CP layer ÷ nn.Linear, {tag}",
+                    cp_layer.label,
+                    linear.label,
+                    "infer_s",
+                    1.3 if tokens == 1 else 1.15,
+                )
+            )
+            if tokens in (1, max(s.decode_tokens)):
+                limit = 1.3 if tokens == 1 else 1.15
+                for name, block in blocks.items():
+                    targets.append(
+                        Target(f"{name.upper()} block ÷ dense MLP, {tag}", block.label, mlp.label, "infer_s", limit)
+                    )
+                for name in ("tr", "tt"):
+                    name_ = f"{name.upper()} block's ratio ÷ CP block's ratio, {tag} (= {name.upper()} ÷ CP)"
+                    targets.append(Target(name_, blocks[name].label, blocks["cp"].label, "infer_s", 1.2))
+    # Pre-contraction of a Tucker layer's parameter-only sub-network, on and off (the run's threads).
     root = round(s.experts**0.5)
-    options = {"in_features": i, "out_features": o, "expert_dims": [root, root], "decomposition": "tucker"}
-    options |= {"match": "linear", **extra}
-    cases, pairs, counts = [], [], []
+    tucker = {"in_features": i, "out_features": o, "expert_dims": [root, root], "decomposition": "tucker"}
+    tucker |= {"match": "linear", **extra}
+    counts = []
     for batch, seq in ((s.batch, 1), (s.batch, s.seq // 8)):
         tokens = f"{batch * seq:,} tokens"
-        linear = Case(f"nn.Linear, {tokens}", "linear", {"in_features": i, "out_features": o}, batch, seq)
+        linear = Case(
+            f"nn.Linear, {tokens}", "linear", {"in_features": i, "out_features": o}, batch, seq, threads=threads
+        )
         label = f"Tucker μMoE {root}×{root}, {tokens}"
-        plain = Case(f"{label}, contracted every call", "mumoe", {**options, "precontract": False}, batch, seq)
-        cached = Case(f"{label}, pre-contracted", "mumoe", options, batch, seq)
+        plain = Case(
+            f"{label}, contracted every call", "mumoe", {**tucker, "precontract": False}, batch, seq, threads=threads
+        )
+        cached = Case(f"{label}, pre-contracted", "mumoe", tucker, batch, seq, threads=threads)
         cases += [linear, plain, cached]
         pairs += [(linear.label, linear.label), (plain.label, linear.label), (cached.label, plain.label)]
-        every, once = _per_call_fma(options, batch * seq)
+        every, once = _per_call_fma(tucker, batch * seq)
         counts.append(f"{tokens}: {every:,} → {once:,} FMAs per call")
     return Section(
         "inference",
-        "Inference: pre-contracting parameter-only sub-networks",
-        f"Eval mode without gradients (the fwd column; fwd+bwd is training, where nothing is cached). A Tucker "
-        f"μMoE {i} → {o} with {root}×{root} experts, parameter-matched to nn.Linear: `plan_inference` contracts "
-        "the core with factor matrices once, keeps the result until the parameters change, and each call then "
-        f"does less work ({'; '.join(counts)}). Ratios: the layer contracted every call ÷ nn.Linear at the "
-        "same tokens, the pre-contracted layer ÷ the layer contracted every call.",
+        "Inference: eval mode at decoding batches, and pre-contraction",
+        f"Eval mode, `torch.no_grad()`, inputs without grad, B tokens per call (B = "
+        f"{', '.join(map(str, s.decode_tokens))}), timed with 1 thread and with {_threads(threads)} (the run's "
+        f'`--threads`), all cases alternating in one run. CP layer: `MuMoE({i}, {o}, {s.experts}, "cp", '
+        f'match="linear")` ÷ `nn.Linear({i}, {o})`. Blocks: `MuMoEMLP({d}, {4 * d}, {d}, {s.experts}, fmt, '
+        f'match="mlp")` (CP, TR, TT) and the {_dims(s.hierarchy)} = {n:,}-expert CP block ÷ the dense MLP '
+        f"{d} → {4 * d} → {d} (GELU). Constructed as users write them: no `rank_multiple` (the library "
+        'lays out odd ranks itself). "TR/TT ÷ CP" targets divide the TR or TT block\'s ratio by the CP '
+        "block's: the dense MLP cancels, so they are the two blocks' times divided. Last rows: a Tucker "
+        f"μMoE {root}×{root} layer whose core-only sub-network `plan_inference` contracts once and keeps "
+        f"until the parameters change ({'; '.join(counts)}), ÷ the same layer contracted every call.",
         cases[0].label,
         tuple(cases),
         memory=False,
-        reps=5,
+        reps=s.decode_reps,  # calls of a fraction of a millisecond: many samples per round
+        targets=tuple(targets),
         pairs=tuple(pairs),
-        reference_text="nn.Linear (contracted every call) or the layer contracted every call (pre-contracted)",
+        reference_text="nn.Linear (layers), the dense MLP (blocks) at the same tokens and threads, or the "
+        "Tucker layer contracted every call (pre-contracted)",
+        train=False,
     )
 
 
-SECTIONS = ("layer", "handwritten", "params", "experts", "small", "autotune", "inference")
+def latency_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
+    """Eval-mode latency against tokens per call: μMoE layer and block against dense ones."""
+    i, o, d = s.width, 4 * s.width, s.width
+    layer = {"in_features": i, "out_features": o, "expert_dims": s.experts, "decomposition": "cp"}
+    layer |= {"match": "linear", **extra}
+    block = {"in_features": d, "hidden_features": 4 * d, "out_features": d, "expert_dims": s.experts}
+    block |= {"decomposition": "cp", "match": "mlp", **extra}
+    moe = {"in_features": d, "hidden_features": 4 * d, "num_experts": s.few}
+    cases, pairs = [], []
+    tokens = 1
+    while tokens <= s.sweep_tokens:
+        at = f"{tokens:,} token" + ("s" if tokens > 1 else "")
+        linear = Case(f"nn.Linear, {at}", "linear", {"in_features": i, "out_features": o}, tokens, 1, threads=threads)
+        mlp = Case(f"dense MLP, {at}", "mlp", {"in_features": d, "hidden_features": 4 * d}, tokens, 1, threads=threads)
+        group = [
+            linear,
+            Case(f"μMoE CP layer, {at}", "mumoe", layer, tokens, 1, threads=threads),
+            mlp,
+            Case(f"μMoE CP block, {at}", "mumoe_mlp", block, tokens, 1, threads=threads),
+            Case(f"dense MoE, {s.few} experts, {at}", "dense_moe", moe, tokens, 1, threads=threads),
+        ]
+        cases += group
+        pairs += [(linear.label, linear.label), (group[1].label, linear.label), (mlp.label, mlp.label)]
+        pairs += [(group[3].label, mlp.label), (group[4].label, mlp.label)]
+        tokens *= 2
+    return Section(
+        "latency",
+        "Inference latency against tokens per call",
+        f"Eval mode, `torch.no_grad()`, {_threads(threads)}, 1 to {s.sweep_tokens:,} tokens per call: the CP "
+        f'layer (`MuMoE({i}, {o}, {s.experts}, "cp", match="linear")`) against nn.Linear, the CP block '
+        f'(`MuMoEMLP({d}, {4 * d}, {d}, {s.experts}, "cp", match="mlp")`) and a dense MoE against the dense '
+        f"MLP. The dense MoE evaluates every expert on every token and weights their outputs by a softmax "
+        f"gate; a dense MoE of {s.experts} full-width experts would hold {s.experts}× the MLP's weights "
+        f"({s.experts * 8 * d * d * 4 / 2**30:.1f} GiB), so it has {s.few} experts of width {4 * d // s.few} at "
+        "the MLP's parameter count (plus its gate) and the MLP's multiply-adds.",
+        cases[0].label,
+        tuple(cases),
+        memory=False,
+        reps=3,
+        pairs=tuple(pairs),
+        reference_text="nn.Linear (layer) or the dense MLP (blocks) at the same tokens",
+        train=False,
+    )
 
 
-def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int) -> list[Section]:
-    """The selected sections, in report order."""
+def generation_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
+    """Greedy KV-cached generation: a small GPT-2 converted to μMoE blocks against the dense one."""
+    layers, heads, vocab, positions = s.gpt2
+    model = {"layers": layers, "width": s.width, "heads": heads, "vocab_size": vocab, "positions": positions}
+    model |= {"new_tokens": s.new_tokens}
+    convert = {"expert_dims": s.experts, "mlps": r"mlp$", **extra}
+    cases, pairs, targets = [], [], []
+    for batch in s.generate_batches:
+        at = f"batch {batch}"
+        dense = Case(f"dense GPT-2, {at}", "generation", model, batch, s.prompt, inputs="prompt", threads=threads)
+        mumoe = Case(f"μMoE GPT-2, {at}", "generation", {**model, "convert": convert}, batch, s.prompt,
+                     inputs="prompt", threads=threads)  # fmt: skip
+        cases += [dense, mumoe]
+        pairs += [(dense.label, dense.label), (mumoe.label, dense.label)]
+        name = f"μMoE GPT-2 ÷ dense GPT-2 generation time, {at} (tokens/s ≥ 0.8×)"
+        targets.append(Target(name, mumoe.label, dense.label, "infer_s", 1.25))
+    return Section(
+        "generation",
+        "Generation: a GPT-2 converted to μMoE blocks against the dense model",
+        f"`GPT2LMHeadModel` from a local `GPT2Config(n_embd={s.width}, n_layer={layers}, n_head={heads}, "
+        f"vocab_size={vocab}, n_positions={positions})` (random weights, nothing downloaded), eval mode; the "
+        f'μMoE model is the same after `mumoe_tn.convert(model, expert_dims={s.experts}, mlps=r"mlp$")` '
+        "(CP blocks parameter-matched to each MLP, token-wise gates as for every causal model). Each call "
+        f"is `generate` from a {s.prompt}-token prompt: greedy, KV cache on, exactly {s.new_tokens} new "
+        f"tokens, {_threads(threads)}. Tokens per second is the inverse of the time, so the target "
+        '"tokens/s ≥ 0.8× the dense model\'s" reads time ≤ 1.25×.',
+        cases[0].label,
+        tuple(cases),
+        memory=False,
+        reps=2,
+        targets=tuple(targets),
+        pairs=tuple(pairs),
+        reference_text="the dense GPT-2 at the same batch",
+        train=False,
+    )
+
+
+SECTIONS = ("layer", "handwritten", "params", "experts", "small", "autotune", "inference", "latency", "generation")
+
+
+def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int, threads: int = 2) -> list[Section]:
+    """The selected sections, in report order; ``threads`` is the run's thread count."""
     builders = {
         "layer": lambda: layer_section(sizes, extra),
         "handwritten": lambda: handwritten_section(sizes, extra),
@@ -384,6 +545,8 @@ def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int
         "experts": lambda: experts_section(sizes, extra, memory_limit),
         "small": lambda: small_section(sizes, extra),
         "autotune": lambda: autotune_section(sizes, extra),
-        "inference": lambda: inference_section(sizes, extra),
+        "inference": lambda: inference_section(sizes, extra, threads),
+        "latency": lambda: latency_section(sizes, extra, threads),
+        "generation": lambda: generation_section(sizes, extra, threads),
     }
     return [builders[name]() for name in SECTIONS if name in names]

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import report, run  # noqa: E402
 from benchmarks.baselines import Case, HandwrittenLayer, build_module, count_params, make_inputs  # noqa: E402
-from benchmarks.measure import MemoryProbe, Timing, alternate, live_peak_bytes_here  # noqa: E402
+from benchmarks.measure import MemoryProbe, Runner, Timing, alternate, live_peak_bytes_here  # noqa: E402
 from benchmarks.sections import FULL, SECTIONS, make_sections  # noqa: E402
 
 LAYER = {"in_features": 6, "out_features": 5, "rank": 3}
@@ -221,3 +221,139 @@ def test_samples_are_stored_in_the_order_taken(tmp_path, monkeypatch):
     # Later cases of a round take later ticks: every CP sample follows nn.Linear's of the same round.
     linear, cp = rows[0]["train_samples"], rows[1]["train_samples"]
     assert all(a < b for a, b in zip(linear, cp, strict=True))
+
+
+def test_dense_moe_weights_every_expert_by_its_gate():
+    """Against a loop over the experts, each a narrow MLP, weighted by the softmax gate."""
+    module = build_module(Case("m", "dense_moe", {"in_features": 6, "hidden_features": 12, "num_experts": 3}))
+    x = torch.randn(4, 6)
+    weights = torch.softmax(x @ module.gate.weight.T + module.gate.bias, -1)
+    expected = module.down.bias.expand(4, 6).clone()
+    for e, rows in enumerate(torch.arange(12).chunk(3)):
+        hidden = torch.nn.functional.gelu(x @ module.up.weight[rows].T + module.up.bias[rows])
+        expected += weights[:, e : e + 1] * (hidden @ module.down.weight[:, rows].T)
+    torch.testing.assert_close(module(x), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="num_experts=5"):
+        build_module(Case("m", "dense_moe", {"in_features": 6, "hidden_features": 12, "num_experts": 5}))
+
+
+def test_generation_case_generates_exactly_the_new_tokens_dense_and_converted():
+    pytest.importorskip("transformers")
+    from mumoe_tn.layers import MuMoEMLP
+
+    model = {"layers": 1, "width": 16, "heads": 2, "vocab_size": 40, "positions": 32, "new_tokens": 5}
+    for convert in (None, {"expert_dims": 4, "mlps": r"mlp$"}):
+        case = Case("g", "generation", {**model, "convert": convert}, 2, 3, inputs="prompt")
+        runner = Runner(case, torch.device("cpu"), train=False)
+        (prompt,) = runner.args
+        assert prompt.shape == (2, 3) and not prompt.dtype.is_floating_point
+        with torch.no_grad():
+            out = runner.module(prompt)
+        assert out.shape == (2, 8) and torch.equal(out[:, :3], prompt)
+        converted = [m for m in runner.module.modules() if isinstance(m, MuMoEMLP)]
+        assert len(converted) == (0 if convert is None else 1)
+    assert runner.time(runner.infer_step, train=False) > 0
+
+
+def test_a_case_is_timed_with_its_own_threads(monkeypatch):
+    seen = []
+    case = Case("l", "linear", {"in_features": 4, "out_features": 3}, 2, 1, threads=1)
+    runner = Runner(case, torch.device("cpu"), train=False)
+    assert not any(leaf.requires_grad for leaf in runner.leaves)  # forward-only: inputs need no grad
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        runner.time(lambda: seen.append(torch.get_num_threads()), train=False)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
+
+
+def test_inference_sections_build_the_requested_comparisons():
+    inference, latency, generation = make_sections(["inference", "latency", "generation"], FULL, {}, 4 << 30, 2)
+    assert all(not section.train and not section.memory for section in (inference, latency, generation))
+    by_label = {case.label: case for case in inference.cases}
+    layer = by_label["CP layer, B=1, 1 thread"]
+    assert layer.options == {"in_features": 768, "out_features": 3072, "expert_dims": 256, "decomposition": "cp",
+                             "match": "linear"}  # fmt: skip
+    assert inference.reference_of(layer.label) == "nn.Linear, B=1, 1 thread"
+    for fmt in ("CP", "TR", "TT"):
+        for tokens in (1, 8, 64):
+            for threads in ("1 thread", "2 threads"):
+                block = by_label[f"{fmt} block, B={tokens}, {threads}"]
+                assert block.options["decomposition"] == fmt.lower() and block.options["match"] == "mlp"
+                assert "rank_multiple" not in block.options and block.batch * block.seq == tokens
+                assert block.threads == (1 if threads == "1 thread" else 2)
+                assert inference.reference_of(block.label) == f"dense MLP, B={tokens}, {threads}"
+    hierarchical = by_label["CP block 32×32×32×32 = 1,048,576 experts, B=1, 1 thread"]
+    assert hierarchical.options["expert_dims"] == [32, 32, 32, 32]
+    # Thread counts are grouped (one switch per round), every target compares cases of one count.
+    counts = [case.threads for case in inference.cases]
+    assert counts == sorted(counts)
+    limits = {target.name: target.limit for target in inference.targets}
+    assert (
+        limits["CP layer ÷ nn.Linear, B=1, 1 thread"] == 1.3 and limits["CP layer ÷ nn.Linear, B=8, 2 threads"] == 1.15
+    )
+    assert limits["TR block's ratio ÷ CP block's ratio, B=64, 1 thread (= TR ÷ CP)"] == 1.2
+    for target in inference.targets:
+        assert by_label[target.numerator].threads == by_label[target.denominator].threads, target.name
+    sweep = sorted({case.batch * case.seq for case in latency.cases})
+    assert sweep == [2**k for k in range(13)]
+    assert {case.label.rsplit(", ", 1)[0] for case in latency.cases} == {
+        "nn.Linear", "μMoE CP layer", "dense MLP", "μMoE CP block", "dense MoE, 16 experts"}  # fmt: skip
+    moe = next(case for case in latency.cases if case.model == "dense_moe")
+    assert count_params(moe) - count_params(next(c for c in latency.cases if c.model == "mlp")) == 768 * 16 + 16
+    assert [(t.limit, by_label_of(generation, t.numerator).options.get("convert") is not None) for t in
+            generation.targets] == [(1.25, True), (1.25, True)]  # fmt: skip
+
+
+def by_label_of(section, label):
+    return next(case for case in section.cases if case.label == label)
+
+
+def test_forward_only_sections_run_and_report(tmp_path, monkeypatch):
+    """A quick run of the inference, latency and generation sections with a fake clock: structure only."""
+    clock = iter(range(1, 100_000))
+    monkeypatch.setattr(run.Runner, "time", lambda self, step, *, train: float(next(clock)))
+    page = tmp_path / "results.md"
+    page.write_text("before\n<!-- inference-cpu:start -->\nOLD-BLOCK\n<!-- inference-cpu:end -->\nafter\n")
+    monkeypatch.setattr(report, "DOCS_PAGE", page)
+    (tmp_path / "img").mkdir()
+    options = ["--quick", "--only", "inference", "latency", "generation", "--no-memory", "--rounds", "2"]
+    assert run.main([*options, "--out", str(tmp_path / "out")]) == 0
+    store = json.loads((tmp_path / "out" / "results-cpu.json").read_text())
+    rows = {
+        row["label"]: row for name in ("inference", "latency", "generation") for row in store["sections"][name]["rows"]
+    }
+    inference = store["sections"]["inference"]
+    for row in rows.values():
+        assert (row["train_s"] is None and "train_samples" not in row) or row["train_samples"] == []
+        assert row["infer_s"] > 0
+    samples = inference["samples"]
+    assert all(len(row["infer_samples"]) == samples for row in inference["rows"])
+    # The TR ÷ CP target equals the TR block's ratio to the MLP divided by the CP block's.
+    target = next(
+        t for t in inference["targets"] if t["name"].startswith("TR block's ratio ÷ CP block's ratio, B=1, 1")
+    )
+    tr, cp = rows["TR block, B=1, 1 thread"], rows["CP block, B=1, 1 thread"]
+    assert math.isclose(target["value"], tr["ratios"]["infer_s"] / cp["ratios"]["infer_s"])
+    assert rows["nn.Linear, 16 tokens"]["tokens"] == 16
+    series = report.latency_series(store["sections"]["latency"])
+    assert [point[0] for point in series["dense MLP"]] == [1, 2, 4, 8, 16]
+    assert (tmp_path / "out" / "inference-latency-cpu.png").stat().st_size > 0
+    markdown = (tmp_path / "out" / "results-cpu.md").read_text()
+    section = markdown.split("## Inference: eval mode")[1].split("\n## ")[0]
+    assert "| case | params | fwd (ms) | × | note |" in section and "fwd+bwd" not in section.split("| case")[1]
+    assert (
+        page.read_text() == "before\n<!-- inference-cpu:start -->\nOLD-BLOCK\n<!-- inference-cpu:end -->\nafter\n"
+    )  # --quick
+    assert report.update_inference_docs(store, "cpu", "img/inference-latency-cpu.png", page)
+    text = page.read_text()
+    assert text.startswith("before\n<!-- inference-cpu:start -->") and text.endswith(
+        "<!-- inference-cpu:end -->\nafter\n"
+    )
+    assert (
+        "OLD-BLOCK" not in text
+        and "![inference latency against tokens per call](img/inference-latency-cpu.png)" in text
+    )
+    assert "### Generation: a GPT-2 converted" in text and "≤ 1.25×" in text
