@@ -115,8 +115,9 @@ def test_collect_coefficients_streams_exact_statistics():
     assert set(stats) == {"0", "2"}
     captured = []
     hook = model[0].register_forward_hook(lambda m, a, o: captured.append((a[0], m.last_coefficients)))
-    for batch in batches:
-        model(batch)
+    with torch.no_grad():  # as collect_coefficients calls the model (inference rounding)
+        for batch in batches:
+            model(batch)
     hook.remove()
     inputs = torch.cat([c[0].reshape(-1, 6) for c in captured]).double()
     for mode, stat in enumerate(stats["0"].modes):
