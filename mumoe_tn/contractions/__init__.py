@@ -26,6 +26,7 @@ from mumoe_tn.contractions.plan import (
 
 _LAZY = {
     "run_plan": "mumoe_tn.contractions.execute",
+    "PreparedPlan": "mumoe_tn.contractions.prepared",
     "constant_intermediates": "mumoe_tn.contractions.execute",
     "fastest_plan": "mumoe_tn.contractions.autotune",
     "dense_forward": "mumoe_tn.contractions.dense",
@@ -37,6 +38,7 @@ _LAZY = {
 __all__ = [
     "OPTIMIZERS",
     "ContractionPlan",
+    "PreparedPlan",
     "ContractionStep",
     "autotune_candidates",
     "candidate_plans",
