@@ -365,7 +365,12 @@ def _single_row(row: np.ndarray, entmax: bool) -> np.ndarray | None:
     else:
         if len(head) < len(ordered):
             return None  # the support may go on: the vectorised steps decide
-    y = row - peak
+    return _numpy_map(row, peak, tau, entmax)
+
+
+def _numpy_map(x: np.ndarray, peak: np.ndarray | float, tau: np.ndarray | float, entmax: bool) -> np.ndarray:
+    """``(x − peak − τ)₊`` (sparsemax) or ``((x − peak)/2 − τ)₊²`` (1.5-entmax), as a new array."""
+    y = x - peak  # shifted first: x − peak is exact where it matters (entries near the peak)
     if entmax:
         y *= 0.5
     y -= tau
@@ -399,13 +404,7 @@ def _numpy_sorted_rows(rows: np.ndarray, entmax: bool) -> np.ndarray:
     support = np.add.reduce(tau <= shifted, axis=-1)  # 0 for a NaN row: a τ of another entry, unused
     width = rows.shape[-1]
     threshold = tau.ravel().take(np.arange(0, width * len(support), width) + (support - 1) % width)[:, None]
-    y = rows - peak
-    if entmax:
-        y *= 0.5
-    y -= threshold
-    np.maximum(y, 0, out=y)
-    if entmax:
-        y *= y
+    y = _numpy_map(rows, peak, threshold, entmax)
     # peak − peak is 0 for a finite peak and NaN for NaN or ±inf: added to the result, it turns
     # exactly the rows softmax makes NaN into NaN and leaves the others unchanged.
     y += peak - peak
