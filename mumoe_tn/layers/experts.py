@@ -20,10 +20,12 @@ from mumoe_tn.contractions.padding import PAD_MULTIPLE, bond_padding, pad_cores
 from mumoe_tn.contractions.plan import (
     ContractionPlan,
     autotune_candidates,
+    check_memory_limit,
     plan_forward,
     plan_inference,
     resolve_optimizer,
 )
+from mumoe_tn.contractions.saved import PLAN_KINDS, read_plans, write_plans
 from mumoe_tn.layers.init import INIT_RULES, check_expert_noise, init_cores
 from mumoe_tn.layers.options import (
     check_allocatable,
@@ -81,6 +83,10 @@ class FactorizedExperts(nn.Module):
         are resolved afresh for every plan.
     max_plans : int, optional
         Size of the plan cache (default 16 batch-size buckets).
+    memory_limit : int or "max_input", optional
+        Most elements any intermediate of a planned contraction may hold (as opt_einsum's
+        ``memory_limit``); default: the planner's bound (see
+        [`mumoe_tn.contractions.choose_plan`][mumoe_tn.contractions.plan.choose_plan]).
     chunk_size : int, optional
         Contract at most this many rows at a time (bounds the intermediates of huge batches;
         exact). Default: the whole batch at once.
@@ -107,6 +113,7 @@ class FactorizedExperts(nn.Module):
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
         max_plans: int = 16,
+        memory_limit: int | str | None = None,
         chunk_size: int | None = None,
         recompute: bool = False,
         precontract: bool = True,
@@ -138,13 +145,16 @@ class FactorizedExperts(nn.Module):
         resolve_optimizer(optimize)  # validates; names are resolved afresh for every plan
         self.optimize = optimize
         self.max_plans = max_plans
+        self.memory_limit = check_memory_limit(memory_limit)
         self.chunk_size = chunk_size
         self.recompute = recompute
         self.precontract = precontract
         self.pad_bonds = pad_bonds  # checked by the property
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._plans_lock = threading.RLock()
-        self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, self._path_optimizer())
+        self._compile_plan = plan_forward(
+            network, COMPILE_PLAN_BATCH, self._path_optimizer(), memory_limit=self.memory_limit
+        )
         for name, shape in network.core_shapes.items():
             if hasattr(self, name):
                 raise ValueError(f"core name {name!r} clashes with an attribute of FactorizedExperts; rename the core")
@@ -161,6 +171,7 @@ class FactorizedExperts(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_pad_bonds", PAD_MULTIPLE)  # pickled before the option existed
+        self.__dict__.setdefault("memory_limit", None)  # likewise
         self._plans_lock = threading.RLock()
 
     @property
@@ -268,9 +279,9 @@ class FactorizedExperts(nn.Module):
 
         def make() -> ContractionPlan:
             if self.optimize == "autotune" and operands is not None:
-                candidates = autotune_candidates(self.network, bucket)
+                candidates = autotune_candidates(self.network, bucket, memory_limit=self.memory_limit)
                 return fastest_plan(candidates, operands, ones_appended=ones_appended)
-            return plan_forward(self.network, bucket, self._path_optimizer())
+            return plan_forward(self.network, bucket, self._path_optimizer(), memory_limit=self.memory_limit)
 
         return self._cached(("train", bucket), make)
 
@@ -287,7 +298,9 @@ class FactorizedExperts(nn.Module):
         if versions is None:
             return None
         bucket = _batch_bucket(batch)
-        plan, steps = self._cached(("inference", bucket), lambda: plan_inference(self.network, bucket))
+        plan, steps = self._cached(
+            ("inference", bucket), lambda: plan_inference(self.network, bucket, memory_limit=self.memory_limit)
+        )
         if not steps:
             return None
         key = ("constants", bucket)
@@ -415,6 +428,35 @@ class FactorizedExperts(nn.Module):
             f"{net.name!r}, '{net.to_spec()}', experts={dims}, in={net.in_features}, "
             f"out={net.out_features}, params={net.n_params:,}"
         )
+
+    def export_plans(self) -> dict[str, Any]:
+        """The contraction plans made so far (one per kind and batch-size bucket), as a JSON-able dict.
+
+        Save it with a checkpoint, or plan on one process and broadcast it: ``load_plans`` puts the
+        plans into another layer's cache, which then runs them without searching. Plan a bucket
+        first with ``plan(batch_size)``.
+        """
+        with self._plans_lock:
+            cached = [(key, value) for key, value in self._plans.items() if key[0] in PLAN_KINDS]
+        entries = [
+            (kind, bucket, value, None) if kind == "train" else (kind, bucket, value[0], value[1])
+            for (kind, bucket), value in cached
+        ]
+        return write_plans(self.network, entries)
+
+    def load_plans(self, saved: Mapping[str, Any]) -> None:
+        """Put plans written by ``export_plans`` into the plan cache.
+
+        Every plan is checked against this layer's network first (a ``ValueError`` names the
+        first that does not fit); nothing is loaded unless all fit.
+        """
+        entries = read_plans(self.network, saved)
+        with self._plans_lock:
+            for kind, bucket, plan, constant in entries:
+                self._plans[(kind, bucket)] = plan if kind == "train" else (plan, constant)
+                self._plans.move_to_end((kind, bucket))
+            while len(self._plans) > self.max_plans:
+                self._plans.popitem(last=False)
 
 
 class _ExecutionCores:

@@ -60,6 +60,7 @@ class _MLPBlock(MuMoEBase):
         init: str = "auto",
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
+        memory_limit: int | str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,
@@ -89,6 +90,7 @@ class _MLPBlock(MuMoEBase):
         gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
         layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, **factory}
+        layer["memory_limit"] = memory_limit
         self._build_layers(
             lambda net: FactorizedExperts(net, fan_in=in_features, **layer),
             lambda net: FactorizedExperts(net, fan_in=hidden_features, **layer),
@@ -154,7 +156,7 @@ class MuMoEMLP(_MLPBlock):
         LayerNorm on the block's input first.
     hidden_activation : nn.Module, optional
         Non-linearity between the layers (default ``nn.GELU()``).
-    init, expert_noise, optimize, device, dtype, **decomposition_options
+    init, expert_noise, optimize, memory_limit, device, dtype, **decomposition_options
         As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes
@@ -265,7 +267,7 @@ class MuMoEGatedMLP(_MLPBlock):
         The shared gate, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
     hidden_activation : nn.Module, optional
         The ``act`` of the gate projection (default ``nn.SiLU()``: SwiGLU).
-    init, expert_noise, optimize, device, dtype, **decomposition_options
+    init, expert_noise, optimize, memory_limit, device, dtype, **decomposition_options
         As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes

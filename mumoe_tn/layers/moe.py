@@ -94,6 +94,9 @@ class MuMoE(MuMoEBase):
     optimize : str or object, optional
         Path optimizer for the factorized contraction (default ``"auto"``, see
         [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]).
+    memory_limit : int or "max_input", optional
+        Most elements any intermediate of the contraction may hold (as for
+        [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]; default: the planner's bound).
     device, dtype : optional
         Factory arguments.
     **decomposition_options
@@ -131,6 +134,7 @@ class MuMoE(MuMoEBase):
         init: str = "auto",
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
+        memory_limit: int | str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,
@@ -160,8 +164,9 @@ class MuMoE(MuMoEBase):
         gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, network.expert_dims, bias=bias, **gating)
         self.experts = FactorizedExperts(
-            network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize, **factory
-        )
+            network, init=init, fan_in=in_features, expert_noise=expert_noise, optimize=optimize,
+            memory_limit=memory_limit, **factory,
+        )  # fmt: skip
 
     @property
     def network(self) -> ExpertNetwork:
