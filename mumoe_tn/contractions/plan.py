@@ -28,7 +28,7 @@ the bound is that limit (or the result's size, which every path allocates, if th
 a contraction that no candidate fits is refused with the smallest peak found. A named optimizer or
 an explicit path is followed as given; ``memory_limit=`` then only checks it.
 
-Every finder ``"auto"`` asks is deterministic (see [`mumoe_tn.contractions.search`][mumoe_tn.contractions.search]):
+Every finder ``"auto"`` asks is deterministic (see ``mumoe_tn.contractions.search``):
 the same network, shapes and optimizer give the same plan in every process, and
 [`ContractionPlan.to_dict`][mumoe_tn.contractions.plan.ContractionPlan.to_dict] /
 [`from_dict`][mumoe_tn.contractions.plan.ContractionPlan.from_dict] carry a plan to another process as it is.
@@ -513,8 +513,8 @@ def candidate_plans(
     thorough : bool, optional
         Ask slower finders too on small networks (more candidates to time when autotuning).
     memory_limit : int or "max_input", optional
-        The bound the candidates should fit (see
-        [`candidate_paths`][mumoe_tn.contractions.search.candidate_paths]); default: its own.
+        The bound the candidates should fit (see ``mumoe_tn.contractions.search.candidate_paths``);
+        default: its own.
 
     Returns
     -------
