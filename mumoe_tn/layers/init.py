@@ -187,7 +187,7 @@ CALIBRATION_BATCH = 64
 #: The calibration may always build intermediates of this many elements (8 MiB in float64).
 CALIBRATION_FLOOR = 1 << 20
 #: Random probes of the estimate used where the exact norm would need larger intermediates.
-CALIBRATION_PROBES = 1024
+CALIBRATION_PROBES = 256
 
 
 def _calibrate(
