@@ -60,6 +60,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _memory_limit(text: str) -> int | str:
+    return "max_input" if text == "max_input" else _positive(text)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -250,6 +254,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--optimize", default="auto", help="path optimizer: auto (default), dp, optimal, greedy, cotengra, …"
     )
+    plan.add_argument(
+        "--memory-limit",
+        type=_memory_limit,
+        default=None,
+        help="most elements any intermediate may hold (an int, or max_input: the largest operand); "
+        "default: 4x the largest operand or result, or 1.5x the smallest peak any path reaches",
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -438,15 +449,23 @@ def _plan(args: argparse.Namespace) -> int:
             out_features=args.out_features,
             ranks=ranks[0],
         )
-    plan = plan_forward(network, args.batch, args.optimize)
+    plan = plan_forward(network, args.batch, args.optimize, memory_limit=args.memory_limit)
     labels, bound = min_cut(network)
     bias = f"{args.in_features} inputs + 1 folded bias, as in compare" if args.bias else "no bias"
     per_token = plan.fma / args.batch
+    limit = (
+        "auto (4x the largest operand or result, or 1.5x the smallest peak found)"
+        if args.memory_limit is None
+        else f"{args.memory_limit:,}"
+    )
+    if args.memory_limit == "max_input":
+        limit = "max_input (the largest operand)"
     _print_fitted(
         f"i = {width} ({bias}); batch {args.batch:,}",
         str(network),
         str(plan),
         f"largest intermediate per batch: {plan.largest_intermediate:,} elements; FMA per token: {per_token:,.0f}",
+        f"memory limit: {limit}",
         f"expert rank <= {bound} (cut {labels})",
     )
     return 0

@@ -33,7 +33,9 @@ def materialize(network: ExpertNetwork, cores: Mapping[str, torch.Tensor]) -> to
     return run_plan(plan_dense(network), [cores[name] for name in network.cores])
 
 
-def squared_norm(network: ExpertNetwork, cores: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def squared_norm(
+    network: ExpertNetwork, cores: Mapping[str, torch.Tensor], *, memory_limit: int | None = None
+) -> torch.Tensor:
     """``‖W‖_F²`` contracted from the network and its copy, without materialising ``W``.
 
     The copy's bonds are renamed and its physical legs are shared with the original, so the
@@ -45,6 +47,9 @@ def squared_norm(network: ExpertNetwork, cores: Mapping[str, torch.Tensor]) -> t
         The network the cores belong to.
     cores : Mapping[str, torch.Tensor]
         One tensor per core name.
+    memory_limit : int, optional
+        Most elements an intermediate may hold (a ``ValueError`` from the planner when no path
+        found keeps within it).
 
     Returns
     -------
@@ -55,7 +60,7 @@ def squared_norm(network: ExpertNetwork, cores: Mapping[str, torch.Tensor]) -> t
     copy = [tuple(x if x in physical else f"{x}'" for x in labels) for labels in network.cores.values()]
     inputs = [*network.cores.values(), *copy]
     sizes = {**network.sizes, **{f"{bond}'": network.sizes[bond] for bond in network.bonds}}
-    plan = plan_contraction(inputs, (), sizes)
+    plan = plan_contraction(inputs, (), sizes, memory_limit=memory_limit)
     operands = list(cores[name] for name in network.cores)
     return run_plan(plan, operands + operands)
 

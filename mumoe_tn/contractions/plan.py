@@ -4,20 +4,47 @@ opt_einsum only *plans* here (it finds a path from shapes); the steps are execut
 [`mumoe_tn.contractions.execute.run_plan`][mumoe_tn.contractions.execute.run_plan] as plain ``torch.einsum`` calls,
 which keeps the forward pass compile-friendly (no backend import at call time), autocast-safe (no ``tensordot``
 on mixed dtypes) and free of per-call path searches. This module does not import torch.
+
+Cost model
+----------
+A plan is judged on two numbers, both computed from shapes alone:
+
+FMAs
+    Fused multiply-adds (1 FMA = 1 multiply + 1 add): a step joining ``k ≥ 2`` operands costs
+    ``(k − 1) · Π sizes`` over the union of its labels, a one-operand sum ``Π sizes``
+    (see [`ContractionStep`][mumoe_tn.contractions.plan.ContractionStep]).
+Peak
+    The largest intermediate or result, in elements
+    ([`ContractionPlan.largest_intermediate`][mumoe_tn.contractions.plan.ContractionPlan]): what the
+    contraction allocates beyond its operands, one step at a time (and what the backward pass keeps).
+
+``"auto"`` keeps the candidate with the fewest FMAs among those whose peak respects a memory
+bound ([`choose_plan`][mumoe_tn.contractions.plan.choose_plan]). Without ``memory_limit=`` the bound is
+the larger of [`PEAK_FACTOR`][mumoe_tn.contractions.plan] × the largest tensor the contraction holds
+anyway (an operand or the result; for a layer's forward pass at a large batch, its output activations)
+and [`PEAK_SLACK`][mumoe_tn.contractions.plan] × the smallest peak any candidate reaches. With
+``memory_limit=`` (an element count, or ``"max_input"`` for the largest operand, as in opt_einsum)
+the bound is that limit (or the result's size, which every path allocates, if that is larger), and
+a contraction that no candidate fits is refused with the smallest peak found. A named optimizer or
+an explicit path is followed as given; ``memory_limit=`` then only checks it.
+
+Every finder ``"auto"`` asks is deterministic (see ``mumoe_tn.contractions.search``):
+the same network, shapes and optimizer give the same plan in every process, and
+[`ContractionPlan.to_dict`][mumoe_tn.contractions.plan.ContractionPlan.to_dict] /
+[`from_dict`][mumoe_tn.contractions.plan.ContractionPlan.from_dict] carry a plan to another process as it is.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import opt_einsum
-
-from mumoe_tn.contractions.search import candidate_paths
+from mumoe_tn.contractions.search import PEAK_FACTOR, candidate_paths, find_path
 from mumoe_tn.network import BATCH_LABEL, ExpertNetwork
 
 __all__ = [
@@ -26,11 +53,15 @@ __all__ = [
     "ContractionStep",
     "autotune_candidates",
     "candidate_plans",
+    "check_memory_limit",
+    "choose_plan",
     "constant_elements",
     "constant_steps",
     "einsum_equation",
     "forward_candidates",
+    "memory_bound",
     "per_call_fma",
+    "per_call_peak",
     "plan_contraction",
     "plan_dense",
     "plan_forward",
@@ -61,6 +92,11 @@ OPTIMIZERS = (
 
 #: The planners that pick among candidate paths by FMA count.
 SIZE_AWARE = ("auto", "autotune")
+
+#: Default bound of ``"auto"`` where no candidate fits `PEAK_FACTOR`: this multiple of the smallest peak found.
+PEAK_SLACK = 1.5
+#: Version of the dictionaries written by `ContractionPlan.to_dict`.
+PLAN_FORMAT = 1
 
 #: torch.einsum accepts only these subscripts: symbols are assigned per pairwise step.
 EINSUM_SYMBOLS = string.ascii_letters
@@ -136,6 +172,72 @@ class ContractionPlan:
     def largest_intermediate(self) -> int:
         """Number of elements of the largest intermediate or result."""
         return max((_size(step.output, self.sizes) for step in self.steps), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as a JSON-able dict (labels, sizes, path and every step's operand positions and result).
+
+        [`from_dict`][mumoe_tn.contractions.plan.ContractionPlan.from_dict] rebuilds the same plan, so a plan
+        found once can be saved with a checkpoint or broadcast to every process of a distributed job.
+        """
+        return {
+            "format": PLAN_FORMAT,
+            "inputs": [list(labels) for labels in self.inputs],
+            "output": list(self.output),
+            "sizes": {label: int(size) for label, size in self.sizes.items()},
+            "path": [list(step) for step in self.path],
+            "steps": [{"positions": list(step.positions), "output": list(step.output)} for step in self.steps],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ContractionPlan:
+        """Rebuild a plan written by [`to_dict`][mumoe_tn.contractions.plan.ContractionPlan.to_dict].
+
+        Every step is checked against the labels (positions in range, result labels carried by its
+        operands, the last result equal to the output), and equations and FMAs are recomputed.
+
+        Parameters
+        ----------
+        data : Mapping[str, Any]
+            A dict from ``to_dict`` (e.g. read back from JSON).
+
+        Returns
+        -------
+        ContractionPlan
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a saved plan is a dict from ContractionPlan.to_dict(), got {type(data).__name__}")
+        missing = [key for key in ("format", "inputs", "output", "sizes", "path", "steps") if key not in data]
+        if missing:
+            raise ValueError(f"a saved plan needs the keys {missing} (written by ContractionPlan.to_dict())")
+        if data["format"] != PLAN_FORMAT:
+            raise ValueError(f"saved plan format {data['format']!r} is not the supported {PLAN_FORMAT}")
+        try:
+            inputs = tuple(tuple(str(x) for x in labels) for labels in data["inputs"])
+            output = tuple(str(x) for x in data["output"])
+            sizes = {str(label): int(size) for label, size in dict(data["sizes"]).items()}
+            path = tuple(tuple(int(k) for k in step) for step in data["path"])
+            steps = [(tuple(int(k) for k in step["positions"]), tuple(str(x) for x in step["output"]))
+                     for step in data["steps"]]  # fmt: skip
+        except (TypeError, ValueError, KeyError) as problem:
+            raise ValueError(f"a saved plan has malformed entries: {problem}") from None
+        _check_labels(inputs, output, sizes)
+        _check_path(path, len(inputs))
+        if len(steps) != len(path) or any(set(p) != set(q) for (p, _), q in zip(steps, path, strict=False)):
+            raise ValueError(f"a saved plan's steps {[p for p, _ in steps]} do not follow its path {path}")
+        current = list(inputs)
+        laid_out = []
+        for number, (positions, result) in enumerate(steps):
+            if sorted(positions, reverse=True) != list(positions) or not all(0 <= k < len(current) for k in positions):
+                raise ValueError(f"saved plan step {number} has positions {positions} outside 0..{len(current) - 1}")
+            operands = tuple(current.pop(k) for k in positions)
+            carried = {x for labels in operands for x in labels}
+            if not set(result) <= carried or len(set(result)) != len(result):
+                raise ValueError(f"saved plan step {number} returns labels {result} its operands do not carry")
+            laid_out.append(_step(positions, operands, result, sizes))
+            current.append(result)
+        if laid_out[-1].output != output:
+            raise ValueError(f"a saved plan ends in {laid_out[-1].output}, not the output {output}")
+        return cls(inputs, output, dict(sizes), tuple(laid_out), path)
 
     def __repr__(self) -> str:
         output = " ".join("…" if x == BATCH_LABEL else x for x in self.output)
@@ -259,12 +361,126 @@ def _layout(
                 seen.remove(lead)
                 seen.insert(0, lead)
             result = tuple(seen)
-        union = {label for labels in operands for label in labels}
-        factor = max(len(operands) - 1, 1)
-        equation = einsum_equation(operands, result)
-        steps.append(ContractionStep(positions, equation, result, factor * _size(union, sizes), tuple(operands)))
+        steps.append(_step(positions, tuple(operands), result, sizes))
         current.append(result)
     return ContractionPlan(inputs, output, dict(sizes), tuple(steps), tuple(tuple(p) for p in path))
+
+
+def _step(
+    positions: tuple[int, ...], operands: tuple[Labels, ...], result: Labels, sizes: Mapping[str, int]
+) -> ContractionStep:
+    """One step with its equation and FMA count."""
+    union = {label for labels in operands for label in labels}
+    factor = max(len(operands) - 1, 1)
+    return ContractionStep(positions, einsum_equation(operands, result), result, factor * _size(union, sizes), operands)
+
+
+def check_memory_limit(memory_limit: object) -> int | str | None:
+    """``memory_limit`` checked: None, a positive int (elements) or ``"max_input"`` (the largest operand).
+
+    Raises
+    ------
+    ValueError
+        For anything else, quoting it.
+    """
+    if memory_limit is None or memory_limit == "max_input":
+        return memory_limit  # type: ignore[return-value]
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 1:
+        raise ValueError(
+            "memory_limit must be None, a positive int (elements of the largest intermediate) or 'max_input', "
+            f"got {memory_limit!r}"
+        )
+    return memory_limit
+
+
+def _limit_elements(memory_limit: object, inputs: Sequence[Labels], sizes: Mapping[str, int]) -> int | None:
+    """``memory_limit`` as an element count (None: no limit)."""
+    if check_memory_limit(memory_limit) == "max_input":
+        return max(_size(labels, sizes) for labels in inputs)
+    return memory_limit  # type: ignore[return-value]
+
+
+def memory_bound(
+    plans: Sequence[ContractionPlan],
+    memory_limit: int | str | None = None,
+    *,
+    peak: Callable[[ContractionPlan], int] | None = None,
+) -> int:
+    """The largest peak ``"auto"`` accepts among ``plans`` (candidates for one contraction).
+
+    Parameters
+    ----------
+    plans : Sequence of ContractionPlan
+        Candidate plans of the same contraction.
+    memory_limit : int or "max_input" or None, optional
+        An explicit bound in elements (``"max_input"``: the largest operand) on the intermediates;
+        the result itself is always allowed. Default: the larger of
+        [`PEAK_FACTOR`][mumoe_tn.contractions.plan] × the largest operand or result and
+        [`PEAK_SLACK`][mumoe_tn.contractions.plan] × the smallest peak among ``plans``.
+    peak : callable, optional
+        The peak of a plan (default: its largest intermediate).
+
+    Returns
+    -------
+    int
+        Elements.
+    """
+    first = plans[0]
+    limit = _limit_elements(memory_limit, first.inputs, first.sizes)
+    if limit is not None:
+        return max(limit, _size(first.output, first.sizes))  # the result is allocated whatever the path
+    peak = peak or (lambda plan: plan.largest_intermediate)
+    held = max(_size(labels, first.sizes) for labels in (*first.inputs, first.output))
+    return max(PEAK_FACTOR * held, math.floor(PEAK_SLACK * min(peak(plan) for plan in plans)))
+
+
+def choose_plan(
+    plans: Sequence[ContractionPlan],
+    memory_limit: int | str | None = None,
+    *,
+    peak: Callable[[ContractionPlan], int] | None = None,
+    fma: Callable[[ContractionPlan], int] | None = None,
+) -> ContractionPlan:
+    """The plan with the fewest FMAs among ``plans`` whose peak is within the memory bound.
+
+    The bound is [`memory_bound`][mumoe_tn.contractions.plan.memory_bound]'s.
+
+    Ties go to the smaller peak, then to the earlier plan.
+
+    Parameters
+    ----------
+    plans : Sequence of ContractionPlan
+        Candidate plans of the same contraction.
+    memory_limit : int or "max_input" or None, optional
+        See `memory_bound`.
+    peak, fma : callable, optional
+        The peak and the FMA count of a plan (default: its largest intermediate and its FMAs).
+
+    Returns
+    -------
+    ContractionPlan
+
+    Raises
+    ------
+    ValueError
+        If an explicit ``memory_limit`` is below every candidate's peak.
+    """
+    if not plans:
+        raise ValueError("choosing a plan needs at least one candidate")
+    peak = peak or (lambda plan: plan.largest_intermediate)
+    fma = fma or (lambda plan: plan.fma)
+    bound = memory_bound(plans, memory_limit, peak=peak)
+    fitting = [plan for plan in plans if peak(plan) <= bound]
+    if not fitting:
+        smallest = peak(min(plans, key=peak))
+        found = f"the smallest peak found is {smallest:,} elements ({len(plans)} candidate paths)"
+        if len(plans) == 1:
+            found = f"the path's largest intermediate holds {smallest:,} elements"
+        raise ValueError(
+            f"no contraction path found keeps every intermediate within memory_limit={memory_limit!r} "
+            f"({bound:,} elements); {found}: raise the limit, plan a smaller batch or use optimize='auto'"
+        )
+    return min(fitting, key=lambda plan: (fma(plan), peak(plan)))
 
 
 def _check_labels(inputs: tuple[Labels, ...], output: Labels, sizes: Mapping[str, int]) -> None:
@@ -286,6 +502,7 @@ def candidate_plans(
     *,
     lead: str | None = None,
     thorough: bool = False,
+    memory_limit: int | str | None = None,
 ) -> list[ContractionPlan]:
     """Distinct plans from the path finders suited to the network's size, cheapest first.
 
@@ -295,6 +512,9 @@ def candidate_plans(
         As for [`plan_contraction`][mumoe_tn.contractions.plan.plan_contraction].
     thorough : bool, optional
         Ask slower finders too on small networks (more candidates to time when autotuning).
+    memory_limit : int or "max_input", optional
+        The bound the candidates should fit (see ``mumoe_tn.contractions.search.candidate_paths``);
+        default: its own.
 
     Returns
     -------
@@ -305,7 +525,8 @@ def candidate_plans(
     output = tuple(output)
     _check_labels(inputs, output, sizes)
     plans, problems = [], []
-    for path in candidate_paths(inputs, output, sizes, thorough=thorough):
+    limit = _limit_elements(memory_limit, inputs, sizes)
+    for path in candidate_paths(inputs, output, sizes, thorough=thorough, memory_limit=limit):
         try:
             plans.append(_layout(inputs, output, sizes, path, lead))
         except ValueError as problem:  # a step torch.einsum cannot express; other paths may do
@@ -322,6 +543,7 @@ def plan_contraction(
     optimize: Any = "auto",
     *,
     lead: str | None = None,
+    memory_limit: int | str | None = None,
 ) -> ContractionPlan:
     """Plan a contraction from labels and sizes, and lay it out as explicit steps.
 
@@ -335,11 +557,16 @@ def plan_contraction(
         Size of every label.
     optimize : str or object, optional
         Path optimizer (see [`resolve_optimizer`][mumoe_tn.contractions.plan.resolve_optimizer]). ``"auto"`` (default)
-        keeps the cheapest of the candidate paths of [`candidate_plans`][mumoe_tn.contractions.plan.candidate_plans],
-        with bounded planning time.
+        keeps the cheapest of the candidate paths of [`candidate_plans`][mumoe_tn.contractions.plan.candidate_plans]
+        within the memory bound of [`choose_plan`][mumoe_tn.contractions.plan.choose_plan], with bounded, deterministic
+        planning.
     lead : str, optional
         A label kept first in every intermediate that carries it (the batch label), so that
         pairwise steps run as batched matrix products with the batch leading.
+    memory_limit : int or "max_input", optional
+        Most elements any intermediate may hold (opt_einsum's ``memory_limit``; ``"max_input"``: the
+        largest operand). ``"auto"`` chooses among the paths that fit; a named optimizer's path is
+        checked against it. A ``ValueError`` when nothing fits.
 
     Returns
     -------
@@ -349,20 +576,17 @@ def plan_contraction(
     output = tuple(output)
     optimizer = resolve_optimizer(optimize)
     if isinstance(optimizer, str) and optimizer in SIZE_AWARE:
-        return candidate_plans(inputs, output, sizes, lead=lead)[0]
+        return choose_plan(candidate_plans(inputs, output, sizes, lead=lead, memory_limit=memory_limit), memory_limit)
     _check_labels(inputs, output, sizes)
+    check_memory_limit(memory_limit)
     if isinstance(optimizer, tuple):
         path = _check_path(optimizer, len(inputs))
-    elif len(inputs) == 1:
-        path = ((0,),)
     else:
-        symbol = {label: opt_einsum.get_symbol(k) for k, label in enumerate(sizes)}
-        equation = ",".join("".join(symbol[x] for x in labels) for labels in inputs)
-        equation += "->" + "".join(symbol[x] for x in output)
-        shapes = [tuple(sizes[x] for x in labels) for labels in inputs]
-        found, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize=optimizer)
-        path = tuple(tuple(step) for step in found)
-    return _layout(inputs, output, sizes, path, lead)
+        path = find_path(inputs, output, sizes, optimizer)
+    plan = _layout(inputs, output, sizes, path, lead)
+    if memory_limit is not None:
+        choose_plan([plan], memory_limit)  # refuses a path beyond the limit
+    return plan
 
 
 def constant_steps(plan: ContractionPlan, n_constant: int) -> frozenset[int]:
@@ -408,7 +632,9 @@ def _check_batch(batch_size: object) -> int:
     return batch_size
 
 
-def plan_forward(network: ExpertNetwork, batch_size: int, optimize: Any = "auto") -> ContractionPlan:
+def plan_forward(
+    network: ExpertNetwork, batch_size: int, optimize: Any = "auto", *, memory_limit: int | str | None = None
+) -> ContractionPlan:
     """Plan the factorized forward pass of ``network`` for a flattened batch of ``batch_size``.
 
     Operands: the cores in order, one coefficient tensor ``(B, N_e)`` per expert mode, then
@@ -422,6 +648,9 @@ def plan_forward(network: ExpertNetwork, batch_size: int, optimize: Any = "auto"
         Rows of the flattened batch (a positive int).
     optimize : str or object, optional
         Path optimizer, see [`plan_contraction`][mumoe_tn.contractions.plan.plan_contraction] (default ``"auto"``).
+    memory_limit : int or "max_input", optional
+        Most elements any intermediate may hold, see `plan_contraction` (default: the bound of
+        [`memory_bound`][mumoe_tn.contractions.plan.memory_bound]).
 
     Returns
     -------
@@ -430,10 +659,12 @@ def plan_forward(network: ExpertNetwork, batch_size: int, optimize: Any = "auto"
     batch_size = _check_batch(batch_size)
     inputs, output = network.forward_equation()
     sizes = {**network.sizes, BATCH_LABEL: batch_size}
-    return plan_contraction(inputs, output, sizes, optimize, lead=BATCH_LABEL)
+    return plan_contraction(inputs, output, sizes, optimize, lead=BATCH_LABEL, memory_limit=memory_limit)
 
 
-def forward_candidates(network: ExpertNetwork, batch_size: int, *, thorough: bool = True) -> list[ContractionPlan]:
+def forward_candidates(
+    network: ExpertNetwork, batch_size: int, *, thorough: bool = True, memory_limit: int | str | None = None
+) -> list[ContractionPlan]:
     """Candidate plans of the forward pass, cheapest first (see `candidate_plans`).
 
     Parameters
@@ -444,6 +675,8 @@ def forward_candidates(network: ExpertNetwork, batch_size: int, *, thorough: boo
         Rows of the flattened batch.
     thorough : bool, optional
         Ask slower finders too on small networks (default True).
+    memory_limit : int or "max_input", optional
+        As for `candidate_plans`.
 
     Returns
     -------
@@ -452,7 +685,7 @@ def forward_candidates(network: ExpertNetwork, batch_size: int, *, thorough: boo
     batch_size = _check_batch(batch_size)
     inputs, output = network.forward_equation()
     sizes = {**network.sizes, BATCH_LABEL: batch_size}
-    return candidate_plans(inputs, output, sizes, lead=BATCH_LABEL, thorough=thorough)
+    return candidate_plans(inputs, output, sizes, lead=BATCH_LABEL, thorough=thorough, memory_limit=memory_limit)
 
 
 #: How many of the cheapest candidate paths (by FMA count) autotuning times, each in two layouts.
@@ -461,7 +694,9 @@ AUTOTUNE_CANDIDATES = 3
 AUTOTUNE_FMA_SLACK = 4.0
 
 
-def autotune_candidates(network: ExpertNetwork, batch_size: int) -> list[ContractionPlan]:
+def autotune_candidates(
+    network: ExpertNetwork, batch_size: int, *, memory_limit: int | str | None = None
+) -> list[ContractionPlan]:
     """The plans autotuning times: the cheapest few paths, each batch-leading and as found.
 
     Up to [`AUTOTUNE_CANDIDATES`][mumoe_tn.contractions.plan] distinct paths within
@@ -475,13 +710,19 @@ def autotune_candidates(network: ExpertNetwork, batch_size: int) -> list[Contrac
         The decomposition.
     batch_size : int
         Rows of the flattened batch.
+    memory_limit : int or "max_input", optional
+        Only paths within this bound are timed (default: the bound of
+        [`memory_bound`][mumoe_tn.contractions.plan.memory_bound]).
 
     Returns
     -------
     list of ContractionPlan
         Cheapest path first; the same FMA count for both layouts of a path.
     """
-    plans = forward_candidates(network, batch_size)
+    plans = forward_candidates(network, batch_size, memory_limit=memory_limit)
+    choose_plan(plans, memory_limit)  # refuses a limit that no candidate fits
+    bound = memory_bound(plans, memory_limit)
+    plans = [plan for plan in plans if plan.largest_intermediate <= bound]
     cheapest = plans[0].fma
     chosen = [plan for plan in plans if plan.fma <= AUTOTUNE_FMA_SLACK * cheapest][:AUTOTUNE_CANDIDATES]
     found: dict[tuple[ContractionStep, ...], ContractionPlan] = {}
@@ -499,7 +740,11 @@ INFERENCE_CACHE_ELEMENTS = 1 << 20
 
 
 def plan_inference(
-    network: ExpertNetwork, batch_size: int, *, max_cached: int | None = None
+    network: ExpertNetwork,
+    batch_size: int,
+    *,
+    max_cached: int | None = None,
+    memory_limit: int | str | None = None,
 ) -> tuple[ContractionPlan, frozenset[int]]:
     """Plan the forward pass for constant cores: fewest FMAs per call, core-only steps free.
 
@@ -513,6 +758,10 @@ def plan_inference(
         Most elements the cached core-only intermediates may hold (default: the larger of
         4 × the network's parameter count and [`INFERENCE_CACHE_ELEMENTS`][mumoe_tn.contractions.plan]). Plans that
         would cache more are counted without caching.
+    memory_limit : int or "max_input", optional
+        Most elements an intermediate computed per call may hold (see
+        [`choose_plan`][mumoe_tn.contractions.plan.choose_plan]; the cached core-only results are bounded by
+        ``max_cached``).
 
     Returns
     -------
@@ -528,9 +777,11 @@ def plan_inference(
     inputs = tuple(tuple(labels) for labels in inputs)
     output = tuple(output)
     sizes = {**network.sizes, BATCH_LABEL: batch_size}
-    best: tuple[tuple[int, int], ContractionPlan, frozenset[int]] | None = None
+    found: list[tuple[ContractionPlan, frozenset[int]]] = []
     for scale in INFERENCE_SCALES:
-        for path in candidate_paths(inputs, output, {**sizes, BATCH_LABEL: batch_size * scale}):
+        scaled = {**sizes, BATCH_LABEL: batch_size * scale}
+        bound = _limit_elements(memory_limit, inputs, sizes) if scale == 1 else None
+        for path in candidate_paths(inputs, output, scaled, memory_limit=bound):
             try:
                 plan = _layout(inputs, output, sizes, path, BATCH_LABEL)
             except ValueError:
@@ -538,13 +789,22 @@ def plan_inference(
             steps = constant_steps(plan, len(network.cores))
             if constant_elements(plan, steps) > limit:
                 steps = frozenset()
-            key = (per_call_fma(plan, steps), constant_elements(plan, steps))
-            if best is None or key < best[0]:
-                best = (key, plan, steps)
-    if best is None:
-        plan = plan_forward(network, batch_size)
-        return plan, frozenset()
-    return best[1], best[2]
+            found.append((plan, steps))
+    if not found:
+        return plan_forward(network, batch_size, memory_limit=memory_limit), frozenset()
+    cached = {id(plan): steps for plan, steps in found}
+    chosen = choose_plan(
+        [plan for plan, _ in found],
+        memory_limit,
+        peak=lambda plan: per_call_peak(plan, cached[id(plan)]),
+        fma=lambda plan: (per_call_fma(plan, cached[id(plan)]), constant_elements(plan, cached[id(plan)])),
+    )
+    return chosen, cached[id(chosen)]
+
+
+def per_call_peak(plan: ContractionPlan, steps: frozenset[int]) -> int:
+    """Elements of the largest intermediate a call computes when the results of ``steps`` are reused."""
+    return max((_size(step.output, plan.sizes) for k, step in enumerate(plan.steps) if k not in steps), default=0)
 
 
 @lru_cache(maxsize=128)

@@ -1,26 +1,43 @@
-"""Path search bounded by network size: which optimizers to try for a contraction.
+"""Path search bounded by network size: which deterministic finders to ask for a contraction.
 
-The ``"auto"`` planner asks several path finders for candidate paths and keeps the one with
-the fewest fused multiply-adds under this library's convention (see
-[`ContractionStep`][mumoe_tn.contractions.plan.ContractionStep]). Which finders are asked depends on the
-number of operands, so that planning stays bounded (well under a second on the networks of the
-reliability tests) while small networks get an FMA-optimal path:
+The ``"auto"`` planner asks several path finders for candidate paths and then keeps, among the
+candidates whose largest intermediate respects a memory bound, the one with the fewest fused
+multiply-adds (see [`choose_plan`][mumoe_tn.contractions.plan.choose_plan] for the cost model).
+Which finders are asked depends on the number of operands, so that planning stays bounded
+(well under a second on the networks of the reliability tests):
 
-- up to `OPTIMAL_MAX_OPERANDS` operands: opt_einsum's exhaustive ``"optimal"`` search
-  and its dynamic programming with and without outer products;
-- up to `DP_OUTER_MAX_OPERANDS`: dynamic programming with and without outer products;
-- up to `DP_MAX_OPERANDS`: dynamic programming without outer products;
-- beyond: greedy searches only (and cotengra's hyper-optimizer, time-boxed, when installed).
+- up to `OPTIMAL_MAX_OPERANDS` operands: opt_einsum's exhaustive ``"optimal"`` search;
+- up to `DP_OUTER_MAX_OPERANDS`: dynamic programming with outer products, fewest FMAs;
+- up to `DP_MAX_OPERANDS`: dynamic programming without outer products, fewest FMAs;
+- beyond `DP_MAX_OPERANDS`: seeded randomised greedy searches, one minimising FMAs and one
+  minimising the largest intermediate (`RANDOM_GREEDY_REPEATS` trials each).
 
 Every candidate list also holds the greedy path and an "absorb first" path, which contracts each
 two-leg operand (a coefficient ``(b, n_e)``, the input ``(b, i)``) into the one operand that
-shares its other leg before a greedy or DP search of the rest, so a valid plan always exists.
+shares its other leg before a search of the rest (greedy; DP with outer products when at most
+`ABSORBED_DP_MAX_OPERANDS` operands are left; on large networks the randomised searches, which
+then run on the rest only), so a valid plan always exists.
+
+When no candidate keeps its largest intermediate within the memory bound (`PEAK_FACTOR` × the
+largest operand or result, or the ``memory_limit`` asked for) and the network has at most
+`SIZE_DP_MAX_OPERANDS` operands, dynamic programming with outer products that minimises the
+largest intermediate is asked too, with the bound as its memory limit. That is the memory-safe
+candidate: on Tucker layers it pairs the small coefficient vectors before they meet the core,
+where every path without outer products builds a ``batch × R^(E+1)`` intermediate. It is asked
+only then because its search time explodes on networks with many free legs (a chain of 14
+matrices each keeping a leg: 35 s), where the other candidates already fit.
+
+Every finder is deterministic: the same network, shapes and optimizer give the same path in
+every process (see [`find_path`][mumoe_tn.contractions.search.find_path]: labels are handed to
+opt_einsum as ints, whose set order does not depend on the process's string hashing; the
+randomised searches run a fixed number of trials from fixed seeds, with Python's global random
+state saved and restored around them; nothing is time-boxed).
 This module does not import torch.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import random
 from collections.abc import Mapping, Sequence
 
 import opt_einsum
@@ -29,7 +46,11 @@ __all__ = [
     "DP_MAX_OPERANDS",
     "DP_OUTER_MAX_OPERANDS",
     "OPTIMAL_MAX_OPERANDS",
+    "PEAK_FACTOR",
+    "RANDOM_GREEDY_REPEATS",
+    "SIZE_DP_MAX_OPERANDS",
     "candidate_paths",
+    "find_path",
 ]
 
 Labels = tuple[str, ...]
@@ -37,17 +58,27 @@ Path = tuple[tuple[int, ...], ...]
 
 #: Largest operand count for which opt_einsum's exhaustive ``"optimal"`` search is tried.
 OPTIMAL_MAX_OPERANDS = 7
-#: Largest operand count for which dynamic programming searches outer products too.
+#: Largest operand count for which dynamic programming searches outer products for fewest FMAs.
 DP_OUTER_MAX_OPERANDS = 11
-#: Largest operand count for which dynamic programming is tried at all.
+#: Largest operand count for which dynamic programming without outer products is tried.
 DP_MAX_OPERANDS = 14
+#: Largest operand count for which dynamic programming with outer products minimises the
+#: largest intermediate, when no other candidate fits the memory bound.
+SIZE_DP_MAX_OPERANDS = 16
+#: The memory bound: intermediates up to this multiple of the largest operand or result.
+PEAK_FACTOR = 4
 #: Largest operand count, after absorbing two-leg operands, for a DP search of the rest.
 ABSORBED_DP_MAX_OPERANDS = 9
-#: Seconds cotengra's hyper-optimizer may search on large networks (when installed).
-COTENGRA_SECONDS = 0.3
+#: Trials of each seeded randomised greedy search on networks beyond `DP_MAX_OPERANDS`.
+RANDOM_GREEDY_REPEATS = 32
 
 
-def _optimizers(n_operands: int, thorough: bool) -> list[object]:
+def _random_greedy() -> list[object]:
+    """Seeded randomised greedy searches (fixed trials, no clock): fewest FMAs, smallest peak."""
+    return [opt_einsum.RandomGreedy(max_repeats=RANDOM_GREEDY_REPEATS, minimize=x) for x in ("flops", "size")]
+
+
+def _optimizers(n_operands: int, thorough: bool, randomised: bool = True) -> list[object]:
     """The opt_einsum optimizers (fresh objects) worth running for ``n_operands`` operands."""
     found: list[object] = ["greedy"]
     if n_operands <= OPTIMAL_MAX_OPERANDS:
@@ -58,22 +89,8 @@ def _optimizers(n_operands: int, thorough: bool) -> list[object]:
         found.append(opt_einsum.paths.DynamicProgramming())
     if thorough and n_operands <= 9:
         found.append("branch-2")
-    if n_operands > DP_MAX_OPERANDS and importlib.util.find_spec("cotengra") is not None:
-        import cotengra
-
-        found.append(
-            cotengra.HyperOptimizer(
-                methods=["greedy"],
-                max_repeats=32,
-                max_time=COTENGRA_SECONDS,
-                progbar=False,
-                parallel=False,
-                reconf_opts=None,
-                simulated_annealing_opts=None,
-                slicing_opts=None,
-                slicing_reconf_opts=None,
-            )
-        )
+    if n_operands > DP_MAX_OPERANDS and randomised:
+        found += _random_greedy()
     return found
 
 
@@ -84,11 +101,58 @@ def _equation(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int]
     return equation, [tuple(sizes[x] for x in labels) for labels in inputs]
 
 
-def _search(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], optimizer: object) -> Path:
+def find_path(
+    inputs: Sequence[Labels],
+    output: Labels,
+    sizes: Mapping[str, int],
+    optimizer: object,
+    memory_limit: int | None = None,
+) -> Path:
+    """The path ``optimizer`` finds, the same in every process.
+
+    opt_einsum's finders (named, or opt_einsum objects) are called directly with every label
+    replaced by its position in ``sizes``: they iterate over sets of labels, and the order of a set
+    of strings changes from one process to the next (string hashing is randomised per process),
+    which changes how their ties are broken; a set of small ints has one order everywhere. Their
+    randomised finders seed Python's global generator per trial: the caller's state is restored.
+    Other optimizer objects (cotengra's) go through ``opt_einsum.contract_path``.
+
+    Parameters
+    ----------
+    inputs : Sequence of tuple of str
+        Labels of each operand.
+    output : tuple of str
+        Labels of the result.
+    sizes : Mapping[str, int]
+        Size of every label.
+    optimizer : str or object
+        An opt_einsum path-finder name or optimizer object, or another object opt_einsum accepts.
+    memory_limit : int, optional
+        Passed to opt_einsum's finders (dynamic programming then skips every pair whose result
+        holds more elements, and raises ``RuntimeError`` when no path is left).
+
+    Returns
+    -------
+    tuple of tuple of int
+        The path in opt_einsum's convention.
+    """
     if len(inputs) == 1:
         return ((0,),)
-    equation, shapes = _equation(inputs, output, sizes)
-    path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize=optimizer)
+    if len(inputs) == 2:
+        return ((0, 1),)
+    state = random.getstate()
+    try:
+        if isinstance(optimizer, str) or type(optimizer).__module__.startswith("opt_einsum."):
+            index = {label: k for k, label in enumerate(sizes)}
+            sets = [frozenset(index[x] for x in labels) for labels in inputs]
+            finder = opt_einsum.paths.get_path_fn(optimizer) if isinstance(optimizer, str) else optimizer
+            size_dict = {index[label]: size for label, size in sizes.items()}
+            path = finder(sets, frozenset(index[x] for x in output), size_dict, memory_limit)
+        else:
+            equation, shapes = _equation(inputs, output, sizes)
+            path, _ = opt_einsum.contract_path(equation, *shapes, shapes=True, optimize=optimizer)
+    finally:
+        random.setstate(state)
     return tuple(tuple(step) for step in path)
 
 
@@ -119,7 +183,12 @@ def _absorb_two_leg_operands(inputs: Sequence[Labels], output: Labels) -> tuple[
 
 
 def candidate_paths(
-    inputs: Sequence[Sequence[str]], output: Sequence[str], sizes: Mapping[str, int], *, thorough: bool = False
+    inputs: Sequence[Sequence[str]],
+    output: Sequence[str],
+    sizes: Mapping[str, int],
+    *,
+    thorough: bool = False,
+    memory_limit: int | None = None,
 ) -> list[Path]:
     """Distinct contraction paths from the path finders suited to the network's size.
 
@@ -134,6 +203,9 @@ def candidate_paths(
     thorough : bool, optional
         Also ask slower finders on small networks (used by autotuning, which wants a few
         different good paths to time).
+    memory_limit : int, optional
+        Elements an intermediate should not exceed (default `PEAK_FACTOR` × the largest operand
+        or result); where no candidate fits, a search for the smallest peak is added.
 
     Returns
     -------
@@ -144,14 +216,52 @@ def candidate_paths(
     inputs = [tuple(labels) for labels in inputs]
     output = tuple(output)
     found: list[Path] = []
-    for optimizer in _optimizers(len(inputs), thorough):
-        found.append(_search(inputs, output, sizes, optimizer))
     absorbed, rest = _absorb_two_leg_operands(inputs, output)
+    # Large networks: the randomised searches run on what is left after absorbing (faster, and
+    # better on the networks tried), or on the whole network when nothing can be absorbed.
+    for optimizer in _optimizers(len(inputs), thorough, randomised=not absorbed or len(rest) <= 1):
+        found.append(find_path(inputs, output, sizes, optimizer))
     if absorbed:
         rest_finders: list[object] = ["greedy"]
         if len(rest) <= ABSORBED_DP_MAX_OPERANDS:
             rest_finders.append(opt_einsum.paths.DynamicProgramming(search_outer=True))
+        elif len(inputs) > DP_MAX_OPERANDS:
+            rest_finders += _random_greedy()
         for optimizer in rest_finders:
-            found.append(absorbed + _search(rest, output, sizes, optimizer) if len(rest) > 1 else absorbed)
+            found.append(absorbed + find_path(rest, output, sizes, optimizer) if len(rest) > 1 else absorbed)
+    bound = _bound(inputs, output, sizes, memory_limit)
+    if len(inputs) <= SIZE_DP_MAX_OPERANDS and min(_peak(inputs, output, sizes, path) for path in found) > bound:
+        smallest = opt_einsum.paths.DynamicProgramming(search_outer=True, minimize="size")
+        try:
+            found.append(find_path(inputs, output, sizes, smallest, bound))
+        except RuntimeError:  # no path within the bound: the planner reports the smallest peak found
+            pass
     # Positions within a step are a set: (0, 4) and (4, 0) are the same contraction.
     return list(dict.fromkeys(tuple(tuple(sorted(step)) for step in path) for path in found))
+
+
+def _size(labels: Sequence[str], sizes: Mapping[str, int]) -> int:
+    total = 1
+    for label in labels:
+        total *= sizes[label]
+    return total
+
+
+def _bound(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], memory_limit: int | None) -> int:
+    """The memory bound of `candidate_paths` in elements (never below the result's size)."""
+    if memory_limit is not None:
+        return max(memory_limit, _size(output, sizes))
+    return PEAK_FACTOR * max(_size(labels, sizes) for labels in (*inputs, output))
+
+
+def _peak(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], path: Path) -> int:
+    """Elements of the largest intermediate or result along ``path``."""
+    current = [set(labels) for labels in inputs]
+    peak = 0
+    for step in path:
+        operands = [current.pop(k) for k in sorted(step, reverse=True)]
+        kept = set().union(*current) | set(output)
+        result = set().union(*operands) & kept
+        peak = max(peak, _size(list(result), sizes))
+        current.append(result)
+    return peak

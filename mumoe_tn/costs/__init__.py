@@ -16,6 +16,7 @@ from mumoe_tn.costs.matching import (
     match_layer,
     resolve_target,
     scaled_bonds,
+    solve_bonds,
     solve_rank,
     upcycle_capacity,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "rank_bound",
     "resolve_target",
     "scaled_bonds",
+    "solve_bonds",
     "solve_rank",
     "sparse_moe",
     "upcycle_capacity",

@@ -1,41 +1,50 @@
-"""Parameter matching: the rank whose parameter count is closest to a target (torch-free).
+"""Parameter matching: the bond sizes whose parameter count is closest to a target (torch-free).
 
 Notes
 -----
-Every count here is a polynomial in the scaled rank ``r`` with non-negative coefficients, so
-it is non-decreasing in ``r``. The solver finds the largest ``r`` with ``count(r) ≤ target`` by
-bisection and compares it with ``r + 1``; the closer count wins and **a tie goes to the smaller
-rank** (fewer parameters). A target below ``count(1)`` is an error. With ``rank_multiple=m`` the
-search runs over ``r = m, 2m, …`` only: matrix-multiply kernels run markedly faster when the
-inner dimensions are multiples of the SIMD width or tensor-core tile (e.g. 16), at the price of a
-coarser parameter match (one step adds ``m`` rank units). CP scales its rank ``R``;
-TR and TT scale the bond between the input and output cores (``R_{E+2}``, resp. ``R_{E+1}``)
-and keep the others (the paper's ``R1 = R2 = 4``); Tucker and custom networks scale the bonds
-the caller names, all set to the same ``r``. A format's `matched_bonds` chooses the default;
-a network without a format scales every bond.
+Every count here is a polynomial in the bond sizes with non-negative coefficients, so it is
+non-decreasing in each. [`solve_bonds`][mumoe_tn.costs.matching.solve_bonds] first finds, by
+bisection, the largest rank ``r`` with ``count ≤ target`` when every scaled bond has size ``r``;
+then it raises the scaled bonds to ``r + 1`` one at a time (the bonds of the cores holding ``i``
+and ``o`` first, since they bound the experts' rank: Tucker's factor ranks before the core's
+expert ranks), and the closest count along that chain wins; **a tie goes to fewer parameters**.
+With one scaled bond this is the closest single rank; with several, a chain step is a fraction of
+one uniform rank step (Tucker with four expert modes of 16 matched to ``nn.Linear(768, 3072)``:
++1.4 % instead of −21 %). A target below ``count(1)`` is an error. With ``rank_multiple=m`` the
+sizes are ``m, 2m, …`` only: matrix-multiply kernels run markedly faster when the inner
+dimensions are multiples of the SIMD width or tensor-core tile (e.g. 16), at the price of a
+coarser match. CP scales its rank ``R``; TR and TT scale the bond between the input and output
+cores (``R_{E+2}``, resp. ``R_{E+1}``) and keep the others (the paper's ``R1 = R2 = 4``); Tucker
+and custom networks scale the bonds the caller names. A format's `matched_bonds` chooses the
+default; a network without a format scales every bond.
 
-A solution is checked before it is returned: when the closest count misses the target by more
-than [`TOLERANCE`][mumoe_tn.costs.matching] (a rank step too coarse, or the fixed part alone too large), or when an
-expert mode collapses (its experts differ only by a scalar factor, because a cut of size 1
-separates the mode from ``i`` and ``o``; see
-[`mumoe_tn.costs.rank.collapsed_expert_modes`][mumoe_tn.costs.rank.collapsed_expert_modes]), a
-[`MatchingWarning`][mumoe_tn.costs.matching.MatchingWarning] says so with the numbers, and
-[`Match.problems`][mumoe_tn.costs.matching.Match] lists it.
+No match leaves an expert mode collapsed (its experts differing only by a scalar factor, because
+a cut of size 1 separates the mode from ``i`` and ``o``; see
+[`mumoe_tn.costs.rank.collapsed_expert_modes`][mumoe_tn.costs.rank.collapsed_expert_modes]): a bond
+that is not scaled, of size 1, on such a cut is raised to [`LIFTED_BOND`][mumoe_tn.costs.matching]
+first ([`Match.lifted`][mumoe_tn.costs.matching.Match] lists them), candidates at which a mode still
+collapses are skipped, and a match that cannot avoid it is refused with a ``ValueError``. When the
+closest count misses the target by more than [`TOLERANCE`][mumoe_tn.costs.matching] (the steps too
+coarse, or the fixed part alone too large), a [`MatchingWarning`][mumoe_tn.costs.matching.MatchingWarning]
+says so with the numbers, and [`Match.problems`][mumoe_tn.costs.matching.Match] lists it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from mumoe_tn.costs.params import block_parameters, layer_parameters
-from mumoe_tn.costs.rank import collapsed_expert_modes, rank_bound
-from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.costs.rank import collapsed_expert_modes, min_cut, rank_bound
+from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork
 from mumoe_tn.validation import check_size
 
 __all__ = [
+    "LIFTED_BOND",
     "MAX_FRACTION",
     "TOLERANCE",
     "Match",
@@ -46,11 +55,15 @@ __all__ = [
     "match_layer",
     "resolve_target",
     "scaled_bonds",
+    "solve_bonds",
     "solve_rank",
     "upcycle_capacity",
 ]
 
 _MAX_RANK = 1 << 40
+
+#: The size a bond that is not scaled gets when it is of size 1 and would collapse an expert mode.
+LIFTED_BOND = 4
 
 #: Relative distance to the target above which a match is reported as missed.
 TOLERANCE = 0.05
@@ -120,6 +133,13 @@ def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the lay
         raise TypeError(f"the parameter target must be a positive int, got {target!r} ({type(target).__name__})")
     if target <= 0:
         raise ValueError(f"the parameter target must be a positive int, got {target!r}")
+    low = _floor_rank(count, target, what, multiple)
+    closer = low if target - count(low) <= count(low + multiple) - target else low + multiple
+    return closer
+
+
+def _floor_rank(count: Callable[[int], int], target: int, what: str, multiple: int) -> int:
+    """The largest multiple ``r`` of ``multiple`` with ``count(r) ≤ target`` (bisection)."""
     smallest = count(multiple)
     if target < smallest:
         raise ValueError(
@@ -137,8 +157,7 @@ def solve_rank(count: Callable[[int], int], target: int, *, what: str = "the lay
             low = middle
         else:
             high = middle
-    closer = low if target - count(multiple * low) <= count(multiple * high) - target else high
-    return multiple * closer
+    return multiple * low
 
 
 def scaled_bonds(network: ExpertNetwork, bonds: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -156,6 +175,96 @@ def scaled_bonds(network: ExpertNetwork, bonds: Sequence[str] | None = None) -> 
     return bonds
 
 
+def solve_bonds(
+    count: Callable[[Mapping[str, int]], int],
+    bonds: Sequence[str],
+    target: int,
+    *,
+    what: str = "the layer",
+    multiple: int = 1,
+    first: Sequence[str] = (),
+    acceptable: Callable[[Mapping[str, int]], bool] | None = None,
+) -> tuple[dict[str, int], int]:
+    """Per-bond sizes whose ``count`` is closest to ``target``, and the resolution of the match.
+
+    One rank ``r`` for every bond first: the largest with ``count ≤ target`` (a multiple of
+    ``multiple``). Then the bonds are raised to ``r + multiple`` one at a time — the bonds in
+    ``first`` before the others, and among those the bond that adds the fewest parameters first —
+    up to every bond at ``r + multiple``: the closest count along that chain wins (a tie goes to
+    fewer parameters). With one bond this is the closest single rank; with several (Tucker's
+    factor ranks and core) the chain steps are a fraction of one uniform rank step.
+
+    Parameters
+    ----------
+    count : Callable[[Mapping[str, int]], int]
+        Parameters for given sizes of ``bonds``; non-decreasing in each.
+    bonds : Sequence[str]
+        The bonds to size.
+    target : int
+        Parameter budget.
+    what : str, optional
+        Named in error messages.
+    multiple : int, optional
+        Give every bond a multiple of this.
+    acceptable : Callable[[Mapping[str, int]], bool], optional
+        Candidates it rejects are skipped (the matchers reject sizes at which an expert mode
+        collapses); the last candidate, every bond at ``r + multiple``, is always kept.
+    first : Sequence[str], optional
+        Bonds to raise before the others (the matchers pass the scaled bonds of the cores holding
+        ``i`` and ``o``, which bound the experts' rank: Tucker's input and output factor ranks
+        before the core's expert ranks).
+
+    Returns
+    -------
+    sizes : dict of str to int
+        The size of every bond.
+    step : int
+        The largest difference between consecutive candidates of the chain: the resolution of the
+        match (the target lies between two of them, so the closest is within ``step / 2``).
+    """
+    multiple = check_size("rank_multiple", multiple)
+    solve_rank(lambda r: count(dict.fromkeys(bonds, r)), target, what=what, multiple=multiple)  # checks
+    low = _floor_rank(lambda r: count(dict.fromkeys(bonds, r)), target, what, multiple)
+    base = dict.fromkeys(bonds, low)
+    added = {bond: count({**base, bond: low + multiple}) for bond in bonds}
+    chain = [dict(base)]
+    for bond in sorted(bonds, key=lambda bond: (bond not in first, added[bond])):  # stable: ties keep the order
+        chain.append({**chain[-1], bond: low + multiple})
+    counts = [count(sizes) for sizes in chain]
+    kept = [k for k in range(len(chain) - 1) if acceptable is None or acceptable(chain[k])] + [len(chain) - 1]
+    best = min(kept, key=lambda k: (abs(counts[k] - target), counts[k]))
+    return chain[best], max(after - before for before, after in itertools.pairwise(counts))
+
+
+def _lift_collapsing_bonds(networks: Sequence[ExpertNetwork], scaled: Sequence[str]) -> dict[str, int]:
+    """Bonds not scaled, of size 1, that cut an expert mode off from ``i`` and ``o``, with a size for each.
+
+    Each is given `LIFTED_BOND` (the paper's expert ranks ``R1 = R2 = 4``), or less where the
+    expert leg it cuts off is smaller or the core holding that leg cannot use more (the product
+    of its other labels). Scaled bonds count as larger than 1 (they
+    will be). Cuts are looked for again after every lift, until no such bond is left.
+    """
+    lifted: dict[str, int] = {}
+    while True:
+        found = {}
+        for network in networks:
+            probe = network.with_sizes(**dict.fromkeys(scaled, 2), **lifted)
+            for leg in collapsed_expert_modes(probe):
+                labels, _ = min_cut(probe, (leg,), (INPUT_LEG, OUTPUT_LEG))
+                for bond in labels:
+                    if bond in scaled or bond not in probe.bonds or probe.sizes[bond] != 1:
+                        continue
+                    holder = probe.cores[probe.core_of(leg)]
+                    size = min(probe.sizes[leg], LIFTED_BOND)
+                    if bond in holder:
+                        size = min(size, math.prod(probe.sizes[x] for x in holder if x != bond))
+                    if size > 1:
+                        found[bond] = max(found.get(bond, 1), size)
+        if not found:
+            return lifted
+        lifted.update(found)
+
+
 @dataclass(frozen=True)
 class Match:
     """A parameter-matched configuration.
@@ -163,7 +272,7 @@ class Match:
     Attributes
     ----------
     rank : int
-        The rank given to every scaled bond.
+        The smallest size among the scaled bonds (every scaled bond's, with one).
     bonds : tuple of str
         The scaled bonds.
     params : int
@@ -171,13 +280,18 @@ class Match:
     target : int
         The budget.
     step : int
-        ``count(rank + m) - count(rank)`` with ``m`` the rank multiple (1 by default): one rank
-        step, the resolution of the match.
+        The resolution of the match (see [`solve_bonds`][mumoe_tn.costs.matching.solve_bonds]; with one
+        scaled bond, ``count(r + m) - count(r)`` around the target, ``m`` the rank multiple).
     networks : tuple of ExpertNetwork
         The matched network(s).
     problems : tuple of str
-        What is wrong with the solution (target missed by more than [`TOLERANCE`][mumoe_tn.costs.matching],
-        collapsed expert modes); empty for a good match. Each was also warned about.
+        What is wrong with the solution (target missed by more than [`TOLERANCE`][mumoe_tn.costs.matching]);
+        empty for a good match. Each was also warned about.
+    ranks : Mapping[str, int]
+        The size of every scaled bond.
+    lifted : Mapping[str, int]
+        Bonds not scaled that were of size 1 and cut an expert mode off from ``i`` and ``o``
+        (its experts would differ only by a scalar factor), with the size they were given.
     """
 
     rank: int
@@ -187,6 +301,8 @@ class Match:
     step: int
     networks: tuple[ExpertNetwork, ...]
     problems: tuple[str, ...] = ()
+    ranks: Mapping[str, int] = field(default_factory=dict)
+    lifted: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def relative_error(self) -> float:
@@ -195,24 +311,27 @@ class Match:
 
 
 def _checked(match: Match) -> Match:
-    problems = []
-    if abs(match.relative_error) > TOLERANCE:
-        problems.append(
-            f"the closest match has {match.params:,} parameters, {match.relative_error:+.1%} from the target "
-            f"{match.target:,} (rank {match.rank} on bonds {match.bonds}; one rank step adds {match.step:,})"
-        )
     for k, network in enumerate(match.networks):
         collapsed = collapsed_expert_modes(network)
         if collapsed:
             where = f"layer {k + 1}: " if len(match.networks) > 1 else ""
-            problems.append(
-                f"{where}expert mode(s) {list(collapsed)} collapse: their experts differ only by a scalar factor "
-                f"(a cut of size 1 separates them from i and o; expert rank bound {rank_bound(network)}); give the "
-                f"bonds of those modes a size > 1 or scale them too (bonds={list(match.bonds)} were scaled)"
+            raise ValueError(
+                f"parameter matching: {where}expert mode(s) {list(collapsed)} collapse at the matched sizes "
+                f"{match.ranks}: their experts differ only by a scalar factor (a cut of size 1 separates them "
+                f"from i and o; expert rank bound {rank_bound(network)}); the budget of {match.target:,} parameters "
+                f"is too small for bonds {list(match.bonds)} of size > 1, or another bond of size 1 cuts them off: "
+                "give it a size > 1 or scale it too"
             )
+    problems = []
+    if abs(match.relative_error) > TOLERANCE:
+        ranks = ", ".join(f"{bond}={size}" for bond, size in match.ranks.items())
+        problems.append(
+            f"the closest match has {match.params:,} parameters, {match.relative_error:+.1%} from the target "
+            f"{match.target:,} ({ranks}; the candidates are {match.step:,} apart)"
+        )
     for problem in problems:
         warnings.warn(f"parameter matching: {problem}", MatchingWarning, stacklevel=3)
-    return Match(match.rank, match.bonds, match.params, match.target, match.step, match.networks, tuple(problems))
+    return dataclasses.replace(match, problems=tuple(problems))
 
 
 def match_layer(
@@ -245,16 +364,19 @@ def match_layer(
     Match
     """
     names = scaled_bonds(network, bonds)
+    lifted = _lift_collapsing_bonds([network], names)
+    network = network.with_sizes(**lifted)
 
-    def resized(r: int) -> ExpertNetwork:
-        return network.with_sizes(**dict.fromkeys(names, r))
+    def count(sizes: Mapping[str, int]) -> int:
+        return layer_parameters(network.with_sizes(**sizes), bias=bias, gate=gate, input_norm=input_norm).total
 
-    def count(r: int) -> int:
-        return layer_parameters(resized(r), bias=bias, gate=gate, input_norm=input_norm).total
-
-    rank = solve_rank(count, target, what=f"a {network.name} layer scaling {names}", multiple=rank_multiple)
-    step = count(rank + rank_multiple) - count(rank)
-    return _checked(Match(rank, names, count(rank), target, step, (resized(rank),)))
+    what = f"a {network.name} layer scaling {names}" + _lifted_note(lifted)
+    first = _rank_limiting(network, names)
+    sizes, step = solve_bonds(
+        count, names, target, what=what, multiple=rank_multiple, first=first, acceptable=_whole([network])
+    )
+    matched = (network.with_sizes(**sizes),)
+    return _checked(Match(min(sizes.values()), names, count(sizes), target, step, matched, (), sizes, lifted))
 
 
 def match_block(
@@ -288,16 +410,43 @@ def match_block(
     """
     names = scaled_bonds(first, bonds)
     scaled_bonds(second, names)
+    lifted = _lift_collapsing_bonds([first, second], names)
+    first, second = first.with_sizes(**_own(first, lifted)), second.with_sizes(**_own(second, lifted))
 
-    def resized(r: int) -> tuple[ExpertNetwork, ExpertNetwork]:
-        return first.with_sizes(**dict.fromkeys(names, r)), second.with_sizes(**dict.fromkeys(names, r))
+    def resized(sizes: Mapping[str, int]) -> tuple[ExpertNetwork, ExpertNetwork]:
+        return first.with_sizes(**sizes), second.with_sizes(**sizes)
 
-    def count(r: int) -> int:
-        return block_parameters(*resized(r), bias=bias, gate=gate).total
+    def count(sizes: Mapping[str, int]) -> int:
+        return block_parameters(*resized(sizes), bias=bias, gate=gate).total
 
-    rank = solve_rank(count, target, what=f"a {first.name} block scaling {names}", multiple=rank_multiple)
-    step = count(rank + rank_multiple) - count(rank)
-    return _checked(Match(rank, names, count(rank), target, step, resized(rank)))
+    what = f"a {first.name} block scaling {names}" + _lifted_note(lifted)
+    limiting = _rank_limiting(first, names) + _rank_limiting(second, names)
+    sizes, step = solve_bonds(
+        count, names, target, what=what, multiple=rank_multiple, first=limiting, acceptable=_whole([first, second])
+    )
+    return _checked(Match(min(sizes.values()), names, count(sizes), target, step, resized(sizes), (), sizes, lifted))
+
+
+def _lifted_note(lifted: Mapping[str, int]) -> str:
+    if not lifted:
+        return ""
+    sizes = ", ".join(f"{bond}={size}" for bond, size in lifted.items())
+    return f" (with {sizes}: bonds not scaled, raised from 1 so that no expert mode collapses)"
+
+
+def _whole(networks: Sequence[ExpertNetwork]) -> Callable[[Mapping[str, int]], bool]:
+    """Whether no expert mode of ``networks`` collapses at the given bond sizes."""
+    return lambda sizes: not any(collapsed_expert_modes(network.with_sizes(**sizes)) for network in networks)
+
+
+def _rank_limiting(network: ExpertNetwork, names: Sequence[str]) -> tuple[str, ...]:
+    """The scaled bonds of the cores holding ``i`` and ``o`` (the input and output factor ranks)."""
+    held = {*network.cores[network.core_of(INPUT_LEG)], *network.cores[network.core_of(OUTPUT_LEG)]}
+    return tuple(bond for bond in names if bond in held)
+
+
+def _own(network: ExpertNetwork, sizes: Mapping[str, int]) -> dict[str, int]:
+    return {bond: size for bond, size in sizes.items() if bond in network.sizes}
 
 
 def upcycle_capacity(network: ExpertNetwork) -> int:

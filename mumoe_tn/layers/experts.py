@@ -22,11 +22,13 @@ from mumoe_tn.contractions.plan import (
     BATCH_LABEL,
     ContractionPlan,
     autotune_candidates,
+    check_memory_limit,
     plan_forward,
     plan_inference,
     resolve_optimizer,
 )
 from mumoe_tn.contractions.prepared import PreparedPlan
+from mumoe_tn.contractions.saved import read_plans, write_plans
 from mumoe_tn.layers.init import INIT_RULES, check_expert_noise, init_cores
 from mumoe_tn.layers.options import (
     check_allocatable,
@@ -101,6 +103,10 @@ class FactorizedExperts(nn.Module):
     max_plans : int, optional
         Size of the plan cache in slots (default [`MAX_PLANS`][mumoe_tn.layers.experts]; one slot per
         batch-size bucket and mode, training or inference).
+    memory_limit : int or "max_input", optional
+        Most elements any intermediate of a planned contraction may hold (as opt_einsum's
+        ``memory_limit``); default: the planner's bound (see
+        [`mumoe_tn.contractions.choose_plan`][mumoe_tn.contractions.plan.choose_plan]).
     chunk_size : int, optional
         Contract at most this many rows at a time (bounds the intermediates of huge batches;
         exact). Default: the whole batch at once.
@@ -128,6 +134,7 @@ class FactorizedExperts(nn.Module):
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
         max_plans: int = MAX_PLANS,
+        memory_limit: int | str | None = None,
         chunk_size: int | None = None,
         recompute: bool = False,
         precontract: bool = True,
@@ -159,6 +166,7 @@ class FactorizedExperts(nn.Module):
         resolve_optimizer(optimize)  # validates; names are resolved afresh for every plan
         self.optimize = optimize
         self.max_plans = max_plans
+        self.memory_limit = check_memory_limit(memory_limit)
         self.chunk_size = chunk_size
         self.recompute = recompute
         self.precontract = precontract
@@ -166,7 +174,9 @@ class FactorizedExperts(nn.Module):
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._plans_lock = threading.RLock()
         self._prepared: DerivedCache[_PreparedCores] = DerivedCache()
-        self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, self._path_optimizer())
+        self._compile_plan = plan_forward(
+            network, COMPILE_PLAN_BATCH, self._path_optimizer(), memory_limit=self.memory_limit
+        )
         for name, shape in network.core_shapes.items():
             if hasattr(self, name):
                 raise ValueError(f"core name {name!r} clashes with an attribute of FactorizedExperts; rename the core")
@@ -183,6 +193,7 @@ class FactorizedExperts(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_pad_bonds", PAD_MULTIPLE)  # pickled before the option existed
+        self.__dict__.setdefault("memory_limit", None)  # likewise
         self._plans_lock = threading.RLock()
         self._prepared = DerivedCache()
 
@@ -296,8 +307,9 @@ class FactorizedExperts(nn.Module):
     def _make_plan(self, bucket: int, operands: Sequence[torch.Tensor] | None, ones: str | None) -> ContractionPlan:
         """A new plan for ``bucket``: autotuned on ``operands`` where asked and given, else by the optimizer."""
         if self.optimize == "autotune" and operands is not None:
-            return fastest_plan(autotune_candidates(self.network, bucket), operands, ones_appended=ones)
-        return plan_forward(self.network, bucket, self._path_optimizer())
+            candidates = autotune_candidates(self.network, bucket, memory_limit=self.memory_limit)
+            return fastest_plan(candidates, operands, ones_appended=ones)
+        return plan_forward(self.network, bucket, self._path_optimizer(), memory_limit=self.memory_limit)
 
     def clear_inference_cache(self) -> None:
         """Drop what inference keeps from the cores (padded copies, pre-contracted sub-networks).
@@ -322,7 +334,7 @@ class FactorizedExperts(nn.Module):
         def make() -> _InferenceProgram:
             steps: frozenset[int] = frozenset()
             if self.precontract:
-                plan, steps = plan_inference(self.network, bucket)
+                plan, steps = plan_inference(self.network, bucket, memory_limit=self.memory_limit)
             if not steps:
                 operands = [*prepared.padded(), *rows] if self.optimize == "autotune" else None
                 plan = self._make_plan(bucket, operands, ones)
@@ -449,6 +461,41 @@ class FactorizedExperts(nn.Module):
             f"out={net.out_features}, params={net.n_params:,}"
         )
 
+    def export_plans(self) -> dict[str, Any]:
+        """The contraction plans made so far (one per kind and batch-size bucket), as a JSON-able dict.
+
+        Save it with a checkpoint, or plan on one process and broadcast it: ``load_plans`` puts the
+        plans into another layer's cache, which then runs them without searching. Plan a bucket
+        first with ``plan(batch_size)``.
+        """
+        with self._plans_lock:
+            cached = list(self._plans.items())
+        entries = []
+        for key, value in cached:
+            if key[0] == "train":
+                entries.append(("train", key[1], value, None))
+            elif key[0] == "inference" and key[2]:  # the plans of the default, pre-contracting inference
+                entries.append(("inference", key[1], value.plan, value.steps))
+        return write_plans(self.network, entries)
+
+    def load_plans(self, saved: Mapping[str, Any]) -> None:
+        """Put plans written by ``export_plans`` into the plan cache.
+
+        Every plan is checked against this layer's network first (a ``ValueError`` names the
+        first that does not fit); nothing is loaded unless all fit.
+        """
+        entries = read_plans(self.network, saved)
+        with self._plans_lock:
+            for kind, bucket, plan, constant in entries:
+                if kind == "train":
+                    key, value = ("train", bucket), plan
+                else:
+                    key, value = ("inference", bucket, True), _InferenceProgram(plan, constant, len(self.network.cores))
+                self._plans[key] = value
+                self._plans.move_to_end(key)
+            while len(self._plans) > self.max_plans:
+                self._plans.popitem(last=False)
+
 
 def _operand_name(position: int) -> str:
     """How errors name the forward pass's operand at ``position`` (the input, then the coefficients)."""
@@ -476,6 +523,7 @@ class _InferenceProgram:
 
     def __init__(self, plan: ContractionPlan, steps: frozenset[int], n_cores: int) -> None:
         self.plan = plan
+        self.steps = steps
         self.keys = _constant_keys(plan, steps)
 
 

@@ -61,6 +61,7 @@ class _MLPBlock(MuMoEBase):
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
         max_plans: int = MAX_PLANS,
+        memory_limit: int | str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,
@@ -90,6 +91,7 @@ class _MLPBlock(MuMoEBase):
         gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
         layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, "max_plans": max_plans, **factory}
+        layer["memory_limit"] = memory_limit
         self._build_layers(
             lambda net: FactorizedExperts(net, fan_in=in_features, **layer),
             lambda net: FactorizedExperts(net, fan_in=hidden_features, **layer),
@@ -155,7 +157,7 @@ class MuMoEMLP(_MLPBlock):
         LayerNorm on the block's input first.
     hidden_activation : nn.Module, optional
         Non-linearity between the layers (default ``nn.GELU()``).
-    init, expert_noise, optimize, max_plans, device, dtype, **decomposition_options
+    init, expert_noise, optimize, max_plans, memory_limit, device, dtype, **decomposition_options
         As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes
@@ -266,7 +268,7 @@ class MuMoEGatedMLP(_MLPBlock):
         The shared gate, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
     hidden_activation : nn.Module, optional
         The ``act`` of the gate projection (default ``nn.SiLU()``: SwiGLU).
-    init, expert_noise, optimize, max_plans, device, dtype, **decomposition_options
+    init, expert_noise, optimize, max_plans, memory_limit, device, dtype, **decomposition_options
         As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes

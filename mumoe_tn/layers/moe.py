@@ -98,6 +98,9 @@ class MuMoE(MuMoEBase):
         Size of the layer's plan cache: one slot per batch-size bucket (the next power of two) in
         training and one in inference (default 64, every bucket from 1 to 2⁶³), see
         [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
+    memory_limit : int or "max_input", optional
+        Most elements any intermediate of the contraction may hold (as for
+        [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]; default: the planner's bound).
     device, dtype : optional
         Factory arguments.
     **decomposition_options
@@ -136,6 +139,7 @@ class MuMoE(MuMoEBase):
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
         max_plans: int = MAX_PLANS,
+        memory_limit: int | str | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         **decomposition_options: Any,
@@ -171,6 +175,7 @@ class MuMoE(MuMoEBase):
             expert_noise=expert_noise,
             optimize=optimize,
             max_plans=max_plans,
+            memory_limit=memory_limit,
             **factory,
         )
 

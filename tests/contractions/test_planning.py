@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import named_networks
 
+import mumoe_tn.contractions.search
 from mumoe_tn import ExpertNetwork, MuMoE
 from mumoe_tn.contractions import (
     autotune,
@@ -33,7 +34,7 @@ from mumoe_tn.contractions import (
 )
 from mumoe_tn.contractions.autotune import fastest_plan
 from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK, constant_elements, einsum_equation
-from mumoe_tn.contractions.search import COTENGRA_SECONDS, candidate_paths
+from mumoe_tn.contractions.search import RANDOM_GREEDY_REPEATS, candidate_paths
 from mumoe_tn.decompositions import build, tt
 from mumoe_tn.layers import FactorizedExperts
 from mumoe_tn.network import BATCH_LABEL
@@ -577,13 +578,21 @@ def test_every_candidate_path_is_pairwise_and_contracts_every_operand(network, b
         assert len(path) == len(inputs) - 1
 
 
+#: The seeded randomised greedy searches asked beyond dynamic programming: fixed trials, no clock.
+RANDOM_GREEDY = [
+    ("RandomGreedy", "flops", RANDOM_GREEDY_REPEATS, None),
+    ("RandomGreedy", "size", RANDOM_GREEDY_REPEATS, None),
+]
+
+
 def _finder(optimize):
     """A finder passed to opt_einsum, described by what matters for the search."""
     if isinstance(optimize, str):
         return optimize
     if isinstance(optimize, opt_einsum.paths.DynamicProgramming):
-        return "dp+outer" if optimize.search_outer else "dp"
-    return (type(optimize).__name__, optimize.max_time, optimize.progbar)
+        size = "-size" if optimize.minimize == "size" else ""
+        return ("dp+outer" if optimize.search_outer else "dp") + size
+    return (type(optimize).__name__, optimize.minimize, optimize.max_repeats, optimize.max_time)
 
 
 @pytest.mark.parametrize(
@@ -596,21 +605,21 @@ def _finder(optimize):
         (11, False, ["greedy", "dp+outer", "dp"]),
         (12, False, ["greedy", "dp"]),
         (14, False, ["greedy", "dp"]),
-        (15, False, ["greedy", ("HyperOptimizer", COTENGRA_SECONDS, False)]),
+        (15, False, ["greedy", *RANDOM_GREEDY]),
+        (17, False, ["greedy", *RANDOM_GREEDY]),
     ],
 )
 def test_path_finders_asked_follow_the_documented_bounds(monkeypatch, capsys, n_operands, thorough, expected):
     # A chain of matrices with the first and last legs kept: no operand has two legs that can be
     # absorbed, so only the size-dependent finders are asked (in the documented order).
-    pytest.importorskip("cotengra")
     asked = []
-    search = opt_einsum.contract_path
+    search = mumoe_tn.contractions.search.find_path
 
-    def recording(*args, optimize, **kwargs):
-        asked.append(_finder(optimize))
-        return search(*args, optimize=optimize, **kwargs)
+    def recording(inputs, output, sizes, optimizer):
+        asked.append(_finder(optimizer))
+        return search(inputs, output, sizes, optimizer)
 
-    monkeypatch.setattr(opt_einsum, "contract_path", recording)
+    monkeypatch.setattr(mumoe_tn.contractions.search, "find_path", recording)
     inputs = [(f"x{k}", f"x{k + 1}", f"y{k}") for k in range(n_operands)]
     output = ("x0", f"x{n_operands}", *(f"y{k}" for k in range(n_operands)))
     sizes = {label: 2 for labels in inputs for label in labels}

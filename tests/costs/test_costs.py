@@ -17,6 +17,7 @@ from mumoe_tn.analysis.ranks import expert_ranks
 from mumoe_tn.contractions import plan_contraction, plan_forward
 from mumoe_tn.costs import (
     COLUMNS,
+    collapsed_expert_modes,
     compare,
     dense_forward_fma,
     dense_moe,
@@ -562,11 +563,17 @@ def test_compare_checks_the_gate_before_any_row():
         compare(decompositions=[], gate="x")
 
 
-def test_spec_bonds_not_scaled_start_at_one():
+def test_spec_bonds_not_scaled_start_at_one_unless_an_expert_mode_would_collapse():
     spec = "A: n1 a b, B: a i c, C: b c o"
-    with pytest.warns(MatchingWarning, match=r"expert mode\(s\) \['n1'\] collapse"):  # a = b = 1 cut n1 off
-        (network,) = compare(16, 32, 4, [spec], bonds={spec: ["c"]}).rows[0].networks
-    assert (network.sizes["a"], network.sizes["b"]) == (1, 1) and network.sizes["c"] > 1
+    # a = b = 1 would cut n1 off from i and o: both are raised to 4 (= N1), c is matched.
+    (network,) = compare(16, 32, 4, [spec], bonds={spec: ["c"]}).rows[0].networks
+    assert (network.sizes["a"], network.sizes["b"]) == (4, 4) and network.sizes["c"] > 1
+    spec = "A: n1 a, B: a i c, C: c o"
+    (network,) = compare(16, 32, 4, [spec], bonds={spec: ["c"]}, match=4000).rows[0].networks
+    assert network.sizes["a"] == 4
+    spec = "A: n1 a, B: a i c d, C: c o d"  # d = 1 is not on the cut of n1 (a is): it stays
+    (network,) = compare(16, 32, 4, [spec], bonds={spec: ["c"]}).rows[0].networks
+    assert (network.sizes["a"], network.sizes["d"]) == (4, 1)
 
 
 # ----------------------------------------------------------------------------- matching by hand
@@ -646,18 +653,13 @@ def test_match_block_by_hand():
         match_block(first, other, 64, bias=False)
 
 
-def test_collapse_problems_name_the_layer():
+def test_collapsing_bonds_are_raised_in_both_layers_of_a_block():
     layers = chain(2, 4, 3, a=1, c=1), chain(2, 3, 4, a=1, c=1)  # a = 1 cuts n1 off from i and o
-    with pytest.warns(MatchingWarning):
-        block = match_block(*layers, 200, bonds=["c"], bias=False)
-    collapse = [p for p in block.problems if "collapse" in p]
-    assert [p[:40] for p in collapse] == [
-        "layer 1: expert mode(s) ['n1'] collapse:",
-        "layer 2: expert mode(s) ['n1'] collapse:",
-    ]
-    with pytest.warns(MatchingWarning):
-        layer = match_layer(layers[0], 100, bonds=["c"], bias=False)
-    assert [p[:31] for p in layer.problems if "collapse" in p] == ["expert mode(s) ['n1'] collapse:"]
+    block = match_block(*layers, 200, bonds=["c"], bias=False)
+    assert dict(block.lifted) == {"a": 2}  # N1 = 2
+    assert all(net.sizes["a"] == 2 and not collapsed_expert_modes(net) for net in block.networks)
+    layer = match_layer(layers[0], 100, bonds=["c"], bias=False)
+    assert layer.networks[0].sizes["a"] == 2 and dict(layer.lifted) == {"a": 2}
 
 
 # ----------------------------------------------------------------------------- rows and their labels
@@ -751,9 +753,8 @@ def test_matched_rows_by_hand():
     assert first.sizes["r"] == second.sizes["r"] > 1
     assert abs(block.rows[0].params_total - block.config["target_params"]) <= 0.05 * (33 * 64 + 65 * 32)
     spec = "A: n1 a, B: a i c, C: c o"
-    with pytest.warns(MatchingWarning):
-        scaled = compare(32, 64, 4, [spec], match="mlp", bonds={spec: ["c"]}).rows[0].networks
-    assert [(net.sizes["a"], net.sizes["c"] > 1) for net in scaled] == [(1, True), (1, True)]
+    scaled = compare(32, 64, 4, [spec], match="mlp", bonds={spec: ["c"]}).rows[0].networks
+    assert [(net.sizes["a"], net.sizes["c"] > 1) for net in scaled] == [(4, True), (4, True)]
 
 
 def test_compare_messages_in_full():
@@ -827,7 +828,7 @@ def test_matching_warning_points_at_the_caller():
     if "MUTANT_UNDER_TEST" in os.environ:  # set, possibly empty, in every test run of mutmut (clean runs too)
         pytest.skip("mutmut's trampoline adds stack frames")
     with pytest.warns(MatchingWarning) as record:
-        match_layer(chain(2, 4, 3, a=1, c=1), 100, bonds=["c"], bias=False)
+        match_layer(chain(2, 4, 3, a=2, c=1), 30, bonds=["c"], bias=False)
     assert {w.filename for w in record} == {__file__}
 
 
@@ -846,10 +847,7 @@ def test_to_rich_fits_a_width_above_the_default_terminal():
 def test_matching_warning_states_the_closest_match_by_hand():
     # With bond c = r: gate 4·2 + A 2·2 + B 2·4·r + C r·3 = 12 + 11 r, so 23, 34, 45, …; for a target
     # of 30 the closest is 34 (rank 2), 13.3 % above.
-    message = (
-        r"the closest match has 34 parameters, \+13\.3% from the target 30 "
-        r"\(rank 2 on bonds \('c',\); one rank step adds 11\)"
-    )
+    message = r"the closest match has 34 parameters, \+13\.3% from the target 30 \(c=2; the candidates are 11 apart\)"
     with pytest.warns(MatchingWarning, match=message):
         match = match_layer(chain(2, 4, 3, a=2, c=1), 30, bonds=["c"], bias=False)
     assert (match.rank, match.params, match.step) == (2, 34, 11)

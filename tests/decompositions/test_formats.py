@@ -22,6 +22,7 @@ from mumoe_tn.contractions import materialize
 from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_experts, upcycle_linear
 from mumoe_tn.costs import (
     MatchingWarning,
+    collapsed_expert_modes,
     compare,
     layer_flops,
     layer_parameters,
@@ -109,10 +110,10 @@ def test_registered_format_matching_upcycling_decomposition_and_cli(capsys):
     assert net.sizes["a"] == net.sizes["b"] == 2  # the format scales only c, d, e; rank= sets a, b
     target = linear(64, 48).params
     assert abs(layer_parameters(net).total - target) <= 0.05 * target
-    # With a, b left at 1 the experts collapse along both modes: matching says so.
-    with pytest.warns(MatchingWarning, match=r"expert mode\(s\) \['n1', 'n2'\] collapse"):
-        matched = match_layer(build("htucker_test", (4, 4), 65, 48, 1), target)
-    assert matched.problems
+    # With a, b left at 1 the experts would collapse along both modes: matching raises them.
+    matched = match_layer(build("htucker_test", (4, 4), 65, 48, 1), target)
+    assert dict(matched.lifted) == {"a": 4, "b": 4} and not matched.problems
+    assert not collapsed_expert_modes(matched.networks[0])
     good = match_layer(build("htucker_test", (4, 4), 65, 48, (2, 2, 1, 1, 1)), target)
     assert not good.problems and good.bonds == ("c", "d", "e")
 
@@ -264,13 +265,17 @@ def test_builders_and_match_fractions_in_layers():
         )
 
     target = linear(64, 64).params
-    with pytest.warns(MatchingWarning, match=r"from the target"):  # one rank step of a·b·c is too coarse
-        MuMoE(64, 64, (8, 8), builder, match="linear")  # was: "pass bonds=", then a failure
+    with pytest.warns(MatchingWarning, match=r"\+5\.8% from the target .* \(a=4, b=4, c=3; the candidates are 1,104"):
+        MuMoE(64, 64, (8, 8), builder, match="linear")  # a·b·c: even bond by bond the steps are coarse
     layer = MuMoE(64, 64, (8, 8), builder, 2, match="linear", match_bonds=["c"])
     assert layer.network.sizes["a"] == layer.network.sizes["b"] == 2
     assert abs(layer_parameters(layer.network).total - target) <= 0.05 * target
-    layer = MuMoE(64, 64, (8, 8), builder, match=0.5, match_bonds=["c"])
-    assert layer.network.sizes["a"] == layer.network.sizes["b"] == 1
+    # a = b = 1 (built at rank 1, not scaled) would collapse both expert modes: they are raised to 4.
+    layer = MuMoE(64, 64, (8, 8), builder, match=0.6, match_bonds=["c"])
+    assert layer.network.sizes["a"] == layer.network.sizes["b"] == 4
+    message = r"below the smallest possible count .* \(with a=4, b=4: bonds not scaled, raised from 1 so that no"
+    with pytest.raises(ValueError, match=message):
+        MuMoE(64, 64, (8, 8), builder, match=0.5, match_bonds=["c"])
     block = MuMoEMLP(32, 64, expert_dims=8, decomposition="tr", match=1.0)
     assert block.experts1.network.format is get_format("tr")
     with pytest.raises(ValueError, match=r"match_bonds= names the bonds match= scales"):
@@ -279,12 +284,15 @@ def test_builders_and_match_fractions_in_layers():
 
 def test_match_never_degenerates_silently():
     net = ExpertNetwork.from_spec(HT_SPEC, expert_dims=(8, 8), in_features=65, out_features=64, ranks=1)
-    with pytest.warns(MatchingWarning, match=r"collapse: their experts differ only by a scalar factor") as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MatchingWarning)
         matched = match_layer(net, linear(64, 64).params, bonds=["c", "d", "e"])
-    assert matched.networks[0].sizes["a"] == 1 and any("expert rank bound" in str(w.message) for w in record)
+    assert (matched.networks[0].sizes["a"], matched.networks[0].sizes["b"]) == (4, 4) == tuple(matched.lifted.values())
+    assert not collapsed_expert_modes(matched.networks[0]) and not matched.problems
+    # CP at r = 1 is the closer count (54 vs 76 for 65) but its experts are multiples of one matrix.
     with pytest.warns(MatchingWarning, match=r"from the target"):
         far = match_layer(cp(4, 9, 9, 1), 65)  # 22·r + 32 gate parameters: 54 or 76
-    assert abs(far.relative_error) > 0.05 and far.problems
+    assert far.rank == 2 and abs(far.relative_error) > 0.05 and far.problems
 
 
 def test_named_formats_are_networks_of_their_format():

@@ -484,7 +484,7 @@ def test_chunks_hold_at_most_chunk_size_rows(monkeypatch):
 def test_the_compile_branch_runs_the_plan_made_at_construction(monkeypatch):
     # While torch.compile traces, forward runs the plan made in __init__ with the layer's own optimizer.
     network = build("tr", (3, 2), 4, 5, 2)
-    made = spy(monkeypatch, "plan_forward", lambda net, batch, optimize: (batch, optimize))
+    made = spy(monkeypatch, "plan_forward", lambda net, batch, optimize, **options: (batch, optimize))
     experts = FactorizedExperts(network, optimize="greedy", dtype=DTYPE)
     assert made == [(layers.COMPILE_PLAN_BATCH, "greedy")]
     z = torch.randn(6, 3, dtype=DTYPE)
