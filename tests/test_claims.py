@@ -135,12 +135,15 @@ def _check_command(command: str) -> None:
         except SystemExit as error:
             raise AssertionError(f"`{command}`: the command line does not parse") from error
         return
-    if argv[:3] == ["python", "-m", "benchmarks.run"]:
-        script, options = ROOT / "benchmarks" / "run.py", argv[3:]
+    if argv[:2] == ["python", "-m"] and argv[2].startswith("benchmarks."):
+        script, options = ROOT / (argv[2].replace(".", "/") + ".py"), argv[3:]
     elif argv[0] == "python" and argv[1].startswith("examples/"):
         script, options = ROOT / argv[1], argv[2:]
+    elif argv[0] == "python" and argv[1].startswith("tests/"):  # a test module that prints its figures
+        script, options = ROOT / argv[1], argv[2:]
+        assert '__name__ == "__main__"' in script.read_text(), f"`{command}`: {script.name} is not a script"
     else:
-        raise AssertionError(f"`{command}` is neither a mumoe-tn command, an example nor the benchmarks")
+        raise AssertionError(f"`{command}` is neither a mumoe-tn command, an example, a test script nor the benchmarks")
     assert script.is_file(), f"`{command}`: {script.relative_to(ROOT)} does not exist"
     source = script.read_text()
     for option in options:
