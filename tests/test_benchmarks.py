@@ -357,3 +357,13 @@ def test_forward_only_sections_run_and_report(tmp_path, monkeypatch):
         and "![inference latency against tokens per call](img/inference-latency-cpu.png)" in text
     )
     assert "### Generation: a GPT-2 converted" in text and "≤ 1.25×" in text
+
+
+def test_the_anatomy_of_an_inference_call_times_every_part():
+    from benchmarks.anatomy import anatomy
+
+    timings = anatomy(2, in_features=8, out_features=12, experts=4)
+    assert set(timings) == {
+        "nn.Linear", "μMoE layer", "its gate", "its experts", "floor: products", "floor: gate product", "entmax15",
+    }  # fmt: skip
+    assert all(value > 0 for value in timings.values())

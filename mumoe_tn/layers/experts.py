@@ -380,7 +380,7 @@ class FactorizedExperts(nn.Module):
             rows = [a.reshape(batch, a.shape[-1]) for a in coefficients]
             rows.append(z.reshape(batch, z.shape[-1]))
         ones = INPUT_LEG if append_one else None
-        cores = _ExecutionCores(self)  # padded at most once per call, whatever the chunks
+        cores = _ExecutionCores(self, rows)  # padded at most once per call, whatever the chunks
         if torch.compiler.is_compiling():
             y = self._contract(self._compile_plan, rows, ones, cores)
         elif self.chunk_size is not None and batch > self.chunk_size:
@@ -592,10 +592,11 @@ class _ExecutionCores:
     change of the cores); otherwise the padded copies are made for this call, inside autograd.
     """
 
-    def __init__(self, experts: FactorizedExperts) -> None:
+    def __init__(self, experts: FactorizedExperts, rows: Sequence[torch.Tensor] = ()) -> None:
         cores = [getattr(experts, name) for name in experts.network.cores]
         self._experts = experts
-        constant = not torch.is_grad_enabled() or not any(core.requires_grad for core in cores)
+        # The prepared cores serve calls that record no gradient at all (they may be inference tensors).
+        constant = not torch.is_grad_enabled() or not any(t.requires_grad for t in (*cores, *rows))
         self.prepared = experts._prepared_cores(cores) if constant and not torch.compiler.is_compiling() else None
         self.unpadded = cores
         self._padded: list[torch.Tensor] | None = None

@@ -267,3 +267,19 @@ def test_inference_prepares_each_core_layout_once(monkeypatch):
         for _ in range(5):
             layer(x)
     assert made == [1]  # bound once, reused by every later call of the bucket
+
+
+def test_inference_mode_then_gradients_through_frozen_weights():
+    # What inference_mode prepares (inference tensors) never meets a call that records gradients.
+    torch.manual_seed(0)
+    layer = MuMoE(6, 5, 4, "tr", 2, gate_norm="batch", dtype=DTYPE)
+    _train_call(layer)
+    x = torch.randn(3, 6, dtype=DTYPE)
+    with torch.inference_mode():
+        first = layer(x)
+    layer.requires_grad_(False)
+    x.requires_grad_()
+    y = layer(x)
+    (grad,) = torch.autograd.grad(y.sum(), x)  # input attribution through frozen weights
+    torch.testing.assert_close(y.detach(), first)
+    assert grad.abs().sum() > 0
