@@ -363,11 +363,11 @@ class ExpertGate(PerThreadRecords):
         return self._activate_modes(logits)
 
     def _inference_applies(self, z: torch.Tensor) -> bool:
-        """Whether a call may take the inference path (no gradient, no losses to record, not traced)."""
+        """Whether a call may take the inference path (eval mode, no gradient, no losses to record, not traced)."""
         if torch.is_grad_enabled() and (z.requires_grad or any(p.requires_grad for p in self.parameters())):
             return False
-        if self.balance_loss or self.z_loss or torch.compiler.is_compiling():
-            return False
+        if self.training or self.balance_loss or self.z_loss or torch.compiler.is_compiling():
+            return False  # training-mode norms use (masked) batch statistics: the full path
         return not torch._C._are_functorch_transforms_active()
 
     def _balance_terms(

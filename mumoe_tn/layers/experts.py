@@ -577,7 +577,9 @@ class _PreparedCores:
         missing = {number for number, key in program.keys.items() if key not in self._constants}
         if missing:
             if len(self._constants) + len(missing) > self.MAX_CONSTANTS:
-                self._constants = {}
+                # Start afresh; the bound plans and their matrices go too (they key constants by identity).
+                self._constants, self._executors = {}, {}
+                self._derived[False].clear()
                 missing = set(program.keys)
             computed = constant_intermediates(program.plan, self.cores, missing)
             for number in missing:

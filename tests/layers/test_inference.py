@@ -283,3 +283,19 @@ def test_inference_mode_then_gradients_through_frozen_weights():
     (grad,) = torch.autograd.grad(y.sum(), x)  # input attribution through frozen weights
     torch.testing.assert_close(y.detach(), first)
     assert grad.abs().sum() > 0
+
+
+def test_training_mode_without_gradients_keeps_masked_batch_statistics():
+    # No gradient but training mode (a validation loop that forgot eval()): the gate's BatchNorm
+    # still learns its statistics from the real tokens only, as with gradients on.
+    torch.manual_seed(0)
+    layer = MuMoE(6, 5, 4, "cp", 3, gate_norm="batch", dtype=DTYPE)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(2, 5, 6, dtype=DTYPE)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    with torch.no_grad():
+        y = layer(x, mask=mask)
+    expected = twin(x, mask=mask)
+    torch.testing.assert_close(y[mask], expected.detach()[mask])
+    for name, buffer in layer.gate.named_buffers():
+        torch.testing.assert_close(buffer, dict(twin.gate.named_buffers())[name])
