@@ -162,8 +162,10 @@ def upcycle_linear(
         rank, match = None, rank
     if match is not None and rank == "exact":
         rank = None
-    if rank is None and match is None:
-        rank = None if isinstance(decomposition, ExpertNetwork) else "exact"
+    if isinstance(decomposition, ExpertNetwork) and match is None and rank in (None, "exact"):
+        rank = None  # a ready network brings its own ranks
+    elif rank is None and match is None:
+        rank = "exact"
     factory = {"device": linear.weight.device, "dtype": linear.weight.dtype}
     layer = MuMoE(
         linear.in_features,

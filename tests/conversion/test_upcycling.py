@@ -167,3 +167,15 @@ def test_decompose_dense_clips_ranks_a_tensor_cannot_use(decomposition, rank, cl
         experts, error = decompose_dense(weight, decomposition, rank)
     assert type(error) is float and error < 1e-4  # clipped ranks still hold the whole tensor
     assert sum(p.numel() for p in experts.parameters()) < weight.numel() * 4
+
+
+def test_a_ready_network_keeps_its_ranks_when_upcycled():
+    from mumoe_tn.decompositions import build
+
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 10)
+    ready = build("cp", (4,), 9, 10, 6)  # rank 6 < 8: inexact, but the user's choice
+    with pytest.warns(UpcycleWarning):
+        layer, error = upcycle_linear(linear, 4, decomposition=ready)
+    assert layer.network == ready
+    assert error > 0
