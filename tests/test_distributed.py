@@ -342,7 +342,8 @@ def _bn_batch():
     x = torch.randn(4, 6, WIDTH, generator=generator, dtype=torch.float64)
     y = torch.randn(4, 6, WIDTH, generator=generator, dtype=torch.float64)
     mask = torch.ones(4, 6, dtype=torch.bool)
-    mask[0, 4:] = mask[1, 1:] = mask[3, 5:] = False  # rank 0 holds 5 real tokens, rank 1 holds 11
+    # Rank 0 holds 5 real tokens and padding; rank 1 holds 12 real tokens and none (its gates get no mask).
+    mask[0, 4:] = mask[1, 1:] = False
     return x, y, mask
 
 
