@@ -208,7 +208,6 @@ def plot_scale(store: dict, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     timed: dict[str, list[tuple[int, float]]] = {}
     for row in section["rows"]:
         ratio = row.get("ratios", {}).get("train_s")
@@ -218,13 +217,19 @@ def plot_scale(store: dict, path: Path) -> Path | None:
         modes = rest.count("×") + 1
         exponent = int(rest.split("=")[0].strip()[2:])
         timed.setdefault(name, []).append((exponent + 0.08 * (modes - 3), ratio))
+    if timed:
+        figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    else:  # the planning grid alone (python -m benchmarks.scale)
+        figure, right = plt.subplots(1, 1, figsize=(6, 4.2))
+        left = None
     for name, points in timed.items():
         left.plot([p[0] for p in points], [p[1] for p in points], "o", label=name)
-    left.axhline(1.0, color="grey", linewidth=1)
-    left.set_yscale("log")
-    left.set_xlabel("log2 experts (points spread by mode count)")
-    left.set_ylabel("fwd+bwd time ÷ nn.Linear (log)")
-    left.set_title("Timed subset, 1,024 tokens", fontsize=10)
+    if left is not None:
+        left.axhline(1.0, color="grey", linewidth=1)
+        left.set_yscale("log")
+        left.set_xlabel("log2 experts (points spread by mode count)")
+        left.set_ylabel("fwd+bwd time ÷ nn.Linear (log)")
+        left.set_title("Timed subset, 1,024 tokens", fontsize=10)
     for fmt in sorted({row["format"] for row in section["grid"]}):
         points = [(row["experts"].bit_length() - 1 + 0.1 * len(row["dims"]), row["plan_s"] * 1e3)
                   for row in section["grid"] if row["format"] == fmt and row["plan_s"] is not None]  # fmt: skip
@@ -234,8 +239,9 @@ def plot_scale(store: dict, path: Path) -> Path | None:
     right.set_ylabel("one path search (ms, log)")
     right.set_title("Planning time, every matched layer of the grid", fontsize=10)
     for ax in (left, right):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax is not None:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
     info = section["machine"]
     figure.suptitle(f"{info['processor']}, {info['threads']} threads, {info['date']}", fontsize=8)
     figure.tight_layout()
