@@ -214,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     for section in chosen:
         store["sections"][section.name] = run_section(section, sizes, args, device, store)
         if section.name == "scale":  # the planning grid (every size) and construction (full runs)
-            store["sections"]["scale"] |= scale_extras(
-                sizes.width, sizes.batch * sizes.seq // 4, quick=args.quick
-            )
+            store["sections"]["scale"] |= scale_extras(sizes.width, sizes.batch * sizes.seq // 4, quick=args.quick)
         report.save(stem.with_suffix(".json"), store)
         stem.with_suffix(".md").write_text(report.markdown(store, SECTIONS, COMMAND))
     stem.with_suffix(".md").write_text(report.markdown(store, SECTIONS, COMMAND))
