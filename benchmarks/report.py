@@ -156,10 +156,98 @@ def section_markdown(section: dict, level: str = "##") -> list[str]:
         cells.append(row.get("note", ""))
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "× = ratio to " + (section["reference_text"]) + "."]
+    lines += scale_markdown(section)
     if section["targets"]:
         lines += ["", *targets_header()]
         lines += [target_line(target) for target in section["targets"]]
     return [*lines, ""]
+
+
+def scale_markdown(section: dict) -> list[str]:
+    """The scale section's planning grid and construction table (nothing for other sections)."""
+    lines = []
+    if section.get("grid"):
+        lines += ["", "Planning grid: one fresh path search per layer (`plan_forward(network, tokens)`); FMAs of the "
+                  "planned contraction and the format's closed form × tokens; the plan's largest intermediate ÷ "
+                  "4 × tokens × max(I, O) (the planner's bound where some path keeps within it).", ""]  # fmt: skip
+        lines += ["| format | experts | modes | ranks | params | planning (ms) | planned FMAs | ÷ closed form "
+                  "| peak ÷ bound | note |", "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+        for row in section["grid"]:
+            dims = "×".join(map(str, row["dims"]))
+            if row["planned_fma"] is None:
+                lines.append(f"| {row['format']} | 2^{row['experts'].bit_length() - 1} | {dims} | | | | | | | "
+                             f"{row['note'].split(':')[0]} |")  # fmt: skip
+                continue
+            ranks = ", ".join(f"{k}={v}" for k, v in row["ranks"].items())
+            closed = "—" if row["closed_fma"] is None else f"{row['planned_fma'] / row['closed_fma']:.3f}"
+            peak = row["peak"] / row["bound"]
+            lines.append(
+                f"| {row['format']} | 2^{row['experts'].bit_length() - 1} | {dims} | {ranks} | {row['params']:,} "
+                f"| {row['plan_s'] * 1e3:.1f} | {row['planned_fma']:.3g} | {closed} | {peak:.2f}"
+                + (" (over)" if peak > 1 else "")
+                + " | |"
+            )
+    if section.get("construction"):
+        lines += ["", "Construction: one build (after a warm-up build of a small layer) and the peak bytes of live "
+                  "tensors during a second build (`LiveTensorPeak`), ÷ the parameters' float32 bytes.", ""]  # fmt: skip
+        lines += ["| layer | params | seconds | s per 100 M params | peak ÷ params |", "|---|---:|---:|---:|---:|"]
+        for row in section["construction"]:
+            per = row["seconds"] * 1e8 / row["params"]
+            lines.append(f"| {row['label']} | {row['params']:,} | {row['seconds']:.2f} | {per:.2f} | "
+                         f"{row['peak_ratio']:.2f} |")  # fmt: skip
+    return lines
+
+
+def plot_scale(store: dict, path: Path) -> Path | None:
+    """fwd+bwd time ÷ nn.Linear of the timed layers, and planning time of the grid, against the expert count."""
+    section = store["sections"].get("scale")
+    if section is None or not section.get("grid"):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed: dict[str, list[tuple[int, float]]] = {}
+    for row in section["rows"]:
+        ratio = row.get("ratios", {}).get("train_s")
+        if ratio is None or row["label"] == row["reference"]:
+            continue
+        name, rest = row["label"].split(" ", 1)
+        modes = rest.count("×") + 1
+        exponent = int(rest.split("=")[0].strip()[2:])
+        timed.setdefault(name, []).append((exponent + 0.08 * (modes - 3), ratio))
+    if timed:
+        figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    else:  # the planning grid alone (python -m benchmarks.scale)
+        figure, right = plt.subplots(1, 1, figsize=(6, 4.2))
+        left = None
+    for name, points in timed.items():
+        left.plot([p[0] for p in points], [p[1] for p in points], "o", label=name)
+    if left is not None:
+        left.axhline(1.0, color="grey", linewidth=1)
+        left.set_yscale("log")
+        left.set_xlabel("log2 experts (points spread by mode count)")
+        left.set_ylabel("fwd+bwd time ÷ nn.Linear (log)")
+        left.set_title("Timed subset, 1,024 tokens", fontsize=10)
+    for fmt in sorted({row["format"] for row in section["grid"]}):
+        points = [(row["experts"].bit_length() - 1 + 0.1 * len(row["dims"]), row["plan_s"] * 1e3)
+                  for row in section["grid"] if row["format"] == fmt and row["plan_s"] is not None]  # fmt: skip
+        right.plot([p[0] for p in points], [p[1] for p in points], "o", markersize=4, label=fmt)
+    right.set_yscale("log")
+    right.set_xlabel("log2 experts (+0.1 per expert mode)")
+    right.set_ylabel("one path search (ms, log)")
+    right.set_title("Planning time, every matched layer of the grid", fontsize=10)
+    for ax in (left, right):
+        if ax is not None:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    info = section["machine"]
+    figure.suptitle(f"{info['processor']}, {info['threads']} threads, {info['date']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
 
 
 #: How to read the targets tables.
@@ -315,6 +403,8 @@ def plot_latency(store: dict, path: Path) -> Path | None:
 
 #: Sections shown in the inference block of the results page rather than the benchmarks block.
 INFERENCE = ("inference", "latency", "generation")
+#: Sections with a part of their own on the results page (written by hand from the report).
+OWN_PART = ("scale",)
 
 
 def update_inference_docs(store: dict, device: str, image: str, page: Path) -> bool:
@@ -370,7 +460,9 @@ def update_docs(store: dict, order: tuple[str, ...], device: str, image: str, co
     if start not in text or end not in text:
         return False
     # The inference sections have their own block (update_inference_docs).
-    sections = [store["sections"][name] for name in order if name in store["sections"] and name not in INFERENCE]
+    sections = [
+        store["sections"][name] for name in order if name in store["sections"] and name not in INFERENCE + OWN_PART
+    ]
     body = [start, "", f"`{command}` regenerates this block, `benchmarks/results-{device}.md` and the plot.", ""]
     body += ["*" + _measured(sections) + "*", ""] if sections else []
     summary = [t for section in sections for t in section["targets"]]

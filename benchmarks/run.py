@@ -6,6 +6,7 @@ Run from the repository root::
     python -m benchmarks.run --quick            # tiny sizes, a smoke run (writes to a temporary folder)
     python -m benchmarks.run --only params experts
     python -m benchmarks.run --only inference latency generation   # eval-mode inference and generation
+    python -m benchmarks.run --only scale      # every format, 2^8 … 2^24 experts: time, memory, planning grid
     python -m benchmarks.run --optimize optimal # the path optimizer handed to every μMoE (optimize=)
 
 Each row prints as soon as it is measured and each finished section is saved at once, so an
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from benchmarks import report
 from benchmarks.baselines import PEER_MODULES, PEER_PACKAGES, Case, count_params, fp32_bytes, missing_package
 from benchmarks.measure import MemoryProbe, Runner, Timing, alternate
+from benchmarks.scale import extras as scale_extras
 from benchmarks.sections import FULL, QUICK, SECTIONS, Section, Sizes, make_sections
 
 HERE = Path(__file__).resolve().parent
@@ -211,11 +213,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     for section in chosen:
         store["sections"][section.name] = run_section(section, sizes, args, device, store)
+        if section.name == "scale":  # the planning grid (every size) and construction (full runs)
+            store["sections"]["scale"] |= scale_extras(sizes.width, sizes.batch * sizes.seq // 4, quick=args.quick)
         report.save(stem.with_suffix(".json"), store)
         stem.with_suffix(".md").write_text(report.markdown(store, SECTIONS, COMMAND))
     stem.with_suffix(".md").write_text(report.markdown(store, SECTIONS, COMMAND))
     image = report.plot(store, stem.with_suffix(".png"))
     latency = report.plot_latency(store, out / f"inference-latency-{kind}.png")
+    scale_image = report.plot_scale(store, out / f"scale-{kind}.png")
+    if scale_image is not None and not args.quick and not args.no_docs:
+        shutil.copyfile(scale_image, report.DOCS_PAGE.parent / "img" / scale_image.name)
     if latency is not None and not args.quick and not args.no_docs:
         docs_latency = report.DOCS_PAGE.parent / "img" / latency.name
         shutil.copyfile(latency, docs_latency)

@@ -533,7 +533,37 @@ def generation_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
     )
 
 
-SECTIONS = ("layer", "handwritten", "params", "experts", "small", "autotune", "inference", "latency", "generation")
+#: (log2 experts, modes) of the scale section's timed subset (its planning grid covers 2^8 … 2^24, E = 1 … 6).
+SCALE_TIMED = ((8, 1), (8, 2), (16, 2), (16, 4), (24, 3), (24, 6))
+
+
+def scale_section(s: Sizes, extra: dict) -> Section:
+    """Every format, parameter-matched to nn.Linear, from 2^8 to 2^24 experts: fwd+bwd time and peak memory."""
+    from benchmarks.scale import expert_dims  # the grid's own splitting of an expert count into modes
+
+    i, o, tokens = s.width, 4 * s.width, (s.batch, s.seq // 4)
+    linear = Case("nn.Linear", "linear", {"in_features": i, "out_features": o}, *tokens)
+    cases = [linear]
+    for name in ("cp", "tr", "tt", "tucker"):
+        for exponent, modes in SCALE_TIMED:
+            dims = expert_dims(exponent, modes)
+            options = {"in_features": i, "out_features": o, "expert_dims": list(dims), "decomposition": name}
+            label = f"{name.upper() if name != 'tucker' else 'Tucker'} 2^{exponent} = {_dims(dims)}"
+            cases.append(Case(label, "mumoe", {**options, "match": "linear", **extra}, *tokens))
+    return Section(
+        "scale",
+        f"Scale: every format from 2^8 to 2^24 experts, against nn.Linear({i}, {o})",
+        f"{tokens[0] * tokens[1]:,} tokens, inputs requiring grad; every layer `MuMoE({i}, {o}, dims, fmt, "
+        'match="linear")` (entmax15 + BatchNorm gate), the experts split into E modes of powers of two as '
+        "equal as can be. The planning grid below covers every format, 2^8 … 2^24 experts and E = 1 … 6.",
+        linear.label,
+        tuple(cases),
+    )
+
+
+SECTIONS = (
+    "layer", "handwritten", "params", "experts", "small", "autotune", "inference", "latency", "generation", "scale",
+)  # fmt: skip
 
 
 def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int, threads: int = 2) -> list[Section]:
@@ -548,5 +578,6 @@ def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int
         "inference": lambda: inference_section(sizes, extra, threads),
         "latency": lambda: latency_section(sizes, extra, threads),
         "generation": lambda: generation_section(sizes, extra, threads),
+        "scale": lambda: scale_section(sizes, extra),
     }
     return [builders[name]() for name in SECTIONS if name in names]

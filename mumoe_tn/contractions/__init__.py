@@ -36,6 +36,7 @@ _LAZY = {
     "expert_matrix": "mumoe_tn.contractions.dense",
     "materialize": "mumoe_tn.contractions.dense",
     "squared_norm": "mumoe_tn.contractions.dense",
+    "squared_norm_plan": "mumoe_tn.contractions.dense",
 }
 
 __all__ = [

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from mumoe_tn.contractions.execute import run_plan
-from mumoe_tn.contractions.plan import plan_contraction, plan_dense
+from mumoe_tn.contractions.plan import ContractionPlan, plan_contraction, plan_dense
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork
 
-__all__ = ["dense_forward", "expert_matrix", "materialize", "squared_norm"]
+__all__ = ["dense_forward", "expert_matrix", "materialize", "squared_norm", "squared_norm_plan"]
 
 
 def materialize(network: ExpertNetwork, cores: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -56,13 +56,32 @@ def squared_norm(
     torch.Tensor
         A scalar.
     """
+    plan = squared_norm_plan(network, memory_limit=memory_limit)
+    operands = list(cores[name] for name in network.cores)
+    return run_plan(plan, operands + operands)
+
+
+def squared_norm_plan(network: ExpertNetwork, *, memory_limit: int | None = None) -> ContractionPlan:
+    """The plan of [`squared_norm`][mumoe_tn.contractions.dense.squared_norm]: the network and its copy.
+
+    Its operands are the cores in network order, twice.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        The network.
+    memory_limit : int, optional
+        Most elements an intermediate may hold (a ``ValueError`` when no path keeps within it).
+
+    Returns
+    -------
+    ContractionPlan
+    """
     physical = {*network.expert_legs, INPUT_LEG, OUTPUT_LEG}
     copy = [tuple(x if x in physical else f"{x}'" for x in labels) for labels in network.cores.values()]
     inputs = [*network.cores.values(), *copy]
     sizes = {**network.sizes, **{f"{bond}'": network.sizes[bond] for bond in network.bonds}}
-    plan = plan_contraction(inputs, (), sizes, memory_limit=memory_limit)
-    operands = list(cores[name] for name in network.cores)
-    return run_plan(plan, operands + operands)
+    return plan_contraction(inputs, (), sizes, memory_limit=memory_limit)
 
 
 def expert_matrix(

@@ -23,13 +23,12 @@ multiplicative ``N(1, σ_e)`` noise on the cores of expert mode ``e``:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from mumoe_tn.contractions.dense import squared_norm
-from mumoe_tn.contractions.execute import run_plan
-from mumoe_tn.contractions.plan import plan_forward
+from mumoe_tn.layers.calibration import log_squared_norm
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, is_expert_leg
 from mumoe_tn.validation import check_positive_float, check_size
 
@@ -140,8 +139,8 @@ def init_cores(
                 sigma = noise[int(label[1:]) - 1]
                 if sigma > 0:
                     shape = [1 if is_expert_leg(other) and other != label else network.sizes[other] for other in labels]
-                    factor = torch.empty(shape, dtype=cores[name].dtype, device=cores[name].device)
-                    cores[name].mul_(factor.normal_(1.0, sigma, generator=generator))
+                    others = {dim for dim, other in enumerate(labels) if is_expert_leg(other) and other != label}
+                    _apply_noise(cores[name], shape, sigma, others, generator)
 
     if rule == "linear" and not any(tensor.is_meta for tensor in cores.values()):
         # Meta tensors (deferred initialisation) hold no values to scale.
@@ -182,14 +181,6 @@ def _template(
     return diagonal.reshape(shape).expand(tensor.shape)
 
 
-#: Batch of the forward pass whose largest intermediate bounds the calibration's.
-CALIBRATION_BATCH = 64
-#: The calibration may always build intermediates of this many elements (8 MiB in float64).
-CALIBRATION_FLOOR = 1 << 20
-#: Random probes of the estimate used where the exact norm would need larger intermediates.
-CALIBRATION_PROBES = 256
-
-
 def _calibrate(
     network: ExpertNetwork,
     cores: Mapping[str, torch.Tensor],
@@ -197,48 +188,37 @@ def _calibrate(
     target: float,
     generator: torch.Generator | None = None,
 ) -> None:
-    total = _squared_norm(network, cores, generator)
-    mean_square = total / (network.n_experts * network.in_features * network.out_features)
-    if mean_square == 0.0 or not scalable:
+    log_mean_square = log_squared_norm(network, cores, generator) - math.log(
+        network.n_experts * network.in_features * network.out_features
+    )
+    if log_mean_square == -math.inf or not scalable:
         raise RuntimeError(f"cannot scale the initialisation of {network!r}: the expert matrix is identically zero")
-    scale = (target / mean_square) ** (0.5 / len(scalable))
+    if not math.isfinite(log_mean_square):
+        raise RuntimeError(f"cannot scale the initialisation of {network!r}: its squared norm is {log_mean_square}")
+    scale = math.exp((math.log(target) - log_mean_square) * 0.5 / len(scalable))
     for tensor in scalable:
         tensor.mul_(scale)
 
 
-def _random_expert(size: int, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Rows ``√size · e_k`` with ``k`` uniform: ``E[a aᵀ] = I``."""
-    index = torch.randint(0, size, (CALIBRATION_BATCH,), device=like.device, generator=generator)
-    rows = torch.zeros(CALIBRATION_BATCH, size, dtype=like.dtype, device=like.device)
-    return rows.index_put_((torch.arange(CALIBRATION_BATCH, device=like.device), index), rows.new_tensor(size**0.5))
+#: Most elements of one draw of expert noise (larger cores are noised a slice at a time).
+NOISE_CHUNK = 1 << 20
 
 
-def _squared_norm(
-    network: ExpertNetwork, cores: Mapping[str, torch.Tensor], generator: torch.Generator | None
-) -> float:
-    """``‖W‖²`` with no intermediate beyond a small-batch forward's (or `CALIBRATION_FLOOR`).
-
-    Exact (the network contracted with its copy) where a path keeps within that; otherwise
-    estimated from `CALIBRATION_PROBES` forward passes, each of a random expert (one index per
-    mode, drawn uniformly; its coefficient ``√N_e``) and random signs (±1) as the input, whose
-    squared outputs have expectation ``‖W‖²`` (Hutchinson's estimator over sampled experts; at
-    initialisation the experts differ little, so few probes suffice, where Gaussian coefficients
-    would multiply into a heavy-tailed product). Computed in float64 (a product of
-    many cores under- or overflows float32).
-    """
-    limit = max(plan_forward(network, CALIBRATION_BATCH).largest_intermediate, CALIBRATION_FLOOR)
-    values = {name: tensor.double() for name, tensor in cores.items()}
-    try:
-        return squared_norm(network, values, memory_limit=limit).item()
-    except ValueError:
-        pass
-    plan = plan_forward(network, CALIBRATION_BATCH, memory_limit=limit)
-    first = next(iter(values.values()))
-    total = 0.0
-    for _ in range(CALIBRATION_PROBES // CALIBRATION_BATCH):
-        probes = [_random_expert(network.sizes[leg], first, generator) for leg in network.expert_legs]
-        signs = torch.randint(0, 2, (CALIBRATION_BATCH, network.in_features), device=first.device, generator=generator)
-        probes.append(signs.to(first.dtype).mul_(2).sub_(1))
-        output = run_plan(plan, [values[name] for name in network.cores] + probes)
-        total += output.pow(2).sum().item()
-    return total / (CALIBRATION_PROBES // CALIBRATION_BATCH * CALIBRATION_BATCH)
+def _apply_noise(
+    tensor: torch.Tensor, shape: list[int], sigma: float, expert_dims: set[int], generator: torch.Generator | None
+) -> None:
+    """Multiply ``tensor`` by ``N(1, σ)`` noise of ``shape`` (1 along ``expert_dims``), in slices."""
+    total = math.prod(shape)
+    full = [dim for dim in range(len(shape)) if dim not in expert_dims and shape[dim] > 1]
+    if total <= NOISE_CHUNK or not full:
+        factor = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        tensor.mul_(factor.normal_(1.0, sigma, generator=generator))
+        return
+    dim = max(full, key=lambda d: shape[d])
+    step = max(1, NOISE_CHUNK * shape[dim] // total)
+    for start in range(0, shape[dim], step):
+        piece = tensor.narrow(dim, start, min(step, shape[dim] - start))
+        part = list(shape)
+        part[dim] = piece.shape[dim]
+        factor = torch.empty(part, dtype=tensor.dtype, device=tensor.device)
+        piece.mul_(factor.normal_(1.0, sigma, generator=generator))
