@@ -1,16 +1,17 @@
 """``‖W‖²`` of an expert network for the ``"linear"`` init, within the cores' own memory.
 
-The ``"linear"`` rule scales its cores so that the expert matrices have ``nn.Linear``'s
-variance, which needs ``‖W‖²``. A product of many cores under- or overflows a floating type
-(48 uniform ``64 × 64`` cores in a row give ``‖W‖²`` near ``10⁴¹``, beyond float32), so every step
-of the contraction is divided by its largest magnitude and the logarithm of what was taken out is carried alongside: the result
-is ``log ‖W‖²``, exact up to rounding in the cores' precision. float64, float32 and bfloat16
-cores are read in place, in their own dtype (bfloat16 has float32's range; its matrix products
-accumulate in float32); float16 cores, whose range a step's sum can exceed, are cast to float32
-one slice at a time. A step over a large core runs in slices of a summed label, so laying the
-core out as a matrix copies a slice, not the core. No intermediate exceeds a sixth of the parameters (or a one-row
-forward's, where that is larger; see [`calibration_limit`][mumoe_tn.layers.calibration.calibration_limit]),
-so the calibration holds less than the parameters themselves.
+The ``"linear"`` rule scales its cores so that the expert matrices have ``nn.Linear``'s variance,
+which needs ``‖W‖²``. A product of many cores under- or overflows a floating type (48 uniform
+``64 × 64`` cores in a row give ``‖W‖²`` near ``10⁴¹``, beyond float32), so every step of the contraction
+is divided by its largest magnitude and the logarithm of what was taken out is carried alongside:
+the result is ``log ‖W‖²``, exact up to rounding in the cores' precision. float64, float32 and
+bfloat16 cores are read in place, in their own dtype (bfloat16 has float32's range; its matrix
+products accumulate in float32); float16 cores, whose range a step's sum can exceed, are cast to
+float32 one slice at a time. A step over a large core runs in slices of a summed label, so laying
+the core out as a matrix copies a slice, not the core. No intermediate exceeds a sixth of the
+parameters (or a one-row forward's, where that is larger; see
+[`calibration_limit`][mumoe_tn.layers.calibration.calibration_limit]), so the calibration holds less
+than the parameters themselves.
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def calibration_limit(network: ExpertNetwork) -> tuple[int, int]:
     The budget is a sixth of the parameter count, between `CALIBRATION_MINIMUM` and
     `CALIBRATION_FLOOR` elements: a step holds its two operands and its result, so constructing a
     large layer holds at most about 1.5× its parameters. Probe passes take `CALIBRATION_BATCH` rows,
-    or fewer (a power of two) when a forward of that many rows exceeds the budget; the limit is the budget or that forward's
-    largest intermediate, whichever is larger (a network whose one-row forward exceeds the
+    or fewer (a power of two) when a forward of that many rows exceeds the budget; the limit is the
+    budget or that forward's largest intermediate, whichever is larger (a network whose one-row forward exceeds the
     budget calibrates within that forward's memory).
 
     Returns
