@@ -7,6 +7,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import opt_einsum
 import torch
@@ -242,12 +243,7 @@ def plot_scale(store: dict, path: Path) -> Path | None:
         if ax is not None:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-    info = section["machine"]
-    figure.suptitle(f"{info['processor']}, {info['threads']} threads, {info['date']}", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save_figure(figure, section, path)
 
 
 #: How to read the targets tables.
@@ -393,12 +389,7 @@ def plot_latency(store: dict, path: Path) -> Path | None:
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    info = section["machine"]
-    figure.suptitle(f"{info['processor']}, {info['threads']} threads, {info['date']}", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save_figure(figure, section, path)
 
 
 #: Sections shown in the inference block of the results page rather than the benchmarks block.
@@ -478,3 +469,15 @@ def update_docs(store: dict, order: tuple[str, ...], device: str, image: str, co
     after = rest.split(end, 1)[1]
     page.write_text(before + "\n".join(body) + after)
     return True
+
+
+def _save_figure(figure: Any, section: dict, path: Path) -> Path:
+    """Title ``figure`` with the section's machine and date, write it to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    info = section["machine"]
+    figure.suptitle(f"{info['processor']}, {info['threads']} threads, {info['date']}", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -111,25 +111,23 @@ def named_shapes(expert_dims: tuple[int, ...], expert_ranks: Sequence[int] = DEF
     """CP, TR (every ``(R1, R2)`` of ``expert_ranks`` with a ratio ≤ 4), TT and Tucker over ``expert_dims``."""
     shapes = []
     for name in ("cp", "tucker"):
-        fmt = get_format(name)
-        probe = fmt.build(expert_dims, 2, 2, 1)
-        shapes.append(Shape(name, expert_dims, name, fmt.matched_bonds(probe), _format_maker(name, expert_dims, 1)))
+        shapes.append(_named_shape(name, expert_dims, name, 1))
     n_modes = len(expert_dims)
     for r1, r2 in itertools.product(expert_ranks, repeat=2):
         if max(r1, r2) > 4 * min(r1, r2):
             continue
         ranks = (r1, *([r2] * n_modes), 1)  # r1 closes the ring at the output core; the last is matched
-        shapes.append(
-            Shape(
-                "tr", expert_dims, f"tr R1={r1} R2={r2}", (f"r{n_modes + 2}",), _format_maker("tr", expert_dims, ranks)
-            )
-        )
+        shapes.append(_named_shape("tr", expert_dims, f"tr R1={r1} R2={r2}", ranks))
     for r in expert_ranks:
-        ranks = (*([r] * n_modes), 1)
-        shapes.append(
-            Shape("tt", expert_dims, f"tt R={r}", (f"r{n_modes + 1}",), _format_maker("tt", expert_dims, ranks))
-        )
+        shapes.append(_named_shape("tt", expert_dims, f"tt R={r}", (*([r] * n_modes), 1)))
     return shapes
+
+
+def _named_shape(name: str, dims: tuple[int, ...], description: str, rank: int | tuple[int, ...]) -> Shape:
+    """A registered format at ``rank``, scaling the bonds the format itself matches."""
+    fmt = get_format(name)
+    matched = fmt.matched_bonds(fmt.build(dims, 2, 2, rank))
+    return Shape(name, dims, description, matched, _format_maker(name, dims, rank))
 
 
 def _format_maker(name: str, dims: tuple[int, ...], rank: int | tuple[int, ...]) -> Callable[[int, int], ExpertNetwork]:
