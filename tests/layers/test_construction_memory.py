@@ -72,6 +72,7 @@ def test_the_counter_sees_a_temporary_copy():
         pytest.param(lambda: FactorizedExperts(io_core_network(384, 16), dtype=torch.float16), id="custom-float16"),
         pytest.param(lambda: MuMoE(256, 1024, 64, "tr", rank=(4, 4, 256)), id="tr"),
         pytest.param(lambda: MuMoE(512, 2048, (16, 16), "tt", rank=256), id="tt"),
+        pytest.param(lambda: MuMoE(64, 256, (4, 4), "tucker", rank=28), id="tucker-exact-norm-of-a-large-core"),
     ],
 )
 def test_construction_peaks_within_one_and_a_half_times_the_parameters(build):
