@@ -32,7 +32,8 @@ def _peaks_while_initialising(monkeypatch, network):
     return experts, [plan.largest_intermediate for plan in plans]
 
 
-def _plans_while_initialising(monkeypatch, network, dtype=torch.float64):
+def _record_plans(monkeypatch):
+    """The plans every scaled contraction runs from now on."""
     plans = []
     real = calibration.scaled_contract
 
@@ -41,6 +42,11 @@ def _plans_while_initialising(monkeypatch, network, dtype=torch.float64):
         return real(plan, operands, slice_elements)
 
     monkeypatch.setattr(calibration, "scaled_contract", recording)
+    return plans
+
+
+def _plans_while_initialising(monkeypatch, network, dtype=torch.float64):
+    plans = _record_plans(monkeypatch)
     torch.manual_seed(0)
     experts = FactorizedExperts(network, init="linear", dtype=dtype)
     return experts, plans
@@ -126,14 +132,7 @@ def _estimate_and_exact(monkeypatch, network, seed):
     """The probe estimate of ``log ‖W‖²`` (the exact path refused), its passes, and the exact value."""
     torch.manual_seed(seed)
     experts = FactorizedExperts(network, init="linear", dtype=torch.float64)
-    plans = []
-    real = calibration.scaled_contract
-
-    def recording(plan, operands, slice_elements=None):
-        plans.append(plan)
-        return real(plan, operands, slice_elements)
-
-    monkeypatch.setattr(calibration, "scaled_contract", recording)
+    plans = _record_plans(monkeypatch)
     monkeypatch.setattr(calibration, "squared_norm_plan", _no_exact_plan)
     generator = torch.Generator().manual_seed(seed)
     estimate = calibration.log_squared_norm(network, dict(experts.cores), generator)
