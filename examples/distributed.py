@@ -14,6 +14,7 @@ repeats the second half, which reproduces the loss curve exactly.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import tempfile
@@ -97,27 +98,10 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data, steps: int) 
     return losses
 
 
-def main(argv: list[str] | None = None) -> dict[str, list[float]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="training steps (an even number)")
-    parser.add_argument("--width", type=int, default=32)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=8, help="sequences of 16 tokens per rank and step")
-    parser.add_argument("--checkpoint", default=None, help="folder of the sharded save (default: a temporary one)")
-    parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 compute)")
-    args = parser.parse_args(argv)
-    if args.steps < 2 or args.steps % 2:
-        parser.error(f"--steps must be an even number >= 2, got {args.steps}")
-
-    started = not dist.is_initialized()
-    if started:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+def train_save_resume(
+    args: argparse.Namespace, rank: int, world: int, device: torch.device
+) -> tuple[list[float], list[float]]:
+    """Train half the steps, save a sharded checkpoint, train on; resume a fresh model from the save."""
     mesh = init_device_mesh(device.type, (world,))
     folder = args.checkpoint
     if folder is None:  # every rank writes into a temporary folder of rank 0's
@@ -153,7 +137,33 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     dist.barrier()  # every rank is done with the save before it goes, and before the group goes
     if args.checkpoint is None and rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
+    return losses, resumed
+
+
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="training steps (an even number)")
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=8, help="sequences of 16 tokens per rank and step")
+    parser.add_argument("--checkpoint", default=None, help="folder of the sharded save (default: a temporary one)")
+    parser.add_argument("--fp32", action="store_true", help="train in float32 (default: bf16 compute)")
+    args = parser.parse_args(argv)
+    if args.steps < 2 or args.steps % 2:
+        parser.error(f"--steps must be an even number >= 2, got {args.steps}")
+
+    started = not dist.is_initialized()
+    if started:  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    losses, resumed = train_save_resume(args, rank, world, device)
     if started:
+        gc.collect()  # the sharded models go before the group: gloo's threads must not outlive it
         dist.barrier()  # no rank tears the process group down while another still talks to it
         dist.destroy_process_group()
     return {"losses": losses, "resumed": resumed}

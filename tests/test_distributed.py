@@ -11,6 +11,7 @@ check (gloo on CPU, and NCCL on two GPUs when a machine has them); the tests rea
 """
 
 import functools
+import gc
 import os
 import sys
 import warnings
@@ -155,6 +156,7 @@ def _join(rank, world, backend, init_file):
 
 
 def _leave():
+    gc.collect()  # the sharded models go before the group: gloo's threads must not outlive it
     dist.barrier()  # no rank tears the process group down while another still talks to it
     dist.destroy_process_group()
 

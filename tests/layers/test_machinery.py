@@ -1,5 +1,6 @@
 """PyTorch machinery around μMoE layers: torch.func, autocast, compile, DDP, FSDP2."""
 
+import gc
 import os
 import warnings
 
@@ -97,17 +98,32 @@ def _train(model, x, y, steps=3):
         optimizer.step()
 
 
-def _ddp_worker(rank, world, init_file, data, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+def _leave():
+    """Leave the group once every rank is done, after the job's objects are gone.
+
+    A wrapped model still alive when the group is destroyed can abort the process at exit (gloo's
+    threads outlive the group), so the workers train in a function whose objects die on return.
+    """
+    gc.collect()
+    dist.barrier()  # no rank tears gloo down while another still talks to it
+    dist.destroy_process_group()
+
+
+def _ddp_train(rank, world, data):
     x, y = data
     shard = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
     model = nn.parallel.DistributedDataParallel(_make_model())
     _train(model, x[shard], y[shard])
+    return {name: value.detach().clone() for name, value in model.module.state_dict().items()}
+
+
+def _ddp_worker(rank, world, init_file, data, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    state = _ddp_train(rank, world, data)
     if rank == 0:
-        torch.save(model.module.state_dict(), out)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+        torch.save(state, out)
+    _leave()
 
 
 def test_ddp_gloo_matches_single_process(tmp_path):
@@ -123,11 +139,9 @@ def test_ddp_gloo_matches_single_process(tmp_path):
         torch.testing.assert_close(trained[name], value, rtol=1e-10, atol=1e-12)
 
 
-def _fsdp2_worker(rank, world, init_file, data, out):
+def _fsdp2_train(rank, world, data):
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     x, y = data
     shard = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
     model = _make_model()
@@ -135,11 +149,16 @@ def _fsdp2_worker(rank, world, init_file, data, out):
         fully_shard(layer)  # each μMoE layer's cores are sharded across the two processes
     fully_shard(model)
     _train(model, x[shard], y[shard])
-    state = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    return {name: value.full_tensor() for name, value in model.state_dict().items()}
+
+
+def _fsdp2_worker(rank, world, init_file, data, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    state = _fsdp2_train(rank, world, data)
     if rank == 0:
         torch.save(state, out)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    _leave()
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
