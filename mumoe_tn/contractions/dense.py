@@ -61,7 +61,9 @@ def squared_norm(
     return run_plan(plan, operands + operands)
 
 
-def squared_norm_plan(network: ExpertNetwork, *, memory_limit: int | None = None) -> ContractionPlan:
+def squared_norm_plan(
+    network: ExpertNetwork, *, memory_limit: int | None = None, smallest_peak: bool = True
+) -> ContractionPlan:
     """The plan of [`squared_norm`][mumoe_tn.contractions.dense.squared_norm]: the network and its copy.
 
     Its operands are the cores in network order, twice.
@@ -72,6 +74,9 @@ def squared_norm_plan(network: ExpertNetwork, *, memory_limit: int | None = None
         The network.
     memory_limit : int, optional
         Most elements an intermediate may hold (a ``ValueError`` when no path keeps within it).
+    smallest_peak : bool, optional
+        Whether the planner may add its search for the smallest peak where no other path fits
+        (default True; see [`plan_contraction`][mumoe_tn.contractions.plan.plan_contraction]).
 
     Returns
     -------
@@ -81,7 +86,7 @@ def squared_norm_plan(network: ExpertNetwork, *, memory_limit: int | None = None
     copy = [tuple(x if x in physical else f"{x}'" for x in labels) for labels in network.cores.values()]
     inputs = [*network.cores.values(), *copy]
     sizes = {**network.sizes, **{f"{bond}'": network.sizes[bond] for bond in network.bonds}}
-    return plan_contraction(inputs, (), sizes, memory_limit=memory_limit)
+    return plan_contraction(inputs, (), sizes, memory_limit=memory_limit, smallest_peak=smallest_peak)
 
 
 def expert_matrix(

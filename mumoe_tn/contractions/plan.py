@@ -503,6 +503,7 @@ def candidate_plans(
     lead: str | None = None,
     thorough: bool = False,
     memory_limit: int | str | None = None,
+    smallest_peak: bool = True,
 ) -> list[ContractionPlan]:
     """Distinct plans from the path finders suited to the network's size, cheapest first.
 
@@ -515,6 +516,9 @@ def candidate_plans(
     memory_limit : int or "max_input", optional
         The bound the candidates should fit (see ``mumoe_tn.contractions.search.candidate_paths``);
         default: its own.
+    smallest_peak : bool, optional
+        Whether a search for the smallest peak is added where no candidate fits (default True;
+        see ``candidate_paths``).
 
     Returns
     -------
@@ -526,7 +530,8 @@ def candidate_plans(
     _check_labels(inputs, output, sizes)
     plans, problems = [], []
     limit = _limit_elements(memory_limit, inputs, sizes)
-    for path in candidate_paths(inputs, output, sizes, thorough=thorough, memory_limit=limit):
+    found = candidate_paths(inputs, output, sizes, thorough=thorough, memory_limit=limit, smallest_peak=smallest_peak)
+    for path in found:
         try:
             plans.append(_layout(inputs, output, sizes, path, lead))
         except ValueError as problem:  # a step torch.einsum cannot express; other paths may do
@@ -544,6 +549,7 @@ def plan_contraction(
     *,
     lead: str | None = None,
     memory_limit: int | str | None = None,
+    smallest_peak: bool = True,
 ) -> ContractionPlan:
     """Plan a contraction from labels and sizes, and lay it out as explicit steps.
 
@@ -567,6 +573,9 @@ def plan_contraction(
         Most elements any intermediate may hold (opt_einsum's ``memory_limit``; ``"max_input"``: the
         largest operand). ``"auto"`` chooses among the paths that fit; a named optimizer's path is
         checked against it. A ``ValueError`` when nothing fits.
+    smallest_peak : bool, optional
+        With ``"auto"``: whether a search for the smallest peak is added where no candidate fits
+        the memory bound (default True; off, planning stays fast where the caller has a fallback).
 
     Returns
     -------
@@ -576,7 +585,10 @@ def plan_contraction(
     output = tuple(output)
     optimizer = resolve_optimizer(optimize)
     if isinstance(optimizer, str) and optimizer in SIZE_AWARE:
-        return choose_plan(candidate_plans(inputs, output, sizes, lead=lead, memory_limit=memory_limit), memory_limit)
+        plans = candidate_plans(
+            inputs, output, sizes, lead=lead, memory_limit=memory_limit, smallest_peak=smallest_peak
+        )
+        return choose_plan(plans, memory_limit)
     _check_labels(inputs, output, sizes)
     check_memory_limit(memory_limit)
     if isinstance(optimizer, tuple):

@@ -189,6 +189,7 @@ def candidate_paths(
     *,
     thorough: bool = False,
     memory_limit: int | None = None,
+    smallest_peak: bool = True,
 ) -> list[Path]:
     """Distinct contraction paths from the path finders suited to the network's size.
 
@@ -206,6 +207,10 @@ def candidate_paths(
     memory_limit : int, optional
         Elements an intermediate should not exceed (default `PEAK_FACTOR` × the largest operand
         or result); where no candidate fits, a search for the smallest peak is added.
+    smallest_peak : bool, optional
+        Whether that search may be added (default True). A caller with a cheaper fallback than
+        the exact contraction turns it off: on 16 operands it can take seconds, only to confirm
+        that nothing fits.
 
     Returns
     -------
@@ -230,7 +235,11 @@ def candidate_paths(
         for optimizer in rest_finders:
             found.append(absorbed + find_path(rest, output, sizes, optimizer) if len(rest) > 1 else absorbed)
     bound = _bound(inputs, output, sizes, memory_limit)
-    if len(inputs) <= SIZE_DP_MAX_OPERANDS and min(_peak(inputs, output, sizes, path) for path in found) > bound:
+    if (
+        smallest_peak
+        and len(inputs) <= SIZE_DP_MAX_OPERANDS
+        and min(_peak(inputs, output, sizes, path) for path in found) > bound
+    ):
         smallest = opt_einsum.paths.DynamicProgramming(search_outer=True, minimize="size")
         try:
             found.append(find_path(inputs, output, sizes, smallest, bound))

@@ -4,6 +4,7 @@ import math
 import sys
 from pathlib import Path
 
+import opt_einsum
 import pytest
 import torch
 from hypothesis import given, settings
@@ -97,8 +98,37 @@ def test_the_probe_estimate_is_close_to_the_exact_norm(monkeypatch):
     assert abs(mean_square * 3 * network.in_features - 1) < 0.15  # 256 sampled experts
 
 
-def _no_exact_plan(network, *, memory_limit=None):
+def _no_exact_plan(network, **options):
     raise ValueError("no path within the limit")
+
+
+def test_the_calibration_never_searches_for_the_smallest_peak(monkeypatch):
+    # A matched TT layer with six expert modes: its norm with its copy (16 operands) fits no path
+    # of the usual finders; a smallest-peak search would take seconds to confirm that none fits
+    # before the probes run anyway.
+    import mumoe_tn.contractions.search as search
+
+    asked = []
+    real = search.find_path
+
+    def recording(inputs, output, sizes, optimizer, memory_limit=None):
+        smallest = isinstance(optimizer, opt_einsum.paths.DynamicProgramming) and optimizer.minimize == "size"
+        asked.append((len(inputs), output, smallest))
+        return real(inputs, output, sizes, optimizer, memory_limit)
+
+    monkeypatch.setattr(search, "find_path", recording)
+    plans = _record_plans(monkeypatch)
+    MuMoE(768, 3072, (16,) * 6, "tt", match="linear")
+    assert any(entry[:2] == (16, ()) for entry in asked)  # the norm with its copy was planned ...
+    assert not any(smallest and output == () for _, output, smallest in asked)  # ... without it
+    assert plans and all(plan.output != () for plan in plans)  # and the probes ran
+    # Asked for directly, the planner still searches for the smallest peak where nothing fits.
+    asked.clear()
+    network = MuMoE(768, 3072, (16,) * 6, "tt", match="linear", device="meta").experts.network
+    limit, _ = calibration.calibration_limit(network)
+    with pytest.raises(ValueError, match="smallest peak found"):
+        calibration.squared_norm_plan(network, memory_limit=limit)
+    assert any(smallest for _, _, smallest in asked)
 
 
 def test_small_networks_keep_the_exact_calibration(monkeypatch):
