@@ -20,9 +20,11 @@ Peak
 
 ``"auto"`` keeps the candidate with the fewest FMAs among those whose peak respects a memory
 bound ([`choose_plan`][mumoe_tn.contractions.plan.choose_plan]). Without ``memory_limit=`` the bound is
-the larger of [`PEAK_FACTOR`][mumoe_tn.contractions.plan] × the largest tensor the contraction holds
-anyway (an operand or the result; for a layer's forward pass at a large batch, its output activations)
-and [`PEAK_SLACK`][mumoe_tn.contractions.plan] × the smallest peak any candidate reaches. With
+[`PEAK_FACTOR`][mumoe_tn.contractions.plan] × the largest tensor the contraction holds anyway (an
+operand or the result; for a layer's forward pass at a large batch, its output activations), or,
+where no candidate fits that, [`PEAK_SLACK`][mumoe_tn.contractions.plan] × the smallest peak any
+candidate reaches (the candidates then include the smallest peak of any pairwise path, on
+networks of up to 16 operands). With
 ``memory_limit=`` (an element count, or ``"max_input"`` for the largest operand, as in opt_einsum)
 the bound is that limit (or the result's size, which every path allocates, if that is larger), and
 a contraction that no candidate fits is refused with the smallest peak found. A named optimizer or
@@ -414,8 +416,8 @@ def memory_bound(
         Candidate plans of the same contraction.
     memory_limit : int or "max_input" or None, optional
         An explicit bound in elements (``"max_input"``: the largest operand) on the intermediates;
-        the result itself is always allowed. Default: the larger of
-        [`PEAK_FACTOR`][mumoe_tn.contractions.plan] × the largest operand or result and
+        the result itself is always allowed. Default: [`PEAK_FACTOR`][mumoe_tn.contractions.plan]
+        × the largest operand or result where some plan fits that, else
         [`PEAK_SLACK`][mumoe_tn.contractions.plan] × the smallest peak among ``plans``.
     peak : callable, optional
         The peak of a plan (default: its largest intermediate).
@@ -431,7 +433,8 @@ def memory_bound(
         return max(limit, _size(first.output, first.sizes))  # the result is allocated whatever the path
     peak = peak or (lambda plan: plan.largest_intermediate)
     held = max(_size(labels, first.sizes) for labels in (*first.inputs, first.output))
-    return max(PEAK_FACTOR * held, math.floor(PEAK_SLACK * min(peak(plan) for plan in plans)))
+    smallest = min(peak(plan) for plan in plans)
+    return PEAK_FACTOR * held if smallest <= PEAK_FACTOR * held else math.floor(PEAK_SLACK * smallest)
 
 
 def choose_plan(
