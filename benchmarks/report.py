@@ -170,7 +170,9 @@ def scale_markdown(section: dict) -> list[str]:
     if section.get("grid"):
         lines += ["", "Planning grid: one fresh path search per layer (`plan_forward(network, tokens)`); FMAs of the "
                   "planned contraction and the format's closed form × tokens; the plan's largest intermediate ÷ "
-                  "4 × tokens × max(I, O) (the planner's bound where some path keeps within it).", ""]  # fmt: skip
+                  "4 × tokens × max(I, O) (the planner's bound where some path keeps within it; where none does, "
+                  "the note gives the smallest peak of any pairwise path, which the plan keeps within 1.5×).",
+                  ""]  # fmt: skip
         lines += ["| format | experts | modes | ranks | params | planning (ms) | planned FMAs | ÷ closed form "
                   "| peak ÷ bound | note |", "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
         for row in section["grid"]:
@@ -186,7 +188,7 @@ def scale_markdown(section: dict) -> list[str]:
                 f"| {row['format']} | 2^{row['experts'].bit_length() - 1} | {dims} | {ranks} | {row['params']:,} "
                 f"| {row['plan_s'] * 1e3:.1f} | {row['planned_fma']:.3g} | {closed} | {peak:.2f}"
                 + (" (over)" if peak > 1 else "")
-                + " | |"
+                + f" | {row.get('note', '')} |"
             )
     if section.get("construction"):
         lines += ["", "Construction: one build (after a warm-up build of a small layer) and the peak bytes of live "

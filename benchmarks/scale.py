@@ -22,21 +22,52 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+import opt_einsum
 import torch
 
 from benchmarks.measure import LiveTensorPeak
 from mumoe_tn import MuMoE
-from mumoe_tn.contractions import plan_forward
+from mumoe_tn.contractions import ContractionPlan, plan_contraction, plan_forward
+from mumoe_tn.contractions.search import find_path
 from mumoe_tn.decompositions import available
 from mumoe_tn.layers import FactorizedExperts
 from mumoe_tn.network import ExpertNetwork
 
 #: Expert counts of the full grid: 2 to these powers.
-EXPONENTS = (8, 12, 16, 20, 24)
+EXPONENTS = (4, 8, 12, 16, 20, 24)
 #: Expert modes of the full grid.
 MODES = (1, 2, 3, 4, 5, 6)
 #: The planner's peak bound, in multiples of the larger activation (tokens × max(I, O)).
 PEAK_ACTIVATIONS = 4
+
+
+#: A user's network in the grid and the timed subset, next to the registered formats.
+TREE = "tree"
+
+
+def tree_spec(modes: int) -> str:
+    """A hierarchical Tucker tree, written as a user would: a factor per mode, merged pairwise, then ``i`` and ``o``.
+
+    ``U_e: n_e t_e`` for each expert mode, the bonds merged two at a time up a balanced binary tree
+    (``T_k: x y u_k``), and the root ``C: u a b`` joined to the input factor ``Ui: i a`` and the
+    output factor ``Uo: b o``. No registered format: every tool takes its generic path (matching
+    scales every bond).
+    """
+    cores = [f"U{e}: n{e} t{e}" for e in range(1, modes + 1)]
+    level = [f"t{e}" for e in range(1, modes + 1)]
+    while len(level) > 1:
+        merged = []
+        for left, right in zip(level[::2], level[1::2], strict=False):  # an odd one out moves up alone
+            bond = f"u{len(cores) - modes + 1}"
+            cores.append(f"T{len(cores) - modes + 1}: {left} {right} {bond}")
+            merged.append(bond)
+        level = merged + level[len(level) - len(level) % 2 :]
+    return ", ".join([*cores, f"C: {level[0]} a b", "Ui: i a", "Uo: b o"])
+
+
+def decomposition(fmt: str, modes: int) -> str:
+    """What ``MuMoE`` is given for a grid format: its registered name, or the tree's spec."""
+    return tree_spec(modes) if fmt == TREE else fmt
 
 
 def expert_dims(exponent: int, modes: int) -> tuple[int, ...]:
@@ -61,12 +92,21 @@ class GridRow:
     closed_fma: int | None = None  # the format's closed form × batch (None: it states none)
     peak: int | None = None  # elements of the plan's largest intermediate
     bound: int | None = None  # PEAK_ACTIVATIONS × tokens × max(I, O)
+    smallest: int | None = None  # the smallest peak of any pairwise path, where the plan's is over the bound
     note: str = ""
 
     @property
     def modes(self) -> int:
         """Expert modes E."""
         return len(self.dims)
+
+
+def smallest_peak(plan: ContractionPlan) -> int:
+    """The smallest largest-intermediate of any pairwise path (opt_einsum's exhaustive size search)."""
+    inputs, sizes = [tuple(labels) for labels in plan.inputs], dict(plan.sizes)
+    optimizer = opt_einsum.paths.DynamicProgramming(search_outer=True, minimize="size")
+    path = find_path(inputs, tuple(plan.output), sizes, optimizer)
+    return plan_contraction(inputs, plan.output, sizes, path).largest_intermediate
 
 
 def plan_row(
@@ -77,7 +117,12 @@ def plan_row(
     row = GridRow(fmt, experts, tuple(dims))
     try:
         layer = MuMoE(
-            in_features, out_features, expert_dims=list(dims), decomposition=fmt, match="linear", device="meta"
+            in_features,
+            out_features,
+            expert_dims=list(dims),
+            decomposition=decomposition(fmt, len(dims)),
+            match="linear",
+            device="meta",
         )
     except (ValueError, RuntimeError) as error:
         row.note = f"not matched: {error}".split("\n")[0][:200]
@@ -92,6 +137,9 @@ def plan_row(
     closed = None if network.format is None else network.format.closed_form_fma(network)
     row.closed_fma = None if closed is None else closed * tokens
     row.bound = PEAK_ACTIVATIONS * tokens * max(network.in_features, network.out_features)
+    if row.peak > row.bound:
+        row.smallest = smallest_peak(plan)
+        row.note = f"no path within the bound: the smallest peak of any path is {row.smallest / row.bound:.3f}× it"
     return row
 
 
@@ -104,9 +152,9 @@ def planning_grid(
     formats: Sequence[str] | None = None,
     progress: Callable[[GridRow], None] = lambda row: None,
 ) -> list[GridRow]:
-    """Every format × expert count × mode count of the grid (formats: every registered one)."""
+    """Every format × expert count × mode count of the grid (formats: every registered one and the tree)."""
     rows = []
-    for fmt in available() if formats is None else formats:
+    for fmt in (*available(), TREE) if formats is None else formats:
         for exponent in exponents:
             for count in modes:
                 if count > exponent:

@@ -533,31 +533,43 @@ def generation_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
     )
 
 
-#: (log2 experts, modes) of the scale section's timed subset (its planning grid covers 2^8 … 2^24, E = 1 … 6).
-SCALE_TIMED = ((8, 1), (8, 2), (16, 2), (16, 4), (24, 3), (24, 6))
+#: (log2 experts, modes) of the scale section's timed subset: E = 1 … 6 modes of 16 experts (each
+#: with a target), and one mode of 256 and three of 256 (its planning grid covers 2^4 … 2^24, E = 1 … 6).
+SCALE_TIMED = ((4, 1), (8, 2), (12, 3), (16, 4), (20, 5), (24, 6), (8, 1), (24, 3))
+#: fwd+bwd time ÷ nn.Linear's the timed layers with modes of 16 experts keep within.
+SCALE_LIMIT = 1.5
 
 
 def scale_section(s: Sizes, extra: dict) -> Section:
-    """Every format, parameter-matched to nn.Linear, from 2^8 to 2^24 experts: fwd+bwd time and peak memory."""
-    from benchmarks.scale import expert_dims  # the grid's own splitting of an expert count into modes
+    """Every format and a user's tree network, matched to nn.Linear, 2^4 to 2^24 experts: fwd+bwd time, peak memory."""
+    from benchmarks.scale import TREE, decomposition, expert_dims  # the grid's own layers
 
     i, o, tokens = s.width, 4 * s.width, (s.batch, s.seq // 4)
     linear = Case("nn.Linear", "linear", {"in_features": i, "out_features": o}, *tokens)
-    cases = [linear]
-    for name in ("cp", "tr", "tt", "tucker"):
-        for exponent, modes in SCALE_TIMED:
+    cases, targets = [linear], []
+    names = {"cp": "CP", "tr": "TR", "tt": "TT", "tucker": "Tucker", TREE: "tree"}
+    for name, shown in names.items():
+        for exponent, modes in SCALE_TIMED if name != TREE else SCALE_TIMED[:6]:
             dims = expert_dims(exponent, modes)
-            options = {"in_features": i, "out_features": o, "expert_dims": list(dims), "decomposition": name}
-            label = f"{name.upper() if name != 'tucker' else 'Tucker'} 2^{exponent} = {_dims(dims)}"
+            options = {"in_features": i, "out_features": o, "expert_dims": list(dims)}
+            options["decomposition"] = decomposition(name, modes)
+            label = f"{shown} 2^{exponent} = {_dims(dims)}"
             cases.append(Case(label, "mumoe", {**options, "match": "linear", **extra}, *tokens))
+            if set(dims) == {16}:
+                target = f"{shown}, E = {modes} modes of 16 ÷ nn.Linear, fwd+bwd time"
+                targets.append(Target(target, label, linear.label, "train_s", SCALE_LIMIT))
     return Section(
         "scale",
-        f"Scale: every format from 2^8 to 2^24 experts, against nn.Linear({i}, {o})",
+        f"Scale: every format from 2^4 to 2^24 experts, against nn.Linear({i}, {o})",
         f"{tokens[0] * tokens[1]:,} tokens, inputs requiring grad; every layer `MuMoE({i}, {o}, dims, fmt, "
         'match="linear")` (entmax15 + BatchNorm gate), the experts split into E modes of powers of two as '
-        "equal as can be. The planning grid below covers every format, 2^8 … 2^24 experts and E = 1 … 6.",
+        "equal as can be; *tree* is a user's network with no registered format (a hierarchical Tucker tree: "
+        "`benchmarks.scale.tree_spec`), matched by scaling every bond. The planning grid below covers every "
+        "format and the tree, 2^4 … 2^24 experts and E = 1 … 6.",
         linear.label,
         tuple(cases),
+        reps=3,
+        targets=tuple(targets),
     )
 
 
