@@ -1,10 +1,11 @@
-"""The scale grid: every registered format at 2⁸ … 2²⁴ experts over E = 1 … 6 modes, and construction.
+"""The scale grid: every registered format and a user's tree network at 2⁴ … 2²⁴ experts over E = 1 … 6 modes.
 
 ``planning_grid`` plans each parameter-matched layer (``MuMoE(I, O, dims, fmt, match="linear")``
 built on the meta device: nothing allocated) for a batch of tokens and records the planning
 time, the planned and the closed-form FMAs, and the plan's peak intermediate against the bound
-of the planner's cost model (4× the larger of the layer's input and output activations). A
-configuration the matcher refuses is recorded with its reason. ``construction`` times building
+of the planner's cost model (4× the larger of the layer's input and output activations); where
+the plan exceeds that, the smallest peak of any pairwise path too. A configuration the matcher
+refuses is recorded with its reason. ``construction`` times building
 large layers and counts the live tensor bytes they hold at their peak.
 
 Run alone (``python -m benchmarks.scale``) it prints both tables; ``python -m benchmarks.run
@@ -139,7 +140,12 @@ def plan_row(
     row.bound = PEAK_ACTIVATIONS * tokens * max(network.in_features, network.out_features)
     if row.peak > row.bound:
         row.smallest = smallest_peak(plan)
-        row.note = f"no path within the bound: the smallest peak of any path is {row.smallest / row.bound:.3f}× it"
+        ratio = row.smallest / row.bound
+        row.note = (
+            f"no path within the bound: the smallest peak of any path is {ratio:.3f}× it"
+            if ratio > 1
+            else f"the planner missed a path within the bound (smallest peak {ratio:.3f}× it)"
+        )
     return row
 
 

@@ -20,8 +20,9 @@ then run on the rest only), so a valid plan always exists.
 
 When the fewest-FMA candidate exceeds the memory bound (`PEAK_FACTOR` × the largest operand or
 result, or the ``memory_limit`` asked for) and the network has at most `BOUNDED_DP_MAX_OPERANDS`
-operands, dynamic programming without outer products is asked for the fewest FMAs among the paths
-within the bound. When still no candidate fits and the network has at most
+operands (`BOUNDED_DP_PAIRWISE_MAX_OPERANDS` where every summed label joins two operands, as in
+trees and grids), dynamic programming without outer products is asked for the fewest FMAs among
+the paths within the bound. When still no candidate fits and the network has at most
 `SIZE_DP_MAX_OPERANDS` operands, dynamic programming with outer products that minimises the
 largest intermediate is asked too, with the bound as its memory limit (and, where no path fits
 it, without: the smallest peak any pairwise path reaches, which the planner then keeps near). That is the memory-safe
@@ -47,6 +48,7 @@ import opt_einsum
 
 __all__ = [
     "BOUNDED_DP_MAX_OPERANDS",
+    "BOUNDED_DP_PAIRWISE_MAX_OPERANDS",
     "DP_MAX_OPERANDS",
     "DP_OUTER_MAX_OPERANDS",
     "OPTIMAL_MAX_OPERANDS",
@@ -75,6 +77,10 @@ PEAK_FACTOR = 4
 #: fewest FMAs within the memory bound, when the fewest-FMA candidate exceeds it (its search time
 #: grows fast on networks joined by one hyperedge: CP with 19 operands, 2.7 s; 21, 70 s).
 BOUNDED_DP_MAX_OPERANDS = 16
+#: The same where no summed label joins more than two operands (a tree of 12 cores over 6 expert
+#: modes, 21 operands: 0.01 s; a 4 × 4 grid, 33 operands: 0.3 s), bounded below every search the
+#: larger networks' candidates take.
+BOUNDED_DP_PAIRWISE_MAX_OPERANDS = 24
 #: Largest operand count, after absorbing two-leg operands, for a DP search of the rest.
 ABSORBED_DP_MAX_OPERANDS = 9
 #: Trials of each seeded randomised greedy search on networks beyond `DP_MAX_OPERANDS`.
@@ -244,13 +250,15 @@ def candidate_paths(
             found.append(absorbed + find_path(rest, output, sizes, optimizer) if len(rest) > 1 else absorbed)
     bound = _bound(inputs, output, sizes, memory_limit)
     cheapest = min(found, key=lambda path: _fma(inputs, output, sizes, path))
-    if len(inputs) <= BOUNDED_DP_MAX_OPERANDS and _peak(inputs, output, sizes, cheapest) > bound:
+    if _peak(inputs, output, sizes, cheapest) > bound:
         # The fewest FMAs within the bound: often as cheap as the memory-blind path (a 15-operand
         # TT layer: fewer FMAs and a quarter of the bound, where every other candidate left it).
-        try:
-            found.append(find_path(inputs, output, sizes, opt_einsum.paths.DynamicProgramming(), bound))
-        except RuntimeError:  # no path without outer products fits
-            pass
+        limit = BOUNDED_DP_MAX_OPERANDS if _has_hyperedge(inputs, output) else BOUNDED_DP_PAIRWISE_MAX_OPERANDS
+        if len(inputs) <= limit:
+            try:
+                found.append(find_path(inputs, output, sizes, opt_einsum.paths.DynamicProgramming(), bound))
+            except RuntimeError:  # no path without outer products fits
+                pass
     if (
         smallest_peak
         and len(inputs) <= SIZE_DP_MAX_OPERANDS
@@ -277,6 +285,15 @@ def _bound(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], m
     if memory_limit is not None:
         return max(memory_limit, _size(output, sizes))
     return PEAK_FACTOR * max(_size(labels, sizes) for labels in (*inputs, output))
+
+
+def _has_hyperedge(inputs: Sequence[Labels], output: Labels) -> bool:
+    """Whether a summed label joins three or more operands (CP's rank: every subset of cores is connected)."""
+    counts: dict[str, int] = {}
+    for labels in inputs:
+        for label in set(labels):
+            counts[label] = counts.get(label, 0) + 1
+    return any(count > 2 for label, count in counts.items() if label not in output)
 
 
 def _fma(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], path: Path) -> int:

@@ -192,7 +192,10 @@ def solve_bonds(
     ``first`` before the others, and among those the bond that adds the fewest parameters first —
     up to every bond at ``r + multiple``: the closest count along that chain wins (a tie goes to
     fewer parameters). With one bond this is the closest single rank; with several (Tucker's
-    factor ranks and core) the chain steps are a fraction of one uniform rank step.
+    factor ranks and core) the chain steps are a fraction of one uniform rank step. Where the
+    closest still misses ``target`` by more than `TOLERANCE`, each candidate is also tried with one
+    bond not in ``first`` a step lower (finer steps: ``(r + 1)(r − 1) / r²`` of the count where
+    the bonds multiply).
 
     Parameters
     ----------
@@ -233,7 +236,23 @@ def solve_bonds(
     counts = [count(sizes) for sizes in chain]
     kept = [k for k in range(len(chain) - 1) if acceptable is None or acceptable(chain[k])] + [len(chain) - 1]
     best = min(kept, key=lambda k: (abs(counts[k] - target), counts[k]))
-    return chain[best], max(after - before for before, after in itertools.pairwise(counts))
+    step = max(after - before for before, after in itertools.pairwise(counts))
+    if abs(counts[best] - target) <= TOLERANCE * target:
+        return chain[best], step
+    # A chain step larger than the tolerance (a Tucker core over many small modes: one rank up
+    # multiplies it by (r + 1) / r): each candidate with one other bond a step lower, never one
+    # of the bonds in ``first``, which bound the experts' rank.
+    lowered = [
+        {**chain[k], bond: chain[k][bond] - multiple}
+        for k in kept
+        for bond in bonds
+        if bond not in first and chain[k][bond] > multiple
+    ]
+    candidates = [(counts[best], chain[best])] + [
+        (count(sizes), sizes) for sizes in lowered if acceptable is None or acceptable(sizes)
+    ]
+    _, sizes = min(candidates, key=lambda candidate: (abs(candidate[0] - target), candidate[0]))
+    return sizes, step
 
 
 def _lift_collapsing_bonds(networks: Sequence[ExpertNetwork], scaled: Sequence[str]) -> dict[str, int]:
