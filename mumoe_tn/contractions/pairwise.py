@@ -7,9 +7,11 @@ forward and backward: 1.6 ms against 1.2 ms), and its reshapes add autograd node
 per-call time when the matrices are small. A step whose labels split into rows (left operand
 and result), an inner part (both operands, summed) and columns (right operand and result) is
 therefore run here as one ``torch.mm`` of the operands viewed as matrices; every other step
-(shared batch labels, labels summed within one operand, outer products, repeated labels) goes to
-``torch.einsum`` unchanged. Elementwise products of operands whose labels are in the result's
-order are one multiplication.
+(shared batch labels, labels summed within one operand, repeated labels) goes to
+``torch.einsum`` unchanged. A step that sums no label (an elementwise or outer product, batched
+or not) is one broadcasting multiplication: ``einsum`` runs it as a ``bmm`` whose inner dimension
+is 1, which on CPU (2 threads) took 2.0 ms where the multiplication takes 0.7 ms (``(1024, 512, 1)
+@ (1024, 1, 8)``, in a Tucker layer's backward pass).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from mumoe_tn.contractions.plan import einsum_equation
 
-__all__ = ["MatrixProduct", "contract_pair", "matrix_product"]
+__all__ = ["MatrixProduct", "broadcast_product", "contract_pair", "matrix_product"]
 
 Labels = tuple[str, ...]
 
@@ -102,6 +104,52 @@ def matrix_product(first: Labels, second: Labels, output: Labels) -> MatrixProdu
 _cached_matrix_product = lru_cache(maxsize=4096)(matrix_product)
 
 
+def broadcast_product(
+    first: Labels, second: Labels, output: Labels
+) -> tuple[tuple[tuple[int, ...] | None, tuple[int, ...]], tuple[tuple[int, ...] | None, tuple[int, ...]]] | None:
+    """How ``einsum(first, second -> output)`` runs as one broadcasting product, or None where it does not.
+
+    It does when no label is summed: every label appears once per operand and every label of
+    either operand is in the result (an elementwise product, an outer product, or a mix of both).
+
+    Parameters
+    ----------
+    first, second : tuple of str
+        Labels of the two operands.
+    output : tuple of str
+        Labels of the result.
+
+    Returns
+    -------
+    tuple or None
+        For each operand, the permutation of its axes into the result's order (None when already
+        so) and the positions of the result's axes it lacks (a dimension of size 1 is inserted at
+        each).
+    """
+    if any(len(set(labels)) != len(labels) for labels in (first, second, output)):
+        return None
+    if set(output) != set(first) | set(second) or len(output) != len(set(first) | set(second)):
+        return None
+    forms = []
+    for labels in (first, second):
+        order = tuple(sorted(range(len(labels)), key=lambda k: output.index(labels[k])))
+        missing = tuple(k for k, label in enumerate(output) if label not in labels)
+        forms.append((None if order == tuple(range(len(labels))) else order, missing))
+    return forms[0], forms[1]
+
+
+_cached_broadcast_product = lru_cache(maxsize=4096)(broadcast_product)
+
+
+def _aligned(tensor: torch.Tensor, order: tuple[int, ...] | None, missing: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` with its axes in the result's order and a size-1 axis at every position in ``missing``."""
+    if order is not None:
+        tensor = tensor.permute(order)
+    for axis in missing:
+        tensor = tensor.unsqueeze(axis)
+    return tensor
+
+
 def _as_matrix(tensor: torch.Tensor, split: int) -> torch.Tensor:
     """``tensor`` viewed (or copied, where its strides do not allow a view) as a matrix of its first ``split`` axes."""
     if tensor.ndim == 2 and split == 1:
@@ -155,6 +203,10 @@ def contract_pair(
         first, second = operands
         if first == second == output:
             return tensors[0] * tensors[1]
+        find_broadcast = broadcast_product if torch.compiler.is_compiling() else _cached_broadcast_product
+        shapes = find_broadcast(first, second, output)
+        if shapes is not None:
+            return _aligned(tensors[0], *shapes[0]) * _aligned(tensors[1], *shapes[1])
         find = matrix_product if torch.compiler.is_compiling() else _cached_matrix_product
         product = find(first, second, output)
         if product is not None:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch_calls import TorchCalls
 
 from mumoe_tn.contractions import pairwise
-from mumoe_tn.contractions.pairwise import contract_pair, matrix_product
+from mumoe_tn.contractions.pairwise import broadcast_product, contract_pair, matrix_product
 
 DTYPE = torch.float64
 LABELS = "abcdefg"
@@ -107,8 +107,29 @@ def test_elementwise_product_is_one_multiplication():
         y = contract_pair((("b", "r"), ("b", "r")), ("b", "r"), [a, b])
     assert "einsum" not in calls.names
     torch.testing.assert_close(y, a * b)
-    # labels in another order: einsum, which permutes
-    torch.testing.assert_close(contract_pair((("b", "r"), ("r", "b")), ("b", "r"), [a, b.T.contiguous()]), a * b)
+    # labels in another order: a permuted view, still one multiplication
+    with TorchCalls() as calls:
+        y = contract_pair((("b", "r"), ("r", "b")), ("b", "r"), [a, b.T.contiguous()])
+    assert "einsum" not in calls.names
+    torch.testing.assert_close(y, a * b)
+
+
+@given(pairs())
+def test_broadcast_form_exactly_where_no_label_is_summed(case):
+    first, second, output, _ = case
+    summed = (set(first) | set(second)) - set(output)
+    assert (broadcast_product(first, second, output) is not None) == (not summed)
+
+
+def test_a_batched_outer_product_is_one_multiplication_not_a_batched_product():
+    # einsum runs (b, r) x (b, s) -> (b, r, s) as a bmm with an inner dimension of 1.
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(6, 4, generator=gen, dtype=DTYPE), torch.randn(6, 3, generator=gen, dtype=DTYPE)
+    with TorchCalls() as calls:
+        y = contract_pair((("b", "r"), ("b", "s")), ("b", "s", "r"), [a, b])
+    assert "einsum" not in calls.names and "bmm" not in calls.names and "mul" in calls.names
+    torch.testing.assert_close(y, torch.einsum("br,bs->bsr", a, b))
+    assert y.is_contiguous()
 
 
 def test_repeated_labels_take_einsum():
