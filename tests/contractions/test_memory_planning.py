@@ -197,18 +197,28 @@ def test_plan_command_shows_and_applies_the_memory_limit(capsys):
 
 
 def test_the_smallest_peak_search_runs_only_where_no_candidate_fits(monkeypatch):
+    import opt_einsum
+
     import mumoe_tn.contractions.search as search
 
     asked = []
     real = search.find_path
 
     def recording(inputs, output, sizes, optimizer, memory_limit=None):
-        asked.append(getattr(optimizer, "minimize", None) == "size" and memory_limit)
+        if isinstance(optimizer, opt_einsum.paths.DynamicProgramming) and optimizer.minimize == "size":
+            asked.append(memory_limit)
         return real(inputs, output, sizes, optimizer, memory_limit)
 
     monkeypatch.setattr(search, "find_path", recording)
-    plan_forward(get_format("tucker").build((16,) * 4, IN + 1, OUT, 11), TOKENS)
-    assert asked[-1] == 4 * TOKENS * OUT  # memory-blind candidates peak at 1024 × 11^5: searched, bounded
-    asked.clear()
+    # Memory-blind candidates peak at 1024 × 11^5; dynamic programming with outer products within
+    # the bound pairs the coefficient vectors first: no smallest-peak search is needed.
+    plan = plan_forward(get_format("tucker").build((16,) * 4, IN + 1, OUT, 11), TOKENS)
+    assert plan.largest_intermediate == TOKENS * OUT and asked == []
     plan_forward(get_format("cp").build((16,) * 4, IN + 1, OUT, 500), TOKENS)
-    assert not any(asked)
+    assert asked == []
+    # One mode of 256: no path fits 4× the output; the search is asked within the bound, then
+    # without it (the smallest peak there is), and the plan keeps within 1.5× of that.
+    network = matched(get_format("tucker").build((256,), IN + 1, OUT, 4))
+    plan = plan_forward(network, TOKENS)
+    assert asked == [4 * TOKENS * OUT, None]
+    assert plan.largest_intermediate <= 1.5 * smallest_peak(network)

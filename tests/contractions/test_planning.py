@@ -35,7 +35,7 @@ from mumoe_tn.contractions import (
 from mumoe_tn.contractions.autotune import fastest_plan
 from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK, constant_elements, einsum_equation
 from mumoe_tn.contractions.search import RANDOM_GREEDY_REPEATS, candidate_paths
-from mumoe_tn.decompositions import build, tt
+from mumoe_tn.decompositions import build, get_format, tt
 from mumoe_tn.layers import FactorizedExperts
 from mumoe_tn.network import BATCH_LABEL
 
@@ -595,6 +595,24 @@ def _finder(optimize):
     return (type(optimize).__name__, optimize.minimize, optimize.max_repeats, optimize.max_time)
 
 
+def test_a_forward_pass_of_twelve_to_fourteen_operands_also_asks_for_outer_products_within_the_bound(monkeypatch):
+    asked = []
+    search = mumoe_tn.contractions.search.find_path
+
+    def recording(inputs, output, sizes, optimizer, memory_limit=None):
+        asked.append((_finder(optimizer), memory_limit))
+        return search(inputs, output, sizes, optimizer, memory_limit)
+
+    monkeypatch.setattr(mumoe_tn.contractions.search, "find_path", recording)
+    network = get_format("tucker").build((16,) * 5, 769, 3072, 8)  # 14 operands
+    plan = plan_forward(network, 1024)
+    assert ("dp+outer", 4 * 1024 * 3072) in asked
+    assert plan.largest_intermediate <= 4 * 1024 * 3072
+    # It pairs coefficient projections before they meet the core, which no other finder does here.
+    monkeypatch.setattr(mumoe_tn.contractions.search, "BOUNDED_DP_OUTER_MAX_OPERANDS", 11)
+    assert plan.fma < plan_forward(network, 1024).fma
+
+
 @pytest.mark.parametrize(
     ("n_operands", "thorough", "expected"),
     [
@@ -603,7 +621,7 @@ def _finder(optimize):
         (9, True, ["greedy", "dp+outer", "dp", "branch-2"]),
         (10, True, ["greedy", "dp+outer", "dp"]),
         (11, False, ["greedy", "dp+outer", "dp"]),
-        (12, False, ["greedy", "dp"]),
+        (12, False, ["greedy", "dp"]),  # with outer products only for results of one or two legs
         (14, False, ["greedy", "dp"]),
         (15, False, ["greedy", *RANDOM_GREEDY]),
         (17, False, ["greedy", *RANDOM_GREEDY]),
@@ -615,9 +633,9 @@ def test_path_finders_asked_follow_the_documented_bounds(monkeypatch, capsys, n_
     asked = []
     search = mumoe_tn.contractions.search.find_path
 
-    def recording(inputs, output, sizes, optimizer):
+    def recording(inputs, output, sizes, optimizer, memory_limit=None):
         asked.append(_finder(optimizer))
-        return search(inputs, output, sizes, optimizer)
+        return search(inputs, output, sizes, optimizer, memory_limit)
 
     monkeypatch.setattr(mumoe_tn.contractions.search, "find_path", recording)
     inputs = [(f"x{k}", f"x{k + 1}", f"y{k}") for k in range(n_operands)]
