@@ -26,7 +26,8 @@ trees and grids), dynamic programming without outer products is asked for the fe
 the paths within the bound. When still no candidate fits and the network has at most
 `SIZE_DP_MAX_OPERANDS` operands, dynamic programming with outer products that minimises the
 largest intermediate is asked too, with the bound as its memory limit (and, where no path fits
-it, without: the smallest peak any pairwise path reaches, which the planner then keeps near). That is the memory-safe
+it and the result has at most two legs, without: the smallest peak any pairwise path reaches,
+which the planner then keeps near). That is the memory-safe
 candidate: on Tucker layers it pairs the small coefficient vectors before they meet the core,
 where every path without outer products builds a ``batch × R^(E+1)`` intermediate. It is asked
 only then because its search time explodes on networks with many free legs (a chain of 14
@@ -285,7 +286,8 @@ def candidate_paths(
         try:
             found.append(find_path(inputs, output, sizes, smallest, bound))
         except RuntimeError:  # no path within the bound: the smallest peak there is, to choose near it
-            found.append(find_path(inputs, output, sizes, smallest))
+            if len(output) <= 2:  # unpruned, the search explodes with the kept legs
+                found.append(find_path(inputs, output, sizes, smallest))
     # Positions within a step are a set: (0, 4) and (4, 0) are the same contraction.
     return list(dict.fromkeys(tuple(tuple(sorted(step)) for step in path) for path in found))
 
