@@ -49,10 +49,10 @@ TREE = "tree"
 def tree_spec(modes: int) -> str:
     """A hierarchical Tucker tree, written as a user would: a factor per mode, merged pairwise, then ``i`` and ``o``.
 
-    ``U_e: n_e t_e`` for each expert mode, the bonds merged two at a time up a balanced binary tree
-    (``T_k: x y u_k``), and the root ``C: u a b`` joined to the input factor ``Ui: i a`` and the
-    output factor ``Uo: b o``. No registered format: every tool takes its generic path (matching
-    scales every bond).
+    ``U_e: n_e t_e`` for each expert mode, the bonds merged two at a time, level by level, up a
+    binary tree (``T_k: x y u_k``; an odd one out moves up a level alone), and the root
+    ``C: u a b`` joined to the input factor ``Ui: i a`` and the output factor ``Uo: b o``. No
+    registered format: every tool takes its generic path (matching scales every bond).
     """
     cores = [f"U{e}: n{e} t{e}" for e in range(1, modes + 1)]
     level = [f"t{e}" for e in range(1, modes + 1)]
@@ -141,10 +141,15 @@ def plan_row(
     if row.peak > row.bound:
         row.smallest = smallest_peak(plan)
         ratio = row.smallest / row.bound
+        # The planner's own bound is 4× the largest operand or result: a core larger than the
+        # activations allows more than the grid's bound.
+        held = max(math.prod(plan.sizes[x] for x in labels) for labels in (*plan.inputs, plan.output))
         row.note = (
             f"no path within the bound: the smallest peak of any path is {ratio:.3f}× it"
             if ratio > 1
             else f"the planner missed a path within the bound (smallest peak {ratio:.3f}× it)"
+            if row.peak > PEAK_ACTIVATIONS * held
+            else f"a core exceeds the activations: the planner's bound is {PEAK_ACTIVATIONS * held / row.bound:.2f}× it"
         )
     return row
 

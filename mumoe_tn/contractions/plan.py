@@ -24,7 +24,7 @@ bound ([`choose_plan`][mumoe_tn.contractions.plan.choose_plan]). Without ``memor
 operand or the result; for a layer's forward pass at a large batch, its output activations), or,
 where no candidate fits that, [`PEAK_SLACK`][mumoe_tn.contractions.plan] × the smallest peak any
 candidate reaches (the candidates then include the smallest peak of any pairwise path, on
-networks of up to 16 operands). With
+networks of up to 16 operands whose result has at most two legs, unless ``smallest_peak=False``). With
 ``memory_limit=`` (an element count, or ``"max_input"`` for the largest operand, as in opt_einsum)
 the bound is that limit (or the result's size, which every path allocates, if that is larger), and
 a contraction that no candidate fits is refused with the smallest peak found. A named optimizer or

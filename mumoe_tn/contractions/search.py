@@ -84,9 +84,8 @@ PEAK_FACTOR = 4
 #: fewest FMAs within the memory bound, when the fewest-FMA candidate exceeds it (its search time
 #: grows fast on networks joined by one hyperedge: CP with 19 operands, 2.7 s; 21, 70 s).
 BOUNDED_DP_MAX_OPERANDS = 16
-#: The same where no summed label joins more than two operands (a tree of 12 cores over 6 expert
-#: modes, 21 operands: 0.01 s; a 4 × 4 grid, 33 operands: 0.3 s), bounded below every search the
-#: larger networks' candidates take.
+#: The same where no summed label joins more than two operands (trees, chains, grids: a tree of
+#: 12 cores over 6 expert modes, 21 operands, takes 0.01 s; a 3 × 4 grid, 25 operands, 0.09 s).
 BOUNDED_DP_PAIRWISE_MAX_OPERANDS = 24
 #: Largest operand count, after absorbing two-leg operands, for a DP search of the rest.
 ABSORBED_DP_MAX_OPERANDS = 9
