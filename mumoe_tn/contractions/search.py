@@ -44,6 +44,7 @@ This module does not import torch.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import opt_einsum
@@ -255,7 +256,7 @@ def candidate_paths(
         for optimizer in rest_finders:
             found.append(absorbed + find_path(rest, output, sizes, optimizer) if len(rest) > 1 else absorbed)
     bound = _bound(inputs, output, sizes, memory_limit)
-    cheapest = min(found, key=lambda path: _fma(inputs, output, sizes, path))
+    cheapest = min(found, key=lambda path: _costs(inputs, output, sizes, path)[0])
     if _peak(inputs, output, sizes, cheapest) > bound:
         # The fewest FMAs within the bound: often as cheap as the memory-blind path (a 15-operand
         # TT layer: fewer FMAs and a quarter of the bound, where every other candidate left it).
@@ -307,33 +308,27 @@ def _bound(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], m
 
 def _has_hyperedge(inputs: Sequence[Labels], output: Labels) -> bool:
     """Whether a summed label joins three or more operands (CP's rank: every subset of cores is connected)."""
-    counts: dict[str, int] = {}
-    for labels in inputs:
-        for label in set(labels):
-            counts[label] = counts.get(label, 0) + 1
+    counts = Counter(label for labels in inputs for label in set(labels))
     return any(count > 2 for label, count in counts.items() if label not in output)
 
 
-def _fma(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], path: Path) -> int:
-    """FMAs of ``path`` (a step of ``k`` operands: ``k − 1`` per element of its labels' union)."""
+def _costs(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], path: Path) -> tuple[int, int]:
+    """FMAs of ``path`` (a step of ``k`` operands: ``k − 1`` per element of its labels' union) and its peak.
+
+    The peak is the elements of the largest intermediate or result along the path.
+    """
     current = [set(labels) for labels in inputs]
-    total = 0
+    fma = peak = 0
     for step in path:
         operands = [current.pop(k) for k in sorted(step, reverse=True)]
         joined = set().union(*operands)
-        total += max(1, len(operands) - 1) * _size(list(joined), sizes)
-        current.append(joined & (set().union(*current) | set(output)))
-    return total
+        fma += max(1, len(operands) - 1) * _size(list(joined), sizes)
+        result = joined & (set().union(*current) | set(output))
+        peak = max(peak, _size(list(result), sizes))
+        current.append(result)
+    return fma, peak
 
 
 def _peak(inputs: Sequence[Labels], output: Labels, sizes: Mapping[str, int], path: Path) -> int:
     """Elements of the largest intermediate or result along ``path``."""
-    current = [set(labels) for labels in inputs]
-    peak = 0
-    for step in path:
-        operands = [current.pop(k) for k in sorted(step, reverse=True)]
-        kept = set().union(*current) | set(output)
-        result = set().union(*operands) & kept
-        peak = max(peak, _size(list(result), sizes))
-        current.append(result)
-    return peak
+    return _costs(inputs, output, sizes, path)[1]
