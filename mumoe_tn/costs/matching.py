@@ -273,10 +273,11 @@ def _lift_collapsing_bonds(networks: Sequence[ExpertNetwork], scaled: Sequence[s
                 for bond in labels:
                     if bond in scaled or bond not in probe.bonds or probe.sizes[bond] != 1:
                         continue
-                    holder = probe.cores[probe.core_of(leg)]
                     size = min(probe.sizes[leg], LIFTED_BOND)
-                    if bond in holder:
-                        size = min(size, math.prod(probe.sizes[x] for x in holder if x != bond))
+                    for core in probe.cores_with(leg):
+                        holder = probe.cores[core]
+                        if bond in holder:
+                            size = min(size, math.prod(probe.sizes[x] for x in holder if x != bond))
                     if size > 1:
                         found[bond] = max(found.get(bond, 1), size)
         if not found:
@@ -460,7 +461,7 @@ def _whole(networks: Sequence[ExpertNetwork]) -> Callable[[Mapping[str, int]], b
 
 def _rank_limiting(network: ExpertNetwork, names: Sequence[str]) -> tuple[str, ...]:
     """The scaled bonds of the cores holding ``i`` and ``o`` (the input and output factor ranks)."""
-    held = {*network.cores[network.core_of(INPUT_LEG)], *network.cores[network.core_of(OUTPUT_LEG)]}
+    held = {label for leg in (INPUT_LEG, OUTPUT_LEG) for core in network.cores_with(leg) for label in network.cores[core]}
     return tuple(bond for bond in names if bond in held)
 
 
