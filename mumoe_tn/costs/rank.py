@@ -8,8 +8,9 @@ node, each bond an arc pair (a hyperedge becomes a node pair joined by one arc o
 and a source and sink attach to the cores holding ``i`` and ``o`` through arcs of capacity
 ``log I`` and ``log O``. A physical leg held by several cores (a Hadamard factorisation such as
 the Mixture of Decoders' ``D: i o, C: n1 o``) is a hyperedge that the source or sink joins as one
-more place: cutting it costs its log size, which gives ``min(I, O)`` for that network. This reproduces the paper's CP ``min{I, O, R}``, TR
-``min{R3·min{R1, R2}, I, O}`` and Tucker ``min{I, R_I, R_O, O}``.
+more place: cutting it costs its log size, which gives ``min(I, O)`` for that network. This
+reproduces the paper's CP ``min{I, O, R}``, TR ``min{R3·min{R1, R2}, I, O}`` and Tucker
+``min{I, R_I, R_O, O}``.
 """
 
 from __future__ import annotations

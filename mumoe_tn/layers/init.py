@@ -175,9 +175,7 @@ def _template(
     """
 
     def drawn_elsewhere(leg: str) -> bool:
-        return any(
-            not any(is_expert_leg(label) for label in network.cores[other]) for other in network.cores_with(leg)
-        )
+        return any(not any(is_expert_leg(label) for label in network.cores[other]) for other in network.cores_with(leg))
 
     if any(leg in rest and not drawn_elsewhere(leg) for leg in (INPUT_LEG, OUTPUT_LEG)):
         return None
