@@ -26,6 +26,7 @@ _LAZY = {
     "MuMoEMLP": "mumoe_tn.layers",
     "MuMoEGatedMLP": "mumoe_tn.layers.mlp",
     "Gate": "mumoe_tn.gates.specs",
+    "ReLUTopKGate": "mumoe_tn.gates.specs",
     "TopKGate": "mumoe_tn.gates.specs",
     "compare": "mumoe_tn.costs",
     "convert": "mumoe_tn.conversion.convert",
