@@ -27,6 +27,7 @@ _LAZY = {
     "MuMoEGatedMLP": "mumoe_tn.layers.mlp",
     "MixtureOfDecoders": "mumoe_tn.layers.decoders",
     "Gate": "mumoe_tn.gates.specs",
+    "ReLUTopKGate": "mumoe_tn.gates.specs",
     "TopKGate": "mumoe_tn.gates.specs",
     "compare": "mumoe_tn.costs",
     "convert": "mumoe_tn.conversion.convert",

@@ -1,7 +1,8 @@
 """Gates: what a user declares (descriptors, torch-free), what runs (modules), and the entmax kernels.
 
 - [`mumoe_tn.gates.specs`][mumoe_tn.gates.specs]: gate descriptors ([`Gate`][mumoe_tn.gates.specs.Gate],
-  [`TopKGate`][mumoe_tn.gates.specs.TopKGate], the [`GateSpec`][mumoe_tn.gates.specs.GateSpec] protocol) and their
+  [`TopKGate`][mumoe_tn.gates.specs.TopKGate], [`ReLUTopKGate`][mumoe_tn.gates.specs.ReLUTopKGate],
+  the [`GateSpec`][mumoe_tn.gates.specs.GateSpec] protocol) and their
   costs; no torch.
 - [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules]: the gate modules they build, with the registries of
   activations and logit norms.
@@ -21,13 +22,14 @@ import importlib
 from typing import Any
 
 from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
-from mumoe_tn.gates.specs import DEFAULT_GATE, CausalityWarning, Gate, GateSpec, TopKGate
+from mumoe_tn.gates.specs import DEFAULT_GATE, CausalityWarning, Gate, GateSpec, ReLUTopKGate, TopKGate
 
 _LAZY = {
     "ACTIVATIONS": "mumoe_tn.gates.modules",
     "GATE_NORMS": "mumoe_tn.gates.modules",
     "ExpertGate": "mumoe_tn.gates.modules",
     "LogitBatchNorm": "mumoe_tn.gates.modules",
+    "ReLUTopKRouter": "mumoe_tn.gates.modules",
     "TopKRouter": "mumoe_tn.gates.modules",
     "gate_losses": "mumoe_tn.gates.modules",
     "resolve_activation": "mumoe_tn.gates.modules",
@@ -47,6 +49,7 @@ __all__ = [
     "CausalityWarning",
     "Gate",
     "GateSpec",
+    "ReLUTopKGate",
     "TopKGate",
     *sorted(_LAZY),
 ]
