@@ -221,7 +221,9 @@ def test_match_layer_within_one_rank_step(network, factor):
     try:
         matched = match_layer(network, target, bonds=bonds)
     except ValueError as error:
-        assert "below the smallest possible count" in str(error)
+        # a network without bonds is matched by its number of experts, which may collapse (O = 1)
+        refused = "below the smallest possible count" in str(error)
+        assert refused or (not network.bonds and "collapse" in str(error)), error
         return
     assert abs(matched.params - matched.target) <= matched.step
     assert layer_parameters(matched.networks[0]).total == matched.params
