@@ -90,6 +90,8 @@ class MuMoEQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         # Nothing is quantized: drop transformers' marks so the model casts (.half(), .to(dtype)) and trains as usual.
         model.hf_quantizer = None
+        model.is_quantized = False
+        model.__dict__.pop("quantization_method", None)
         for module in model.modules():
             config = getattr(module, "config", None)
             if config is not None and "_is_quantized" in vars(config):

@@ -11,6 +11,7 @@ from torch import nn
 from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
 from mumoe_tn.conversion.record import ConversionRecord
+from mumoe_tn.gates.registry import register_gate
 from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
@@ -56,10 +57,13 @@ def _train(model, steps=3, lr=1e-2):
     return model.eval(), losses
 
 
-def _converted(family, **options):
-    build, _, selection = FAMILIES[family]
+def _converted(family, dtype=None, **options):
+    build, cls, selection = FAMILIES[family]
     torch.manual_seed(0)
     model = build()
+    if dtype is not None:  # the same weights, in a model built in dtype
+        weights, model = model.state_dict(), cls._from_config(model.config, dtype=dtype)
+        model.load_state_dict(weights)
     convert(model, expert_dims=(4, 4), **selection, **options)
     return _train(model)[0]
 
@@ -84,24 +88,26 @@ def test_save_pretrained_then_load_converted_gives_bitwise_equal_logits_and_gene
     assert torch.equal(loaded.generate(prompt, **options), model.generate(prompt, **options))
 
 
-def test_plain_from_pretrained_of_a_converted_checkpoint_is_what_load_converted_fixes(tmp_path):
+def test_load_converted_casts_but_keeps_gate_statistics_in_float32_and_the_record_selects_the_hook(tmp_path):
     model = _converted("gpt2", gate_norm="batch", causal=False)
     model.save_pretrained(tmp_path)
     half = load_converted(transformers.GPT2LMHeadModel, tmp_path, dtype=torch.bfloat16)
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
     stats = [b for name, b in half.named_buffers() if "running" in name]
     assert stats and all(b.dtype == torch.float32 for b in stats)  # the gates' statistics stay float32
-    assert "mumoe_conversion" in json.loads((tmp_path / "config.json").read_text())
-    dense = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)  # cannot know: builds dense blocks
-    assert not any(isinstance(m, MuMoEMLP) for m in dense.modules())
-    assert conversion_record(dense) == conversion_record(model)  # the record travelled with the config
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "mumoe_conversion" in saved and saved["quantization_config"] == {"quant_method": "mumoe_tn"}
+    stock = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)  # the hook rebuilds the converted model
+    assert isinstance(stock.transformer.h[0].mlp, MuMoEMLP) and not stock.is_quantized
+    assert conversion_record(stock) == conversion_record(model)
     with pytest.raises(ValueError, match="already converted"):
-        apply_conversion(load_converted(transformers.GPT2LMHeadModel, tmp_path), conversion_record(model))
+        apply_conversion(stock, conversion_record(model))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_converted_model_runs_forward_generate_and_trains_in_bfloat16(family, tmp_path):
-    model = _converted(family).to(torch.bfloat16)
+    # built in bfloat16 as from_pretrained builds it (a Llama cast with .to() also rounds its rotary buffers)
+    model = _converted(family, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     tokens = _tokens()
     with torch.no_grad():
@@ -151,7 +157,7 @@ def test_weights_that_do_not_fit_the_record_are_refused_before_loading(tmp_path)
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
     up["sizes"]["r"] += 1  # they agree, but not with the saved cores
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"do not fit the converted model: shapes differ for \['transformer\.h\.0"):
+    with pytest.raises(ValueError, match=r"record\.modules\[1\] implies 'transformer\.h\.0\.mlp\.experts1\.\w+' of shape"):
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
 
 
@@ -171,9 +177,10 @@ def _plain():
     return nn.Sequential(Block(), shared, nn.Linear(12, 12), shared)  # one block at two paths
 
 
+@register_gate
 @dataclass(frozen=True)
 class WideTopK(TopKGate):
-    """A user's own gate descriptor (a dataclass), recorded by its class name."""
+    """A user's own gate descriptor (a registered dataclass), recorded by its class name."""
 
 
 @pytest.mark.parametrize(
@@ -230,13 +237,13 @@ def test_bad_records_and_files_get_the_library_messages(tmp_path):
         apply_conversion(_plain(), {**data, "version": 99})
     unknown = copy.deepcopy(data)
     unknown["modules"][0]["gate"]["class"] = "not_imported_anywhere.MyGate"
-    with pytest.raises(ValueError, match=r"'not_imported_anywhere\.MyGate' is not available: import the module"):
+    with pytest.raises(ValueError, match=r"gate\.class = 'not_imported_anywhere\.MyGate' is invalid: it is not a registered"):
         apply_conversion(_plain(), unknown)
     unregistered = copy.deepcopy(data)
     unregistered["modules"][0]["networks"][0][1]["format"] = "no_such_format"
-    with pytest.raises(ValueError, match="format 'no_such_format', which is not registered"):
+    with pytest.raises(ValueError, match=r"format = 'no_such_format' is invalid: it names no format registered"):
         apply_conversion(_plain(), unregistered)
-    with pytest.raises(ValueError, match="a conversion record is a mapping"):
+    with pytest.raises(ValueError, match=r"record = \{'modules': 3\} is invalid: it lacks the key\(s\) \['version'\]"):
         apply_conversion(_plain(), {"modules": 3})
     from safetensors.torch import save_model
 
@@ -273,6 +280,6 @@ def test_a_record_with_invalid_execution_options_is_refused_before_any_change():
     data = conversion_record(model).to_dict()
     data["modules"][0]["execution"]["max_plans"] = -1
     fresh = _plain()
-    with pytest.raises(ValueError, match=r"execution options at '0' are invalid: max_plans must be a positive int"):
+    with pytest.raises(ValueError, match=r"record\.modules\[0\]\.execution\['max_plans'\] = -1 is invalid"):
         apply_conversion(fresh, data)
     assert conversion_record(fresh) is None and not isinstance(fresh[0], MuMoEMLP)
