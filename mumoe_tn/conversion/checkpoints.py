@@ -146,7 +146,7 @@ def load_converted(
             "model (load a plain state dict with model.load_state_dict)"
         )
     rebuilt, record = replay_conversion(
-        model, parse_json(metadata[RECORD_KEY], "conversion record"), shapes=_shapes(headers)
+        model, metadata[RECORD_KEY], shapes=_shapes(headers)
     )
 
     def check_and_load(converted: nn.Module) -> None:

@@ -69,23 +69,65 @@ def _converted(family, dtype=None, **options):
 
 
 @pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_save_pretrained_then_load_converted_gives_bitwise_equal_logits_and_generations(family, shard, tmp_path):
-    model = _converted(family, gate=Gate("entmax15", "batch"), causal=False)  # running statistics saved too
+def test_stock_from_pretrained_and_load_converted_give_bitwise_equal_logits_and_generations(
+    family, dtype, shard, tmp_path
+):
+    model = _converted(family, dtype=None if dtype == torch.float32 else dtype, gate=Gate("entmax15", "batch"))
     _, cls, _ = FAMILIES[family]
     model.save_pretrained(tmp_path, **({"max_shard_size": "40KB"} if shard else {}))
     saved = sorted(p.name for p in tmp_path.iterdir())
     assert ("model.safetensors.index.json" in saved) == shard and "config.json" in saved
-    loaded = load_converted(cls, tmp_path)
-    assert not loaded.training
-    assert conversion_record(loaded) == conversion_record(model)
-    assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
     tokens = _tokens()
-    with torch.no_grad():
-        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
     prompt = tokens[:1, :5]
     options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(loaded.generate(prompt, **options), model.generate(prompt, **options))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    generated = model.generate(prompt, **options)
+    loaders = {
+        "AutoModelForCausalLM.from_pretrained": transformers.AutoModelForCausalLM.from_pretrained,
+        f"{cls.__name__}.from_pretrained": cls.from_pretrained,
+        "load_converted": lambda path: load_converted(cls, path),
+    }
+    for name, load in loaders.items():
+        loaded = load(tmp_path)
+        assert type(loaded) is cls and not loaded.training, name
+        assert conversion_record(loaded) == conversion_record(model), name
+        assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()], name
+        assert {p.dtype for p in loaded.parameters()} == {dtype}, name
+        with torch.no_grad():
+            assert torch.equal(loaded(tokens).logits, expected), name
+        assert torch.equal(loaded.generate(prompt, **options), generated), name
+
+
+_WITHOUT_AND_WITH = """
+import logging, sys, warnings
+import transformers
+{first}
+transformers.logging.set_verbosity_warning()
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+transformers.logging.get_logger().addHandler(Keep())
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+print(type(model.transformer.h[0].mlp).__name__)
+print(any("Unknown quantization type, got mumoe_tn" in message for message in records))
+"""
+
+
+@pytest.mark.parametrize("first", ["", "import mumoe_tn"], ids=["not imported", "imported first"])
+def test_without_mumoe_tn_from_pretrained_warns_and_is_dense_and_importing_it_first_is_enough(first, tmp_path):
+    import subprocess
+    import sys
+
+    _converted("gpt2").save_pretrained(tmp_path)
+    script = _WITHOUT_AND_WITH.format(first=first)
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    block, warned = result.stdout.split()[-2:]
+    assert (block, warned) == (("GPT2MLP", "True") if not first else ("MuMoEMLP", "False"))
 
 
 def test_load_converted_casts_but_keeps_gate_statistics_in_float32_and_the_record_selects_the_hook(tmp_path):
