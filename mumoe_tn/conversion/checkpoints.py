@@ -31,8 +31,7 @@ a given model only when everything fits: a failed load leaves it as it was. Ever
 from __future__ import annotations
 
 import os
-import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +39,19 @@ import torch
 from torch import nn
 
 from mumoe_tn.conversion.convert import commit_conversion, conversion_record, replay_conversion
-from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, ConversionRecord, parse_json
+from mumoe_tn.conversion.files import (
+    Headers,
+    header_shapes,
+    member_file,
+    read_all_headers,
+    read_headers,
+    read_json,
+    regular_file,
+    weight_files,
+)
+from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, ConversionRecord
 
-__all__ = ["MAX_JSON_BYTES", "convert_skeleton", "load_converted", "read_headers", "save_converted"]
-
-_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
-_PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-
-#: Largest ``config.json`` or shard index read (a record of thousands of modules is a few MB).
-MAX_JSON_BYTES = 64 << 20
-
-#: ``(shape, dtype)`` of every tensor of a checkpoint, by state-dict key.
-Headers = dict[str, tuple[tuple[int, ...], torch.dtype]]
+__all__ = ["load_converted", "save_converted"]
 
 
 def _is_hf_class(model: object) -> bool:
@@ -138,16 +138,14 @@ def load_converted(
         raise TypeError(
             f"model must be a Hugging Face model class or a freshly built nn.Module, got {type(model).__name__}"
         )
-    file = _regular_file(path, "the checkpoint file")
+    file = regular_file(path, "the checkpoint file")
     headers, metadata = read_headers(file)
     if RECORD_KEY not in metadata:
         raise ValueError(
             f"{str(path)!r} holds no mumoe_tn conversion record: it was not saved by save_converted from a converted "
             "model (load a plain state dict with model.load_state_dict)"
         )
-    rebuilt, record = replay_conversion(
-        model, metadata[RECORD_KEY], shapes=_shapes(headers)
-    )
+    rebuilt, record = replay_conversion(model, metadata[RECORD_KEY], shapes=header_shapes(headers))
 
     def check_and_load(converted: nn.Module) -> None:
         _check_state(converted, headers, str(path), strict=strict)
@@ -161,141 +159,6 @@ def load_converted(
     if dtype is not None:
         model.to(dtype)
     return model.eval()
-
-
-# ----------------------------------------------------------------------------- files of a checkpoint
-def _regular_file(path: Path, what: str) -> Path:
-    """``path`` if it names a regular file (never opened otherwise: a FIFO or device would block or stream)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as error:
-        raise ValueError(f"{what} {str(path)!r} cannot be read ({error.strerror})") from None
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{what} {str(path)!r} is not a regular file")
-    return path
-
-
-def _member(root: Path, name: object, field: str) -> Path:
-    """The file a checkpoint names: relative, inside ``root`` once links are resolved, and a regular file."""
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise ValueError(f"{field} = {name!r:.120} is invalid: it must name a file of the checkpoint directory")
-    relative = Path(name)
-    if relative.is_absolute():
-        raise ValueError(f"{field} = {name!r:.120} is invalid: a checkpoint names its files by relative paths")
-    base = root.resolve()
-    resolved = (base / relative).resolve()
-    if not resolved.is_relative_to(base):
-        raise ValueError(f"{field} = {name!r:.120} is invalid: it leads outside the checkpoint directory {str(root)!r}")
-    return _regular_file(resolved, field)
-
-
-def _read_json(file: Path, field: str) -> Any:
-    size = file.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise ValueError(f"{field} is {size:,} bytes; a checkpoint's JSON files are read up to {MAX_JSON_BYTES:,}")
-    try:
-        text = file.read_bytes()
-    except OSError as error:
-        raise ValueError(f"{field} cannot be read ({error.strerror})") from None
-    return parse_json(text, field)
-
-
-def weight_files(root: Path) -> list[Path]:
-    """The weight files of a ``save_pretrained`` directory (safetensors or pickled, sharded or not), checked."""
-    for single, index in (_SAFETENSORS, _PICKLED):
-        if (root / single).exists():
-            return [_member(root, single, single)]
-        if (root / index).exists():
-            data = _read_json(_member(root, index, index), index)
-            if not isinstance(data, Mapping) or not isinstance(data.get("weight_map"), Mapping):
-                raise ValueError(f"{index}: weight_map = {_field(data, 'weight_map')} is invalid: it must be a mapping")
-            names = []
-            for key, name in data["weight_map"].items():
-                field = f"{index}: weight_map[{key!r:.80}]"
-                if not isinstance(key, str):
-                    raise ValueError(f"{field} is invalid: keys are tensor names")
-                if not isinstance(name, str) or not name.endswith(Path(single).suffix):
-                    raise ValueError(f"{field} = {name!r:.120} is invalid: it must name a {Path(single).suffix} file")
-                names.append(name)
-            files = {}
-            for name in sorted(set(names)):
-                files.setdefault(_member(root, name, f"{index}: weight_map entry"), name)
-            if not files:
-                raise ValueError(f"{index}: weight_map is empty")
-            return list(files)
-    raise ValueError(f"no weights in {str(root)!r}: expected one of {[*_SAFETENSORS, *_PICKLED]}")
-
-
-def _field(data: object, key: str) -> str:
-    value = data.get(key) if isinstance(data, Mapping) else data
-    return repr(value)[:120]
-
-
-def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
-    """Shapes and dtypes of a weight file's tensors, and its metadata, without reading tensor data.
-
-    A ``.safetensors`` file's header is read; a pickled ``.bin`` file is unpickled with
-    ``weights_only=True`` onto the meta device.
-
-    Raises
-    ------
-    ValueError
-        If the file is not a valid weight file.
-    """
-    file = Path(file)
-    headers: Headers = {}
-    if file.suffix == ".bin":
-        try:
-            state = torch.load(file, map_location="meta", weights_only=True)
-        except Exception as error:  # torch raises many kinds for a malformed pickle
-            raise ValueError(f"{str(file)!r} is not a valid weight file ({type(error).__name__})") from None
-        if not isinstance(state, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-        ):
-            raise ValueError(f"{str(file)!r} is not a state dict of tensors")
-        return {key: (tuple(value.shape), value.dtype) for key, value in state.items()}, {}
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            for key in handle.keys():
-                piece = handle.get_slice(key)
-                headers[key] = (tuple(piece.get_shape()), _dtype(piece.get_dtype(), file, key))
-    except ValueError:
-        raise
-    except Exception as error:  # safetensors' own error types
-        raise ValueError(f"{str(file)!r} is not a valid safetensors file ({error})") from None
-    return headers, dict(metadata)
-
-
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
-
-
-def _dtype(name: str, file: Path, key: str) -> torch.dtype:
-    dtype = _DTYPES.get(str(name).upper())
-    if dtype is None:
-        raise ValueError(f"{str(file)!r}: tensor {key!r} has dtype {name!r}, which mumoe_tn checkpoints never hold")
-    return dtype
-
-
-def _shapes(headers: Headers) -> dict[str, tuple[int, ...]]:
-    return {key: shape for key, (shape, _) in headers.items()}
-
-
-def _all_headers(files: Sequence[Path]) -> Headers:
-    headers: Headers = {}
-    for file in files:
-        found, _ = read_headers(file)
-        for key, value in found.items():
-            if key in headers:
-                raise ValueError(f"{str(file)!r}: tensor {key!r} is stored in two weight files of the checkpoint")
-            headers[key] = value
-    return headers
 
 
 def _check_state(model: nn.Module, headers: Headers, source: str, *, strict: bool) -> None:
@@ -331,7 +194,7 @@ def _check_state(model: nn.Module, headers: Headers, source: str, *, strict: boo
 def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) -> nn.Module:
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is not a directory: give the directory save_pretrained wrote")
-    config = _read_json(_member(path, "config.json", "config.json"), "config.json")
+    config = read_json(member_file(path, "config.json", "config.json"), "config.json")
     if not isinstance(config, Mapping):
         raise ValueError(f"config.json = {config!r:.120} is invalid: it must be a JSON object")
     expected = getattr(cls.config_class, "model_type", "") or None
@@ -353,7 +216,7 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
             f"config.json: quantization_config = {quantization!r:.120} is invalid: a converted checkpoint has "
             f"{{'quant_method': {QUANT_METHOD!r}}}"
         )
-    _all_headers(weight_files(path))  # every path and header checked before transformers opens a file
+    read_all_headers(weight_files(path))  # every path and header checked before transformers opens a file
     from mumoe_tn.conversion.quantizer import MuMoEConfig, register_with_transformers
 
     register_with_transformers()
@@ -368,41 +231,3 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
     if dtype is not None:
         model.to(dtype)
     return model.eval()
-
-
-def convert_skeleton(model: nn.Module, checkpoint_files: Sequence[str | os.PathLike] | None) -> None:
-    """Replay a checkpoint's record on the model transformers built for it, checked against its weight files.
-
-    Called by the ``from_pretrained`` hook (see [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer])
-    on the meta-device skeleton: every weight file must be a regular file inside the checkpoint
-    directory, and every tensor the record implies must be in their headers with its shape.
-
-    Raises
-    ------
-    ValueError
-        If the config has no record, a file is outside the directory or malformed, or the record
-        does not fit the model or the weights.
-    """
-    config = getattr(model, "config", None)
-    data = getattr(config, RECORD_KEY, None)
-    if data is None:
-        raise ValueError(
-            f"config.json: quantization_config selects mumoe_tn, but the config has no {RECORD_KEY!r} record to "
-            "replay: the checkpoint is incomplete"
-        )
-    files = [Path(file) for file in checkpoint_files or ()]
-    if not files:
-        raise ValueError("a converted checkpoint needs its weight files; transformers found none")
-    root = Path(str(getattr(config, "name_or_path", "") or ""))
-    if root.is_dir():
-        files = [_member(root, os.path.relpath(file.resolve(), root.resolve()), "weight file") for file in files]
-    else:
-        files = [_regular_file(file, "weight file") for file in files]
-    headers = _all_headers(files)
-    delattr(config, RECORD_KEY)  # the replay writes it back
-    try:
-        rebuilt, record = replay_conversion(model, data, shapes=_shapes(headers))
-        commit_conversion(model, rebuilt, record)
-    except BaseException:
-        setattr(config, RECORD_KEY, data)
-        raise

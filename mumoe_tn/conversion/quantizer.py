@@ -27,6 +27,9 @@ unknown method; import mumoe_tn (or use
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from transformers.quantizers.auto import (
@@ -38,9 +41,11 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from mumoe_tn.conversion.record import QUANT_METHOD
+from mumoe_tn.conversion.convert import commit_conversion, replay_conversion
+from mumoe_tn.conversion.files import header_shapes, member_file, read_all_headers, regular_file
+from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY
 
-__all__ = ["METHOD", "MuMoEConfig", "MuMoEQuantizer", "register_with_transformers"]
+__all__ = ["METHOD", "MuMoEConfig", "MuMoEQuantizer", "convert_skeleton", "register_with_transformers"]
 
 #: The ``quant_method`` that selects the hook.
 METHOD = QUANT_METHOD
@@ -82,8 +87,6 @@ class MuMoEQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
 
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: Any = None, **kwargs: Any) -> Any:
-        from mumoe_tn.conversion.checkpoints import convert_skeleton
-
         convert_skeleton(model, checkpoint_files)
         return model
 
@@ -116,3 +119,41 @@ def register_with_transformers() -> None:
     if AUTO_QUANTIZER_MAPPING.get(METHOD) is not MuMoEQuantizer:
         AUTO_QUANTIZER_MAPPING.pop(METHOD, None)
         register_quantizer(METHOD)(MuMoEQuantizer)
+
+
+def convert_skeleton(model: Any, checkpoint_files: Sequence[str | os.PathLike] | None) -> None:
+    """Replay a checkpoint's record on the model transformers built for it, checked against its weight files.
+
+    Called by the ``from_pretrained`` hook (see [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer])
+    on the meta-device skeleton: every weight file must be a regular file inside the checkpoint
+    directory, and every tensor the record implies must be in their headers with its shape.
+
+    Raises
+    ------
+    ValueError
+        If the config has no record, a file is outside the directory or malformed, or the record
+        does not fit the model or the weights.
+    """
+    config = getattr(model, "config", None)
+    data = getattr(config, RECORD_KEY, None)
+    if data is None:
+        raise ValueError(
+            f"config.json: quantization_config selects mumoe_tn, but the config has no {RECORD_KEY!r} record to "
+            "replay: the checkpoint is incomplete"
+        )
+    files = [Path(file) for file in checkpoint_files or ()]
+    if not files:
+        raise ValueError("a converted checkpoint needs its weight files; transformers found none")
+    root = Path(str(getattr(config, "name_or_path", "") or ""))
+    if root.is_dir():
+        files = [member_file(root, os.path.relpath(file.resolve(), root.resolve()), "weight file") for file in files]
+    else:
+        files = [regular_file(file, "weight file") for file in files]
+    headers = read_all_headers(files)
+    delattr(config, RECORD_KEY)  # the replay writes it back
+    try:
+        rebuilt, record = replay_conversion(model, data, shapes=header_shapes(headers))
+        commit_conversion(model, rebuilt, record)
+    except BaseException:
+        setattr(config, RECORD_KEY, data)
+        raise

@@ -89,7 +89,9 @@ def invalid(field: str, value: object, rule: str) -> ValueError:
     return ValueError(f"conversion record: {field} = {_quote(value)} is invalid: {rule}")
 
 
-def _mapping(field: str, value: object, *, required: Sequence[str] = (), allowed: Sequence[str] | None = None) -> Mapping:
+def _mapping(
+    field: str, value: object, *, required: Sequence[str] = (), allowed: Sequence[str] | None = None
+) -> Mapping:
     if not isinstance(value, Mapping):
         raise invalid(field, value, "it must be a mapping")
     if not all(isinstance(key, str) for key in value):
@@ -192,9 +194,7 @@ def network_from_data(data: Mapping[str, Any], field: str = "network") -> Expert
     for label, size in sizes.items():
         _int(f"{field}.sizes[{label!r}]", size, high=MAX_RECORD_SIZE)
     try:
-        return ExpertNetwork(
-            parsed, dict(sizes), name=name, format=None if fmt is None else get_format(fmt)
-        )
+        return ExpertNetwork(parsed, dict(sizes), name=name, format=None if fmt is None else get_format(fmt))
     except (TypeError, ValueError) as error:
         raise invalid(field, data, f"it is not a valid expert network ({error})") from None
 
@@ -365,7 +365,9 @@ class ConvertedModule:
         for number, (role, expected) in enumerate(zip(networks, ROLES[kind], strict=True)):
             role_name, network = _list(f"{field}.networks[{number}]", role, length=2)
             if role_name != expected:
-                raise invalid(f"{field}.networks[{number}][0]", role_name, f"a {kind!r} module's roles are {ROLES[kind]}")
+                raise invalid(
+                    f"{field}.networks[{number}][0]", role_name, f"a {kind!r} module's roles are {ROLES[kind]}"
+                )
             network_from_data(network, f"{field}.networks[{number}][1]")
             pairs.append((role_name, dict(network)))
         gate_from_data(data["gate"], f"{field}.gate")

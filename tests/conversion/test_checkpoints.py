@@ -199,7 +199,9 @@ def test_weights_that_do_not_fit_the_record_are_refused_before_loading(tmp_path)
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
     up["sizes"]["r"] += 1  # they agree, but not with the saved cores
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"record\.modules\[1\] implies 'transformer\.h\.0\.mlp\.experts1\.\w+' of shape"):
+    with pytest.raises(
+        ValueError, match=r"record\.modules\[1\] implies 'transformer\.h\.0\.mlp\.experts1\.\w+' of shape"
+    ):
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
 
 
@@ -279,7 +281,9 @@ def test_bad_records_and_files_get_the_library_messages(tmp_path):
         apply_conversion(_plain(), {**data, "version": 99})
     unknown = copy.deepcopy(data)
     unknown["modules"][0]["gate"]["class"] = "not_imported_anywhere.MyGate"
-    with pytest.raises(ValueError, match=r"gate\.class = 'not_imported_anywhere\.MyGate' is invalid: it is not a registered"):
+    with pytest.raises(
+        ValueError, match=r"gate\.class = 'not_imported_anywhere\.MyGate' is invalid: it is not a registered"
+    ):
         apply_conversion(_plain(), unknown)
     unregistered = copy.deepcopy(data)
     unregistered["modules"][0]["networks"][0][1]["format"] = "no_such_format"

@@ -117,7 +117,7 @@ def refused(load, pattern, *, model=None, size=0):
     measured = _reset_peak()
     start_kb = _peak_kb()
     start = time.perf_counter()
-    with pytest.raises(Exception) as caught:  # noqa: PT011  (the type is checked below, exactly)
+    with pytest.raises(Exception) as caught:
         load()
     elapsed = time.perf_counter() - start
     grown = (_peak_kb() - start_kb) * 1024
@@ -176,7 +176,9 @@ def _long_chain(record):
     cores = [["C0", ["n1", "i", "b0"]], ["C1", ["b0", "n2", "b1"]]]
     cores += [[f"C{k}", [f"b{k - 1}", f"b{k}"]] for k in range(2, 7999)] + [["C7999", ["b7998", "o"]]]
     network = record["modules"][1]["networks"][0][1]
-    network.update(format=None, cores=cores, sizes={"n1": 3, "n2": 4, "i": 13, "o": 12, **{f"b{k}": 2 for k in range(7999)}})
+    network.update(
+        format=None, cores=cores, sizes={"n1": 3, "n2": 4, "i": 13, "o": 12, **{f"b{k}": 2 for k in range(7999)}}
+    )
 
 
 CASES = {
@@ -226,8 +228,14 @@ CASES = {
         _set("modules", 1, "networks", 0, 1, "sizes", "r", 10**30),
         r"sizes\['r'\] = 10{30} is invalid: it must be an int of at least 1 and at most",
     ),
-    "size that is a bool": (_set("modules", 1, "networks", 0, 1, "sizes", "r", True), r"sizes\['r'\] = True is invalid"),
-    "chain of 8,000 cores": (_long_chain, r"networks\[0\]\[1\]\.cores = '<8000 entries>' is invalid: it may have at most 256"),
+    "size that is a bool": (
+        _set("modules", 1, "networks", 0, 1, "sizes", "r", True),
+        r"sizes\['r'\] = True is invalid",
+    ),
+    "chain of 8,000 cores": (
+        _long_chain,
+        r"networks\[0\]\[1\]\.cores = '<8000 entries>' is invalid: it may have at most 256",
+    ),
     "5,000 duplicate module entries": (
         lambda record: record["modules"].extend([record["modules"][0]] * 5000),
         r"record\.modules\[2\]\.paths = '0' is invalid: record\.modules\[0\] already replaces it",
@@ -246,8 +254,14 @@ CASES = {
         _set("modules", 1, "networks", 0, 1, "format", "pickle"),
         r"format = 'pickle' is invalid: it names no format registered",
     ),
-    "mask argument that is not a name": (_set("mask_argument", "__class__.x"), r"mask_argument = '__class__\.x' is invalid"),
-    "record that is a list": (lambda record: record.clear() or record.update(modules=[], version=1, extra=1), r"record\['extra'\]"),
+    "mask argument that is not a name": (
+        _set("mask_argument", "__class__.x"),
+        r"mask_argument = '__class__\.x' is invalid",
+    ),
+    "record that is a list": (
+        lambda record: record.clear() or record.update(modules=[], version=1, extra=1),
+        r"record\['extra'\]",
+    ),
 }
 
 
@@ -284,10 +298,16 @@ def test_weights_that_do_not_fit_leave_the_model_as_it_was_and_the_right_file_th
     bias = "2.bias"  # checked with the whole state dict, once the rebuilt modules are in place
     wrong_shape = {**state, bias: torch.zeros(11)}
     path = _write(folder, record, wrong_shape)
-    refused(lambda: load_converted(model, path), rf"shapes differ for \['{re.escape(bias)}: checkpoint \(11,\)", model=model)
+    refused(
+        lambda: load_converted(model, path), rf"shapes differ for \['{re.escape(bias)}: checkpoint \(11,\)", model=model
+    )
     missing = {key: value for key, value in state.items() if key != "2.weight"}
     path = _write(folder, record, missing)
-    refused(lambda: load_converted(model, path), r"the checkpoint lacks 1 key\(s\) of the model, e\.g\. \['2\.weight'\]", model=model)
+    refused(
+        lambda: load_converted(model, path),
+        r"the checkpoint lacks 1 key\(s\) of the model, e\.g\. \['2\.weight'\]",
+        model=model,
+    )
     integer = {key: value.to(torch.int32) if key == bias else value for key, value in state.items()}
     path = _write(folder, record, integer)
     refused(lambda: load_converted(model, path), rf"dtypes of another kind for \['{re.escape(bias)}", model=model)
@@ -328,11 +348,17 @@ def test_recorded_optimizers_are_checked_names_that_plan_only_when_the_layer_run
 def test_files_that_are_not_regular_files_are_refused_without_blocking(saved, tmp_path):
     os.mkfifo(tmp_path / "fifo.safetensors")
     model = _plain()
-    refused(lambda: load_converted(model, tmp_path / "fifo.safetensors"), r"fifo\.safetensors' is not a regular file", model=model)
+    refused(
+        lambda: load_converted(model, tmp_path / "fifo.safetensors"),
+        r"fifo\.safetensors' is not a regular file",
+        model=model,
+    )
     refused(lambda: load_converted(model, tmp_path), r"is not a regular file", model=model)
     refused(lambda: load_converted(model, tmp_path / "absent.safetensors"), r"cannot be read", model=model)
     (tmp_path / "garbage.safetensors").write_bytes(b"\xff" * 64)
-    refused(lambda: load_converted(model, tmp_path / "garbage.safetensors"), r"is not a valid safetensors file", model=model)
+    refused(
+        lambda: load_converted(model, tmp_path / "garbage.safetensors"), r"is not a valid safetensors file", model=model
+    )
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories
@@ -379,8 +405,10 @@ def test_index_entries_stay_inside_the_directory_and_name_regular_files(hf_dir, 
     index = "model.safetensors.index.json"
     shard = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))[0]
     cases = {
-        f"../victim/{shard}": r"(weight_map entry|weight file) = '\.\./victim/[\w.-]+' is invalid: it leads outside the checkpoint",
-        str(victim / shard): r"weight_map entry = '/[\w/.-]+' is invalid: a checkpoint names its files by relative paths",
+        f"../victim/{shard}": r"(weight_map entry|weight file) = '\.\./victim/[\w.-]+' is invalid: it leads outside",
+        str(
+            victim / shard
+        ): r"weight_map entry = '/[\w/.-]+' is invalid: a checkpoint names its files by relative paths",
         "fifo.safetensors": r"weight_map entry '[\w/.-]+fifo\.safetensors' is not a regular file",
         "link.safetensors": r"weight_map entry = 'link\.safetensors' is invalid: it leads outside",
         "absent.safetensors": r"weight_map entry '[\w/.-]+absent\.safetensors' cannot be read",
@@ -391,9 +419,11 @@ def test_index_entries_stay_inside_the_directory_and_name_regular_files(hf_dir, 
         os.mkfifo(folder / "fifo.safetensors")
         (folder / "link.safetensors").symlink_to(victim / shard)
         _rewrite(folder, index, _index_entry(entry))
-        refused(lambda: load_converted(transformers.GPT2LMHeadModel, folder), pattern, size=_size(folder))
+        refused(lambda folder=folder: load_converted(transformers.GPT2LMHeadModel, folder), pattern, size=_size(folder))
         if number == 0:  # stock from_pretrained: the hook checks the files transformers resolved
-            refused(lambda: transformers.GPT2LMHeadModel.from_pretrained(folder), pattern, size=_size(folder))
+            refused(
+                lambda folder=folder: transformers.GPT2LMHeadModel.from_pretrained(folder), pattern, size=_size(folder)
+            )
 
 
 def test_a_malformed_directory_is_refused_before_a_model_is_built(hf_dir, tmp_path):
@@ -439,7 +469,7 @@ def test_a_malformed_directory_is_refused_before_a_model_is_built(hf_dir, tmp_pa
     for number, (change, cls, pattern) in enumerate(cases.values()):
         folder = _copy(hf_dir, tmp_path / f"case{number}")
         change(folder)
-        refused(lambda: load_converted(cls, folder), pattern, size=_size(folder))
+        refused(lambda cls=cls, folder=folder: load_converted(cls, folder), pattern, size=_size(folder))
 
 
 def _duplicate_tensor(folder):
