@@ -329,3 +329,18 @@ def test_a_record_with_invalid_execution_options_is_refused_before_any_change():
     with pytest.raises(ValueError, match=r"record\.modules\[0\]\.execution\['max_plans'\] = -1 is invalid"):
         apply_conversion(fresh, data)
     assert conversion_record(fresh) is None and not isinstance(fresh[0], MuMoEMLP)
+
+
+def test_a_directory_saved_before_the_record_selected_the_hook_still_loads(tmp_path):
+    model = _converted("llama", causal=False)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.pop("quantization_config") == {"quant_method": "mumoe_tn"}
+    assert config["mumoe_conversion"]["version"] == 1  # the record's layout is unchanged
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_converted(transformers.LlamaForCausalLM, tmp_path)
+    tokens = _tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+    dense = transformers.LlamaForCausalLM.from_pretrained(tmp_path)  # nothing selects the hook: dense
+    assert not any(isinstance(m, MuMoEGatedMLP) for m in dense.modules())
