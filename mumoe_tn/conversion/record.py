@@ -439,16 +439,18 @@ class ConversionRecord:
         if mask_argument is not None and (not isinstance(mask_argument, str) or not mask_argument.isidentifier()):
             raise invalid("record.mask_argument", mask_argument, "it is the name of an argument of forward, or null")
         modules = _list("record.modules", data["modules"], limit=1 << 16)
-        parsed = tuple(ConvertedModule.from_dict(module, f"record.modules[{n}]") for n, module in enumerate(modules))
+        parsed = []
         seen: dict[str, int] = {}
-        for number, module in enumerate(parsed):
+        for number, data in enumerate(modules):  # a repeated path is refused as soon as it is read
+            module = ConvertedModule.from_dict(data, f"record.modules[{number}]")
             for path in module.paths:
                 if path in seen:
                     raise invalid(
                         f"record.modules[{number}].paths", path, f"record.modules[{seen[path]}] already replaces it"
                     )
                 seen[path] = number
-        return cls(parsed, mask_argument)
+            parsed.append(module)
+        return cls(tuple(parsed), mask_argument)
 
     def __add__(self, other: ConversionRecord) -> ConversionRecord:
         return ConversionRecord(self.modules + other.modules, other.mask_argument or self.mask_argument)
