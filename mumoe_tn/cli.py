@@ -257,7 +257,12 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--batch", type=_positive, default=1, help="tokens per forward, for the planned FMAs and the peak intermediate"
     )
-    cmp.add_argument("--top-k", type=_positive, default=2, help="K of the sparse MoE baseline (default 2)")
+    cmp.add_argument(
+        "--top-k",
+        type=_positive,
+        default=None,
+        help="K of the sparse MoE baseline (default 2; not applicable with fewer experts)",
+    )
     cmp.add_argument(
         "--dtype", choices=sorted(DTYPE_BYTES), default="float32", help="dtype of the memory column (default float32)"
     )

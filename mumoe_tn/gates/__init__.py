@@ -7,6 +7,8 @@
 - [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules]: the gate modules they build, with the registries of
   activations and logit norms.
 - [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax]: entmax15 and sparsemax.
+- [`mumoe_tn.gates.registry`][mumoe_tn.gates.registry]: the allow-list of descriptor classes a
+  checkpoint may name ([`register_gate`][mumoe_tn.gates.registry.register_gate]).
 - [`mumoe_tn.gates.records`][mumoe_tn.gates.records]: per-thread records of forward passes.
 - [`mumoe_tn.gates.sync`][mumoe_tn.gates.sync]: BatchNorm gates synchronised across data-parallel
   ranks; [`mumoe_tn.gates.replicas`][mumoe_tn.gates.replicas]: the warning when they are not;
@@ -22,6 +24,7 @@ import importlib
 from typing import Any
 
 from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.registry import register_gate, registered_gates, unregister_gate
 from mumoe_tn.gates.specs import DEFAULT_GATE, CausalityWarning, Gate, GateSpec, ReLUTopKGate, TopKGate
 
 _LAZY = {
@@ -51,6 +54,9 @@ __all__ = [
     "GateSpec",
     "ReLUTopKGate",
     "TopKGate",
+    "register_gate",
+    "registered_gates",
+    "unregister_gate",
     *sorted(_LAZY),
 ]
 

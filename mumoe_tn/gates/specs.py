@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.registry import register_gate
 
 if TYPE_CHECKING:
     from torch import nn
@@ -124,6 +125,7 @@ class _LinearLogits:
         return in_features * sum(expert_dims)
 
 
+@register_gate
 @dataclass(frozen=True)
 class Gate(_LinearLogits):
     """The paper's gate ``a_e = φ(norm(G_eᵀ z))`` for every expert mode (the default).
@@ -185,6 +187,7 @@ class Gate(_LinearLogits):
         )
 
 
+@register_gate
 @dataclass(frozen=True)
 class TopKGate(_LinearLogits):
     """A softmax top-k router per expert mode: the ``k`` largest logits, renormalised.
@@ -244,6 +247,7 @@ class TopKGate(_LinearLogits):
         )
 
 
+@register_gate
 @dataclass(frozen=True)
 class ReLUTopKGate(_LinearLogits):
     """The Mixture of Decoders gate: ``a_e = TopK_k(ReLU(G_eᵀ z + b_e))`` per expert mode.
