@@ -12,8 +12,9 @@ scales, and the sizes of the bonds it keeps fixed. The space holds
   (a hub core with no leg, or one leg's core as the hub) and trees (every labelled tree of the
   leg cores), with every bond scaled, or the bonds of expert cores fixed and the rest scaled;
   and each of them as a Hadamard network, its expert cores also holding the output leg
-  (``⊙o``: every expert is scaled column-wise, ``W_n = V_n · diag(c_n)``) or the input leg
-  (``⊙i``: ``diag(c_n) · V_n``).
+  (``⊙o``: every expert is a sum of shared matrices scaled column-wise,
+  ``W_n = Σ_b V_b · diag(c_{n,b})`` over the bonds ``b`` joining the expert cores to the rest;
+  MxD is the case without a bond) or the input leg (``⊙i``: ``Σ_b diag(c_{n,b}) · V_b``).
 
 The design fixes the number of experts, so matching scales only bonds: the expert legs a format
 would scale (MxD's) stay at the factorization's sizes. A shape with no bond at all is evaluated
@@ -56,7 +57,8 @@ DEFAULT_EXPERT_RANKS = (2, 4, 8, 16)
 FAMILIES = ("cp", "tr", "tt", "tucker", "mxd", "chain", "ring", "star", "tree")
 
 #: Physical legs the expert cores of generated topologies also hold, one Hadamard variant each:
-#: ``"o"`` (output side, ``V_n · diag(c_n)``), ``"i"`` (input side, ``diag(c_n) · V_n``), ``"io"``.
+#: ``"o"`` (output side, ``Σ_b V_b · diag(c_{n,b})``), ``"i"`` (input side, ``Σ_b diag(c_{n,b}) · V_b``),
+#: ``"io"`` (both).
 HADAMARD_LEGS = ("o", "i")
 
 #: A bond the matcher scales is marked with this size before matching.
