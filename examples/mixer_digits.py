@@ -115,7 +115,7 @@ def run(name: str, make_mlp, data, args: argparse.Namespace) -> dict:
 
 
 def explorer(epochs: int = 10, variant: str = "CP μMoE (16 experts)") -> dict:
-    """Train ``variant`` for ``epochs`` epochs; return the arguments of ``mumoe_tn.analysis.explore`` on the test set."""
+    """Train ``variant`` for ``epochs`` epochs; return ``mumoe_tn.analysis.explore``'s arguments on the test set."""
     data = load_digits()
     args = argparse.Namespace(epochs=epochs, batch=64, lr=1e-2)
     model = run(variant, VARIANTS[variant], data, args)["trained"].eval()

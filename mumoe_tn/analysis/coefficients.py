@@ -207,9 +207,10 @@ class LayerCoefficients:
         self.calls.append((first_row, first_sample, tuple(leading), positions))
 
     def locate(self, rows: torch.Tensor | Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sample, position)`` of each row: the sample along the layer input's first dimension
-        (counted over all calls) and the flat position within it (a token's index for
-        ``(samples, tokens, features)``); ``-1`` for row ``-1``.
+        """``(sample, position)`` of each row (``-1`` for row ``-1``).
+
+        The sample counts along the layer input's first dimension over all calls; the position is
+        the flat index within it (a token's index for inputs ``(samples, tokens, features)``).
         """
         rows = torch.as_tensor(rows if isinstance(rows, torch.Tensor) else list(rows), dtype=torch.long).flatten()
         total = self.modes[0].rows if self.modes else 0
@@ -238,8 +239,9 @@ class LayerCoefficients:
 
 
 class Coefficients(dict):
-    """What [`collect_coefficients`][mumoe_tn.analysis.coefficients.collect_coefficients] returns: layer name ->
-    [`LayerCoefficients`][mumoe_tn.analysis.coefficients.LayerCoefficients], with a summary.
+    """Layer name -> [`LayerCoefficients`][mumoe_tn.analysis.coefficients.LayerCoefficients], with a summary.
+
+    What [`collect_coefficients`][mumoe_tn.analysis.coefficients.collect_coefficients] returns.
     """
 
     def rows(self) -> list[dict[str, object]]:
@@ -276,7 +278,8 @@ class Coefficients(dict):
         """The summary as a Markdown table, dead-expert warnings below it."""
         rows = self.rows()
         head = list(rows[0]) if rows else ["layer"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if k == 0 else "---:" for k in range(len(head))) + "|"]
+        rule = "|" + "|".join("---" if k == 0 else "---:" for k in range(len(head))) + "|"
+        lines = ["| " + " | ".join(head) + " |", rule]
         for row in rows:
             cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()]
             lines.append("| " + " | ".join(cells) + " |")

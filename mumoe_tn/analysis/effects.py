@@ -123,7 +123,8 @@ class AblationEffects:
             expert = self.experts[u]
             hurt = ", ".join(f"{text(t)} ({d:+.3g})" for t, d, _ in self.targets(expert, k))
             promotes = ", ".join(f"{text(t)} ({d:+.3g})" for t, d in self.promoted(expert, k))
-            name = str(expert[0]) if len(expert) == 1 else "(" + ", ".join("·" if n is None else str(n) for n in expert) + ")"
+            indices = ", ".join("·" if n is None else str(n) for n in expert)
+            name = str(expert[0]) if len(expert) == 1 else f"({indices})"
             lines.append(f"| {name} | {float(self.delta_loss[u]):+.4g} | {hurt} | {promotes} |")
         return "\n".join(lines)
 
@@ -300,7 +301,9 @@ def ablation_effects(
         delta_loss=torch.tensor([float(t.loss.sum() / t.rows) - loss for t in tallies], dtype=torch.float64),
         target_count=count.long(),
         target_loss=target_loss,
-        target_delta=torch.stack([torch.where(seen, (t.loss - intact.loss) / count.clamp_min(1), nan) for t in tallies]),
+        target_delta=torch.stack(
+            [torch.where(seen, (t.loss - intact.loss) / count.clamp_min(1), nan) for t in tallies]
+        ),
         logit_delta=torch.stack([(t.log_p - intact.log_p) / intact.rows for t in tallies]),
         accuracy=intact.hits / count.clamp_min(1),
         ablated_accuracy=torch.stack([t.hits / count.clamp_min(1) for t in tallies]),

@@ -3,14 +3,13 @@
 import json
 import re
 
+import explorer_models
 import pytest
 import torch
 from torch.nn import functional as F
 
 from mumoe_tn.analysis import ablate, explore, mumoe_layers
 from mumoe_tn.analysis.outputs import logits_of
-
-import explorer_models
 
 
 def _captured(model, data, batch_size=None):
@@ -56,15 +55,11 @@ def _next_token_loss(model, data):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), data[:, 1:].flatten()).item()
 
 
-def test_char_gpt_report_matches_the_recorded_coefficients_and_ablations(tmp_path):
-    model, data, chars = explorer_models.char_gpt()
-    report = explore(
-        model, data, tmp_path / "char.html", vocabulary=chars, top_k=5, context=4, batch_size=5,
-        ablation_samples=8, progress=False,
-    )  # fmt: skip
+def test_char_gpt_report_matches_the_recorded_coefficients_and_ablations(char_report):
+    model, data, report, chars = char_report.model, char_report.data, char_report.report, char_report.vocabulary
     captured = _captured(model, data)
     _check_examples(report, captured, 1e-6)
-    subset = data[:8]
+    subset = data[:6]
     with torch.no_grad():
         intact = _next_token_loss(model, subset)
         for layer in report.data["layers"]:
@@ -77,24 +72,19 @@ def test_char_gpt_report_matches_the_recorded_coefficients_and_ablations(tmp_pat
     centre = first["tokens"][first["centre"]]
     assert centre[0] == chars[data[first["sample"], first["position"]]]  # the example's own token, in context
     assert centre[1] == pytest.approx(first["value"], rel=1e-2)
-    html = (tmp_path / "char.html").read_text(encoding="utf-8")
+    html = char_report.page.read_text(encoding="utf-8")
     payload = re.search(r'<script type="application/json" id="explorer-data">(.*?)</script>', html, re.S).group(1)
     assert json.loads(payload) == json.loads(json.dumps(report.data))  # the page carries exactly the findings
 
 
-def test_digits_report_has_images_classes_and_per_class_ablation():
-    pytest.importorskip("sklearn")
-    model, data, labels, images = explorer_models.digits(samples=24)
-    names = ["layers.1.token_mlp", "layers.1.channel_mlp"]
-    report = explore(
-        model, data, labels=labels, images=images, layers=names, top_k=4, ablation_samples=12, batch_size=12,
-        progress=False,
-    )  # fmt: skip
+def test_digits_report_has_images_classes_and_per_class_ablation(digits_report):
+    model, data, report = digits_report.model, digits_report.data, digits_report.report
+    labels, images = digits_report.labels, digits_report.images
     _check_examples(report, _captured(model, data), 1e-6)
     assert report.data["kind"] == "classes" and report.data["image_shape"] == [8, 8]
     layer = report.data["layers"][0]
     block = mumoe_layers(model)[layer["name"]]
-    x, y = data[:12], labels[:12]
+    x, y = data[:8], labels[:8]
     with torch.no_grad():
         for unit in layer["units"][:3]:
             with ablate(block, tuple(unit["unit"])):
@@ -103,19 +93,17 @@ def test_digits_report_has_images_classes_and_per_class_ablation():
                 chosen = y == int(row["class"])
                 assert row["ablated"] == pytest.approx((predictions[chosen] == y[chosen]).double().mean().item())
             for ex in unit["examples"]:
+                image = images[ex["sample"]]
                 assert ex["label"] == str(int(labels[ex["sample"]]))
-                assert report.data["images"][str(ex["sample"])] == pytest.approx(
-                    ((images[ex["sample"]] - images[ex["sample"]].min()) / (images[ex["sample"]].max() - images[ex["sample"]].min()) * 255).round().flatten().tolist()
-                )  # fmt: skip
+                scaled = ((image - image.min()) / (image.max() - image.min()) * 255).round().flatten()
+                assert report.data["images"][str(ex["sample"])] == pytest.approx(scaled.tolist())
     changed = [u["ablation"]["changed"] for u in layer["units"]]
     assert all("polysemanticity" in u["ablation"] for u in layer["units"])
     assert (layer["polysemanticity"] is None) == (not any(changed))
 
 
-def test_converted_gpt2_report_has_hierarchical_slices():
-    pytest.importorskip("transformers")
-    model, data = explorer_models.gpt2()
-    report = explore(model, data, vocabulary=lambda t: chr(t), top_k=3, ablation_samples=4, progress=False)
+def test_converted_gpt2_report_has_hierarchical_slices(gpt2_report):
+    model, data, report = gpt2_report.model, gpt2_report.data, gpt2_report.report
     _check_examples(report, _captured(model, data), 1e-6)
     layer = report.data["layers"][0]
     assert [u["label"] for u in layer["units"]][:4] == ["(0, ·)", "(1, ·)", "(2, ·)", "(·, 0)"]
@@ -135,7 +123,7 @@ def test_converted_gpt2_report_has_hierarchical_slices():
 
 
 def test_explore_rejects_bad_input_before_any_work(tmp_path):
-    model, data, chars = explorer_models.char_gpt(sequences=2)
+    model, data, _chars = explorer_models.char_gpt(sequences=2)
     with pytest.raises(ValueError, match=r"without labels: give integer token ids"):
         explore(model, data.double(), progress=False)
     with pytest.raises(ValueError, match=r"labels must have shape \(2,\)"):

@@ -46,7 +46,7 @@ def test_slice_ablation_zeroes_exactly_the_slice_of_the_dense_tensor(dims, data)
     torch.manual_seed(0)
     layer = MuMoE(4, 3, tuple(dims), "cp", 3, bias=False, dtype=DTYPE).eval()
     fixed = data.draw(st.lists(st.booleans(), min_size=len(dims), max_size=len(dims)).filter(any))
-    index = tuple(data.draw(st.integers(0, n - 1)) if f else None for f, n in zip(fixed, dims))
+    index = tuple(data.draw(st.integers(0, n - 1)) if f else None for f, n in zip(fixed, dims, strict=True))
     x = torch.randn(5, 4, dtype=DTYPE)
     with torch.no_grad():
         with ablate(layer, index):
@@ -117,7 +117,8 @@ def test_top_rows_locate_to_sequence_and_position():
     layer = stats["block"]
     for n in range(5):
         samples, positions = layer.locate(layer.modes[0].top_rows[n])
-        for s, p, value in zip(samples.tolist(), positions.tolist(), layer.modes[0].top_values[n].tolist()):
+        values = layer.modes[0].top_values[n].tolist()
+        for s, p, value in zip(samples.tolist(), positions.tolist(), values, strict=True):
             if s >= 0:
                 assert table[s, p, n].item() == pytest.approx(value, rel=1e-9)
     with pytest.raises(ValueError, match=r"rows must lie in \[-1, 42\)"):

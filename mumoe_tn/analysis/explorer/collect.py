@@ -9,11 +9,12 @@ in the same pass.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ModeRecord", "LayerRecord"]
+__all__ = ["LayerRecord", "ModeRecord"]
 
 
 @dataclass
@@ -72,7 +73,7 @@ class LayerRecord:
             ]
             self.joint = [
                 torch.zeros(first.shape[-1], second.shape[-1], dtype=torch.float64)
-                for first, second in zip(coefficients, coefficients[1:])
+                for first, second in itertools.pairwise(coefficients)
             ]
         for record, a in zip(self.modes, coefficients, strict=True):
             record.add(a, targets, threshold)

@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         options = {"model": built[0], "data": built[1]}
     else:
         raise TypeError(
-            f"{args.target} must return a dict of explore() arguments or a (model, data) pair, got {type(built).__name__}"
+            f"{args.target} must return a dict of explore() arguments or a (model, data) pair, "
+            f"got {type(built).__name__}"
         )
     missing = [key for key in ("model", "data") if key not in options]
     if missing:

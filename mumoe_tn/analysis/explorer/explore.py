@@ -85,11 +85,13 @@ def _check_images(images: object, samples: int) -> torch.Tensor | None:
         images = images[..., 0]
     if not (images.ndim == 3 or (images.ndim == 4 and images.shape[-1] == 3)):
         raise ValueError(
-            f"images must have shape (samples, H, W), (samples, H, W, 3) or (samples, 3, H, W), got {tuple(images.shape)}"
+            "images must have shape (samples, H, W), (samples, H, W, 3) or (samples, 3, H, W), "
+            f"got {tuple(images.shape)}"
         )
     images = images.detach().double().cpu()
-    low, high = images.amin(dim=tuple(range(1, images.ndim)), keepdim=True), images.amax(
-        dim=tuple(range(1, images.ndim)), keepdim=True
+    low, high = (
+        images.amin(dim=tuple(range(1, images.ndim)), keepdim=True),
+        images.amax(dim=tuple(range(1, images.ndim)), keepdim=True),
     )
     return ((images - low) / (high - low).clamp_min(1e-12) * 255).round().to(torch.uint8)
 
@@ -366,8 +368,8 @@ def _explore(model, data, path, *, labels, image_pixels, decode, class_names, la
                 "selectivity": _number(_selectivity(mass[None], present)[0]) if mass is not None else None,
                 "targets": _top_mass(mass, target_names),
                 "examples": _examples(
-                    located[name][e], n, kind, data, labels, target_names, decode, windows.get(name), e, context,
-                ),  # fmt: skip
+                    located[name][e], n, kind, data, labels, target_names, decode, windows.get(name), e, context
+                ),
             }
             if name in effects:
                 entry["ablation"] = _ablation_entry(effects[name], unit, target_names, kind, polysemanticity.get(name))
@@ -389,9 +391,7 @@ def _explore(model, data, path, *, labels, image_pixels, decode, class_names, la
                     }
                     for mode, rec in zip(stats.modes, record.modes, strict=True)
                 ],
-                "joint": [
-                    (joint / max(stats.modes[0].rows, 1)).to(torch.float32).tolist() for joint in record.joint
-                ],
+                "joint": [(joint / max(stats.modes[0].rows, 1)).to(torch.float32).tolist() for joint in record.joint],
                 "loss": _number(effects[name].loss) if name in effects else None,
                 "polysemanticity": _number(polysemanticity[name].mean) if name in polysemanticity else None,
                 "units": units,
@@ -471,7 +471,10 @@ def _window_coefficients(model, data, wanted, layers, batch_size, forward, progr
             handle.remove()
     result = {}
     for name, parts in captured.items():
-        if not parts or any(tuple(p[0].shape[:-1]) != tuple(data[c].shape) for p, c in zip(parts, chosen.split(batch_size))):
+        chunks = chosen.split(batch_size)
+        if len(parts) != len(chunks) or any(
+            tuple(p[0].shape[:-1]) != tuple(data[c].shape) for p, c in zip(parts, chunks, strict=True)
+        ):
             continue  # not one row per token: no windows for this layer
         modes = [torch.cat(mode) for mode in zip(*parts, strict=True)]
         result[name] = {"rows": {int(s): k for k, s in enumerate(wanted)}, "modes": modes}
