@@ -3,6 +3,7 @@
 const D = JSON.parse(document.getElementById("explorer-data").textContent);
 const state = {layer: 0, unit: null, sort: "load", query: ""};
 const SVG = "http://www.w3.org/2000/svg";
+const DEAD = "#c0392b";
 
 function h(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -41,14 +42,17 @@ function bars(values, colours, titles) {
   const top = Math.max(...values.map(v => Math.abs(v || 0)), 1e-12);
   const chart = s("svg", {class: "chart", viewBox: `0 0 ${n} 100`, preserveAspectRatio: "none", role: "img"});
   values.forEach((v, i) => {
-    const height = 100 * Math.abs(v || 0) / top;
+    const height = Math.max(100 * Math.abs(v || 0) / top, colours[i] === DEAD ? 4 : 0);  // a dead expert still shows
     const bar = s("rect", {x: i + 0.1, y: 100 - height, width: 0.8, height: height, fill: colours[i]});
     if (titles) { const t = s("title"); t.textContent = titles[i]; bar.appendChild(t); }
     chart.appendChild(bar);
   });
   return chart;
 }
-function axis(left, right) { return h("div", {class: "axis"}, h("span", {}, left), h("span", {}, right)); }
+function axis(left, right, middle) {
+  return h("div", {class: "axis"}, h("span", {}, left), middle ? h("span", {}, middle) : null, h("span", {}, right));
+}
+function peak(values) { return "max " + fmt(Math.max(...values.map(v => Math.abs(v || 0)))); }
 
 function layer() { return D.layers[state.layer]; }
 function unitValue(unit, key) {
@@ -101,7 +105,11 @@ function heatmap(values, mode) {
   const chart = s("svg", {class: "heat", viewBox: `0 0 ${cols} ${rows}`, role: "img"});
   values.forEach((row, i) => row.forEach((v, j) => {
     const cell = s("rect", {x: j, y: i, width: 1, height: 1, fill: `rgba(31,95,139,${(v / top).toFixed(3)})`, stroke: "#fff", "stroke-width": 0.04});
-    const t = s("title"); t.textContent = `n${mode + 1}=${i}, n${mode + 2}=${j}: mean a·a = ${fmt(v)}`; cell.appendChild(t);
+    const t = s("title");
+    t.textContent = `n${mode + 1}=${i}, n${mode + 2}=${j}: mean a·a = ${fmt(v)} (click: the slice n${mode + 1}=${i})`;
+    cell.appendChild(t);
+    const first = layer().expert_dims.slice(0, mode).reduce((n, size) => n + size, 0);
+    cell.addEventListener("click", () => go(state.layer, first + i));
     chart.appendChild(cell);
   }));
   return chart;
@@ -124,22 +132,23 @@ function overview() {
     m.dead.slice(0, 40).join(", ") + (m.dead.length > 40 ? ", …" : "")) : null).filter(Boolean);
   const usage = L.modes.map((m, e) => h("div", {},
     h("h3", {}, L.modes.length > 1 ? `Load of mode ${e} (n${e + 1})` : "Load per expert"),
-    bars(m.load, m.load.map((v, i) => m.dead.includes(i) ? "#c0392b" : "#2e86c1"), m.load.map((v, i) => `expert ${i}: ${pct(v)} of rows`)),
-    axis("expert 0", `expert ${m.experts - 1}`),
+    bars(m.load, m.load.map((v, i) => m.dead.includes(i) ? DEAD : "#2e86c1"), m.load.map((v, i) => `expert ${i}: ${pct(v)} of rows`)),
+    axis(L.modes.length > 1 ? `n${e + 1} = 0` : "expert 0", L.modes.length > 1 ? `n${e + 1} = ${m.experts - 1}` : `expert ${m.experts - 1}`, peak(m.load)),
     h("div", {class: "legend"}, h("span", {}, h("i", {style: "background:#2e86c1"}), "fraction of rows using it"),
       h("span", {}, h("i", {style: "background:#c0392b"}), "dead"))));
   parts.push(card("Expert usage", ...warnings, h("div", {class: "grid2"}, usage)));
   const units = L.units;
-  const specialised = units.filter(u => u.selectivity !== null).sort((a, b) => b.selectivity - a.selectivity);
+  const used = units.filter(u => u.selectivity !== null && u.load_fraction >= 0.01);  // rare ones say little
+  const specialised = (used.length ? used : units.filter(u => u.selectivity !== null)).sort((a, b) => b.selectivity - a.selectivity);
   const charts = [h("div", {}, h("h3", {}, "Specialisation (1 = a single " + (D.kind === "text" ? "token" : "class") + ")"),
     bars(units.map(u => u.selectivity || 0), units.map(() => "#7d5ba6"), units.map(u => `${u.label}: ${fmt(u.selectivity)}`)),
-    axis(units[0].label, units[units.length - 1].label))];
+    axis(units[0].label, units[units.length - 1].label, peak(units.map(u => u.selectivity))))];
   if (units[0].ablation) charts.push(h("div", {}, h("h3", {}, "Loss change when ablated"),
-    bars(units.map(u => u.ablation.delta_loss), units.map(u => u.ablation.delta_loss > 0 ? "#c0392b" : "#2e86c1"),
+    bars(units.map(u => u.ablation.delta_loss), units.map(u => u.ablation.delta_loss > 0 ? "#e67e22" : "#2e86c1"),
       units.map(u => `${u.label}: Δloss ${signed(u.ablation.delta_loss)}`)),
-    axis(units[0].label, units[units.length - 1].label)));
+    axis(units[0].label, units[units.length - 1].label, "largest |Δ| " + fmt(Math.max(...units.map(u => Math.abs(u.ablation.delta_loss || 0)))))));
   parts.push(card("Specialisation and ablation", h("div", {class: "grid2"}, charts),
-    h("h3", {}, "Most specialised"),
+    h("h3", {}, "Most specialised (of those loading ≥ 1% of rows)"),
     h("div", {class: "chips"}, specialised.slice(0, 12).map(u => h("span", {class: "chip", style: "cursor:pointer", onclick: () => go(state.layer, u.id)},
       `${u.label}: `, h("code", {}, u.targets.length ? shown(u.targets[0][0]) : "–"), ` ${fmt(u.selectivity)}`)))));
   if (L.joint.length) parts.push(card("Hierarchical view: joint load of neighbouring modes",
@@ -152,7 +161,7 @@ function histogram(u) {
   const counts = u.histogram, n = counts.length;
   return h("div", {}, h("h3", {}, "Coefficient histogram (active rows)"),
     bars(counts, counts.map(() => "#2e86c1"), counts.map((c, i) => `${fmt(i / n)}–${fmt((i + 1) / n)}: ${c} rows`)),
-    axis("0", layer().modes[u.mode].largest > 1 ? "≥ 1 (larger in the last bin)" : "1"));
+    axis("0", layer().modes[u.mode].largest > 1 ? "≥ 1 (larger in the last bin)" : "1", `tallest ${Math.max(...counts)} rows`));
 }
 function tokenExample(ex) {
   const peak = Math.max(...ex.tokens.map(t => t[1] || 0), 1e-12);
