@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mumoe_tn.analysis.coefficients import default_forward
+from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import (
     check_callable,
     check_inside,
@@ -54,6 +55,7 @@ def mean_coefficients(
     batches: Iterable[object],
     *,
     forward: Callable[[nn.Module, object], object] | None = None,
+    progress: bool = True,
 ) -> torch.Tensor:
     """``ā``: the mean (outer product of) coefficients of ``layer`` over a subpopulation.
 
@@ -67,6 +69,8 @@ def mean_coefficients(
         The subpopulation's inputs (tuples/lists are read as ``(inputs, …)``).
     forward : Callable, optional
         ``forward(model, batch)``.
+    progress : bool, optional
+        Show a progress bar over the batches (tqdm, on stderr).
 
     Returns
     -------
@@ -91,7 +95,7 @@ def mean_coefficients(
 
     handle = layer.register_forward_hook(record)
     try:
-        for number, batch in enumerate(batches):
+        for number, batch in enumerate(progress_bar(batches, "mean coefficients", enabled=progress)):
             seen.clear()
             call(model, batch)
             if not seen:
