@@ -6,7 +6,7 @@ import pytest
 
 from mumoe_tn.cli import main
 
-BUILDER = '''
+BUILDER = """
 import torch
 from torch import nn
 
@@ -36,7 +36,7 @@ def pair():
 
 def nothing():
     return 3
-'''
+"""
 
 
 @pytest.fixture
