@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import check_callable, check_int, check_model, check_real, check_tensor
 from mumoe_tn.layers import MuMoEBase
@@ -343,7 +344,7 @@ def collect_coefficients(
     top_k: int = 8,
     centres: bool = False,
     forward: Callable[[nn.Module, object], object] | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> Coefficients:
     """Run ``model`` over ``batches`` and collect every μMoE layer's expert statistics.
 
@@ -370,7 +371,7 @@ def collect_coefficients(
         batch with ``input_ids`` and ``attention_mask``), ``model(batch[0])`` for tuples/lists (an
         ``(inputs, labels)`` loader) and ``model(batch)`` otherwise.
     progress : bool, optional
-        Show a progress bar over the batches (tqdm, on stderr).
+        Show a progress bar over the batches (tqdm, on stderr); by default only on a terminal.
 
     Notes
     -----
@@ -412,8 +413,7 @@ def collect_coefficients(
         raise ValueError(f"no μMoE layer named {unknown}; the model has {list(found)}")
     if not names:
         raise ValueError("the model has no μMoE layer (MuMoE, MuMoEMLP or MuMoEGatedMLP)")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {progress!r}")
+    check_progress(progress)
     results = Coefficients({name: LayerCoefficients(name) for name in names})
 
     def hook(name: str):

@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from mumoe_tn.analysis.ablation import ExpertAblation, _multi_indices, ablate
 from mumoe_tn.analysis.outputs import decoder, logits_of
+from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoEBase
@@ -194,7 +195,7 @@ def ablation_effects(
     batch_size: int = 32,
     max_rows: int = 8192,
     forward: Callable[[nn.Module, torch.Tensor], object] | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> AblationEffects:
     """Ablate each expert of ``layer`` in turn and measure the loss and output changes.
 
@@ -224,7 +225,7 @@ def ablation_effects(
     forward : Callable, optional
         ``forward(model, inputs)`` if the model is not simply called.
     progress : bool, optional
-        Show a progress bar over the ablation passes (tqdm, on stderr).
+        Show a progress bar over the ablation passes (tqdm, on stderr); by default only on a terminal.
 
     Returns
     -------
@@ -249,6 +250,7 @@ def ablation_effects(
     batch_size = check_int("batch_size", batch_size, minimum=1)
     max_rows = check_int("max_rows", max_rows, minimum=1)
     check_callable("forward", forward)
+    check_progress(progress)
     if experts is None:
         experts = expert_units(layer.expert_dims)
     else:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mumoe_tn.analysis.ablation import ExpertAblation, ablate
+from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoEBase
@@ -123,7 +124,7 @@ def class_polysemanticity(
     n_classes: int | None = None,
     max_rows: int = 65_536,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> Polysemanticity:
     """Ablate every expert of ``layer`` in turn and measure each class's accuracy change.
 
@@ -147,7 +148,7 @@ def class_polysemanticity(
     forward : Callable, optional
         ``forward(model, inputs) -> logits`` if the model is not simply called.
     progress : bool, optional
-        Show a progress bar over the ablation passes (tqdm, on stderr).
+        Show a progress bar over the ablation passes (tqdm, on stderr); by default only on a terminal.
 
     Returns
     -------
@@ -164,8 +165,7 @@ def class_polysemanticity(
     _check_labels(labels, n_classes)
     max_rows = check_int("max_rows", max_rows, minimum=1)
     check_callable("forward", forward)
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {progress!r}")
+    check_progress(progress)
     if experts is None:
         experts = list(itertools.product(*(range(n) for n in layer.expert_dims)))
     else:

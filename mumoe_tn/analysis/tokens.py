@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mumoe_tn.analysis.outputs import decoder
+from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoEBase
@@ -131,7 +132,7 @@ def token_coefficients(
     batch_size: int = 32,
     threshold: float = 1e-6,
     forward: Callable[[nn.Module, torch.Tensor], object] | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> TokenCoefficients:
     """Run ``model`` over token ``sequences`` and keep ``layer``'s coefficients per token.
 
@@ -153,7 +154,7 @@ def token_coefficients(
     forward : Callable, optional
         ``forward(model, batch)`` if the model is not simply called.
     progress : bool, optional
-        Show a progress bar (tqdm, on stderr).
+        Show a progress bar (tqdm, on stderr); by default only on a terminal.
 
     Returns
     -------
@@ -165,6 +166,7 @@ def token_coefficients(
     sequences = check_tensor("sequences", sequences, ndim=2, kind="int", non_empty=True)
     batch_size = check_int("batch_size", batch_size, minimum=1)
     check_callable("forward", forward)
+    check_progress(progress)
     decode = decoder(vocabulary)
     captured: list[tuple[torch.Tensor, ...]] = []
 

@@ -88,7 +88,11 @@ def test_every_analysis_pass_shows_a_progress_bar(capsys):
     from mumoe_tn.layers import MuMoEMLP
 
     layer = MuMoEMLP(4, 8, 4, 3, "cp", 2).eval()
-    collect_coefficients(layer, [torch.randn(5, 4)] * 3)
+    collect_coefficients(layer, [torch.randn(5, 4)] * 3, progress=True)
     assert "collecting coefficients" in capsys.readouterr().err
     collect_coefficients(layer, [torch.randn(5, 4)] * 3, progress=False)
     assert "collecting coefficients" not in capsys.readouterr().err
+    collect_coefficients(layer, [torch.randn(5, 4)] * 3)  # by default: a bar on a terminal only (not here)
+    assert "collecting coefficients" not in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"progress must be True, False or None"):
+        collect_coefficients(layer, [torch.randn(5, 4)], progress="yes")

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 options[key] = options[key][: args.samples]
     options.update(
         top_k=args.top_k, context=args.context, batch_size=args.batch_size, ablation=args.ablation,
-        ablation_samples=args.ablation_samples, progress=not args.quiet,
+        ablation_samples=args.ablation_samples, progress=False if args.quiet else None,
     )  # fmt: skip
     if args.layers:
         options["layers"] = args.layers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +12,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mumoe_tn.analysis.coefficients import collect_coefficients, mumoe_layers
+from mumoe_tn.analysis.coefficients import DeadExpertWarning, collect_coefficients, mumoe_layers
 from mumoe_tn.analysis.effects import AblationEffects, ablation_effects, expert_units
 from mumoe_tn.analysis.explorer.collect import LayerRecord
 from mumoe_tn.analysis.explorer.page import render
-from mumoe_tn.analysis.outputs import decoder
+from mumoe_tn.analysis.outputs import decoder, logits_of
 from mumoe_tn.analysis.polysemanticity import class_polysemanticity
+from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import check_callable, check_int, check_model, check_real, check_tensor
 from mumoe_tn.layers import MuMoEBase
@@ -117,7 +119,7 @@ def explore(
     bins: int = 24,
     forward: Callable[[nn.Module, torch.Tensor], object] | None = None,
     title: str | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> Exploration:
     """Explore every expert of a model's μMoE layers and write one self-contained HTML page.
 
@@ -143,8 +145,8 @@ def explore(
         Class labels, ``(samples,)``.
     images : torch.Tensor, optional
         One image per sample to show with the examples, ``(samples, H, W)``, ``(samples, H, W, 3)``
-        or ``(samples, 3, H, W)``; by default ``data`` itself when it has such a shape and is not
-        token ids.
+        or ``(samples, 3, H, W)``; by default ``data`` itself when it is a classifier's float input
+        of shape ``(samples, H, H)`` or ``(samples, C, H, W)``.
     vocabulary : sequence of str or Callable, optional
         Token id -> text (a list, or e.g. ``tokenizer.decode``).
     class_names : sequence of str, optional
@@ -175,7 +177,7 @@ def explore(
     title : str, optional
         The page's title.
     progress : bool, optional
-        Show progress bars (tqdm, on stderr).
+        Show progress bars (tqdm, on stderr); by default only on a terminal.
 
     Returns
     -------
@@ -208,7 +210,8 @@ def explore(
             f"data of dtype {data.dtype} and shape {tuple(data.shape)} without labels: give integer token ids "
             "(sequences, positions) for a language model, or labels for a classifier"
         )
-    if images is None and kind == "classes" and not integer and (data.ndim == 3 or data.ndim == 4):
+    square = data.ndim == 3 and data.shape[1] == data.shape[2]
+    if images is None and kind == "classes" and not integer and (square or data.ndim == 4):
         try:
             image_pixels = _check_images(data, samples)
         except ValueError:
@@ -227,8 +230,7 @@ def explore(
     check_callable("forward", forward)
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title must be a str, got {type(title).__name__}")
-    if not isinstance(progress, bool):
-        raise TypeError(f"progress must be a bool, got {progress!r}")
+    check_progress(progress)
     if path is not None:
         path = Path(path)
         if not path.parent.is_dir():
@@ -299,10 +301,6 @@ def _explore(model, data, path, *, labels, image_pixels, decode, class_names, la
 
     handles = [layer.register_forward_hook(hook(name)) for name, layer in layers.items()]
     try:
-        import warnings
-
-        from mumoe_tn.analysis.coefficients import DeadExpertWarning
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeadExpertWarning)  # the page reports dead experts
             statistics = collect_coefficients(
@@ -434,8 +432,6 @@ class _Names:
 
 
 def _logits(model: nn.Module, x: torch.Tensor, forward: Callable | None) -> torch.Tensor:
-    from mumoe_tn.analysis.outputs import logits_of
-
     return logits_of(forward(model, x) if forward else model(x))
 
 
