@@ -179,7 +179,7 @@ function imageExample(ex) {
     image.data.set([...rgb, 255], 4 * k);
   }
   context.putImageData(image, 0, 0);
-  return h("figure", {}, canvas, h("figcaption", {}, `class ${ex.label} · ${fmt(ex.value)}`), h("div", {class: "muted"}, `#${ex.sample} row ${ex.position}`));
+  return h("figure", {}, canvas, h("figcaption", {}, `class ${ex.label} · ${fmt(ex.value)}`), h("div", {class: "muted"}, `#${ex.sample} row${ex.rows.length > 1 ? "s" : ""} ${ex.rows.join(", ")}`));
 }
 function chips(items, negative, format) {
   return h("div", {class: "chips"}, items.map(([name, value]) => h("span", {class: "chip" + (negative ? " neg" : "")}, h("code", {}, shown(name)), " " + format(value))));
@@ -196,13 +196,21 @@ function unitPage() {
   parts.push(card(`${L.name}: ${kindName}`, h("p", {class: "muted"}, h("a", {class: "back", onclick: () => go(state.layer, null)}, "← layer overview")),
     u.dead ? h("div", {class: "warn"}, `This ${L.expert_dims.length > 1 ? "slice" : "expert"} was never active on the data.`) : null,
     h("div", {class: "stats"}, stats)));
-  let examples;
+  let examples, what = D.kind === "text" ? "tokens in context" : "examples";
   if (!u.examples.length) examples = h("p", {class: "muted"}, "No active row.");
   else if (D.kind === "text") examples = h("div", {class: "examples"}, u.examples.map(tokenExample));
-  else if (D.image_shape) examples = h("div", {class: "images"}, u.examples.map(imageExample));
+  else if (D.image_shape) {  // one image per sample, with every top row it holds
+    const samples = new Map();
+    for (const ex of u.examples) {
+      if (!samples.has(ex.sample)) samples.set(ex.sample, {...ex, rows: []});
+      samples.get(ex.sample).rows.push(ex.position);
+    }
+    examples = h("div", {class: "images"}, [...samples.values()].map(imageExample));
+    what = `rows, in ${samples.size} image${samples.size > 1 ? "s" : ""}`;
+  }
   else examples = h("table", {}, h("tr", {}, h("th", {}, "sample"), h("th", {}, "row"), h("th", {}, "class"), h("th", {class: "num"}, "coefficient")),
     u.examples.map(ex => h("tr", {}, h("td", {}, ex.sample), h("td", {}, ex.position), h("td", {}, ex.label), h("td", {class: "num"}, fmt(ex.value)))));
-  parts.push(card(`Top ${u.examples.length} activating ${D.kind === "text" ? "tokens in context" : "examples"}`, examples));
+  parts.push(card(`Top ${u.examples.length} activating ${what}`, examples));
   const targetTitle = D.kind === "text" ? "Tokens carrying its coefficient mass" : "Class breakdown of its coefficient mass";
   parts.push(card(null, h("div", {class: "grid2"}, histogram(u),
     h("div", {}, h("h3", {}, targetTitle), u.targets.length ? chips(u.targets, false, pct) : h("p", {class: "muted"}, "–")))));
