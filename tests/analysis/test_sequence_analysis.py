@@ -183,3 +183,21 @@ def test_loss_effects_equal_ablating_each_expert_by_hand():
     assert "| expert | Δ loss |" in effects.to_markdown()
     with pytest.raises(ValueError, match=r"was not ablated"):
         effects.targets((0, 1))
+
+
+def test_plots_draw_one_bar_per_expert():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    torch.manual_seed(4)
+    model = TinyLM(experts=(3, 2), activation="softmax").eval()
+    tokens = torch.randint(0, 7, (4, 6))
+    effects = ablation_effects(model, model.block, tokens, progress=False)
+    assert len(effects.plot().axes[0].patches) == len(effects.experts) == 5
+    stats = collect_coefficients(model, [tokens], progress=False)
+    figure = stats.plot()
+    assert [len(ax.patches) for ax in figure.axes] == [3, 2]  # one panel per mode, one bar per expert
+    table = token_coefficients(model, model.block, tokens, progress=False)
+    assert sum(p.get_height() for p in table.plot(1, mode=1).axes[0].patches) == int(
+        (table.coefficients[1][..., 1] >= 1e-6).sum()
+    )
