@@ -217,6 +217,7 @@ class _Run:
         self.buffer = ActivationBuffer(capacity)
         self.generator = torch.Generator().manual_seed(seed)
         self.harvested = self.trained = self.steps = 0
+        self.draining: int | None = None  # the rows a drain in progress stops at
         self.recent: dict[tuple[str, str], list[float]] = {}
 
     def state_dict(self, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -228,6 +229,7 @@ class _Run:
             "buffer": self.buffer.state_dict(),
             "generator": self.generator.get_state(),
             "counters": {"harvested": self.harvested, "trained": self.trained, "steps": self.steps},
+            "draining": -1 if self.draining is None else self.draining,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -239,6 +241,7 @@ class _Run:
         self.generator.set_state(state["generator"])
         counters = state["counters"]
         self.harvested, self.trained, self.steps = (int(counters[k]) for k in ("harvested", "trained", "steps"))
+        self.draining = None if int(state["draining"]) < 0 else int(state["draining"])
 
     def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]], l1: float) -> float:
         """One optimiser step of every replacement on ``rows``; returns the mean loss."""
@@ -391,6 +394,7 @@ def distill(
         """Shuffle, then train while more than ``rows_left`` rows (and a whole batch) remain."""
         if run.buffer.rows >= batch_size and not run.buffer.shuffled:
             run.buffer.shuffle(run.generator)
+        run.draining = rows_left
         while run.trained < tokens and run.buffer.rows >= batch_size and run.buffer.rows > rows_left:
             with torch.enable_grad():
                 loss = run.step(run.buffer.take(batch_size), l1)
@@ -399,11 +403,14 @@ def distill(
             bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
             if path is not None and run.steps % checkpoint_every == 0:
                 _save(run.state_dict(config), path)
+        run.draining = None
 
     try:
         stream = iter(batches)
         for _ in range(run.harvested):  # the batches already in the buffer or trained on
             next(stream, None)
+        if run.draining is not None:  # resumed inside a drain: finish it as the interrupted run did
+            train_until(run.draining)
         with capture_blocks(model, names) as captured, torch.no_grad():
             while run.trained < tokens:
                 batch = next(stream, None)
