@@ -176,7 +176,9 @@ def _seed(seed: int, *parts: str) -> int:
 
 def _check_methods(methods: object) -> dict[str, Factory]:
     if not isinstance(methods, Mapping) or not methods:
-        raise TypeError(f"replacements must be a non-empty mapping of method name -> factory(block), got {methods!r:.80}")
+        raise TypeError(
+            f"replacements must be a non-empty mapping of method name -> factory(block), got {methods!r:.80}"
+        )
     for name, factory in methods.items():
         if not isinstance(name, str) or not name or "/" in name:
             raise ValueError(f"a method name must be a non-empty string without '/', got {name!r}")
@@ -284,7 +286,9 @@ def _load(path: Path, config: Mapping[str, Any]) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a corrupt or foreign file: say which
-        raise ValueError(f"{path} is not a readable distillation checkpoint ({type(error).__name__}: {error})") from None
+        raise ValueError(
+            f"{path} is not a readable distillation checkpoint ({type(error).__name__}: {error})"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path} is not a distillation checkpoint ({CHECKPOINT_FORMAT})")
     saved = state["config"]
@@ -365,7 +369,10 @@ def distill(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     methods = _check_methods(replacements)
     tokens, batch_size = check_size("tokens", tokens), check_size("batch_size", batch_size)
-    capacity, checkpoint_every = check_size("buffer_tokens", buffer_tokens), check_size("checkpoint_every", checkpoint_every)
+    capacity, checkpoint_every = (
+        check_size("buffer_tokens", buffer_tokens),
+        check_size("checkpoint_every", checkpoint_every),
+    )
     if capacity < batch_size:
         raise ValueError(f"buffer_tokens must hold at least one step of batch_size={batch_size}, got {capacity}")
     lr, l1 = check_positive_float("lr", lr), check_positive_float("l1", l1, allow_zero=True)
@@ -446,17 +453,17 @@ def distill(
         )
     if path is not None:
         _save(run.state_dict(config), path)
-    losses = {
-        block: {method: sum(run.recent.get((block, method), [math.nan])) / max(1, len(run.recent.get((block, method), [])))
-                for method in methods}
-        for block in names
-    }  # fmt: skip
+    losses = {block: {method: _mean(run.recent.get((block, method), [])) for method in methods} for block in names}
     for methods_of_block in run.modules.values():
         for module in methods_of_block.values():
             module.eval()
     return Distillation(
         blocks, run.modules, run.trained, run.steps, losses, run.buffer.peak_rows, run.buffer.allocated_bytes
     )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
 
 
 def _real_rows(pair: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -516,4 +523,3 @@ def spliced(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator
         yield model
     finally:
         splice(model, old)
-

@@ -1,4 +1,6 @@
-"""Factories of parameter-matched sparse replacements for an MLP block, for [`distill`][mumoe_tn.conversion.distill.distill].
+"""Factories of parameter-matched sparse replacements of an MLP block.
+
+They build what [`distill`][mumoe_tn.conversion.distill.distill] trains.
 
 A factory takes a [`BlockInfo`][mumoe_tn.conversion.streaming.BlockInfo] and returns a module
 ``(…, I) → (…, O)``. These build the replacements the field compares at one parameter budget:
@@ -36,7 +38,9 @@ __all__ = ["mode_split", "mumoe_factory", "transcoder_factory"]
 
 
 def mode_split(total: int, modes: int) -> tuple[int, ...]:
-    """``total`` as a product of ``modes`` factors as equal as possible, largest first (``64, 2 → (8, 8)``, ``32, 2 → (8, 4)``).
+    """``total`` as a product of ``modes`` factors as equal as possible, largest first.
+
+    ``64, 2 → (8, 8)``; ``32, 2 → (8, 4)``.
 
     Parameters
     ----------

@@ -130,7 +130,9 @@ def select_blocks(model: nn.Module, mlps: str | Callable[[str, nn.Module], bool]
             )
         )  # fmt: skip
     if not blocks:
-        raise ValueError(f"no MLP block was selected by mlps={mlps!r}; the model's MLP blocks are found by find_mlp_blocks")
+        raise ValueError(
+            f"no MLP block was selected by mlps={mlps!r}; the model's MLP blocks are found by find_mlp_blocks"
+        )
     return blocks
 
 
@@ -144,7 +146,8 @@ def token_rows(batch: Batch, mask_argument: str | None) -> tuple[dict[str, Any],
         return {"input_ids": batch}, None
     if not isinstance(batch, Mapping):
         raise TypeError(
-            f"a batch must be a tensor of token ids or a mapping of the model's keyword arguments, got {type(batch).__name__}"
+            "a batch must be a tensor of token ids or a mapping of the model's keyword arguments, "
+            f"got {type(batch).__name__}"
         )
     mask = None if mask_argument is None else batch.get(mask_argument)
     if mask is not None:
@@ -280,7 +283,7 @@ class ActivationBuffer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Hold the rows of ``state`` (from [`state_dict`][mumoe_tn.conversion.streaming.ActivationBuffer.state_dict])."""
+        """Hold the rows of ``state`` (what ``state_dict`` returned)."""
         self._x, self._y, self._start, self._end = {}, {}, 0, 0
         pairs = {name: (state["x"][name], state["y"][name]) for name in state["x"]}
         if pairs and next(iter(pairs.values()))[0].shape[0] > 0:

@@ -117,7 +117,9 @@ class FrontierTable:
 
     def to_json(self) -> str:
         """The configuration and the rows as JSON (NaN written as null)."""
-        rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in self.records()]
+        rows = [
+            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in self.records()
+        ]
         return json.dumps({"config": dict(self.config), "rows": rows}, indent=2)
 
     @classmethod

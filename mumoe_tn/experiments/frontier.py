@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -87,7 +88,7 @@ class FrontierConfig:
     depth: int = 2
     heads: int = 4
     context: int = 64
-    pretrain_steps: int = 1500
+    pretrain_steps: int = 1000
     pretrain_batch: int = 16
     pretrain_lr: float = 3e-3
     model_dir: str | None = None
@@ -97,11 +98,11 @@ class FrontierConfig:
     experts: int = 256
     expansion: int = 8
     budget: int | None = None
-    tokens: int = 400_000
+    tokens: int = 200_000
     batch_size: int = 256
     buffer_tokens: int = 16_384
     lr: float = 1e-3
-    eval_tokens: int = 32_768
+    eval_tokens: int = 16_384
     seed: int = 0
 
     @classmethod
@@ -175,7 +176,9 @@ def load_model(config: FrontierConfig) -> tuple[nn.Module, torch.Tensor, str]:
     if config.model_dir is not None:
         directory = Path(config.model_dir)
         if not directory.is_dir():
-            raise ValueError(f"--model must be a directory holding a saved Hugging Face causal LM, got {str(directory)!r}")
+            raise ValueError(
+                f"--model must be a directory holding a saved Hugging Face causal LM, got {str(directory)!r}"
+            )
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
         if any((directory / name).exists() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
             tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -258,7 +261,8 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     settings = dataclasses.asdict(config)
     table_config = {
         **settings, "model": description, "budget": budget, "eval_tokens": eval_batches * eval_windows * context,
-        "trained_tokens": result.tokens, "peak_buffer_rows": result.peak_buffer_rows, "seconds_to_distil": round(trained, 1),
+        "trained_tokens": result.tokens, "peak_buffer_rows": result.peak_buffer_rows,
+        "seconds_to_distil": round(trained, 1),
     }  # fmt: skip
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)
@@ -275,14 +279,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--methods", nargs="+", help=f"methods (default {' '.join(d.methods)})")
     parser.add_argument("--l0", dest="l0s", type=int, nargs="+", help=f"sparsities (default {list(d.l0s)})")
     parser.add_argument("--experts", type=int, help=f"experts of every μMoE block (default {d.experts})")
-    parser.add_argument("--expansion", type=int, help=f"budget: a transcoder of expansion×I latents (default {d.expansion})")
+    parser.add_argument(
+        "--expansion", type=int, help=f"budget: a transcoder of expansion×I latents (default {d.expansion})"
+    )
     parser.add_argument("--budget", type=int, help="budget: parameters per replacement (instead of --expansion)")
     parser.add_argument("--tokens", type=int, help=f"distillation tokens (default {d.tokens:,})")
     parser.add_argument("--eval-tokens", type=int, help=f"held-out evaluation tokens (default {d.eval_tokens:,})")
     parser.add_argument("--batch-size", type=int, help=f"tokens per optimiser step (default {d.batch_size})")
     parser.add_argument("--buffer-tokens", type=int, help=f"activation buffer capacity (default {d.buffer_tokens:,})")
     parser.add_argument("--lr", type=float, help=f"Adam learning rate (default {d.lr})")
-    parser.add_argument("--pretrain-steps", type=int, help=f"training steps of the built model (default {d.pretrain_steps})")
+    parser.add_argument(
+        "--pretrain-steps", type=int, help=f"training steps of the built model (default {d.pretrain_steps})"
+    )
     parser.add_argument("--width", type=int, help=f"width of the built model (default {d.width})")
     parser.add_argument("--depth", type=int, help=f"layers of the built model (default {d.depth})")
     parser.add_argument("--seed", type=int, help=f"seed (default {d.seed})")

@@ -7,6 +7,8 @@
 - [`moe`][mumoe_tn.layers.moe]: [`MuMoE`][mumoe_tn.layers.moe.MuMoE], the drop-in for ``nn.Linear``.
 - [`mlp`][mumoe_tn.layers.mlp]: [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] and
   [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP], drop-ins for MLP blocks.
+- [`transcoders`][mumoe_tn.layers.transcoders]: [`Transcoder`][mumoe_tn.layers.transcoders.Transcoder], the
+  TopK/ReLU (skip) transcoder a distilled μMoE block is compared with.
 - [`options`][mumoe_tn.layers.options] and [`init`][mumoe_tn.layers.init]: the arguments every layer shares,
   and the initialisation of any network's cores.
 """
@@ -16,6 +18,7 @@ from mumoe_tn.layers.experts import COMPILE_PLAN_BATCH, FactorizedExperts
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP, gated_mlp_parameters
 from mumoe_tn.layers.moe import MuMoE
 from mumoe_tn.layers.options import resolve_network
+from mumoe_tn.layers.transcoders import Transcoder
 
 __all__ = [
     "COMPILE_PLAN_BATCH",
@@ -25,6 +28,7 @@ __all__ = [
     "MuMoEBase",
     "MuMoEGatedMLP",
     "MuMoEMLP",
+    "Transcoder",
     "gated_mlp_parameters",
     "resolve_network",
 ]

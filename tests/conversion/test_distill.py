@@ -105,14 +105,18 @@ def test_streaming_never_holds_more_than_the_buffer():
 def test_masks_keep_padding_out_of_training():
     batches = _batches(count=10)
     masks = [torch.rand(b.shape, generator=torch.Generator().manual_seed(k)) > 0.3 for k, b in enumerate(batches)]
-    first = [{"input_ids": b, "attention_mask": m} for b, m in zip(batches, masks)]
-    other = [{"input_ids": torch.where(m, b, (b + 7) % 32), "attention_mask": m} for b, m in zip(batches, masks)]
+    first = [{"input_ids": b, "attention_mask": m} for b, m in zip(batches, masks, strict=True)]
+    other = [
+        {"input_ids": torch.where(m, b, (b + 7) % 32), "attention_mask": m} for b, m in zip(batches, masks, strict=True)
+    ]
     real = int(sum(m.sum() for m in masks))
     kwargs = dict(tokens=real // 32 * 32, batch_size=32, buffer_tokens=160, progress=False)
     a = distill(ToyLM(), first, _tc(), **kwargs)
     b = distill(ToyLM(), other, _tc(), **kwargs)
     assert a.tokens == real // 32 * 32  # only the real tokens were there to train on
-    for (key, left), right in zip(a.replacements["mlp"]["tc"].state_dict().items(), b.replacements["mlp"]["tc"].state_dict().values()):
+    for (key, left), right in zip(
+        a.replacements["mlp"]["tc"].state_dict().items(), b.replacements["mlp"]["tc"].state_dict().values(), strict=True
+    ):
         assert torch.equal(left, right), key
     # without the mask the padding tokens differ, and so do the weights
     c = distill(ToyLM(), [{"input_ids": o["input_ids"]} for o in other], _tc(), **{**kwargs, "tokens": 256})

@@ -11,15 +11,15 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from hf_models import gpt2  # noqa: E402
+from hf_models import gpt2
 
-from mumoe_tn.cli import main  # noqa: E402
-from mumoe_tn.conversion.convert import convert  # noqa: E402
-from mumoe_tn.conversion.faithfulness import ZeroBlock, evaluate_replacements, next_token_loss  # noqa: E402
-from mumoe_tn.conversion.streaming import capture_blocks  # noqa: E402
-from mumoe_tn.gates.specs import TopKGate  # noqa: E402
-from mumoe_tn.costs.frontier import FrontierTable, ce_loss_score, plot_frontier  # noqa: E402
-from mumoe_tn.layers.transcoders import Transcoder  # noqa: E402
+from mumoe_tn.cli import main
+from mumoe_tn.conversion.convert import convert
+from mumoe_tn.conversion.faithfulness import ZeroBlock, evaluate_replacements, next_token_loss
+from mumoe_tn.conversion.streaming import capture_blocks
+from mumoe_tn.costs.frontier import FrontierTable, ce_loss_score, plot_frontier
+from mumoe_tn.gates.specs import TopKGate
+from mumoe_tn.layers.transcoders import Transcoder
 
 BLOCK = "transformer.h.0.mlp"
 
