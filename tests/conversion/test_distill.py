@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mumoe_tn.conversion.distill import distill, normalised_mse, splice, spliced
+from mumoe_tn.conversion.faithfulness import evaluate_replacements
 from mumoe_tn.conversion.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.conversion.streaming import ActivationBuffer, TokenWindows, select_blocks
 from mumoe_tn.costs.transcoders import match_transcoder, transcoder_parameters
@@ -247,11 +248,19 @@ def test_factories_meet_the_budget_and_l0():
     model = ToyLM(width=16, hidden=64)
     block = select_blocks(model)[0]
     budget = 4 * block.parameters
+    modules = []
     for factory in (transcoder_factory(8, budget), transcoder_factory(8, budget, skip=True),
-                    mumoe_factory("cp", 64, 8, budget), mumoe_factory("tr", (8, 8), 8, budget)):  # fmt: skip
+                    mumoe_factory("cp", 64, 8, budget), mumoe_factory("tr", (8, 8), 8, budget),
+                    mumoe_factory("n1 a, a i c, c o", 64, 8, budget),  # a user's network, no format
+                    mumoe_factory("n1 n2 a, a i c, c o", (8, 8), 8, budget)):  # fmt: skip
         module = factory(block)
         count = sum(p.numel() for p in module.parameters())
         assert abs(count - budget) / budget < 0.05, (module, count, budget)
+        modules.append(module)
+    table = evaluate_replacements(model, _batches(2), {"mlp": {str(k): m for k, m in enumerate(modules)}})
+    l0s = [row.l0 for row in table.rows]
+    assert all(0 < l0 <= 8 for l0 in l0s[:2])  # TopK keeps 8 latents; a ReLU may zero some of them
+    assert l0s[2:] == [8.0] * 4  # 8 of 64 experts, or 4 × 2 of 8 × 8
     assert mode_split(8, 2) == (4, 2) and mode_split(64, 2) == (8, 8) and math.prod(mode_split(96, 3)) == 96
 
 
