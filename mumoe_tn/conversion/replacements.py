@@ -76,6 +76,8 @@ def mumoe_factory(
     expert_dims: int | Sequence[int],
     k: int | Sequence[int],
     budget: int | float,
+    *,
+    layer: type[nn.Module] | None = None,
     **options: Any,
 ) -> Factory:
     """A factory of parameter-matched μMoE blocks with a top-k gate.
@@ -94,6 +96,12 @@ def mumoe_factory(
     budget : int or float
         Parameters of the block (its gate counted): an int, or a multiple of the replaced block's
         parameters.
+    layer : type, optional
+        The block class, called as ``layer(I, H, O, expert_dims, decomposition, match=…, gate=…,
+        bias=…, hidden_activation=…, device=…, dtype=…, **options)`` (default
+        [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] for a plain block,
+        [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one): any μMoE block class
+        with that constructor.
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
@@ -108,8 +116,8 @@ def mumoe_factory(
 
     def build(block: BlockInfo) -> nn.Module:
         activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)
-        layer = MuMoEGatedMLP if block.kind == "gated" else MuMoEMLP
-        return layer(
+        cls = layer or (MuMoEGatedMLP if block.kind == "gated" else MuMoEMLP)
+        return cls(
             block.in_features, block.hidden_features, block.out_features, expert_dims, decomposition,
             match=_budget(budget, block), gate=gate, bias=block.bias, hidden_activation=activation,
             device=block.device, dtype=block.dtype, **options,
