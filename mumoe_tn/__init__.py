@@ -25,6 +25,7 @@ _LAZY = {
     "MuMoE": "mumoe_tn.layers",
     "MuMoEMLP": "mumoe_tn.layers",
     "MuMoEGatedMLP": "mumoe_tn.layers.mlp",
+    "MixtureOfDecoders": "mumoe_tn.layers.decoders",
     "Gate": "mumoe_tn.gates.specs",
     "TopKGate": "mumoe_tn.gates.specs",
     "compare": "mumoe_tn.costs",

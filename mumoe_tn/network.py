@@ -181,13 +181,7 @@ class ExpertNetwork:
             )
         bonds = []
         for label, where in owners.items():
-            if _is_physical(label):
-                if len(where) > 1:
-                    raise ValueError(
-                        f"physical leg {label!r} appears in cores {where}; each physical leg "
-                        "must appear in exactly one core"
-                    )
-            else:
+            if not _is_physical(label):
                 if len(where) < 2:
                     raise ValueError(
                         f"bond {label!r} appears only in core {where[0]!r} (dangling); a bond must "
@@ -381,10 +375,28 @@ class ExpertNetwork:
         return self._owners[label]
 
     def core_of(self, leg: str) -> str:
-        """Name of the one core carrying physical leg ``leg``."""
+        """Name of the one core carrying physical leg ``leg``.
+
+        Raises
+        ------
+        ValueError
+            If ``leg`` is not a physical leg, or is shared by several cores (a Hadamard
+            factorisation): [`cores_with`][mumoe_tn.network.ExpertNetwork.cores_with] names them all.
+        """
         if not _is_physical(leg):
             raise ValueError(f"{leg!r} is not a physical leg; physical legs are 'i', 'o', 'n1'..'nE'")
-        return self.cores_with(leg)[0]
+        owners = self.cores_with(leg)
+        if len(owners) > 1:
+            raise ValueError(
+                f"physical leg {leg!r} is shared by cores {list(owners)} (a Hadamard factorisation); "
+                "use cores_with(leg) for all of them"
+            )
+        return owners[0]
+
+    @property
+    def shared_legs(self) -> tuple[str, ...]:
+        """Physical legs held by two or more cores (Hadamard, or Khatri–Rao, factorisations)."""
+        return tuple(label for label, owners in self._owners.items() if _is_physical(label) and len(owners) > 1)
 
     def core_shape(self, core: str) -> tuple[int, ...]:
         """Shape of core ``core``, in the order of its labels."""
@@ -462,11 +474,14 @@ class ExpertNetwork:
         return ExpertNetwork(dict(self.cores), dict(self.sizes), name=name, format=format)
 
     def graph(self) -> nx.MultiGraph:
-        """The network as a networkx multigraph: one node per core, one edge per bond pair."""
+        """The network as a networkx multigraph: one node per core, one edge per pair of cores sharing a label.
+
+        Bonds and shared physical legs (a Hadamard factorisation's ``o`` in two cores) both join
+        cores; a physical leg in one core adds no edge.
+        """
         graph = nx.MultiGraph()
         graph.add_nodes_from(self.cores)
-        for bond in self._bonds:
-            owners = self._owners[bond]
+        for bond, owners in self._owners.items():
             for k, first in enumerate(owners):
                 for second in owners[k + 1 :]:
                     graph.add_edge(first, second, label=bond, size=self.sizes[bond])

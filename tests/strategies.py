@@ -68,6 +68,8 @@ def custom_networks(
     parallel=True,
     hyperedges=True,
     split_io=False,
+    shared=True,
+    min_shared=0,
 ):
     """A random valid network: random cores, physical legs anywhere, a random spanning tree of
     bonds (connected), plus (when allowed) parallel bonds and hyperedges.
@@ -83,6 +85,11 @@ def custom_networks(
         Allow extra bonds between two cores already joined / among three or more cores.
     split_io : bool
         Put ``i`` and ``o`` on different cores (needs ``min_cores >= 2``).
+    shared : bool
+        Allow physical legs held by several cores (Hadamard factorisations).
+    min_shared : int
+        At least this many physical legs are shared (needs ``min_cores >= 2``); a core joined to
+        the others by a shared leg needs no bond.
     """
     if physical_sizes is None:
         physical_sizes = st.integers(1, max_size)
@@ -103,11 +110,24 @@ def custom_networks(
     cores[where_i].append("i")
     cores[where_o].append("o")
     sizes["i"], sizes["o"] = draw(io_sizes), draw(io_sizes)
+    n_shared = 0
+    if shared and n_cores >= 2:
+        legs = [*(f"n{m}" for m in range(1, n_modes + 1)), "i", "o"]
+        chosen = draw(st.sets(st.sampled_from(legs), min_size=min(min_shared, len(legs)), max_size=len(legs)))
+        for leg in sorted(chosen):
+            holders = [k for k in range(n_cores) if leg in cores[k]]
+            free = [k for k in range(n_cores) if k not in holders]
+            extra = draw(st.sets(st.sampled_from(free), min_size=1, max_size=len(free)))
+            for k in sorted(extra):
+                cores[k].append(leg)
+        n_shared = len(chosen)
     bond = 0
     edges = []
-    for k in range(1, n_cores):  # random spanning tree
+    for k in range(1, n_cores):  # random spanning tree; an edge may be left out where a shared leg joins
         parent = draw(st.integers(0, k - 1))
         edges.append((parent, k))
+        if n_shared and set(cores[k]) & set(cores[parent]) and draw(st.booleans()):
+            continue
         label = f"b{bond}"
         bond += 1
         cores[k].append(label)
@@ -131,7 +151,10 @@ def custom_networks(
             sizes[label] = draw(bond_sizes)
     order = draw(st.permutations(range(n_cores)))
     spec = {f"c{k}": tuple(draw(st.permutations(cores[k]))) for k in order}
-    return ExpertNetwork(spec, sizes, name="custom")
+    try:
+        return ExpertNetwork(spec, sizes, name="custom")
+    except ValueError:
+        reject()  # a left-out tree edge disconnected the network
 
 
 def binding_networks(max_modes=3, max_cores=4):
@@ -147,6 +170,7 @@ def binding_networks(max_modes=3, max_cores=4):
         bond_sizes=st.integers(1, 3),
         max_extra=1,
         split_io=True,
+        shared=False,
     )
 
 
@@ -159,7 +183,13 @@ def tree_networks(max_modes=3, max_cores=4, max_size=4):
         bond_sizes=st.integers(1, max_size),
         parallel=False,
         hyperedges=False,
+        shared=False,
     )
+
+
+def hadamard_networks(max_modes=3, max_cores=4, max_size=3):
+    """Custom networks with at least one physical leg held by two or more cores."""
+    return custom_networks(max_modes=max_modes, max_cores=max_cores, max_size=max_size, min_cores=2, min_shared=1)
 
 
 def any_network(max_modes=4):
@@ -169,4 +199,5 @@ def any_network(max_modes=4):
         custom_networks(max_modes=max_modes),
         binding_networks(max_modes=min(max_modes, 3)),
         custom_networks(max_modes=max_modes, min_cores=3, max_cores=5),
+        hadamard_networks(max_modes=min(max_modes, 3)),
     )

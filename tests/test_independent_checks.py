@@ -126,15 +126,17 @@ def test_top_k_router_is_softmax_of_the_top_logits():
 
 # ----------------------------------------------------------------------------- rank bound
 def brute_force_cut(network):
-    """min over core subsets S ∋ core(i), plus cutting i or o: Π sizes of the cut labels."""
+    """min over core subsets S (i's side): Π sizes of the cut labels (a label is cut when its cores, and
+    the source for i or the sink for o, fall on both sides)."""
     names = list(network.cores)
     best = math.inf
     for mask in itertools.product((False, True), repeat=len(names)):
         side = dict(zip(names, mask, strict=True))  # True: on i's side
         cost = 1
-        if not side[network.core_of("i")]:
+        # i sits with the source, o with the sink: a leg is cut when a core holding it is across
+        if not all(side[c] for c in network.cores_with("i")):
             cost *= network.in_features
-        if side[network.core_of("o")]:
+        if any(side[c] for c in network.cores_with("o")):
             cost *= network.out_features
         for bond in network.bonds:
             if len({side[c] for c in network.cores_with(bond)}) == 2:

@@ -25,9 +25,9 @@ from mumoe_tn.conversion.record import (
     network_to_data,
 )
 from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_experts, upcycle_linear, warn_if_inexact
-from mumoe_tn.decompositions.resolve import Decomposition
+from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.gates.specs import CausalityWarning, gate_from_options
-from mumoe_tn.layers import FactorizedExperts, MuMoE, MuMoEMLP
+from mumoe_tn.layers import FactorizedExperts, MixtureOfDecoders, MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
 from mumoe_tn.masking import accepts_argument, install_mask_hook
 from mumoe_tn.network import ExpertNetwork
@@ -289,6 +289,15 @@ def _new_module(
         **factory,
         **options,
     }
+    fmt = format_of(decomposition)
+    if fmt is not None and fmt.mlp_block == "decoders":
+        # A recorded network gives the hidden width (a matched block may be narrower than the MLP).
+        hidden = decomposition.in_features if isinstance(decomposition, ExpertNetwork) else first.out_features
+        decoders = MixtureOfDecoders(
+            first.in_features, hidden, down.out_features, expert_dims, decomposition,
+            **_ranks_or_match(rank, "mlp"), gated=choice.kind == "gated", **block,
+        )  # fmt: skip
+        return decoders, decoders.expert_layers
     sizes = (first.in_features, first.out_features, down.out_features, expert_dims, decomposition)
     if choice.kind == "gated":
         gated = MuMoEGatedMLP(*sizes, **_ranks_or_match(rank, "mlp"), **block)
@@ -302,25 +311,57 @@ def _ranks_or_match(rank: object, target: str) -> dict[str, object]:
     return {"match": target} if rank == "match" else {"rank": rank}
 
 
-def _upcycle(choice: _Choice, layers: dict[str, FactorizedExperts], bias: bool, fit: dict[str, Any]) -> float:
-    """Set every expert of each new layer to the replaced layer's matrix; the largest error."""
+def _upcycle(choice: _Choice, new: nn.Module, layers: dict[str, FactorizedExperts], fit: dict[str, Any]) -> float:
+    """Set every expert of each new layer to the replaced layer's matrix; the largest error.
+
+    Layers the new module keeps dense (its ``dense_layers``, by role) are copied; a module with an
+    ``output_bias`` outside its experts gets the last layer's bias there.
+    """
     matrices = {}
+    dense = getattr(new, "dense_layers", {})
+    output_bias = getattr(new, "output_bias", None)
     for role, view in choice.layers.items():
         if view.device.type == "meta":
             raise ValueError(
                 f"cannot upcycle {choice.paths[0]!r}: its weights are on the meta device (load them first, "
                 "or convert with upcycle=False)"
             )
-        matrix = view.matrix(bias_row=bias)
-        if not torch.isfinite(matrix).all():
+        matrix = view.matrix(bias_row=new.bias)
+        if not torch.isfinite(matrix).all() or (view.bias is not None and not torch.isfinite(view.bias).all()):
             what = "its weights" if role == "layer" else f"its {role} layer's weights"
             raise ValueError(f"cannot upcycle {choice.paths[0]!r}: {what} contain NaN or inf")
-        matrices[role] = matrix
+        if role in dense:
+            _copy_dense(choice.paths[0], role, view, dense[role])
+        else:
+            matrices[role] = matrix
+    if output_bias is not None:
+        last = choice.layers[next(reversed(list(matrices)))]
+        with torch.no_grad():
+            if last.bias is None:
+                output_bias.zero_()
+            else:
+                output_bias.copy_(last.bias)
     error = max(upcycle_experts(layers[role], matrix, **fit) for role, matrix in matrices.items())
     dtype = next(iter(choice.layers.values())).dtype
     networks = [experts.network for experts in layers.values()]
     warn_if_inexact(error, networks, dtype, f"{choice.paths[0]!r}")
     return error
+
+
+def _copy_dense(path: str, role: str, view: LinearView, layer: nn.Linear) -> None:
+    """Copy a replaced layer into the dense layer that keeps its role."""
+    if tuple(layer.weight.shape) != (view.out_features, view.in_features):
+        raise ValueError(
+            f"cannot upcycle {path!r}: its {role} layer is {view.in_features} → {view.out_features} but the new "
+            f"block's is {layer.in_features} → {layer.out_features} (a parameter-matched block is narrower; "
+            "convert with rank='exact' to upcycle)"
+        )
+    with torch.no_grad():
+        layer.weight.copy_(view.matrix(bias_row=False).T)
+        if layer.bias is not None and view.bias is not None:
+            layer.bias.copy_(view.bias)
+        elif layer.bias is not None:
+            layer.bias.zero_()
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -452,13 +493,22 @@ def convert(
     report = ConversionReport(causal=is_causal_model(model) if causal is None else causal)
     layer_options = _causal_gate_options(report.causal, layer_options, report)
     built = []
+    fmt = format_of(decomposition)
+    keeps_widths = upcycle and rank == "match" and fmt is not None and fmt.mlp_block == "decoders"
+    if keeps_widths and any(choice.kind != "linear" for choice in choices):
+        report.notes.append(
+            f"Upcycled {fmt.name!r} blocks keep the MLP's hidden width (the encoder is copied, so the block computes "
+            "what the MLP did): they hold the MLP's parameters plus their experts'. Without upcycle=True, "
+            "rank='match' narrows the hidden layer to the MLP's parameter count instead."
+        )
     for choice in choices:
+        block_rank = "exact" if keeps_widths and choice.kind != "linear" else rank
         try:
-            new, layers = _new_module(choice, expert_dims, decomposition, rank, layer_options)
+            new, layers = _new_module(choice, expert_dims, decomposition, block_rank, layer_options)
         except (ValueError, TypeError) as error:
             kind = TypeError if isinstance(error, TypeError) else ValueError
             raise kind(f"cannot convert {choice.paths[0]!r}: {error}") from error
-        error = _upcycle(choice, layers, new.bias, fit) if upcycle else None
+        error = _upcycle(choice, new, layers, fit) if upcycle else None
         if all(view.frozen for view in choice.layers.values()):
             new.requires_grad_(False)
         new.train(choice.module.training)

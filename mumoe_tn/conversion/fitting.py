@@ -55,8 +55,10 @@ def als_fit(
     Parameters
     ----------
     cores : Mapping[str, tuple of str]
-        Core name -> labels. Every label of ``target_labels`` appears in exactly one core; every
-        other label is a bond (in two or more cores).
+        Core name -> labels. Every label of ``target_labels`` appears in one or more cores (a
+        label in several, as in a Hadamard factorisation, splits each core's least-squares
+        problem into independent ones along it); every other label is a bond (in two or more
+        cores).
     sizes : Mapping[str, int]
         Size of every label.
     target : torch.Tensor
@@ -122,14 +124,20 @@ def als_fit(
 
 
 class _CoreSolver:
-    """The normal equations of one core, planned once: ``core[P, B] = R[P, :] · G⁻¹``."""
+    """The normal equations of one core, planned once: ``core[S, P, B] = R[S, P, :] · G[S]⁻¹``.
+
+    ``S`` are the core's physical labels that other cores hold too (Hadamard legs): along them
+    the problem splits into independent least-squares problems, one Gram matrix each.
+    """
 
     def __init__(self, name: str, cores: Mapping[str, Labels], sizes: Mapping[str, int], physical: Labels) -> None:
         labels = cores[name]
         self.name, self.labels, self.physical = name, labels, physical
-        self.own_physical = tuple(x for x in labels if x in physical)
-        self.bonds = tuple(x for x in labels if x not in physical)
         self.others = [other for other in cores if other != name]
+        held_elsewhere = {x for other in self.others for x in cores[other]}
+        self.shared = tuple(x for x in labels if x in physical and x in held_elsewhere)
+        self.own_physical = tuple(x for x in labels if x in physical and x not in held_elsewhere)
+        self.bonds = tuple(x for x in labels if x not in physical)
         self.sizes = sizes
         if not self.others:
             return
@@ -140,9 +148,11 @@ class _CoreSolver:
         other_labels = [cores[other] for other in self.others]
         prime_sizes = {**sizes, **{f"{x}'": sizes[x] for x in sizes if x not in physical}}
         gram_inputs = [*other_labels, *[tuple(primed(x) for x in each) for each in other_labels]]
-        gram_output = (*self.bonds, *(primed(x) for x in self.bonds))
+        gram_output = (*self.shared, *self.bonds, *(primed(x) for x in self.bonds))
         self.gram_plan = plan_contraction(gram_inputs, gram_output, prime_sizes)
-        self.rhs_plan = plan_contraction([physical, *other_labels], (*self.own_physical, *self.bonds), sizes)
+        self.rhs_plan = plan_contraction(
+            [physical, *other_labels], (*self.shared, *self.own_physical, *self.bonds), sizes
+        )
 
     def solve(self, values: Mapping[str, torch.Tensor], data: torch.Tensor) -> torch.Tensor:
         """The least-squares core given the current values of the others."""
@@ -153,12 +163,15 @@ class _CoreSolver:
         other_values = [values[other] for other in self.others]
         gram = run_plan(self.gram_plan, other_values + other_values)
         rhs = run_plan(self.rhs_plan, [data, *other_values])
+        n_shared = math.prod(sizes[x] for x in self.shared)
         n_bonds = math.prod(sizes[x] for x in self.bonds)
         n_physical = math.prod(sizes[x] for x in self.own_physical)
-        gram = gram.reshape(n_bonds, n_bonds)
-        ridge = 1e-12 * float(gram.diagonal().sum()) / n_bonds + 1e-300
+        gram = gram.reshape(n_shared, n_bonds, n_bonds)
+        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
+        ridge = (1e-12 * trace / n_bonds + 1e-300).reshape(n_shared, 1, 1)
         gram = gram + ridge * torch.eye(n_bonds, dtype=gram.dtype, device=gram.device)
-        solution = torch.linalg.solve(gram, rhs.reshape(n_physical, n_bonds).T).T
-        solution = solution.reshape(*(sizes[x] for x in self.own_physical), *(sizes[x] for x in self.bonds))
-        order = (*self.own_physical, *self.bonds)
+        rhs = rhs.reshape(n_shared, n_physical, n_bonds)
+        solution = torch.linalg.solve(gram, rhs.transpose(-1, -2)).transpose(-1, -2)
+        order = (*self.shared, *self.own_physical, *self.bonds)
+        solution = solution.reshape(*(sizes[x] for x in order))
         return solution.permute(*(order.index(x) for x in self.labels)).contiguous()

@@ -161,17 +161,29 @@ def _floor_rank(count: Callable[[int], int], target: int, what: str, multiple: i
 
 
 def scaled_bonds(network: ExpertNetwork, bonds: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The bonds parameter matching scales: ``bonds`` if given, else the format's default (all bonds without one)."""
+    """The labels parameter matching scales: ``bonds`` if given, else the format's default.
+
+    Without a format every bond is scaled; a network without bonds (a Hadamard factorisation
+    such as ``D: i o, C: n1 o``) has its size set by its legs alone, and then its expert legs
+    are scaled: matching chooses the number of experts. Expert legs may also be named in
+    ``bonds`` for any network.
+    """
     if not isinstance(network, ExpertNetwork):
         raise TypeError(f"parameter matching needs an ExpertNetwork, got {network!r} ({type(network).__name__})")
     if bonds is None:
-        return network.bonds if network.format is None else network.format.matched_bonds(network)
+        if network.format is not None:
+            return network.format.matched_bonds(network)
+        return network.bonds or network.expert_legs
     if isinstance(bonds, str) or not isinstance(bonds, Sequence):
         raise TypeError(f"bonds must be a sequence of bond labels, got {bonds!r}")
     bonds = tuple(bonds)
-    unknown = [bond for bond in bonds if bond not in network.bonds]
+    scalable = (*network.bonds, *network.expert_legs)
+    unknown = [bond for bond in bonds if bond not in scalable]
     if not bonds or unknown:
-        raise ValueError(f"bonds to scale must be bonds of the network {network.bonds}, got {bonds}")
+        raise ValueError(
+            f"labels to scale must be bonds {network.bonds} or expert legs {network.expert_legs} of the network, "
+            f"got {bonds}"
+        )
     return bonds
 
 
@@ -273,10 +285,11 @@ def _lift_collapsing_bonds(networks: Sequence[ExpertNetwork], scaled: Sequence[s
                 for bond in labels:
                     if bond in scaled or bond not in probe.bonds or probe.sizes[bond] != 1:
                         continue
-                    holder = probe.cores[probe.core_of(leg)]
                     size = min(probe.sizes[leg], LIFTED_BOND)
-                    if bond in holder:
-                        size = min(size, math.prod(probe.sizes[x] for x in holder if x != bond))
+                    for core in probe.cores_with(leg):
+                        holder = probe.cores[core]
+                        if bond in holder:
+                            size = min(size, math.prod(probe.sizes[x] for x in holder if x != bond))
                     if size > 1:
                         found[bond] = max(found.get(bond, 1), size)
         if not found:
@@ -460,7 +473,8 @@ def _whole(networks: Sequence[ExpertNetwork]) -> Callable[[Mapping[str, int]], b
 
 def _rank_limiting(network: ExpertNetwork, names: Sequence[str]) -> tuple[str, ...]:
     """The scaled bonds of the cores holding ``i`` and ``o`` (the input and output factor ranks)."""
-    held = {*network.cores[network.core_of(INPUT_LEG)], *network.cores[network.core_of(OUTPUT_LEG)]}
+    holders = {core for leg in (INPUT_LEG, OUTPUT_LEG) for core in network.cores_with(leg)}
+    held = {label for core in holders for label in network.cores[core]}
     return tuple(bond for bond in names if bond in held)
 
 

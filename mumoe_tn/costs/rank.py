@@ -6,8 +6,11 @@ the expert matrix's rank by the product of their sizes. The best such bound is a
 with capacities ``log(size)``: computed with networkx's max-flow on a graph where each core is a
 node, each bond an arc pair (a hyperedge becomes a node pair joined by one arc of its weight),
 and a source and sink attach to the cores holding ``i`` and ``o`` through arcs of capacity
-``log I`` and ``log O``. This reproduces the paper's CP ``min{I, O, R}``, TR
-``min{R3·min{R1, R2}, I, O}`` and Tucker ``min{I, R_I, R_O, O}``.
+``log I`` and ``log O``. A physical leg held by several cores (a Hadamard factorisation such as
+the Mixture of Decoders' ``D: i o, C: n1 o``) is a hyperedge that the source or sink joins as one
+more place: cutting it costs its log size, which gives ``min(I, O)`` for that network. This
+reproduces the paper's CP ``min{I, O, R}``, TR ``min{R3·min{R1, R2}, I, O}`` and Tucker
+``min{I, R_I, R_O, O}``.
 """
 
 from __future__ import annotations
@@ -77,22 +80,29 @@ def min_cut(
         if label is not None:
             arcs.setdefault((u, v), []).append(label)
 
-    for leg in sources:
-        add(_SOURCE, ("core", network.core_of(leg)), leg)
-    for leg in sinks:
-        add(("core", network.core_of(leg)), _SINK, leg)
-    for bond in network.bonds:
-        owners = network.cores_with(bond)
-        if len(owners) == 2:
-            first, second = (("core", c) for c in owners)
-            add(first, second, bond)
-            add(second, first, bond)
-        else:
-            inner, outer = ("in", bond), ("out", bond)
-            add(inner, outer, bond)
-            for core in owners:
-                add(("core", core), inner, None)
-                add(outer, ("core", core), None)
+    # Every label that joins more than two places (cores, the source, the sink) is a hyperedge:
+    # a node pair joined by one arc of its weight. A source or sink leg held by one core is a
+    # plain arc; one held by several cores (a Hadamard factorisation) is a hyperedge that the
+    # source or sink joins as one more place.
+    ends = {**dict.fromkeys(sources, _SOURCE), **dict.fromkeys(sinks, _SINK)}
+
+    def link(u: object, v: object, label: str | None) -> None:
+        if v != _SOURCE and u != _SINK:
+            add(u, v, label)
+
+    for label in (*ends, *network.bonds):
+        places = [("core", core) for core in network.cores_with(label)]
+        if label in ends:
+            places.append(ends[label])
+        if len(places) == 2:
+            link(*places, label)
+            link(*reversed(places), label)
+            continue
+        inner, outer = ("in", label), ("out", label)
+        add(inner, outer, label)
+        for place in places:
+            link(place, inner, None)
+            link(outer, place, None)
     _, (reachable, _) = nx.minimum_cut(graph, _SOURCE, _SINK)
     crossing: list[str] = []
     for u, v in graph.edges:

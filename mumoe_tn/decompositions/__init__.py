@@ -1,4 +1,4 @@
-"""Named decomposition formats (CP, TR, TT, Tucker) and their registry.
+"""Named decomposition formats (CP, TR, TT, Tucker, MxD) and their registry.
 
 Each format is a [`Format`][mumoe_tn.decompositions.format.Format] subclass registered by name (``class CPFormat(Format,
 name="cp")``) and carried by the networks it builds; [`build`][mumoe_tn.decompositions.registry.build] looks one up by
@@ -8,6 +8,7 @@ name. A new named decomposition is one small module defining such a class — se
 
 from mumoe_tn.decompositions.cp import CPFormat, cp
 from mumoe_tn.decompositions.format import Format
+from mumoe_tn.decompositions.mxd import MxDFormat, mxd
 from mumoe_tn.decompositions.registry import (
     available,
     build,
@@ -19,6 +20,7 @@ from mumoe_tn.decompositions.registry import (
 from mumoe_tn.decompositions.resolve import (
     Decomposition,
     Rank,
+    format_of,
     is_spec,
     resolve_network,
     spec_ranks,
@@ -32,6 +34,7 @@ __all__ = [
     "CPFormat",
     "Decomposition",
     "Format",
+    "MxDFormat",
     "Rank",
     "TRFormat",
     "TTFormat",
@@ -39,8 +42,10 @@ __all__ = [
     "available",
     "build",
     "cp",
+    "format_of",
     "get_format",
     "is_spec",
+    "mxd",
     "normalize_ranks",
     "register",
     "resolve_network",

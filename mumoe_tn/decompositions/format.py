@@ -64,11 +64,18 @@ class Format:
         (default, any network) or ``"paper"`` (the paper's CP/TR rule).
     tltorch_class : str or None
         Name of the tensorly-torch ``FactorizedTensor`` class this format converts to, if any.
+    mlp_block : str
+        What an MLP block becomes when [`convert`][mumoe_tn.conversion.convert.convert] replaces it with
+        this format: ``"mumoe"`` (default: every layer of the block factorized,
+        [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] / [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP]) or
+        ``"decoders"`` (the encoder kept dense and the decoder factorized,
+        [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders]).
     """
 
     name: ClassVar[str] = ""
     init_rule: ClassVar[str] = "linear"
     tltorch_class: ClassVar[str | None] = None
+    mlp_block: ClassVar[str] = "mumoe"
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

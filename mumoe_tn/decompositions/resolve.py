@@ -18,7 +18,7 @@ from mumoe_tn.decompositions.registry import available, get_format
 from mumoe_tn.network import ExpertNetwork, expert_leg, normalize_expert_dims
 from mumoe_tn.validation import check_size
 
-__all__ = ["Decomposition", "Rank", "is_spec", "resolve_network", "spec_ranks", "split_spec_name"]
+__all__ = ["Decomposition", "Rank", "format_of", "is_spec", "resolve_network", "spec_ranks", "split_spec_name"]
 
 #: Anything that names or describes an expert network.
 Decomposition = str | Format | ExpertNetwork | Callable[..., ExpertNetwork]
@@ -142,7 +142,9 @@ def resolve_network(
         raise TypeError("expert_dims is required unless the decomposition is an ExpertNetwork")
     dims = normalize_expert_dims(expert_dims)
     if rank is None:
-        raise TypeError(f"rank is required for decomposition {_describe(decomposition)} (or give match=)")
+        if not _has_no_bond(decomposition, dims, in_features, out_features):
+            raise TypeError(f"rank is required for decomposition {_describe(decomposition)} (or give match=)")
+        rank = ()
     if isinstance(decomposition, Format):
         return decomposition.build(dims, in_features, out_features, rank, **options)
     if isinstance(decomposition, str):
@@ -164,6 +166,47 @@ def resolve_network(
         "decomposition must be a format name, a Format, a spec string, an ExpertNetwork or a builder, got "
         f"{decomposition!r} ({type(decomposition).__name__})"
     )
+
+
+def format_of(decomposition: Decomposition) -> Format | None:
+    """The registered format a decomposition argument names or carries (None: a custom network or builder).
+
+    Parameters
+    ----------
+    decomposition : str or Format or ExpertNetwork or Callable
+        A format name, a Format, a spec string, a ready network or a builder.
+
+    Returns
+    -------
+    Format or None
+    """
+    if isinstance(decomposition, Format):
+        return decomposition
+    if isinstance(decomposition, ExpertNetwork):
+        return decomposition.format
+    if isinstance(decomposition, str) and not is_spec(decomposition):
+        return get_format(decomposition)
+    return None
+
+
+def _has_no_bond(decomposition: Decomposition, dims: tuple[int, ...], in_features: int, out_features: int) -> bool:
+    """Whether a format or spec string builds a network without bonds (one that needs no rank)."""
+    if isinstance(decomposition, str) and is_spec(decomposition):
+        _, spec = split_spec_name(decomposition)
+        try:
+            shape = ExpertNetwork.from_spec(
+                spec, expert_dims=dims, in_features=in_features, out_features=out_features, ranks=1
+            )
+        except ValueError:
+            return False  # the build proper reports what is wrong with the spec
+        return not shape.bonds
+    fmt = None if isinstance(decomposition, ExpertNetwork) else format_of(decomposition)
+    if fmt is None:
+        return False
+    try:
+        return not fmt.network(dims, in_features, out_features, ()).bonds
+    except (TypeError, ValueError):
+        return False  # the format wants ranks
 
 
 def _describe(decomposition: object) -> str:

@@ -7,6 +7,8 @@
 - [`moe`][mumoe_tn.layers.moe]: [`MuMoE`][mumoe_tn.layers.moe.MuMoE], the drop-in for ``nn.Linear``.
 - [`mlp`][mumoe_tn.layers.mlp]: [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] and
   [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP], drop-ins for MLP blocks.
+- [`decoders`][mumoe_tn.layers.decoders]: [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders], an MLP
+  block with a dense encoder and a μMoE decoder (the Mixture of Decoders layer, GLU variant too).
 - [`transcoders`][mumoe_tn.layers.transcoders]: [`Transcoder`][mumoe_tn.layers.transcoders.Transcoder], the
   TopK/ReLU (skip) transcoder a distilled μMoE block is compared with.
 - [`options`][mumoe_tn.layers.options] and [`init`][mumoe_tn.layers.init]: the arguments every layer shares,
@@ -14,6 +16,7 @@
 """
 
 from mumoe_tn.layers.base import GATE_INPUTS, MuMoEBase
+from mumoe_tn.layers.decoders import MixtureOfDecoders, decoder_block_parameters
 from mumoe_tn.layers.experts import COMPILE_PLAN_BATCH, FactorizedExperts
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP, gated_mlp_parameters
 from mumoe_tn.layers.moe import MuMoE
@@ -24,11 +27,13 @@ __all__ = [
     "COMPILE_PLAN_BATCH",
     "GATE_INPUTS",
     "FactorizedExperts",
+    "MixtureOfDecoders",
     "MuMoE",
     "MuMoEBase",
     "MuMoEGatedMLP",
     "MuMoEMLP",
     "Transcoder",
+    "decoder_block_parameters",
     "gated_mlp_parameters",
     "resolve_network",
 ]

@@ -165,19 +165,31 @@ def _template(
     tensor: torch.Tensor,
     generator: torch.Generator | None,
 ) -> torch.Tensor | None:
-    """Replicated template of an expert-mode core, or None when it also holds ``i``/``o``."""
-    if INPUT_LEG in rest or OUTPUT_LEG in rest:
+    """Replicated template of an expert-mode core, or None when it must hold random values.
+
+    The template is the identity of the contraction: a diagonal over the core's bonds, and ones
+    along the physical legs it shares with other cores (the neutral element of a Hadamard
+    product, so that ``C: n1 o`` next to ``D: i o`` starts every expert at ``D``). A core holding
+    ``i`` or ``o`` gets one only where a core without expert legs holds that leg too and carries
+    the random values; otherwise (None) it is a random slice replicated along its expert legs.
+    """
+
+    def drawn_elsewhere(leg: str) -> bool:
+        return any(not any(is_expert_leg(label) for label in network.cores[other]) for other in network.cores_with(leg))
+
+    if any(leg in rest and not drawn_elsewhere(leg) for leg in (INPUT_LEG, OUTPUT_LEG)):
         return None
     labels = network.cores[core]
-    bond_sizes = [network.sizes[label] for label in rest]
+    bonds = [label for label in rest if label in network.bonds]
+    bond_sizes = [network.sizes[label] for label in bonds]
     diagonal = torch.zeros(bond_sizes, dtype=tensor.dtype, device=tensor.device)
-    if len(rest) == 1:
+    if len(bonds) <= 1:
         diagonal.fill_(1.0)
     else:
         for k in range(min(bond_sizes)):
-            diagonal[(k,) * len(rest)] = 1.0
-    # Put the template's axes where the bonds sit and broadcast over the expert legs.
-    shape = [1 if is_expert_leg(label) else network.sizes[label] for label in labels]
+            diagonal[(k,) * len(bonds)] = 1.0
+    # Put the template's axes where the bonds sit and broadcast over the expert and shared legs.
+    shape = [network.sizes[label] if label in bonds else 1 for label in labels]
     return diagonal.reshape(shape).expand(tensor.shape)
 
 

@@ -235,7 +235,7 @@ def test_matching_errors():
     assert match_layer(custom, 1000).bonds == ("a",) == match_layer(custom, 1000, bonds=["a"]).bonds
     with pytest.raises(TypeError, match=r"needs an ExpertNetwork, got 'cp'"):
         match_layer("cp", 1000)
-    with pytest.raises(ValueError, match=r"bonds to scale must be bonds of the network"):
+    with pytest.raises(ValueError, match=r"labels to scale must be bonds .* or expert legs .* of the network"):
         match_layer(tucker(8, 17, 16, 2), 10_000, bonds=["zz"])
     with pytest.raises(ValueError, match=r"must be a positive int"):
         solve_rank(lambda r: r, 0)
@@ -649,7 +649,7 @@ def test_match_block_by_hand():
     scaled = match_block(*two, 200, bonds=["c"], bias=False)
     assert scaled.bonds == ("c",) and all(net.sizes["a"] == 2 for net in scaled.networks)
     other = ExpertNetwork.from_spec("A: n1 b, B: b i o", expert_dims=2, in_features=3, out_features=4, ranks=1)
-    with raises(ValueError, "bonds to scale must be bonds of the network ('b',), got ('a',)"):
+    with raises(ValueError, "labels to scale must be bonds ('b',) or expert legs ('n1',) of the network, got ('a',)"):
         match_block(first, other, 64, bias=False)
 
 

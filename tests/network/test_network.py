@@ -77,7 +77,6 @@ def test_tr_expert_rank_option():
         ({"A": "n1 a", "B": "a i"}, {"a": 2}, ValueError, r"no output leg 'o'"),
         ({"A": "a i o", "B": "a"}, {"a": 2}, ValueError, r"no expert leg 'n1'"),
         ({"A": "n1 n3 a", "B": "a i o"}, {"a": 2, "n3": 2}, ValueError, r"unknown expert leg\(s\) \['n3'\]"),
-        ({"A": "n1 i a", "B": "a i o"}, {"a": 2}, ValueError, r"physical leg 'i' appears in cores \['A', 'B'\]"),
         (
             {"A": "n1 a b", "B": "a i o"},
             {"a": 2, "b": 2},

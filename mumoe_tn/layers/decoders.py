@@ -1,0 +1,288 @@
+"""The Mixture of Decoders block: a dense encoder, a μMoE decoder gated by the block's input.
+
+Oldfield et al., *Towards Interpretability Without Sacrifice: Faithful Dense Layer Decomposition
+with Mixture of Decoders* (arXiv 2505.21364, 2025). An MLP block ``Linear(I, H) → φ → Linear(H, O)``
+becomes
+
+    h = φ(E x + b)                       (or φ(E_g x + b_g) ⊙ (E_u x + b_u), the GLU variant)
+    a = gate(x)                          (the gate reads the block's input, not h)
+    y = W ×_1 a ×_2 h + b_out            W: the decoder's expert tensor (H × O per expert)
+
+With the ``"mxd"`` format (``W[n, h, o] = C[n, o]·D[h, o]``) the decoder is
+``y = (Dᵀh) ⊙ (Cᵀa) + b_out``; any other format or network works too, a mixture of CP or TR
+decoders say. The encoder stays the dense layer it was, so upcycling is exact: ``E`` is copied,
+``D = W₂ᵀ``, ``C = 1`` and ``b_out = b₂``, and a gate whose coefficients sum to one leaves the
+block's output unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mumoe_tn.costs import scaled_bonds, solve_bonds
+from mumoe_tn.costs.baselines import linear as linear_cost
+from mumoe_tn.costs.baselines import mlp as mlp_cost
+from mumoe_tn.costs.matching import match_exact
+from mumoe_tn.decompositions.resolve import Decomposition, Rank, resolve_network
+from mumoe_tn.gates.specs import GateSpec, gate_from_options, gate_parameter_count
+from mumoe_tn.layers.base import MuMoEBase
+from mumoe_tn.layers.experts import MAX_PLANS, FactorizedExperts
+from mumoe_tn.layers.options import EXACT, Match, check_factory, check_match_only_options, match_target
+from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.validation import check_bool
+
+__all__ = ["MixtureOfDecoders", "decoder_block_parameters"]
+
+
+def decoder_block_parameters(
+    decoder: ExpertNetwork,
+    in_features: int,
+    *,
+    gated: bool = False,
+    bias: bool = True,
+    gate: bool | GateSpec = True,
+    input_norm: bool = False,
+) -> int:
+    """Parameters of a [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] block.
+
+    Parameters
+    ----------
+    decoder : ExpertNetwork
+        The decoder's network ``H → O`` (no folded bias: its leg ``i`` is ``H``).
+    in_features : int
+        The block's input width ``I`` (the encoder's and the gate's).
+    gated : bool, optional
+        Two encoders (the GLU variant) instead of one.
+    bias : bool, optional
+        Encoder biases and the output bias.
+    gate : bool or GateSpec, optional
+        The gate, reading ``I`` features.
+    input_norm : bool, optional
+        An input LayerNorm (``2·I``).
+
+    Returns
+    -------
+    int
+    """
+    hidden, out_features = decoder.in_features, decoder.out_features
+    encoders = (2 if gated else 1) * linear_cost(in_features, hidden, bias=bias).params
+    total = encoders + decoder.n_params + (out_features if bias else 0)
+    total += gate_parameter_count(gate, in_features, decoder.expert_dims)
+    return total + (2 * in_features if input_norm else 0)
+
+
+class MixtureOfDecoders(MuMoEBase):
+    """An MLP block whose decoder is a μMoE: ``y = W ×_1 a(x) ×_2 φ(E x + b) + b_out``.
+
+    Parameters
+    ----------
+    in_features, hidden_features : int
+        Input and hidden sizes.
+    out_features : int, optional
+        Output size (default ``in_features``).
+    expert_dims : int or Sequence[int], optional
+        ``N`` or ``(N_1, …, N_E)`` of the decoder (hierarchical MxD with several); optional
+        with ``match=`` for a format that matches by the number of experts (``"mxd"``).
+    decomposition : str or Format or ExpertNetwork or Callable, optional
+        The decoder's network (default ``"mxd"``); anything [`MuMoE`][mumoe_tn.layers.moe.MuMoE] takes.
+    rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
+        The decoder's ranks (``"mxd"`` has none).
+    match : "mlp" or int or float, optional
+        Parameter-match the MLP block ``I → H → O`` (for ``gated=True`` the gated MLP
+        ``2·(I·H + H) + H·O + O``), a budget, or a fraction of the block's count; the encoders,
+        gate and biases are counted. With ``expert_dims`` given, the hidden width is solved (an
+        MxD block has the MLP's matrices and its experts besides, so at equal parameters its
+        hidden layer is narrower); without, the decoder's scaled labels are (the number of
+        experts for ``"mxd"``, the bonds of other formats).
+    match_bonds : Sequence[str], optional
+        The labels ``match=`` scales when ``expert_dims`` is not given (default: the format's).
+    rank_multiple : int, optional
+        With ``match=``, a multiple for the scaled labels.
+    bias : bool, optional
+        Encoder biases and the output bias ``b_out`` (default True).
+    gated : bool, optional
+        The GLU variant: ``h = φ(E_g x + b_g) ⊙ (E_u x + b_u)`` (SwiGLU with φ = SiLU).
+    activation, gate_norm, gate_init, gate, gate_input, input_norm : optional
+        The gate, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE]; the authors' gate is
+        ``gate=ReLUTopKGate(k)`` (top-k of ``ReLU(G x + b)``, not renormalised).
+    hidden_activation : nn.Module, optional
+        ``φ`` (default ``nn.GELU()``, or ``nn.SiLU()`` with ``gated=True``).
+    init, expert_noise, optimize, max_plans, memory_limit, device, dtype, **decomposition_options
+        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE]; ``init`` concerns the decoder.
+
+    Attributes
+    ----------
+    up_proj : nn.Linear
+        The encoder ``E`` (the up projection of a GLU).
+    gate_proj : nn.Linear or None
+        The GLU's gate projection ``E_g`` (``gated=True``).
+    decoder : FactorizedExperts
+        The expert decoders.
+    output_bias : nn.Parameter or None
+        ``b_out``.
+
+    Examples
+    --------
+    >>> block = MixtureOfDecoders(16, 64, expert_dims=32)
+    >>> block.decoder.network.to_spec()
+    'D: i o, C_n1: n1 o'
+    >>> block(torch.randn(5, 16)).shape
+    torch.Size([5, 16])
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        out_features: int | None = None,
+        expert_dims: int | Sequence[int] | None = None,
+        decomposition: Decomposition = "mxd",
+        rank: Rank | None = None,
+        *,
+        match: Match = None,
+        match_bonds: Sequence[str] | None = None,
+        rank_multiple: int = 1,
+        bias: bool = True,
+        gated: bool = False,
+        activation: str | float | None = None,
+        gate_norm: str | None = None,
+        gate_init: str | None = None,
+        gate: GateSpec | None = None,
+        gate_input: str = "normed",
+        input_norm: bool = False,
+        hidden_activation: nn.Module | None = None,
+        init: str = "auto",
+        expert_noise: Sequence[float] | None = None,
+        optimize: Any = "auto",
+        max_plans: int = MAX_PLANS,
+        memory_limit: int | str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **decomposition_options: Any,
+    ) -> None:
+        super().__init__()
+        factory = check_factory(device, dtype)
+        check_bool("bias", bias)
+        check_bool("gated", gated)
+        out_features = in_features if out_features is None else out_features
+        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
+            raise TypeError(
+                f"hidden_activation must be an nn.Module instance such as nn.GELU(), got {hidden_activation!r}"
+            )
+        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+        if expert_dims is None and match is None:
+            raise TypeError("MixtureOfDecoders needs expert_dims, or match= to choose them")
+        if isinstance(rank, str) and rank == EXACT:
+            rank, exact = None, True
+        else:
+            exact = False
+        build_rank = 1 if match is not None and rank is None else rank
+        network = resolve_network(
+            decomposition, 1 if expert_dims is None else expert_dims, hidden_features, out_features, build_rank,
+            options=decomposition_options,
+        )  # fmt: skip
+        if exact and network.bonds:
+            network = match_exact([network], bonds=match_bonds, multiple=rank_multiple)[1][0]
+        if match is not None:
+            names = ("i",) if expert_dims is not None else scaled_bonds(network, match_bonds)
+            options = {"gated": gated, "bias": bias, "gate": gate, "input_norm": input_norm}
+            network = self._matched(network, in_features, match, names, rank_multiple, options)
+        else:
+            check_match_only_options(match_bonds, rank_multiple)
+        self.hidden_features, self.out_features, self.gated = network.in_features, out_features, gated
+        hidden_features = network.in_features
+        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        # The decoder's bias is outside the experts (b_out), so nothing is folded into its leg i.
+        self._setup_gate(in_features, network.expert_dims, bias=False, **gating)
+        self.up_proj = nn.Linear(in_features, hidden_features, bias=bias, **factory)
+        self.gate_proj = nn.Linear(in_features, hidden_features, bias=bias, **factory) if gated else None
+        self.decoder = FactorizedExperts(
+            network,
+            init=init,
+            fan_in=hidden_features,
+            expert_noise=expert_noise,
+            optimize=optimize,
+            max_plans=max_plans,
+            memory_limit=memory_limit,
+            **factory,
+        )
+        self.output_bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+        default = nn.SiLU if gated else nn.GELU
+        self.hidden_activation = default() if hidden_activation is None else hidden_activation
+
+    @staticmethod
+    def _matched(
+        network: ExpertNetwork,
+        in_features: int,
+        match: Match,
+        names: Sequence[str],
+        multiple: int,
+        options: dict[str, Any],
+    ) -> ExpertNetwork:
+        """``network`` with ``names`` (its leg ``i``: the hidden width; or its scaled labels) matched."""
+        hidden, out_features, bias = network.in_features, network.out_features, options["bias"]
+        reference = mlp_cost(in_features, hidden, out_features, bias=bias).params
+        if options["gated"]:
+            reference += linear_cost(in_features, hidden, bias=bias).params
+        target = match_target(match, reference, "mlp", "MixtureOfDecoders")
+
+        def count(sizes: dict[str, int]) -> int:
+            return decoder_block_parameters(network.with_sizes(**sizes), in_features, **options)
+
+        scaling = "the hidden width" if tuple(names) == ("i",) else f"{tuple(names)}"
+        what = f"a mixture of {network.name} decoders scaling {scaling}"
+        sizes, _ = solve_bonds(count, names, target, what=what, multiple=multiple)
+        return network.with_sizes(**sizes)
+
+    @property
+    def network(self) -> ExpertNetwork:
+        """The decoder's expert network (``H → O``)."""
+        return self.decoder.network
+
+    @property
+    def dense_layers(self) -> dict[str, nn.Linear]:
+        """The dense encoders by role (``up``, and ``gate`` for a GLU), as conversion names them."""
+        layers = {"up": self.up_proj}
+        if self.gate_proj is not None:
+            layers["gate"] = self.gate_proj
+        return layers
+
+    @property
+    def expert_layers(self) -> dict[str, FactorizedExperts]:
+        """The factorized layer by role: ``down``."""
+        return {"down": self.decoder}
+
+    def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.decoder,)
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the gate, the encoders, the decoder and zero the output bias."""
+        super().reset_parameters()
+        for layer in self.dense_layers.values():
+            layer.reset_parameters()
+        if self.output_bias is not None:
+            nn.init.zeros_(self.output_bias)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
+
+        ``mask``: which tokens are real, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
+        """
+        z, coefficients = self._gate(x, mask)
+        hidden = self.up_proj(z)
+        if self.gate_proj is None:
+            hidden = self.hidden_activation(hidden)
+        else:
+            hidden = self.hidden_activation(self.gate_proj(z)) * hidden
+        y = self._contract(self.decoder, hidden, coefficients)
+        return y if self.output_bias is None else y + self.output_bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
+            f"out_features={self.out_features}, gated={self.gated}, bias={self.output_bias is not None}"
+        )
