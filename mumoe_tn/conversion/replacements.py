@@ -5,10 +5,12 @@ They build what [`distill`][mumoe_tn.conversion.distill.distill] trains.
 A factory takes a [`BlockInfo`][mumoe_tn.conversion.streaming.BlockInfo] and returns a module
 ``(…, I) → (…, O)``. These build the replacements the field compares at one parameter budget:
 
-- [`mumoe_factory`][mumoe_tn.conversion.replacements.mumoe_factory]: a μMoE block (a
-  [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] for a plain block, a
-  [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one) of any format, network or
-  spec, flat or hierarchical, with a top-k gate and its ranks solved by the library's matcher;
+- [`mumoe_factory`][mumoe_tn.conversion.replacements.mumoe_factory]: a μMoE block of any format,
+  network or spec, flat or hierarchical, with a top-k gate, its ranks (or, for a Mixture of
+  Decoders, its hidden width) solved by the library's matcher: the block the format names for an
+  MLP ([`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] / [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP],
+  or [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] for ``"mxd"``), as
+  [`convert`][mumoe_tn.conversion.convert.convert] chooses it;
 - [`transcoder_factory`][mumoe_tn.conversion.replacements.transcoder_factory]: a TopK or ReLU
   (skip) transcoder whose latent count is solved for the budget.
 
@@ -28,8 +30,9 @@ from mumoe_tn.conversion.distill import Factory
 from mumoe_tn.conversion.streaming import BlockInfo
 from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.costs.transcoders import match_transcoder
-from mumoe_tn.decompositions.resolve import Decomposition
+from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.gates.specs import TopKGate
+from mumoe_tn.layers.decoders import MixtureOfDecoders
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
 from mumoe_tn.layers.transcoders import Transcoder
 from mumoe_tn.validation import check_size
@@ -98,10 +101,12 @@ def mumoe_factory(
         parameters.
     layer : type, optional
         The block class, called as ``layer(I, H, O, expert_dims, decomposition, match=…, gate=…,
-        bias=…, hidden_activation=…, device=…, dtype=…, **options)`` (default
+        bias=…, hidden_activation=…, device=…, dtype=…, **options)``: any μMoE block class with
+        that constructor. By default the block the format names for an MLP (its ``mlp_block``):
         [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] for a plain block,
-        [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one): any μMoE block class
-        with that constructor.
+        [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one,
+        [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] (``gated=`` for a gated
+        block) for a decoder format such as ``"mxd"``.
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
@@ -114,13 +119,21 @@ def mumoe_factory(
         k = mode_split(k, len(dims))
     gate = options.pop("gate", None) or TopKGate(k=k)
 
+    fmt = format_of(decomposition)
+    decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
+
     def build(block: BlockInfo) -> nn.Module:
         activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)
-        cls = layer or (MuMoEGatedMLP if block.kind == "gated" else MuMoEMLP)
+        extra = dict(options)
+        if decoders:
+            cls: type[nn.Module] = MixtureOfDecoders
+            extra["gated"] = block.kind == "gated"
+        else:
+            cls = layer or (MuMoEGatedMLP if block.kind == "gated" else MuMoEMLP)
         return cls(
             block.in_features, block.hidden_features, block.out_features, expert_dims, decomposition,
             match=_budget(budget, block), gate=gate, bias=block.bias, hidden_activation=activation,
-            device=block.device, dtype=block.dtype, **options,
+            device=block.device, dtype=block.dtype, **extra,
         )  # fmt: skip
 
     return build

@@ -6,7 +6,8 @@ L0, all at one parameter budget and on the same tokens with the same optimiser, 
 on held-out text (see [`mumoe_tn.conversion.faithfulness`][mumoe_tn.conversion.faithfulness]).
 
 Methods, by name: ``transcoder`` (TopK) and ``skip-transcoder``; any registered format name
-(``cp``, ``tr``, ``tt``, ``tucker``, …) for a flat μMoE block of ``--experts`` experts, and
+(``mxd``, ``cp``, ``tr``, ``tt``, ``tucker``, …) for a flat μMoE block of ``--experts`` experts —
+the block the format converts an MLP to, a Mixture of Decoders for ``mxd`` — and
 ``<format>-hier`` for the same number of experts in two modes (``256`` → ``16×16``), top-k per
 mode with ``∏ k_e = L0``. The budget is the parameter count of a transcoder with
 ``expansion × I`` latents (the Mixture of Decoders paper matches a 32× transcoder; 8× here by
@@ -43,7 +44,7 @@ from mumoe_tn.decompositions.registry import available
 __all__ = ["FrontierConfig", "configure_parser", "method_factories", "run", "run_frontier"]
 
 #: The methods of the default frontier.
-DEFAULT_METHODS = ("transcoder", "skip-transcoder", "cp", "cp-hier", "tr", "tr-hier")
+DEFAULT_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp", "cp-hier", "tr", "tr-hier")
 
 _HIER = "-hier"
 

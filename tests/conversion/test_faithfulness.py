@@ -71,9 +71,11 @@ def test_next_token_loss_by_hand_and_padding():
     assert count == 1 and total == pytest.approx(-math.log(0.5))
 
 
-def test_exact_upcycled_mumoe_scores_one_and_zero_ablation_zero(model):
+@pytest.mark.parametrize("decomposition", ["cp", "mxd"])
+def test_exact_upcycled_mumoe_scores_one_and_zero_ablation_zero(model, decomposition):
     converted = copy.deepcopy(model)
-    convert(converted, expert_dims=4, mlps=r"h\.0\.mlp$", rank="exact", upcycle=True, gate=TopKGate(k=2))
+    convert(converted, expert_dims=4, mlps=r"h\.0\.mlp$", decomposition=decomposition, rank="exact", upcycle=True,
+            gate=TopKGate(k=2))  # fmt: skip
     exact = converted.get_submodule(BLOCK)
     table = evaluate_replacements(model, _batches(), {BLOCK: {"exact": exact, "zero": ZeroBlock(16)}})
     upcycled, zero = table.rows
@@ -141,8 +143,8 @@ def test_distill_command_quick_run(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     rows = data["rows"]
     methods = {row["method"].split("@")[0] for row in rows}
-    assert methods == {"transcoder", "skip-transcoder", "cp", "cp-hier", "tr", "tr-hier"}
-    assert len(rows) == 6 * 2 * 2  # methods × L0 × blocks
+    assert methods == {"transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp", "cp-hier", "tr", "tr-hier"}
+    assert len(rows) == 8 * 2 * 2  # methods × L0 × blocks
     budget = data["config"]["budget"]
     for row in rows:
         assert abs(row["params"] - budget) / budget < 0.1, row
