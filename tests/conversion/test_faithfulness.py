@@ -158,3 +158,18 @@ def test_distill_command_bad_input(capsys):
         main(["distill", "--quick", "--methods", "nope"])
     assert exit_info.value.code == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+
+
+def test_distill_command_on_a_saved_model(tmp_path, capsys):
+    torch.manual_seed(0)
+    saved = gpt2(layers=1, width=16, heads=2, vocab=256, positions=32, bos_token_id=0, eos_token_id=0)
+    saved.save_pretrained(tmp_path / "model")
+    argv = ["distill", "--quick", "--model", str(tmp_path / "model"), "--methods", "transcoder", "cp-hier", "--l0", "4",
+            "--tokens", "512", "--csv", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("block,method,params,l0") and len(lines) == 3  # header, two methods on one block
+    assert {line.split(",")[1] for line in lines[1:]} == {"transcoder@4", "cp-hier@4"}
+    with pytest.raises(SystemExit):
+        main(["distill", "--quick", "--model", str(tmp_path / "missing")])
+    assert "must be a directory holding a saved Hugging Face causal LM" in capsys.readouterr().err
