@@ -74,6 +74,11 @@ def write_report(table: FrontierTable, out: Path, *, kind: str = "cpu") -> Path:
         "",
         f"Machine: {c.get('machine', '?')}; load average {c.get('load_average', '?')}; "
         f"{c.get('seconds', '?')} s from start to table.",
+        *[
+            f"Rows of {', '.join(run.get('methods') or [])} from a second run of the same configuration (the same "
+            f"model, clean CE equal): {run.get('seconds')} s, load average {run.get('load_average')}."
+            for run in c.get("merged_runs", [])
+        ],
         "",
         "Mean over blocks:",
         "",
@@ -103,9 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         table = FrontierTable.from_json(stored.read_text())
         if args.merge:
             extra = FrontierTable.from_json(Path(args.merge).read_text())
+            clean = {row.ce_clean for row in (*table.rows, *extra.rows)}
+            if max(clean) - min(clean) > 1e-9:
+                raise SystemExit(f"{args.merge} measured another model (clean CE {sorted(clean)}): not merged")
             keys = {(row.block, row.method) for row in extra.rows}
             kept = tuple(row for row in table.rows if (row.block, row.method) not in keys)
-            table = FrontierTable(kept + extra.rows, table.config)
+            methods = list(dict.fromkeys([*table.config.get("methods", []), *extra.config.get("methods", [])]))
+            runs = [*table.config.get("merged_runs", []), {k: extra.config.get(k) for k in ("methods", "seconds",
+                    "load_average", "machine")}]  # fmt: skip
+            table = FrontierTable(kept + extra.rows, {**table.config, "methods": methods, "merged_runs": runs})
             stored.write_text(table.to_json() + "\n")
     else:
         torch.set_num_threads(1)
