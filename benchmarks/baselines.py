@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mumoe_tn import MuMoE
-from mumoe_tn.layers import FactorizedExperts, MuMoEMLP
+from mumoe_tn.layers import FactorizedExperts, MixtureOfDecoders, MuMoEMLP
 
 #: Registry package that provides each peer model, for the "not installed" message.
 PEER_PACKAGES = {"peer": "PEER-pytorch", "soft_moe": "soft-moe-pytorch", "st_moe": "st-moe-pytorch"}
@@ -290,7 +290,50 @@ class TopKMoE(nn.Module):
         return self.moe(x)[0]
 
 
+def _mxd_gate(k: int | None) -> dict[str, Any]:
+    """The authors' gate (top-k of ReLU(Gx + b), not renormalised) when ``k`` is given, else the default."""
+    if k is None:
+        return {}
+    from mumoe_tn.gates import ReLUTopKGate
+
+    return {"gate": ReLUTopKGate(k=k)}
+
+
+def _mxd_block(*, gate_k: int | None = None, **options: Any) -> nn.Module:
+    return MixtureOfDecoders(**options, **_mxd_gate(gate_k))
+
+
+class AuthorsMxD(nn.Module):
+    """The Mixture of Decoders layer written from the paper's equations, at a library block's sizes.
+
+    ``h = GELU(E x + b)``, ``a = TopK_k(ReLU(G x + b_G))`` (not renormalised),
+    ``y = (Dᵀh) ⊙ (Cᵀa) + b_out``: plain ``nn.Linear`` / parameter matmuls and ``torch.topk``,
+    the hidden width and expert count taken from the matched
+    [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] of the same options.
+    """
+
+    def __init__(self, *, gate_k: int, **options: Any) -> None:
+        super().__init__()
+        like = MixtureOfDecoders(**options)
+        (n,) = like.network.expert_dims
+        hidden, out_features = like.hidden_features, like.out_features
+        self.k = gate_k
+        self.encoder = nn.Linear(like.in_features, hidden)
+        self.gate = nn.Linear(like.in_features, n)
+        self.decoder = nn.Parameter(torch.randn(hidden, out_features) / hidden**0.5)
+        self.experts = nn.Parameter(torch.ones(n, out_features) + 0.01 * torch.randn(n, out_features))
+        self.output_bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.nn.functional.gelu(self.encoder(x))
+        values, index = torch.relu(self.gate(x)).topk(self.k, dim=-1)
+        a = torch.zeros(*x.shape[:-1], self.experts.shape[0], dtype=x.dtype, device=x.device).scatter(-1, index, values)
+        return (hidden @ self.decoder) * (a @ self.experts) + self.output_bias
+
+
 BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "mxd_block": _mxd_block,
+    "mxd_authors": AuthorsMxD,
     "linear": _linear,
     "mlp": _mlp,
     "mumoe": _mumoe,

@@ -451,6 +451,86 @@ def inference_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
     )
 
 
+#: Experts the MxD gate keeps per token (per mode) in the MxD sections.
+MXD_TOP_K = 32
+
+
+def _mxd_cases(s: Sizes, batch: int, seq: int, extra: dict, threads: int | None = None, tag: str = "") -> dict:
+    """The MxD rows at the MLP's parameters: flat, hierarchical, and the paper's equations written out."""
+    d, hier = s.width, (s.experts * 4, s.experts * 4)
+    block = {"in_features": d, "hidden_features": 4 * d, "match": "mlp", **extra}
+    flat = {**block, "expert_dims": s.experts, "gate_k": min(MXD_TOP_K, s.experts)}
+    deep = {**block, "expert_dims": list(hier), "gate_k": min(MXD_TOP_K, hier[0])}
+    authors = {"in_features": d, "hidden_features": 4 * d, "match": "mlp", "expert_dims": s.experts}
+    n = hier[0] * hier[1]
+    dense = {"in_features": d, "hidden_features": 4 * d}
+    return {
+        "mlp": Case(f"dense MLP{tag}", "mlp", dense, batch, seq, threads=threads),
+        "flat": Case(f"MxD block, {s.experts:,} experts{tag}", "mxd_block", flat, batch, seq, threads=threads),
+        "hier": Case(
+            f"hierarchical MxD, {_dims(hier)} = {n:,} experts{tag}", "mxd_block", deep, batch, seq, threads=threads
+        ),
+        "authors": Case(
+            f"MxD from the paper's equations, {s.experts:,} experts{tag}",
+            "mxd_authors",
+            {**authors, "gate_k": min(MXD_TOP_K, s.experts)},
+            batch,
+            seq,
+            threads=threads,
+        ),
+    }
+
+
+def mxd_section(s: Sizes, extra: dict) -> Section:
+    """MxD blocks (flat and hierarchical) against the MLP they replace and the paper's equations, training."""
+    rows = _mxd_cases(s, s.batch, s.seq, extra)
+    mlp, flat, hier, authors = rows["mlp"], rows["flat"], rows["hier"], rows["authors"]
+    targets = (
+        Target(f"{flat.label} ÷ dense MLP, fwd+bwd", flat.label, mlp.label, "train_s", 1.3),
+        Target(f"{hier.label} ÷ dense MLP, fwd+bwd", hier.label, mlp.label, "train_s", 1.5),
+        Target(f"{flat.label} ÷ {authors.label}, fwd+bwd", flat.label, authors.label, "train_s", 1.15),
+    )
+    d = s.width
+    return Section(
+        "mxd",
+        f"Mixture of Decoders: MLP block {d} → {4 * d} → {d}",
+        f'{s.batch}×{s.seq} tokens, inputs requiring grad. `MixtureOfDecoders(..., match="mlp")` with the '
+        f"authors' gate (top-{MXD_TOP_K} of ReLU(Gx + b)): at the MLP's parameter count its hidden layer is "
+        "narrower (its experts and gate take the rest). The paper's equations row is the same layer at the same "
+        "sizes written as plain matmuls and `torch.topk` (the MxD paper's formulation).",
+        mlp.label,
+        (mlp, flat, hier, authors),
+        targets=targets,
+        pairs=((authors.label, mlp.label),),
+    )
+
+
+def mxd_inference_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
+    """MxD blocks in eval mode at decoding batches, against the MLP."""
+    cases, pairs, targets = [], [], []
+    for tokens in (1, max(s.decode_tokens)):
+        rows = _mxd_cases(s, tokens, 1, extra, threads=threads, tag=f", B={tokens}")
+        cases += list(rows.values())
+        pairs += [(case.label, rows["mlp"].label) for case in rows.values()]
+        for key in ("flat", "hier"):
+            limit = 2.0 if tokens == 1 else 1.3
+            label = rows[key].label
+            targets.append(Target(f"{label} ÷ dense MLP", label, rows["mlp"].label, "infer_s", limit))
+    return Section(
+        "mxd-inference",
+        "Mixture of Decoders at decoding batches (eval, no_grad)",
+        f"Eval mode under `no_grad`, {threads} thread(s); the same blocks as the training table.",
+        cases[0].label,
+        tuple(cases),
+        memory=False,
+        reps=s.decode_reps,
+        targets=tuple(targets),
+        pairs=tuple(pairs),
+        reference_text="the dense MLP at the same tokens",
+        train=False,
+    )
+
+
 def latency_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
     """Eval-mode latency against tokens per call: μMoE layer and block against dense ones."""
     i, o, d = s.width, 4 * s.width, s.width
@@ -575,6 +655,7 @@ def scale_section(s: Sizes, extra: dict) -> Section:
 
 SECTIONS = (
     "layer", "handwritten", "params", "experts", "small", "autotune", "inference", "latency", "generation", "scale",
+    "mxd", "mxd-inference",
 )  # fmt: skip
 
 
@@ -591,5 +672,7 @@ def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int
         "latency": lambda: latency_section(sizes, extra, threads),
         "generation": lambda: generation_section(sizes, extra, threads),
         "scale": lambda: scale_section(sizes, extra),
+        "mxd": lambda: mxd_section(sizes, extra),
+        "mxd-inference": lambda: mxd_inference_section(sizes, extra, threads),
     }
     return [builders[name]() for name in SECTIONS if name in names]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from mumoe_tn.costs.baselines import Baseline, dense_moe, linear, mlp, moe_block, sparse_moe
 from mumoe_tn.costs.display import cells, rich_table
 from mumoe_tn.costs.flops import layer_flops
-from mumoe_tn.costs.matching import Match, match_block, match_layer, resolve_target
+from mumoe_tn.costs.matching import Match, MatchingWarning, match_block, match_layer, resolve_target, scaled_bonds
 from mumoe_tn.costs.params import ParameterCount, block_parameters, layer_parameters
 from mumoe_tn.costs.rank import rank_bound
 from mumoe_tn.decompositions.format import Format
@@ -288,12 +289,21 @@ def compare(
         if block:
             layers.append(entry.make(dims, out_features + int(bias), in_features, given))
         if given is None and match is not None and (not entry.sized or scaled is not None):
-            matched: Match = (
-                match_block(*layers, target, bonds=scaled, bias=bias, gate=gate, rank_multiple=rank_multiple)
-                if block
-                else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=gate, rank_multiple=rank_multiple)
-            )
-            layers = list(matched.networks)
+            try:
+                matched: Match = (
+                    match_block(*layers, target, bonds=scaled, bias=bias, gate=gate, rank_multiple=rank_multiple)
+                    if block
+                    else match_layer(layers[0], target, bonds=scaled, bias=bias, gate=gate, rank_multiple=rank_multiple)
+                )
+                layers = list(matched.networks)
+            except ValueError as error:
+                # A network sized by its legs alone (no bond: MxD) that cannot reach the budget by its
+                # number of experts is shown at the table's experts, its miss marked like any other.
+                if set(scaled_bonds(layers[0], scaled)) - set(layers[0].expert_legs):
+                    raise
+                warnings.warn(
+                    f"{entry.label}: shown at {dims} experts, not matched: {error}", MatchingWarning, stacklevel=2
+                )
         elif given is None and not entry.sized:
             raise ValueError(f"no rank given for {entry.label!r} and match=None")
         count: ParameterCount = (
