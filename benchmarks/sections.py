@@ -34,13 +34,14 @@ class Sizes:
     new_tokens: int = 32  # tokens generated
     generate_batches: tuple[int, ...] = (1, 8)
     decode_reps: int = 30  # samples per case and round of the inference section
+    mxd_hierarchy: tuple[int, int] = (1024, 1024)  # the hierarchical MxD block: 2^20 experts
 
 
 FULL = Sizes(768, 8, 512, 256, (32, 32, 32, 32), 16, 128, 64, 64, 32, 64, rank_multiple=16)
 QUICK = Sizes(
     32, 2, 16, 16, (4, 4, 4), 4, 16, 16, 8, 2, 16, peer_heads=2, peer_topk=4,
     decode_tokens=(1, 8), sweep_tokens=16, gpt2=(2, 2, 64, 64), prompt=4, new_tokens=4,
-    generate_batches=(1, 2), decode_reps=10,
+    generate_batches=(1, 2), decode_reps=10, mxd_hierarchy=(8, 8),
 )  # fmt: skip
 
 
@@ -457,7 +458,7 @@ MXD_TOP_K = 32
 
 def _mxd_cases(s: Sizes, batch: int, seq: int, extra: dict, threads: int | None = None, tag: str = "") -> dict:
     """The MxD rows at the MLP's parameters: flat, hierarchical, and the paper's equations written out."""
-    d, hier = s.width, (s.experts * 4, s.experts * 4)
+    d, hier = s.width, s.mxd_hierarchy
     block = {"in_features": d, "hidden_features": 4 * d, "match": "mlp", **extra}
     flat = {**block, "expert_dims": s.experts, "gate_k": min(MXD_TOP_K, s.experts)}
     deep = {**block, "expert_dims": list(hier), "gate_k": min(MXD_TOP_K, hier[0])}

@@ -16,6 +16,7 @@ from typing import Any
 from mumoe_tn import decompositions
 from mumoe_tn.decompositions import Format, register
 from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.plugins import install_transformers_hook
 
 __version__ = "0.1.0"
 
@@ -27,7 +28,9 @@ _LAZY = {
     "MuMoEGatedMLP": "mumoe_tn.layers.mlp",
     "MixtureOfDecoders": "mumoe_tn.layers.decoders",
     "Gate": "mumoe_tn.gates.specs",
+    "ReLUTopKGate": "mumoe_tn.gates.specs",
     "TopKGate": "mumoe_tn.gates.specs",
+    "register_gate": "mumoe_tn.gates.registry",
     "compare": "mumoe_tn.costs",
     "convert": "mumoe_tn.conversion.convert",
     "apply_conversion": "mumoe_tn.conversion.convert",
@@ -43,6 +46,9 @@ _LAZY = {
     "plan_forward": "mumoe_tn.contractions.plan",
     "token_mask": "mumoe_tn.masking",
 }
+
+# Stock from_pretrained rebuilds converted models (registered when transformers' quantizer registry loads).
+install_transformers_hook()
 
 __all__ = ["ExpertNetwork", "Format", "decompositions", "register", *sorted(_LAZY)]
 

@@ -97,13 +97,54 @@ def _named_rank(text: str) -> tuple[str, int | tuple[int, ...] | dict[str, int]]
     if "=" not in value:
         ranks = _ranks(value)
         return name.strip(), ranks[0] if len(ranks) == 1 else ranks
+    return name.strip(), _by_bond(value, usage)
+
+
+def _by_bond(text: str, usage: str) -> dict[str, int]:
+    """``"a=8,b=16"`` -> ``{"a": 8, "b": 16}``; ``usage`` is the error for a malformed or repeated pair."""
     by_bond: dict[str, int] = {}
-    for part in value.split(","):
+    for part in text.split(","):
         bond, sep, size = (piece.strip() for piece in part.partition("="))
         if not sep or not bond or bond in by_bond:
             raise argparse.ArgumentTypeError(usage + ("" if bond not in by_bond else f" (bond {bond!r} twice)"))
-        by_bond[bond] = _ranks(size)[0]
-    return name.strip(), by_bond
+        ranks = _ranks(size)
+        if len(ranks) != 1:  # pragma: no cover - the split at commas leaves one size per pair
+            raise argparse.ArgumentTypeError(usage)
+        by_bond[bond] = ranks[0]
+    return by_bond
+
+
+def _plan_rank(text: str) -> tuple[int, ...] | dict[str, int]:
+    """One word of ``plan --rank``: ``64``, ``4,4,64`` (per bond, in order) or ``a=4,b=4,c=64`` (by bond)."""
+    if "=" not in text:
+        return _ranks(text)
+    usage = f"--rank takes R, R1,R2,… (per bond, in order) or BOND=R,BOND=R,… (by bond), got {text!r}"
+    return _by_bond(text, usage)
+
+
+def _plan_ranks(words: Sequence[tuple[int, ...] | dict[str, int]]) -> int | tuple[int, ...] | dict[str, int]:
+    """The words of ``plan --rank`` as one rank, ranks in bond order, or ``{bond: size}``."""
+    if all(isinstance(word, tuple) for word in words):
+        ranks = tuple(rank for word in words for rank in word)  # type: ignore[union-attr]
+        return ranks[0] if len(ranks) == 1 else ranks
+    if not all(isinstance(word, dict) for word in words):
+        raise UsageError(
+            "--rank takes ranks in bond order (4,4,32) or bond=size pairs (a=4,b=4,c=32), not both, got "
+            + " ".join(_rank_word(word) for word in words)
+        )
+    merged: dict[str, int] = {}
+    for word in words:
+        for bond, size in word.items():  # type: ignore[union-attr]
+            if bond in merged:
+                raise UsageError(f"--rank gives bond {bond!r} twice ({merged[bond]} and {size})")
+            merged[bond] = size
+    return merged
+
+
+def _rank_word(word: tuple[int, ...] | dict[str, int]) -> str:
+    if isinstance(word, dict):
+        return ",".join(f"{bond}={size}" for bond, size in word.items())
+    return ",".join(map(str, word))
 
 
 def _match(text: str) -> str | int | float:
@@ -216,7 +257,12 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument(
         "--batch", type=_positive, default=1, help="tokens per forward, for the planned FMAs and the peak intermediate"
     )
-    cmp.add_argument("--top-k", type=_positive, default=2, help="K of the sparse MoE baseline (default 2)")
+    cmp.add_argument(
+        "--top-k",
+        type=_positive,
+        default=None,
+        help="K of the sparse MoE baseline (default 2; not applicable with fewer experts)",
+    )
     cmp.add_argument(
         "--dtype", choices=sorted(DTYPE_BYTES), default="float32", help="dtype of the memory column (default float32)"
     )
@@ -244,10 +290,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--rank",
-        type=_ranks,
+        type=_plan_rank,
         nargs="+",
-        default=[(64,)],
-        help="rank(s) of the named builder (64, 4,4,64 or 4 4 64), or one rank for every bond of a spec",
+        default=None,
+        help="one rank for every bond (64), one per bond in order (4,4,64 or 4 4 64) or by bond name "
+        "(a=4,b=4,c=64); default 64 for every bond. A network without bonds takes none",
     )
     plan.add_argument("--batch", type=_positive, default=1, help="tokens per forward (default 1)")
     plan.add_argument("--no-bias", dest="bias", action="store_false", help="no folded bias: i = in")
@@ -440,28 +487,31 @@ def _print_rich(table: CostTable, dtype: str, wide: bool, notes: dict[int, str])
     print_tables(console, rendered)
 
 
+#: ``plan``'s rank for every bond when ``--rank`` is left out.
+_DEFAULT_RANK = 64
+
+
 def _plan(args: argparse.Namespace) -> int:
     from mumoe_tn.contractions.plan import plan_forward
     from mumoe_tn.costs.rank import min_cut
-    from mumoe_tn.decompositions.registry import build
-    from mumoe_tn.network import ExpertNetwork
+    from mumoe_tn.decompositions.resolve import resolve_network, spec_ranks
 
-    ranks = tuple(rank for group in args.rank for rank in group)
+    rank = None if args.rank is None else _plan_ranks(args.rank)
     width = args.in_features + int(args.bias)
+    dims = tuple(args.experts)
     _check_names([args.network], "network name")
-    if args.network.lower() in available():
-        rank = ranks[0] if len(ranks) == 1 else ranks
-        network = build(args.network.lower(), tuple(args.experts), width, args.out_features, rank)
-    else:
-        if len(ranks) != 1:
-            raise UsageError(f"a spec string takes one --rank for all of its bonds, got {','.join(map(str, ranks))}")
-        network = ExpertNetwork.from_spec(
-            args.network,
-            expert_dims=tuple(args.experts),
-            in_features=width,
-            out_features=args.out_features,
-            ranks=ranks[0],
+    named = args.network.lower() in available()
+    decomposition = args.network.lower() if named else args.network
+    if named and not isinstance(rank, dict):
+        network = resolve_network(
+            decomposition, dims, width, args.out_features, _DEFAULT_RANK if rank is None else rank
         )
+    else:  # a spec string, or bonds by name: the shape first (every bond 1), then the sizes
+        shape = resolve_network(decomposition, dims, width, args.out_features, 1)
+        if not shape.bonds and rank is not None:
+            given = " ".join(map(_rank_word, args.rank))
+            raise UsageError(f"{args.network!r} has no bonds, so --rank {given} has nothing to size: leave it out")
+        network = shape.with_sizes(**spec_ranks(shape.bonds, _DEFAULT_RANK if rank is None else rank, shape.name))
     plan = plan_forward(network, args.batch, args.optimize, memory_limit=args.memory_limit)
     labels, bound = min_cut(network)
     bias = f"{args.in_features} inputs + 1 folded bias, as in compare" if args.bias else "no bias"

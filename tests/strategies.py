@@ -27,6 +27,16 @@ def shipped_formats():
     return tuple(name for name in available() if type(get_format(name)).__module__.startswith("mumoe_tn."))
 
 
+def ranked_formats():
+    """The shipped formats whose networks have bonds (parameter matching scales ranks)."""
+    return tuple(name for name in shipped_formats() if rank_count(name, (2,), 2, 2))
+
+
+def rank_of(name, rank):
+    """``rank`` for a format with bonds, ``()`` for one without (MxD: sized by its legs alone)."""
+    return rank if rank_count(name, (2,), 2, 2) else ()
+
+
 def rank_count(name, dims, in_features, out_features):
     """How many ranks format ``name`` takes for these sizes (asked of the format, not a table)."""
     fmt = get_format(name)

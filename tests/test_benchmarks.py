@@ -12,7 +12,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import report, run  # noqa: E402
-from benchmarks.baselines import Case, HandwrittenLayer, build_module, count_params, make_inputs  # noqa: E402
+from benchmarks.baselines import (  # noqa: E402
+    AuthorsMxD,
+    Case,
+    HandwrittenLayer,
+    build_module,
+    count_params,
+    make_inputs,
+)
 from benchmarks.measure import MemoryProbe, Runner, Timing, alternate, live_peak_bytes_here  # noqa: E402
 from benchmarks.sections import FULL, SECTIONS, make_sections  # noqa: E402
 
@@ -431,3 +438,20 @@ def test_the_tree_network_has_one_factor_per_mode_and_a_binary_tree_of_bonds(mod
     holders = [sum(bond in labels for labels in network.cores.values()) for bond in network.bonds]
     assert holders == [2] * len(network.bonds)  # a tree: every bond joins two cores
     assert len(network.bonds) == len(network.cores) - 1
+
+
+def test_the_papers_mxd_equations_equal_the_mxd_block_on_the_same_weights():
+    options = {"in_features": 12, "hidden_features": 40, "match": "mlp", "expert_dims": 6, "gate_k": 3}
+    block = build_module(Case("block", "mxd_block", options))
+    authors = AuthorsMxD(**options)
+    with torch.no_grad():
+        authors.encoder.load_state_dict(block.up_proj.state_dict())
+        authors.gate.weight.copy_(block.gate.projections["n1"].weight)
+        authors.gate.bias.copy_(block.gate.projections["n1"].bias)
+        authors.decoder.copy_(block.decoder.D)
+        authors.experts.copy_(block.decoder.C_n1)
+        block.output_bias.normal_()
+        authors.output_bias.copy_(block.output_bias)
+    x = torch.randn(5, 7, 12)
+    torch.testing.assert_close(authors(x), block(x))
+    assert (block.last_coefficients[0] > 0).sum(-1).max() <= 3

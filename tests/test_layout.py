@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mumoe_tn"
 #: Lower floors never import higher ones. Gate descriptors report their own costs to the cost
 #: model, so the gates sit below the costs. The design search stands on the costs alone, but it
 #: can fit a pretrained layer (conversion) and time one (layers), so it sits above them; those
-#: two import torch on use only.
+#: two import torch on use only. ``plugins`` registers conversion with other libraries when they load.
 FLOORS = {
     "validation": 0,
     "caching": 0,
@@ -30,6 +30,7 @@ FLOORS = {
     "design": 7,
     "experiments": 7,
     "cli": 8,
+    "plugins": 8,
 }
 
 

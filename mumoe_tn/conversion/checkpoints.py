@@ -15,14 +15,21 @@ save_converted(model, "converted.safetensors")              # any nn.Module
 model = load_converted(build_model(), "converted.safetensors")
 ```
 
-``GPT2LMHeadModel.from_pretrained("converted")`` alone cannot know about the conversion: it builds
-the dense model and transformers reports the μMoE weights as unused. Load converted checkpoints
-with [`load_converted`][mumoe_tn.conversion.checkpoints.load_converted].
+With mumoe_tn imported, stock ``GPT2LMHeadModel.from_pretrained("converted")`` (or
+``AutoModelForCausalLM``) rebuilds the converted model too, through the hook of
+[`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer].
+
+A checkpoint is data (see the threat model in ``docs/reliability.md``). Loading one reads only
+files inside its directory (index entries must be relative, stay inside after resolving links,
+and name regular files), checks the record field by field, checks the model class against the
+config's ``model_type`` and every tensor the record implies against the checkpoint's own
+headers (safetensors gives shapes without reading data) before any tensor is made, and changes
+a given model only when everything fits: a failed load leaves it as it was. Every refusal is a
+``ValueError`` naming the field or file and quoting the value.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,13 +38,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.convert import apply_conversion, conversion_record
-from mumoe_tn.conversion.record import RECORD_KEY, ConversionRecord
+from mumoe_tn.conversion.convert import commit_conversion, conversion_record, replay_conversion
+from mumoe_tn.conversion.files import (
+    Headers,
+    header_shapes,
+    member_file,
+    read_all_headers,
+    read_headers,
+    read_json,
+    regular_file,
+    weight_files,
+)
+from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, ConversionRecord
 
 __all__ = ["load_converted", "save_converted"]
-
-_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
-_PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def _is_hf_class(model: object) -> bool:
@@ -109,9 +123,14 @@ def load_converted(
     Raises
     ------
     ValueError
-        If the checkpoint has no conversion record (it was not saved from a converted model), the
-        record does not fit the model, or keys or shapes do not match.
+        If the checkpoint has no conversion record (it was not saved from a converted model), a
+        file, field or tensor of it is malformed, the record does not fit the model, or keys or
+        shapes do not match. A given model is then left exactly as it was.
     """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {strict!r}")
     path = Path(path)
     if _is_hf_class(model):
         return _load_hf(model, path, dtype=dtype, strict=strict)
@@ -119,91 +138,96 @@ def load_converted(
         raise TypeError(
             f"model must be a Hugging Face model class or a freshly built nn.Module, got {type(model).__name__}"
         )
-    if not path.is_file():
-        raise ValueError(f"{str(path)!r} is not a file: give the .safetensors file save_converted wrote")
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    with safe_open(str(path), framework="pt") as handle:
-        metadata = handle.metadata() or {}
+    file = regular_file(path, "the checkpoint file")
+    headers, metadata = read_headers(file)
     if RECORD_KEY not in metadata:
         raise ValueError(
             f"{str(path)!r} holds no mumoe_tn conversion record: it was not saved by save_converted from a converted "
             "model (load a plain state dict with model.load_state_dict)"
         )
-    apply_conversion(model, ConversionRecord.from_dict(metadata[RECORD_KEY]))
-    _load_state(model, load_file(str(path)), str(path), strict=strict)
+    rebuilt, record = replay_conversion(model, metadata[RECORD_KEY], shapes=header_shapes(headers))
+
+    def check_and_load(converted: nn.Module) -> None:
+        _check_state(converted, headers, str(path), strict=strict)
+        from safetensors.torch import load_file
+
+        state = load_file(str(file))
+        own = converted.state_dict(keep_vars=True)
+        converted.load_state_dict({key: value for key, value in state.items() if key in own}, strict=False)
+
+    commit_conversion(model, rebuilt, record, check=check_and_load)
     if dtype is not None:
         model.to(dtype)
     return model.eval()
 
 
-def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) -> nn.Module:
-    if not path.is_dir():
-        raise ValueError(f"{str(path)!r} is not a directory: give the directory save_pretrained wrote")
-    config = cls.config_class.from_pretrained(path)
-    data = getattr(config, RECORD_KEY, None)
-    if data is None:
-        raise ValueError(
-            f"the checkpoint {str(path)!r} holds no mumoe_tn conversion record in its config.json: it was not saved "
-            f"from a converted model; load it with {cls.__name__}.from_pretrained"
-        )
-    record = ConversionRecord.from_dict(data)
-    delattr(config, RECORD_KEY)  # apply_conversion writes it back as it replays
-    model = cls(config)
-    apply_conversion(model, record)
-    _load_state(model, _read_hf_weights(path), str(path), strict=strict)
-    saved_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if dtype is None and isinstance(saved_dtype, str):
-        saved_dtype = getattr(torch, saved_dtype, None)
-    target = dtype if dtype is not None else saved_dtype
-    if isinstance(target, torch.dtype):
-        model.to(target)
-    if (path / "generation_config.json").is_file() and hasattr(model, "generation_config"):
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    return model.eval()
-
-
-def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a ``save_pretrained`` directory (safetensors or pickled, sharded or not)."""
-    for single, index in (_SAFETENSORS, _PICKLED):
-        files = [path / single] if (path / single).is_file() else []
-        if not files and (path / index).is_file():
-            weight_map = json.loads((path / index).read_text())["weight_map"]
-            files = [path / name for name in sorted(set(weight_map.values()))]
-        if files:
-            state: dict[str, torch.Tensor] = {}
-            for file in files:
-                if file.suffix == ".safetensors":
-                    from safetensors.torch import load_file
-
-                    state.update(load_file(str(file)))
-                else:
-                    state.update(torch.load(file, map_location="cpu", weights_only=True))
-            return state
-    raise ValueError(f"no weights in {str(path)!r}: expected one of {[*_SAFETENSORS, *_PICKLED]}")
-
-
-def _load_state(model: nn.Module, state: Mapping[str, torch.Tensor], source: str, *, strict: bool) -> None:
-    """Check keys and shapes of ``state`` against ``model`` (tied weights may be absent), then load it."""
+def _check_state(model: nn.Module, headers: Headers, source: str, *, strict: bool) -> None:
+    """Keys, shapes and dtype kinds of a checkpoint against ``model`` (shared tensors may be stored once)."""
     own = model.state_dict(keep_vars=True)
-    loaded = {id(own[key]) for key in state if key in own}
-    missing = [key for key in own if key not in state and id(own[key]) not in loaded]
-    unexpected = [key for key in state if key not in own]
+    present = {id(own[key]) for key in headers if key in own}
+    missing = [key for key in own if key not in headers and id(own[key]) not in present]
+    unexpected = [key for key in headers if key not in own]
     mismatched = [
-        f"{key}: checkpoint {tuple(value.shape)}, model {tuple(own[key].shape)}"
-        for key, value in state.items()
-        if key in own and tuple(value.shape) != tuple(own[key].shape)
+        f"{key}: checkpoint {shape}, model {tuple(own[key].shape)}"
+        for key, (shape, _) in headers.items()
+        if key in own and shape != tuple(own[key].shape)
+    ]
+    kinds = [
+        f"{key}: checkpoint {dtype}, model {own[key].dtype}"
+        for key, (_, dtype) in headers.items()
+        if key in own and dtype.is_floating_point != own[key].dtype.is_floating_point
     ]
     problems = []
     if mismatched:
         problems.append(f"shapes differ for {mismatched[:5]}")
+    if kinds:
+        problems.append(f"dtypes of another kind for {kinds[:5]}")
     if strict and missing:
         problems.append(f"the checkpoint lacks {len(missing)} key(s) of the model, e.g. {missing[:5]}")
     if strict and unexpected:
         problems.append(f"the checkpoint has {len(unexpected)} key(s) the model lacks, e.g. {unexpected[:5]}")
     if problems:
         raise ValueError(f"the weights in {source!r} do not fit the converted model: " + "; ".join(problems))
-    model.load_state_dict({key: value for key, value in state.items() if key in own}, strict=False)
+
+
+# ----------------------------------------------------------------------------- Hugging Face directories
+def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) -> nn.Module:
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is not a directory: give the directory save_pretrained wrote")
+    config = read_json(member_file(path, "config.json", "config.json"), "config.json")
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config.json = {config!r:.120} is invalid: it must be a JSON object")
+    expected = getattr(cls.config_class, "model_type", "") or None
+    if expected is not None and config.get("model_type") != expected:
+        raise ValueError(
+            f"config.json: model_type = {config.get('model_type')!r:.80} is invalid for {cls.__name__}, which loads "
+            f"{expected!r} checkpoints: load it with the class of its own model type (or AutoModelForCausalLM)"
+        )
+    data = config.get(RECORD_KEY)
+    if data is None:
+        raise ValueError(
+            f"the checkpoint {str(path)!r} holds no mumoe_tn conversion record in its config.json: it was not saved "
+            f"from a converted model; load it with {cls.__name__}.from_pretrained"
+        )
+    ConversionRecord.from_dict(data)  # every field checked before transformers reads anything else
+    quantization = config.get("quantization_config")
+    if quantization is not None and quantization != {"quant_method": QUANT_METHOD}:
+        raise ValueError(
+            f"config.json: quantization_config = {quantization!r:.120} is invalid: a converted checkpoint has "
+            f"{{'quant_method': {QUANT_METHOD!r}}}"
+        )
+    read_all_headers(weight_files(path))  # every path and header checked before transformers opens a file
+    from mumoe_tn.conversion.quantizer import MuMoEConfig, register_with_transformers
+
+    register_with_transformers()
+    options: dict[str, Any] = {"dtype": "auto", "output_loading_info": True}
+    if quantization is None:  # saved before the record selected the hook itself
+        options["quantization_config"] = MuMoEConfig()
+    model, info = cls.from_pretrained(path, **options)
+    problems = {name: info.get(name) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems = {name: sorted(map(str, keys)) for name, keys in problems.items() if keys}
+    if strict and problems:
+        raise ValueError(f"the weights in {str(path)!r} do not fit the converted model: {problems}")
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()

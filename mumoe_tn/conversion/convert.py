@@ -16,9 +16,11 @@ from mumoe_tn.conversion.adapters import LinearView, linear_view
 from mumoe_tn.conversion.blocks import MLPParts, mlp_parts
 from mumoe_tn.conversion.record import (
     EXECUTION_OPTIONS,
+    QUANT_METHOD,
     RECORD_KEY,
     ConversionRecord,
     ConvertedModule,
+    execution_from_data,
     gate_from_data,
     gate_to_data,
     network_from_data,
@@ -31,17 +33,18 @@ from mumoe_tn.layers import FactorizedExperts, MixtureOfDecoders, MuMoE, MuMoEML
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
 from mumoe_tn.masking import accepts_argument, install_mask_hook
 from mumoe_tn.network import ExpertNetwork
-from mumoe_tn.validation import check_bool, check_size
 
 __all__ = [
     "ConversionReport",
     "Replacement",
     "apply_conversion",
+    "commit_conversion",
     "conversion_record",
     "convert",
     "decompose_dense",
     "find_mlp_blocks",
     "is_causal_model",
+    "replay_conversion",
     "upcycle_linear",
 ]
 # decompose_dense and upcycle_linear live in mumoe_tn.conversion.upcycling; re-exported here for convenience.
@@ -264,11 +267,12 @@ def _new_module(
     decomposition: Decomposition,
     rank: int | Sequence[int] | str,
     options: dict[str, Any],
+    device: torch.device | str | None = None,
 ) -> tuple[nn.Module, dict[str, FactorizedExperts]]:
-    """The μMoE replacement of ``choice`` and its factorized layers by role."""
+    """The μMoE replacement of ``choice`` and its factorized layers by role (on ``device``: the layers' own)."""
     views = choice.layers
     first = views.get("up", views.get("layer"))
-    factory = {"device": first.device, "dtype": first.dtype}
+    factory = {"device": first.device if device is None else device, "dtype": first.dtype}
     bias = any(view.bias is not None for view in views.values())
     if choice.kind == "linear":
         layer = MuMoE(
@@ -533,14 +537,26 @@ def convert(
     return report
 
 
-def _install(model: nn.Module, choice: _Choice, new: nn.Module) -> None:
-    """Put ``new`` at every path of ``choice`` (for split blocks: at the target, the bypassed layers made identity)."""
+def _install(model: nn.Module, choice: _Choice, new: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Put ``new`` at every path of ``choice`` (for split blocks: at the target, the bypassed layers made identity).
+
+    Returns the ``(path, module)`` pairs it replaced, latest last, for ``_uninstall``.
+    """
     bypass = () if choice.parts is None else choice.parts.bypass
     target = "" if choice.parts is None else choice.parts.target
+    replaced = []
     for path in choice.paths:
-        _set(model, _join(path, target), new)
-        for child in bypass:
-            _set(model, _join(path, child), nn.Identity())
+        for child, module in ((target, new), *((child, nn.Identity()) for child in bypass)):
+            full = _join(path, child)
+            replaced.append((full, model.get_submodule(full)))
+            _set(model, full, module)
+    return replaced
+
+
+def _uninstall(model: nn.Module, replaced: Sequence[tuple[str, nn.Module]]) -> None:
+    """Put back the modules ``_install`` replaced, in reverse order."""
+    for path, module in reversed(replaced):
+        _set(model, path, module)
 
 
 # ----------------------------------------------------------------------------- the conversion record
@@ -611,16 +627,25 @@ def _extend_record(
     config = _hf_config(model)
     if config is not None:
         setattr(config, RECORD_KEY, data)
+        if getattr(config, "quantization_config", None) is None:  # selects the from_pretrained hook
+            config.quantization_config = {"quant_method": QUANT_METHOD}
     else:
         model.__dict__[RECORD_KEY] = data
 
 
-def apply_conversion(model: nn.Module, record: ConversionRecord | Mapping[str, Any] | str) -> nn.Module:
+def apply_conversion(
+    model: nn.Module,
+    record: ConversionRecord | Mapping[str, Any] | str,
+    *,
+    shapes: Mapping[str, Any] | None = None,
+) -> nn.Module:
     """Replay a conversion on a fresh copy of the original model, so the converted checkpoint loads into it.
 
     Every recorded module is rebuilt with the recorded networks, gate and options (no matching, no
     upcycling: the weights come from the checkpoint), checked against the record, and only then
-    put into the model: a record that does not fit the model changes nothing.
+    put into the model: a record that does not fit the model changes nothing. Nothing is planned
+    with the recorded path optimizer here: the layers are built with the default bounded planner
+    and use the recorded one when they first plan a batch.
 
     Parameters
     ----------
@@ -629,6 +654,11 @@ def apply_conversion(model: nn.Module, record: ConversionRecord | Mapping[str, A
     record : ConversionRecord or Mapping or str
         The record (from [`conversion_record`][mumoe_tn.conversion.convert.conversion_record], its ``to_dict()``, or its
         JSON).
+    shapes : Mapping[str, tensor or shape], optional
+        The checkpoint's tensors, or only their shapes (e.g. read from safetensors headers), by
+        state-dict key. Given, every parameter and buffer the record implies is first built on the
+        meta device and checked against them, so a record can only make tensors the checkpoint
+        holds. Without it the record's sizes are trusted (as the model's own configuration is).
 
     Returns
     -------
@@ -638,18 +668,41 @@ def apply_conversion(model: nn.Module, record: ConversionRecord | Mapping[str, A
     Raises
     ------
     ValueError
-        If the model is already converted, or a recorded path is missing, of another kind or size.
+        If the record is malformed, the model is already converted, a recorded path is missing,
+        of another kind or size, or a tensor the record implies is not in ``shapes`` with that shape.
 
     Examples
     --------
     >>> record = conversion_record(model)                       # doctest: +SKIP
     >>> torch.save({"record": record.to_dict(), "state": model.state_dict()}, "converted.pt")  # doctest: +SKIP
     >>> saved = torch.load("converted.pt")                      # doctest: +SKIP
-    >>> fresh = apply_conversion(build_model(), saved["record"])  # doctest: +SKIP
+    >>> fresh = apply_conversion(build_model(), saved["record"], shapes=saved["state"])  # doctest: +SKIP
     >>> fresh.load_state_dict(saved["state"])                   # doctest: +SKIP
+    """
+    rebuilt, record = replay_conversion(model, record, shapes=shapes)
+    commit_conversion(model, rebuilt, record)
+    return model
+
+
+#: A rebuilt module: the module it replaces, the new module and its factorized layers by role.
+Rebuilt = tuple[_Choice, nn.Module, dict[str, FactorizedExperts]]
+
+
+def replay_conversion(
+    model: nn.Module,
+    record: ConversionRecord | Mapping[str, Any] | str,
+    *,
+    shapes: Mapping[str, Any] | None = None,
+) -> tuple[list[Rebuilt], ConversionRecord]:
+    """The modules ``record`` puts into ``model``, built and checked but not installed (``model`` is unchanged).
+
+    See [`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion] for the arguments;
+    [`commit_conversion`][mumoe_tn.conversion.convert.commit_conversion] installs the result.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if shapes is not None and not isinstance(shapes, Mapping):
+        raise TypeError(f"shapes must be a mapping of state-dict key -> tensor or shape, got {type(shapes).__name__}")
     record = ConversionRecord.from_dict(record)
     existing = conversion_record(model)
     if existing is not None and existing.modules:
@@ -657,38 +710,92 @@ def apply_conversion(model: nn.Module, record: ConversionRecord | Mapping[str, A
             f"the model is already converted ({len(existing.modules)} module(s), e.g. "
             f"{existing.modules[0].paths[0]!r}): apply a record to a fresh, unconverted copy of the model"
         )
-    built = [(_rebuild_choice(model, entry), entry) for entry in record.modules]
-    rebuilt = []
-    for choice, entry in built:
-        new, layers = _rebuild(choice, entry)
-        new.train(choice.module.training)
-        rebuilt.append((choice, new, layers))
     if record.mask_argument is not None and not accepts_argument(model, record.mask_argument):
         raise ValueError(
             f"the conversion record hands the argument {record.mask_argument!r} of forward to the μMoE layers, but "
             f"{type(model).__name__}.forward has none"
         )
-    for choice, new, _ in rebuilt:
-        _install(model, choice, new)
-    _extend_record(model, rebuilt, record.mask_argument)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    choices = [_rebuild_choice(model, modules, entry, number) for number, entry in enumerate(record.modules)]
+    if shapes is not None:
+        sized = {key: _shape(value) for key, value in shapes.items()}
+        meta = torch.device("meta")
+        for number, (choice, entry) in enumerate(zip(choices, record.modules, strict=True)):
+            new, _ = _rebuild(choice, entry, device=meta)
+            _check_shapes(choice, new, sized, number)
+            del new
+    rebuilt = []
+    for choice, entry in zip(choices, record.modules, strict=True):
+        new, layers = _rebuild(choice, entry)
+        new.train(choice.module.training)
+        rebuilt.append((choice, new, layers))
+    return rebuilt, record
+
+
+def commit_conversion(
+    model: nn.Module,
+    rebuilt: Sequence[Rebuilt],
+    record: ConversionRecord,
+    check: Callable[[nn.Module], None] | None = None,
+) -> None:
+    """Install modules from [`replay_conversion`][mumoe_tn.conversion.convert.replay_conversion], all or nothing.
+
+    Installs every module, calls ``check(model)`` (e.g. checks and loads a checkpoint's weights),
+    then writes the record and the mask hook. If installing or ``check`` raises, the old modules
+    are put back and the error propagates: the model is as it was.
+    """
+    replaced: list[tuple[str, nn.Module]] = []
+    try:
+        for choice, new, _ in rebuilt:
+            replaced.extend(_install(model, choice, new))
+        if check is not None:
+            check(model)
+        _extend_record(model, rebuilt, record.mask_argument)
+    except BaseException:
+        _uninstall(model, replaced)
+        raise
     if record.mask_argument is not None:
         install_mask_hook(model, record.mask_argument)
-    return model
 
 
-def _rebuild_choice(model: nn.Module, entry: ConvertedModule) -> _Choice:
-    """The module a record entry replaced, found in ``model`` and checked to be of the recorded kind."""
-    modules = []
-    for path in entry.paths:
-        try:
-            modules.append(model.get_submodule(path))
-        except AttributeError:
+def _shape(value: Any) -> tuple[int, ...]:
+    """A tensor's shape, or a shape given as a sequence of ints."""
+    shape = getattr(value, "shape", value)
+    return tuple(int(size) for size in shape)
+
+
+def _check_shapes(choice: _Choice, new: nn.Module, shapes: Mapping[str, tuple[int, ...]], number: int) -> None:
+    """Every tensor of ``new`` must be in ``shapes`` (at one path of the module at least) with its shape."""
+    target = "" if choice.parts is None else choice.parts.target
+    for key, tensor in new.state_dict(keep_vars=True).items():
+        names = [_join(_join(path, target), key) for path in choice.paths]
+        found = [name for name in names if name in shapes]
+        if not found:
             raise ValueError(
-                f"the conversion record replaces {path!r}, which this {type(model).__name__} does not have: the "
-                "checkpoint was converted from another model or configuration"
-            ) from None
-    module = modules[0]
-    if any(other is not module for other in modules[1:]):
+                f"conversion record: record.modules[{number}] implies the tensor {names[0]!r} of shape "
+                f"{tuple(tensor.shape)}, which the checkpoint does not hold: the record does not fit its weights"
+            )
+        for name in found:
+            if shapes[name] != tuple(tensor.shape):
+                raise ValueError(
+                    f"conversion record: record.modules[{number}] implies {name!r} of shape {tuple(tensor.shape)}, the "
+                    f"checkpoint holds {shapes[name]}: the record does not fit its weights"
+                )
+
+
+def _rebuild_choice(model: nn.Module, modules: Mapping[str, nn.Module], entry: ConvertedModule, number: int) -> _Choice:
+    """The module a record entry replaced, found in ``model`` and checked to be of the recorded kind."""
+    found = []
+    for path in entry.paths:
+        module = modules.get(path)
+        if module is None:
+            raise ValueError(
+                f"the conversion record replaces {path!r}, which this {type(model).__name__} does not have "
+                f"(record.modules[{number}].paths): the checkpoint was converted from another model or configuration"
+            )
+        found.append(module)
+    module = found[0]
+    if any(other is not module for other in found[1:]):
         raise ValueError(f"the conversion record has one module at {list(entry.paths)}; this model has several")
     if entry.kind == "linear":
         view = linear_view(module)
@@ -704,7 +811,9 @@ def _rebuild_choice(model: nn.Module, entry: ConvertedModule) -> _Choice:
     return _Choice(entry.kind, module, layers, parts, list(entry.paths))
 
 
-def _rebuild(choice: _Choice, entry: ConvertedModule) -> tuple[nn.Module, dict[str, FactorizedExperts]]:
+def _rebuild(
+    choice: _Choice, entry: ConvertedModule, device: torch.device | None = None
+) -> tuple[nn.Module, dict[str, FactorizedExperts]]:
     """The μMoE module of a record entry, with the recorded networks (checked) and options."""
     path = entry.paths[0]
     try:
@@ -713,10 +822,10 @@ def _rebuild(choice: _Choice, entry: ConvertedModule) -> tuple[nn.Module, dict[s
             "gate": gate_from_data(entry.gate),
             "gate_input": entry.gate_input,
             "input_norm": entry.input_norm,
-            "optimize": entry.execution.get("optimize", "auto"),
+            "optimize": "auto",  # the recorded optimizer plans later, when the layer first runs
         }
         first = next(iter(networks.values()))
-        new, layers = _new_module(choice, first.expert_dims, first, None, options)
+        new, layers = _new_module(choice, first.expert_dims, first, None, options, device=device)
     except (ValueError, TypeError) as error:
         raise ValueError(f"the conversion record does not fit the model at {path!r}: {error}") from error
     for role, network in networks.items():
@@ -727,15 +836,7 @@ def _rebuild(choice: _Choice, entry: ConvertedModule) -> tuple[nn.Module, dict[s
                 f"the conversion record does not fit the model at {path!r}: its {role!r} layer is recorded as "
                 f"{network!r}, the model gives {found!r}"
             )
-    execution = {option: entry.execution[option] for option in EXECUTION_OPTIONS[1:] if option in entry.execution}
-    try:
-        for option, value in execution.items():
-            if option in ("recompute", "precontract"):
-                check_bool(option, value)
-            elif value is not None or option == "max_plans":
-                check_size(option, value)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"the conversion record's execution options at {path!r} are invalid: {error}") from None
+    execution = execution_from_data(entry.execution)
     for experts in layers.values():
         for option, value in execution.items():
             setattr(experts, option, value)

@@ -10,24 +10,35 @@ options. It is JSON-able data — for a Hugging Face model it lives in ``model.c
 model, after which the checkpoint's state dict loads as it is (see
 [`mumoe_tn.conversion.checkpoints`][mumoe_tn.conversion.checkpoints]).
 
-Nothing in a record is executed: a gate descriptor is rebuilt only from a class that is already
-imported (mumoe_tn's own, or one the user's code imported), and a format only from the registry.
+Nothing in a record is code. A record is read as a checkpoint is: every field is checked against
+its rule before anything is built, and a field that breaks one gets a ``ValueError`` naming the
+field and quoting its value. A gate descriptor is rebuilt only from a class in the allow-list of
+[`mumoe_tn.gates.registry`][mumoe_tn.gates.registry], looked up by name without importing anything,
+and only from fields the class declares; a format only from the format registry; execution
+options are names and numbers checked against their rules (the recorded path optimizer runs
+when the layer first plans, never while loading). Sizes are bounded here only by their rule; how
+large a record's layers may be is checked against the checkpoint's own tensors by
+[`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion] (``shapes=``) before any
+tensor is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import sys
+import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mumoe_tn.contractions.plan import OPTIMIZERS
 from mumoe_tn.decompositions import available, get_format
+from mumoe_tn.gates.registry import gate_class, gate_class_name, registered_gates
 from mumoe_tn.network import ExpertNetwork
 
 __all__ = [
+    "MAX_RECORD_CORES",
     "RECORD_KEY",
     "ConversionRecord",
     "ConvertedModule",
@@ -41,14 +52,89 @@ __all__ = [
 #: the metadata of a safetensors file.
 RECORD_KEY = "mumoe_conversion"
 
-#: Version of the record's layout; a reader refuses records of a later version.
-RECORD_VERSION = 1
+#: The ``quant_method`` of a converted Hugging Face model's ``quantization_config``: it selects
+#: mumoe_tn's ``from_pretrained`` hook (see [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer]).
+QUANT_METHOD = "mumoe_tn"
 
-#: The modules of the library whose gate descriptor classes a record may name without their being imported.
-_LIBRARY = "mumoe_tn."
+#: Version of the record's layout; a reader refuses records of a later version. Version 1 is the
+#: only layout so far.
+RECORD_VERSION = 1
 
 #: Execution options of a factorized layer a record carries (name -> accepted JSON types).
 EXECUTION_OPTIONS = ("optimize", "max_plans", "chunk_size", "recompute", "precontract", "pad_bonds")
+
+#: Most cores one recorded network may have (planning a network takes time that grows with its cores).
+MAX_RECORD_CORES = 256
+#: Largest size of one label a record may give (a tensor of it would not fit any device).
+MAX_RECORD_SIZE = 1 << 40
+#: Most values a list field of a recorded gate descriptor may hold.
+MAX_GATE_LIST = 64
+
+#: The roles of a recorded module's networks, by kind, in the block's order.
+ROLES = {"linear": ("layer",), "mlp": ("up", "down"), "split": ("up", "down"), "gated": ("gate", "up", "down")}
+#: What a recorded gate may read.
+GATE_INPUTS = ("normed", "raw")
+
+_short = reprlib.Repr()
+_short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlevel = 80, 80, 6, 6, 3
+
+
+def _quote(value: object) -> str:
+    """``repr(value)``, shortened (a record can be large)."""
+    return _short.repr(value)
+
+
+def invalid(field: str, value: object, rule: str) -> ValueError:
+    """The error for a record field that breaks its rule: names the field, quotes the value, states the rule."""
+    return ValueError(f"conversion record: {field} = {_quote(value)} is invalid: {rule}")
+
+
+def _mapping(
+    field: str, value: object, *, required: Sequence[str] = (), allowed: Sequence[str] | None = None
+) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise invalid(field, value, "it must be a mapping")
+    if not all(isinstance(key, str) for key in value):
+        raise invalid(field, value, "its keys must be strings")
+    missing = [key for key in required if key not in value]
+    if missing:
+        raise invalid(field, value, f"it lacks the key(s) {missing}")
+    if allowed is not None:
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise invalid(f"{field}[{unknown[0]!r}]", value[unknown[0]], f"the keys of {field} are {list(allowed)}")
+    return value
+
+
+def _list(field: str, value: object, *, length: int | None = None, limit: int | None = None) -> Sequence:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise invalid(field, value, "it must be a list")
+    if length is not None and len(value) != length:
+        raise invalid(field, value, f"it must have {length} entries")
+    if limit is not None and len(value) > limit:
+        raise invalid(field, f"<{len(value)} entries>", f"it may have at most {limit} entries")
+    return value
+
+
+def _name(field: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid(field, value, "it must be a non-empty string")
+    return value
+
+
+def _int(field: str, value: object, *, low: int = 1, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f" and at most {high:,}" if high is not None else ""
+        raise invalid(field, value, f"it must be an int of at least {low}{bound}")
+    return value
+
+
+def parse_json(text: str | bytes, what: str) -> Any:
+    """``json.loads(text)``, with the library's error for text that is not JSON (or nests too deeply)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise ValueError(f"the {what} is not valid JSON ({type(error).__name__}: {_quote(str(error))})") from None
 
 
 def network_to_data(network: ExpertNetwork) -> dict[str, Any]:
@@ -62,31 +148,55 @@ def network_to_data(network: ExpertNetwork) -> dict[str, Any]:
     }
 
 
-def network_from_data(data: Mapping[str, Any]) -> ExpertNetwork:
+def network_from_data(data: Mapping[str, Any], field: str = "network") -> ExpertNetwork:
     """The expert network described by [`network_to_data`][mumoe_tn.conversion.record.network_to_data]'s output.
+
+    Parameters
+    ----------
+    data : Mapping
+        The network as data.
+    field : str, optional
+        Where ``data`` sits in the record (quoted in errors).
 
     Raises
     ------
     ValueError
-        If the data is malformed or names a format that is not registered in this process.
+        If the data is malformed (at most [`MAX_RECORD_CORES`][mumoe_tn.conversion.record] cores, sizes
+        positive ints up to 2**40) or names a format that is not registered in this process.
     """
-    if not isinstance(data, Mapping) or not {"cores", "sizes"} <= set(data):
-        raise ValueError(f"an expert network record needs 'cores' and 'sizes', got {data!r}")
+    _mapping(field, data, required=("cores", "sizes"), allowed=("name", "format", "cores", "sizes"))
     fmt = data.get("format")
-    if fmt is not None and fmt not in available():
-        raise ValueError(
-            f"the record's network follows the format {fmt!r}, which is not registered in this process: "
-            f"import the code that registers it first (registered: {available()})"
+    if fmt is not None and (not isinstance(fmt, str) or fmt.lower() not in available()):
+        raise invalid(
+            f"{field}.format",
+            fmt,
+            f"it names no format registered in this process: import the code that registers it first "
+            f"(registered: {available()})",
         )
-    cores = data["cores"]
-    if not isinstance(cores, Sequence) or not all(isinstance(pair, Sequence) and len(pair) == 2 for pair in cores):
-        raise ValueError(f"an expert network record lists its cores as [name, labels] pairs, got {cores!r}")
-    return ExpertNetwork(
-        {core: tuple(labels) for core, labels in cores},
-        dict(data["sizes"]),
-        name=data.get("name"),
-        format=None if fmt is None else get_format(fmt),
-    )
+    name = data.get("name")
+    if name is not None and not isinstance(name, str):
+        raise invalid(f"{field}.name", name, "it must be a string or null")
+    cores = _list(f"{field}.cores", data["cores"], limit=MAX_RECORD_CORES)
+    parsed: dict[str, tuple[str, ...]] = {}
+    for number, pair in enumerate(cores):
+        where = f"{field}.cores[{number}]"
+        core, labels = _list(where, pair, length=2)
+        _name(f"{where}[0]", core)
+        if core in parsed:
+            raise invalid(f"{where}[0]", core, "a core name may appear once")
+        labels = _list(f"{where}[1]", labels, limit=MAX_RECORD_CORES + 8)
+        for position, label in enumerate(labels):
+            _name(f"{where}[1][{position}]", label)
+        parsed[core] = tuple(labels)
+    sizes = _mapping(f"{field}.sizes", data["sizes"])
+    if len(sizes) > sum(len(labels) for labels in parsed.values()):
+        raise invalid(f"{field}.sizes", f"<{len(sizes)} labels>", "it gives sizes for labels no core has")
+    for label, size in sizes.items():
+        _int(f"{field}.sizes[{label!r}]", size, high=MAX_RECORD_SIZE)
+    try:
+        return ExpertNetwork(parsed, dict(sizes), name=name, format=None if fmt is None else get_format(fmt))
+    except (TypeError, ValueError) as error:
+        raise invalid(field, data, f"it is not a valid expert network ({error})") from None
 
 
 def gate_to_data(spec: object) -> dict[str, Any]:
@@ -95,42 +205,100 @@ def gate_to_data(spec: object) -> dict[str, Any]:
     Raises
     ------
     TypeError
-        If ``spec`` is not a dataclass instance with JSON-able fields.
+        If ``spec`` is not an instance of a registered gate descriptor class (see
+        [`register_gate`][mumoe_tn.gates.registry.register_gate]) with JSON-able fields.
     """
     if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
         raise TypeError(
             f"the gate descriptor {spec!r} is not a dataclass, so a checkpoint cannot record it: write it as a "
-            "frozen dataclass (like mumoe_tn.Gate) to save and reload converted models"
+            "frozen dataclass (like mumoe_tn.Gate) and register it with mumoe_tn.register_gate to save and reload "
+            "converted models"
+        )
+    name = gate_class_name(type(spec))
+    if gate_class(name) is not type(spec):
+        raise TypeError(
+            f"the gate descriptor class {name} is not registered, so a checkpoint could not rebuild it: register it "
+            "with mumoe_tn.register_gate (as a format registers) to save and reload converted models"
         )
     fields = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec) if field.init}
-    data = {"class": f"{type(spec).__module__}.{type(spec).__qualname__}", "fields": fields}
+    data = {"class": name, "fields": fields}
     try:
-        json.dumps(data)
-    except TypeError as error:
+        json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError) as error:
         raise TypeError(f"the gate descriptor {spec!r} has fields that are not JSON-able ({error})") from None
     return data
 
 
-def gate_from_data(data: Mapping[str, Any]) -> object:
+def _gate_value(field: str, value: object, *, nested: bool = False) -> object:
+    """A JSON scalar, or a short list of them (as a tuple)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise invalid(field, value, "a gate field's number must be finite")
+        return value
+    if not nested and isinstance(value, Sequence) and not isinstance(value, bytes):
+        items = _list(field, value, limit=MAX_GATE_LIST)
+        return tuple(_gate_value(f"{field}[{position}]", item, nested=True) for position, item in enumerate(items))
+    raise invalid(field, value, "a gate field is a string, a number, a bool, null or a list of those")
+
+
+def gate_from_data(data: Mapping[str, Any], field: str = "gate") -> object:
     """The gate descriptor described by [`gate_to_data`][mumoe_tn.conversion.record.gate_to_data]'s output.
 
-    A class of mumoe_tn is imported if needed; any other class must already be imported (a record
-    never imports code of its own accord).
+    The class must be registered (see [`register_gate`][mumoe_tn.gates.registry.register_gate]): it is
+    looked up by name in the allow-list, nothing is imported, and it is constructed only with the
+    fields it declares, each a JSON value.
+
+    Raises
+    ------
+    ValueError
+        If the class is not registered, a field is unknown or not a plain value, or the class
+        refuses the values.
     """
-    if not isinstance(data, Mapping) or not isinstance(data.get("class"), str) or "fields" not in data:
-        raise ValueError(f"a gate record needs 'class' and 'fields', got {data!r}")
-    module_name, _, qualname = data["class"].rpartition(".")
-    module = sys.modules.get(module_name)
-    if module is None and (module_name + ".").startswith(_LIBRARY):
-        module = importlib.import_module(module_name)
-    cls = None if module is None else getattr(module, qualname, None)
-    if cls is None or not dataclasses.is_dataclass(cls):
-        raise ValueError(
-            f"the record's gate descriptor class {data['class']!r} is not available: import the module that "
-            "defines it before loading the checkpoint"
+    _mapping(field, data, required=("class", "fields"), allowed=("class", "fields"))
+    name = _name(f"{field}.class", data["class"])
+    cls = gate_class(name)
+    if cls is None:
+        raise invalid(
+            f"{field}.class",
+            name,
+            "it is not a registered gate descriptor class: import the module that defines it and register it with "
+            f"mumoe_tn.register_gate before loading (registered: {registered_gates()})",
         )
-    fields = {key: tuple(value) if isinstance(value, list) else value for key, value in data["fields"].items()}
-    return cls(**fields)
+    declared = [item.name for item in dataclasses.fields(cls) if item.init]
+    fields = _mapping(f"{field}.fields", data["fields"], allowed=declared)
+    values = {key: _gate_value(f"{field}.fields[{key!r}]", value) for key, value in fields.items()}
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as error:
+        raise invalid(f"{field}.fields", dict(fields), f"{name} refuses them ({error})") from None
+
+
+def execution_from_data(data: Mapping[str, Any], field: str = "execution") -> dict[str, Any]:
+    """The execution options of a record entry, each checked against its rule (nothing is resolved or planned).
+
+    Raises
+    ------
+    ValueError
+        If an option is unknown or its value breaks its rule.
+    """
+    _mapping(field, data, allowed=EXECUTION_OPTIONS)
+    checked: dict[str, Any] = {}
+    for option, value in data.items():
+        where = f"{field}[{option!r}]"
+        if option == "optimize":
+            if not isinstance(value, str) or value not in OPTIMIZERS:
+                raise invalid(where, value, f"it must be one of the optimizer names {list(OPTIMIZERS)}")
+        elif option in ("recompute", "precontract"):
+            if not isinstance(value, bool):
+                raise invalid(where, value, "it must be true or false")
+        elif option == "max_plans":
+            _int(where, value, high=1 << 20)
+        elif value is not None:  # chunk_size, pad_bonds
+            _int(where, value, high=MAX_RECORD_SIZE)
+        checked[option] = value
+    return checked
 
 
 @dataclass(frozen=True)
@@ -170,16 +338,53 @@ class ConvertedModule:
         return {**data, "paths": list(self.paths), "networks": [[role, net] for role, net in self.networks]}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ConvertedModule:
-        """Read the output of [`to_dict`][mumoe_tn.conversion.record.ConvertedModule.to_dict]."""
-        names = {field.name for field in dataclasses.fields(cls)}
-        if not isinstance(data, Mapping) or set(data) != names:
-            got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
-            raise ValueError(f"a converted-module record has the keys {sorted(names)}, got {got}")
-        networks = data["networks"]
-        if not isinstance(networks, Sequence) or not all(isinstance(p, Sequence) and len(p) == 2 for p in networks):
-            raise ValueError(f"a converted-module record lists its networks as [role, network] pairs, got {networks!r}")
-        return cls(**{**data, "paths": tuple(data["paths"]), "networks": tuple((r, n) for r, n in networks)})
+    def from_dict(cls, data: Mapping[str, Any], field: str = "module") -> ConvertedModule:
+        """Read the output of [`to_dict`][mumoe_tn.conversion.record.ConvertedModule.to_dict], checking every field.
+
+        Raises
+        ------
+        ValueError
+            Naming the first field that breaks its rule, with its value.
+        """
+        names = [item.name for item in dataclasses.fields(cls)]
+        _mapping(field, data, required=names, allowed=names)
+        paths = _list(f"{field}.paths", data["paths"], limit=1 << 16)
+        if not paths:
+            raise invalid(f"{field}.paths", paths, "a module sits at one path at least")
+        for number, path in enumerate(paths):
+            where = f"{field}.paths[{number}]"
+            if not isinstance(path, str) or not path or not all(path.split(".")):
+                raise invalid(where, path, "a path is a module's qualified name: non-empty parts joined by '.'")
+        if len(set(paths)) != len(paths):
+            raise invalid(f"{field}.paths", paths, "a path may appear once")
+        kind = data["kind"]
+        if not isinstance(kind, str) or kind not in ROLES:
+            raise invalid(f"{field}.kind", kind, f"it must be one of {list(ROLES)}")
+        networks = _list(f"{field}.networks", data["networks"], length=len(ROLES[kind]))
+        pairs = []
+        for number, (role, expected) in enumerate(zip(networks, ROLES[kind], strict=True)):
+            role_name, network = _list(f"{field}.networks[{number}]", role, length=2)
+            if role_name != expected:
+                raise invalid(
+                    f"{field}.networks[{number}][0]", role_name, f"a {kind!r} module's roles are {ROLES[kind]}"
+                )
+            network_from_data(network, f"{field}.networks[{number}][1]")
+            pairs.append((role_name, dict(network)))
+        gate_from_data(data["gate"], f"{field}.gate")
+        if data["gate_input"] not in GATE_INPUTS or not isinstance(data["gate_input"], str):
+            raise invalid(f"{field}.gate_input", data["gate_input"], f"it must be one of {list(GATE_INPUTS)}")
+        if not isinstance(data["input_norm"], bool):
+            raise invalid(f"{field}.input_norm", data["input_norm"], "it must be true or false")
+        execution = execution_from_data(data["execution"], f"{field}.execution")
+        return cls(
+            paths=tuple(paths),
+            kind=kind,
+            networks=tuple(pairs),
+            gate=dict(data["gate"]),
+            gate_input=data["gate_input"],
+            input_norm=data["input_norm"],
+            execution=execution,
+        )
 
 
 @dataclass(frozen=True)
@@ -219,23 +424,33 @@ class ConversionRecord:
         """
         if isinstance(data, ConversionRecord):
             return data
-        if isinstance(data, str):
-            try:
-                data = json.loads(data)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"a conversion record string must be JSON ({error})") from None
-        if not isinstance(data, Mapping) or not isinstance(data.get("modules"), Sequence):
-            raise ValueError(f"a conversion record is a mapping with 'version' and 'modules', got {data!r:.200}")
-        version = data.get("version")
-        if not isinstance(version, int) or version > RECORD_VERSION:
+        if isinstance(data, (str, bytes)):
+            data = parse_json(data, "conversion record")
+        _mapping("record", data, required=("version", "modules"), allowed=("version", "modules", "mask_argument"))
+        version = data["version"]
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise invalid("record.version", version, "a record's version is a positive int")
+        if version > RECORD_VERSION:
             raise ValueError(
-                f"the conversion record has version {version!r}; this mumoe_tn reads versions up to "
+                f"conversion record: record.version = {version!r}: this mumoe_tn reads versions up to "
                 f"{RECORD_VERSION}: upgrade mumoe_tn"
             )
         mask_argument = data.get("mask_argument")
-        if mask_argument is not None and not isinstance(mask_argument, str):
-            raise ValueError(f"a conversion record's mask_argument is a name or null, got {mask_argument!r}")
-        return cls(tuple(ConvertedModule.from_dict(module) for module in data["modules"]), mask_argument)
+        if mask_argument is not None and (not isinstance(mask_argument, str) or not mask_argument.isidentifier()):
+            raise invalid("record.mask_argument", mask_argument, "it is the name of an argument of forward, or null")
+        modules = _list("record.modules", data["modules"], limit=1 << 16)
+        parsed = []
+        seen: dict[str, int] = {}
+        for number, data in enumerate(modules):  # a repeated path is refused as soon as it is read
+            module = ConvertedModule.from_dict(data, f"record.modules[{number}]")
+            for path in module.paths:
+                if path in seen:
+                    raise invalid(
+                        f"record.modules[{number}].paths", path, f"record.modules[{seen[path]}] already replaces it"
+                    )
+                seen[path] = number
+            parsed.append(module)
+        return cls(tuple(parsed), mask_argument)
 
     def __add__(self, other: ConversionRecord) -> ConversionRecord:
         return ConversionRecord(self.modules + other.modules, other.mask_argument or self.mask_argument)

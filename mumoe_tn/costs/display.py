@@ -137,7 +137,13 @@ def cells(records: Sequence[Mapping[str, Any]], keys: Sequence[str], dtype: str 
     size = bytes_per_element(dtype) if dtype is not None else 0
     return [
         [
-            format_bytes(record["peak_elements"] * size) if key == "peak_bytes" else format_value(key, record[key])
+            (
+                format_value(key, None)
+                if key == "peak_bytes" and record["peak_elements"] is None
+                else format_bytes(record["peak_elements"] * size)
+                if key == "peak_bytes"
+                else format_value(key, record[key])
+            )
             for key in keys
         ]
         for record in records

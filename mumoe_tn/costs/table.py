@@ -42,13 +42,18 @@ COLUMNS = {
 }
 
 
+#: ``K`` of the sparse MoE baseline unless told otherwise.
+DEFAULT_TOP_K = 2
+
+
 @dataclass(frozen=True)
 class CostRow:
     """One row of a comparison table.
 
     FMAs are per token (planned ones at the table's batch size, gating included when
     counted); the peak intermediate is for the whole batch; ratios are to the reference layer
-    (nn.Linear, or the MLP block when comparing blocks).
+    (nn.Linear, or the MLP block when comparing blocks). A baseline that does not apply to the
+    configuration (a sparse top-2 MoE of one expert) has every number None.
     """
 
     name: str
@@ -185,7 +190,7 @@ def compare(
     bias: bool = True,
     gate: bool | GateSpec = True,
     batch: int = 1,
-    top_k: int = 2,
+    top_k: int | None = None,
 ) -> CostTable:
     """Compare μMoE decompositions with nn.Linear (or an MLP block), dense and sparse MoEs.
 
@@ -224,7 +229,9 @@ def compare(
     batch : int, optional
         Tokens per forward pass, for the planned FMAs and the peak intermediate.
     top_k : int, optional
-        ``K`` of the sparse MoE baseline.
+        ``K`` of the sparse MoE baseline (default 2; with fewer than 2 experts the default row is
+        shown as not applicable, every number ``—``; an explicit ``top_k`` above the expert count
+        is an error).
 
     Returns
     -------
@@ -238,7 +245,8 @@ def compare(
     check_size("batch", batch)
     check_size("in_features", in_features)
     check_size("out_features", out_features)
-    check_size("top_k", top_k)
+    explicit_top_k = top_k is not None
+    top_k = check_size("top_k", top_k) if explicit_top_k else DEFAULT_TOP_K
     check_size("rank_multiple", rank_multiple)
     if isinstance(decompositions, (str, ExpertNetwork)) or not isinstance(decompositions, Sequence):
         raise TypeError(f"decompositions must be a sequence (list or tuple), got {decompositions!r}")
@@ -248,22 +256,27 @@ def compare(
     n_experts = 1
     for size in dims:
         n_experts *= size
-    if top_k > n_experts:
+    if top_k > n_experts and explicit_top_k:
         raise ValueError(f"top_k={top_k} cannot exceed the number of experts {n_experts} (the sparse MoE baseline)")
+    sparse_applies = top_k <= n_experts
     if block:
         reference = mlp(in_features, out_features, in_features, bias=bias)
         baselines = [
             reference,
             moe_block(n_experts, n_experts, in_features, out_features, in_features, bias=bias, gate=bool(gate)),
-            moe_block(n_experts, top_k, in_features, out_features, in_features, bias=bias, gate=bool(gate)),
         ]
+        if sparse_applies:
+            baselines.append(
+                moe_block(n_experts, top_k, in_features, out_features, in_features, bias=bias, gate=bool(gate))
+            )
     else:
         reference = linear(in_features, out_features, bias=bias)
         baselines = [
             reference,
             dense_moe(n_experts, in_features, out_features, bias=bias, gate=bool(gate)),
-            sparse_moe(n_experts, top_k, in_features, out_features, bias=bias, gate=bool(gate)),
         ]
+        if sparse_applies:
+            baselines.append(sparse_moe(n_experts, top_k, in_features, out_features, bias=bias, gate=bool(gate)))
     if match is None or match in ("linear", "mlp"):
         target = reference.params
     elif isinstance(match, (int, float)) and not isinstance(match, bool):
@@ -334,6 +347,8 @@ def compare(
             )
         )
     rows += [_baseline_row(b, reference, batch) for b in baselines]
+    if not sparse_applies:
+        rows.append(_not_applicable(f"sparse top-{top_k} MoE{' block' if block else ''} (N={n_experts})"))
     config = {
         "in_features": in_features,
         "out_features": out_features,
@@ -450,6 +465,23 @@ def _network_maker(network: ExpertNetwork) -> Callable[[tuple[int, ...], int, in
         return resized.with_sizes(**spec_ranks(resized.bonds, rank, resized.name, every=False))
 
     return make
+
+
+def _not_applicable(name: str) -> CostRow:
+    """A baseline row that does not apply to the configuration: every number None (shown as ``—``)."""
+    return CostRow(
+        name=f"{name}: not applicable",
+        ranks="",
+        params_experts=None,
+        params_gate=None,
+        params_total=None,
+        fma_closed_form=None,
+        fma_planned=None,
+        peak_elements=None,
+        max_rank=None,
+        params_vs_reference=None,
+        fma_vs_reference=None,
+    )
 
 
 def _baseline_row(baseline: Baseline, reference: Baseline, batch: int) -> CostRow:

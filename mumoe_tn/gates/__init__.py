@@ -1,11 +1,14 @@
 """Gates: what a user declares (descriptors, torch-free), what runs (modules), and the entmax kernels.
 
 - [`mumoe_tn.gates.specs`][mumoe_tn.gates.specs]: gate descriptors ([`Gate`][mumoe_tn.gates.specs.Gate],
-  [`TopKGate`][mumoe_tn.gates.specs.TopKGate], the [`GateSpec`][mumoe_tn.gates.specs.GateSpec] protocol) and their
+  [`TopKGate`][mumoe_tn.gates.specs.TopKGate], [`ReLUTopKGate`][mumoe_tn.gates.specs.ReLUTopKGate],
+  the [`GateSpec`][mumoe_tn.gates.specs.GateSpec] protocol) and their
   costs; no torch.
 - [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules]: the gate modules they build, with the registries of
   activations and logit norms.
 - [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax]: entmax15 and sparsemax.
+- [`mumoe_tn.gates.registry`][mumoe_tn.gates.registry]: the allow-list of descriptor classes a
+  checkpoint may name ([`register_gate`][mumoe_tn.gates.registry.register_gate]).
 - [`mumoe_tn.gates.records`][mumoe_tn.gates.records]: per-thread records of forward passes.
 - [`mumoe_tn.gates.sync`][mumoe_tn.gates.sync]: BatchNorm gates synchronised across data-parallel
   ranks; [`mumoe_tn.gates.replicas`][mumoe_tn.gates.replicas]: the warning when they are not;
@@ -21,13 +24,15 @@ import importlib
 from typing import Any
 
 from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
-from mumoe_tn.gates.specs import DEFAULT_GATE, CausalityWarning, Gate, GateSpec, TopKGate
+from mumoe_tn.gates.registry import register_gate, registered_gates, unregister_gate
+from mumoe_tn.gates.specs import DEFAULT_GATE, CausalityWarning, Gate, GateSpec, ReLUTopKGate, TopKGate
 
 _LAZY = {
     "ACTIVATIONS": "mumoe_tn.gates.modules",
     "GATE_NORMS": "mumoe_tn.gates.modules",
     "ExpertGate": "mumoe_tn.gates.modules",
     "LogitBatchNorm": "mumoe_tn.gates.modules",
+    "ReLUTopKRouter": "mumoe_tn.gates.modules",
     "TopKRouter": "mumoe_tn.gates.modules",
     "gate_losses": "mumoe_tn.gates.modules",
     "resolve_activation": "mumoe_tn.gates.modules",
@@ -47,7 +52,11 @@ __all__ = [
     "CausalityWarning",
     "Gate",
     "GateSpec",
+    "ReLUTopKGate",
     "TopKGate",
+    "register_gate",
+    "registered_gates",
+    "unregister_gate",
     *sorted(_LAZY),
 ]
 

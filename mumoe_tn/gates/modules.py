@@ -62,6 +62,7 @@ __all__ = [
     "GATE_NORMS",
     "ExpertGate",
     "LogitBatchNorm",
+    "ReLUTopKRouter",
     "TopKRouter",
     "gate_losses",
     "resolve_activation",
@@ -229,6 +230,9 @@ class ExpertGate(PerThreadRecords):
         nn.Linear's init, or zero projections (every coefficient starts at ``1/N_e``).
     balance_loss, z_loss : bool, optional
         Record the auxiliary losses after each forward pass (see the module docstring).
+    bias : bool, optional
+        Give every projection a bias (``projections.n<e>.bias``), added to the logits before
+        the norm. False by default, as in the paper's gate.
     device, dtype : optional
         Factory arguments for the parameters.
     """
@@ -243,6 +247,7 @@ class ExpertGate(PerThreadRecords):
         init: str = "default",
         balance_loss: bool = False,
         z_loss: bool = False,
+        bias: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -254,7 +259,7 @@ class ExpertGate(PerThreadRecords):
             raise ValueError(f"unknown gate norm {norm!r}; choose one of {list(GATE_NORMS)}")
         if init not in GATE_INITS:
             raise ValueError(f"unknown gate init {init!r}; choose one of {list(GATE_INITS)}")
-        for name, flag in (("balance_loss", balance_loss), ("z_loss", z_loss)):
+        for name, flag in (("balance_loss", balance_loss), ("z_loss", z_loss), ("bias", bias)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.in_features = in_features
@@ -265,10 +270,11 @@ class ExpertGate(PerThreadRecords):
         self.init = init
         self.balance_loss = balance_loss
         self.z_loss = z_loss
+        self.bias = bias
         legs = [expert_leg(m) for m in range(1, len(self.expert_dims) + 1)]
         self.projections = nn.ModuleDict(
             {
-                leg: nn.Linear(in_features, n, bias=False, **factory)
+                leg: nn.Linear(in_features, n, bias=bias, **factory)
                 for leg, n in zip(legs, self.expert_dims, strict=True)
             }
         )
@@ -281,12 +287,15 @@ class ExpertGate(PerThreadRecords):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_inference_weights", DerivedCache())  # pickled before inference caching
+        self.__dict__.setdefault("bias", False)  # pickled before projection biases
 
     def reset_parameters(self) -> None:
         """Re-initialise the projections (by ``init``) and the norms' running statistics."""
         for projection in self.projections.values():
             if self.init == "zeros":
                 nn.init.zeros_(projection.weight)
+                if projection.bias is not None:
+                    nn.init.zeros_(projection.bias)
             else:
                 projection.reset_parameters()
         for norm in self.norms.values():
@@ -313,13 +322,15 @@ class ExpertGate(PerThreadRecords):
     def _folded_weights(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """The projections of every mode stacked, with the norms folded in where they are affine maps.
 
-        Returns ``(weight, bias, folded)``: ``norm(G_eᵀ z)`` of every mode is ``z @ weight.T + bias``
-        when ``folded``; otherwise the norms still have to be applied to ``z @ weight.T``. Made once
+        Returns ``(weight, bias, folded)``: ``norm(G_eᵀ z + b_e)`` of every mode is ``z @ weight.T + bias``
+        when ``folded``; otherwise the norms still have to be applied to ``z @ weight.T + bias``
+        (``bias`` is None when there is nothing to add). Made once
         per change of the projections or the norms' statistics (see [`mumoe_tn.caching`][mumoe_tn.caching]).
         """
         projections = [projection.weight for projection in self.projections.values()]
+        offsets = [projection.bias for projection in self.projections.values()]
         norms = list(self.norms.values())
-        sources = [*projections]
+        sources = [*projections, *(b for b in offsets if b is not None)]
         for norm in norms:  # the norms' own tensors (their running statistics included)
             sources += [t for t in norm._parameters.values() if t is not None]
             sources += [t for t in norm._buffers.values() if t is not None]
@@ -330,16 +341,17 @@ class ExpertGate(PerThreadRecords):
                 isinstance(norm, nn.Identity) or map_ is not None for norm, map_ in zip(norms, affine, strict=True)
             )
             weights, biases = [], []
-            for weight, map_ in zip(projections, affine, strict=True):
+            for weight, offset, map_ in zip(projections, offsets, affine, strict=True):
                 weight = weight.detach().to(compute)
+                offset = weight.new_zeros(weight.shape[0]) if offset is None else offset.detach().to(compute)
                 if foldable and map_ is not None:
                     scale, shift = (t.detach().to(compute) for t in map_)
                     weights.append(weight * scale[:, None])
-                    biases.append(shift)
+                    biases.append(offset * scale + shift)
                 else:
                     weights.append(weight)
-                    biases.append(weight.new_zeros(weight.shape[0]))
-            has_bias = foldable and any(map_ is not None for map_ in affine)
+                    biases.append(offset)
+            has_bias = any(b is not None for b in offsets) or (foldable and any(map_ is not None for map_ in affine))
             stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
             return stacked.contiguous(), torch.cat(biases) if has_bias else None, foldable
 
@@ -369,6 +381,16 @@ class ExpertGate(PerThreadRecords):
         if self.training or self.balance_loss or self.z_loss or torch.compiler.is_compiling():
             return False  # training-mode norms use (masked) batch statistics: the full path
         return not torch._C._are_functorch_transforms_active()
+
+    def _stacked_projection(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The projections of every mode as one ``(ΣN_e, I)`` weight and ``(ΣN_e,)`` bias (or None), in ``compute``."""
+        projections = list(self.projections.values())
+        weights = [projection.weight.to(compute) for projection in projections]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        if projections[0].bias is None:
+            return weight, None
+        biases = [projection.bias.to(compute) for projection in projections]
+        return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
 
     def _balance_terms(
         self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
@@ -407,8 +429,7 @@ class ExpertGate(PerThreadRecords):
             return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
         with torch.autocast(device_type=z.device.type, enabled=False):
             flat = z.reshape(-1, z.shape[-1]).to(compute)
-            weights = [projection.weight.to(compute) for projection in self.projections.values()]
-            logits = F.linear(flat, weights[0] if len(weights) == 1 else torch.cat(weights))
+            logits = F.linear(flat, *self._stacked_projection(compute))
             split = logits.split(self.expert_dims, dim=-1)
             masked = mask is not None and self.norm in TOKEN_MIXING_NORMS
             norms = zip(split, self.norms.values(), strict=True)
@@ -458,7 +479,7 @@ class ExpertGate(PerThreadRecords):
         return dict(losses)
 
     def extra_repr(self) -> str:
-        defaults = {"init": "default", "balance_loss": False, "z_loss": False}
+        defaults = {"init": "default", "balance_loss": False, "z_loss": False, "bias": False}
         extras = "".join(
             f", {key}={getattr(self, key)!r}" for key, off in defaults.items() if getattr(self, key) != off
         )
@@ -533,6 +554,106 @@ class TopKRouter(ExpertGate):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k={self.k}"
+
+
+def _per_mode_k(k: int | Sequence[int], expert_dims: tuple[int, ...]) -> tuple[int, ...]:
+    """``k`` as one int per expert mode, each in ``[1, N_e]`` (ValueError naming ``k`` and ``N_e`` otherwise)."""
+    ks = tuple(k) if isinstance(k, Sequence) and not isinstance(k, str) else (k,) * len(expert_dims)
+    if len(ks) != len(expert_dims):
+        raise ValueError(f"k={k!r} needs one entry per expert mode {expert_dims}")
+    for mode, (kk, n) in enumerate(zip(ks, expert_dims, strict=True), start=1):
+        if isinstance(kk, bool) or not isinstance(kk, int) or kk < 1:
+            raise ValueError(f"k must be a positive int for every expert mode, got k={k!r}")
+        if kk > n:
+            raise ValueError(
+                f"k={kk} for expert mode {mode} is more than its N_e={n} experts: each mode keeps at most "
+                f"N_e experts (expert dims {expert_dims}, k={k!r})"
+            )
+    return ks
+
+
+def _relu_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest of ``ReLU(logits)`` per row kept in place, every other entry 0 (NaN rows stay NaN)."""
+    values, indices = torch.relu(logits).topk(k, dim=-1)
+    kept = torch.zeros_like(logits).scatter(-1, indices, values)
+    finite = torch.isfinite(logits).all(dim=-1, keepdim=True)
+    return torch.where(finite, kept, torch.nan)
+
+
+class ReLUTopKRouter(ExpertGate):
+    """The Mixture of Decoders gate: ``a_e = TopK_k(ReLU(norm(G_eᵀ z + b_e)))`` per expert mode.
+
+    Each row keeps its ``k`` largest ReLU'd logits as they are (not renormalised: a row's sum is
+    whatever they add up to, and may be 0 when fewer than ``k`` logits are positive); every other
+    coefficient is exactly 0. Gradients reach ``G_e`` and ``b_e`` through the kept, positive
+    entries. The computation runs in float32 (or the input's dtype when wider) with autocast off,
+    and a row with non-finite logits gives NaN in that row only, as in
+    [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate]. No auxiliary losses: they are defined for
+    coefficients that are router probabilities.
+
+    Parameters
+    ----------
+    in_features : int
+        Width ``I`` of the input.
+    expert_dims : int or Sequence[int]
+        ``N_1 … N_E``.
+    k : int or Sequence[int], optional
+        Experts kept per token: one for every mode, or one per mode (each ``1 ≤ k ≤ N_e``).
+    norm : str, optional
+        A name of [`GATE_NORMS`][mumoe_tn.gates.modules], ``"none"`` by default (the authors' gate).
+    bias : bool, optional
+        A bias ``b_e`` per logit (default True, as in the authors' gate).
+    init : {"default", "zeros"}, optional
+        ``"default"``: nn.Linear's initialisation. ``"zeros"``: ``G_e = 0`` and ``b_e = 1/k``, so
+        the logits all tie at ``1/k``: ``k`` experts (``torch.topk`` picks which) start at ``1/k``
+        each and train ``G_e`` from the first step. Needs ``bias=True`` (zero logits are all cut
+        by the ReLU and would get no gradient).
+    device, dtype : optional
+        Factory arguments for the parameters.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        expert_dims: int | Sequence[int],
+        k: int | Sequence[int] = 1,
+        norm: str = "none",
+        *,
+        bias: bool = True,
+        init: str = "default",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.k = _per_mode_k(k, normalize_expert_dims(expert_dims))
+        if init == "zeros" and bias is False:
+            raise ValueError(
+                "init='zeros' needs bias=True for a ReLU top-k gate: with zero projections and no bias every "
+                "logit is 0, the ReLU cuts them all and the gate never gets a gradient"
+            )
+        super().__init__(in_features, expert_dims, "softmax", norm, init=init, bias=bias, device=device, dtype=dtype)
+        self.activation = "relu-topk"
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the projections (by ``init``: ``"zeros"`` puts every bias at ``1/k``) and the norms."""
+        super().reset_parameters()
+        if self.init == "zeros":
+            with torch.no_grad():
+                for projection, k in zip(self.projections.values(), self.k, strict=True):
+                    projection.bias.fill_(1.0 / k)
+
+    def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
+        return _relu_top_k(logits, self.k[mode])
+
+    def _activate_modes(self, logits: torch.Tensor) -> list[torch.Tensor]:
+        parts = logits.split(self.expert_dims, dim=-1)
+        return [self._activate(part, mode) for mode, part in enumerate(parts)]
+
+    def extra_repr(self) -> str:
+        extras = "" if self.init == "default" else f", init={self.init!r}"
+        return (
+            f"in_features={self.in_features}, expert_dims={self.expert_dims}, k={self.k}, "
+            f"norm={self.norm!r}, bias={self.bias}{extras}"
+        )
 
 
 def _eval_affine(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

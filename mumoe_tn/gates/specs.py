@@ -16,9 +16,11 @@ Anything with these three methods is a gate ([`GateSpec`][mumoe_tn.gates.specs.G
 ``True`` (the default gate, ``I·ΣN_e`` parameters and FMAs) and ``False`` (gating not counted).
 
 Shipped descriptors: [`Gate`][mumoe_tn.gates.specs.Gate] (entmax15 / sparsemax / softmax / α-entmax with batch,
-layer or no normalisation of the logits) and [`TopKGate`][mumoe_tn.gates.specs.TopKGate] (a softmax top-k router). Both
-count ``I·ΣN_e`` parameters (the logit norms have no affine parameters) and ``I·ΣN_e`` FMAs
-(the logits; the norm and φ are elementwise and not counted, as in the paper's tables).
+layer or no normalisation of the logits) [`TopKGate`][mumoe_tn.gates.specs.TopKGate] (a softmax top-k router) and
+[`ReLUTopKGate`][mumoe_tn.gates.specs.ReLUTopKGate] (the Mixture of Decoders gate: top-k of ReLU'd
+logits, not renormalised). They count ``I·ΣN_e`` parameters (plus ``ΣN_e`` for the biases of a
+``ReLUTopKGate``; the logit norms have no affine parameters) and ``I·ΣN_e`` FMAs (the logits; the
+bias, the norm and φ are elementwise and not counted, as in the paper's tables).
 Activation and norm *names* are checked against the registries of
 [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules] when the gate is built (the layer's constructor), so
 registering a new norm needs no edit here.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.registry import register_gate
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,6 +46,7 @@ __all__ = [
     "CausalityWarning",
     "Gate",
     "GateSpec",
+    "ReLUTopKGate",
     "TopKGate",
     "gate_fma_per_token",
     "gate_from_options",
@@ -121,6 +125,7 @@ class _LinearLogits:
         return in_features * sum(expert_dims)
 
 
+@register_gate
 @dataclass(frozen=True)
 class Gate(_LinearLogits):
     """The paper's gate ``a_e = φ(norm(G_eᵀ z))`` for every expert mode (the default).
@@ -182,6 +187,7 @@ class Gate(_LinearLogits):
         )
 
 
+@register_gate
 @dataclass(frozen=True)
 class TopKGate(_LinearLogits):
     """A softmax top-k router per expert mode: the ``k`` largest logits, renormalised.
@@ -238,6 +244,77 @@ class TopKGate(_LinearLogits):
             z_loss=self.z_loss,
             device=device,
             dtype=dtype,
+        )
+
+
+@register_gate
+@dataclass(frozen=True)
+class ReLUTopKGate(_LinearLogits):
+    """The Mixture of Decoders gate: ``a_e = TopK_k(ReLU(G_eᵀ z + b_e))`` per expert mode.
+
+    Every token keeps, per mode, its ``k`` largest ReLU'd logits *as they are* — not
+    renormalised, so a row sums to whatever they add up to (0 when no logit is positive) — and
+    every other coefficient is exactly 0 (Oldfield et al., "Towards Interpretability Without
+    Sacrifice: Faithful Dense Layer Decomposition with Mixture of Decoders", 2025). Gradients reach
+    the projections and biases through the kept entries. With hierarchical expert dims each mode
+    gates on its own.
+
+    Parameters
+    ----------
+    k : int or Sequence[int], optional
+        Experts kept per token, one int for every mode or one per mode (default 1). A ``k``
+        larger than its mode's ``N_e`` is refused when the gate is built.
+    bias : bool, optional
+        A bias ``b_e`` per logit (default True, as in the authors' gate): ``ΣN_e`` more
+        parameters, no FMAs counted.
+    norm : str, optional
+        Normalisation of the logits after the bias (default ``"none"``, the authors' gate);
+        ``"batch"`` mixes the tokens of a batch in training mode (see ``mixes_tokens``).
+    init : {"default", "zeros"}, optional
+        ``"default"``: nn.Linear's initialisation. ``"zeros"``: zero projections and every bias at
+        ``1/k``, so ``k`` experts (``torch.topk`` picks which among the tied logits) start at
+        ``1/k`` each; needs ``bias=True``, since zero logits are all cut by the ReLU and get no
+        gradient.
+    """
+
+    k: int | tuple[int, ...] = 1
+    bias: bool = True
+    norm: str = "none"
+    init: str = "default"
+
+    def __post_init__(self) -> None:
+        ks = self.k if isinstance(self.k, Sequence) and not isinstance(self.k, str) else (self.k,)
+        if not ks:
+            raise ValueError(f"k must be a positive int or a non-empty sequence of them (one per mode), got {self.k!r}")
+        for k in ks:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(
+                    f"k must be a positive int or a sequence of them (one per expert mode), got {self.k!r}"
+                )
+        if not isinstance(self.k, int):
+            object.__setattr__(self, "k", tuple(ks))
+        _check_flag("bias", self.bias)
+        _check_name("norm", self.norm)
+        if self.init not in GATE_INITS:
+            raise ValueError(f"unknown gate init {self.init!r}; choose one of {list(GATE_INITS)}")
+        if self.init == "zeros" and not self.bias:
+            raise ValueError(
+                "init='zeros' needs bias=True for a ReLU top-k gate: with zero projections and no bias every "
+                "logit is 0, the ReLU cuts them all and the gate never gets a gradient"
+            )
+
+    def parameter_count(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
+        """``I·ΣN_e`` for the projections, ``+ ΣN_e`` with the biases."""
+        return (in_features + int(self.bias)) * sum(expert_dims)
+
+    def build(
+        self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
+    ) -> nn.Module:
+        """A [`ReLUTopKRouter`][mumoe_tn.gates.modules.ReLUTopKRouter] with these options."""
+        from mumoe_tn.gates.modules import ReLUTopKRouter
+
+        return ReLUTopKRouter(
+            in_features, expert_dims, self.k, self.norm, bias=self.bias, init=self.init, device=device, dtype=dtype
         )
 
 

@@ -94,12 +94,12 @@ class MixtureOfDecoders(MuMoEBase):
     match : "mlp" or int or float, optional
         Parameter-match the MLP block ``I → H → O`` (for ``gated=True`` the gated MLP
         ``2·(I·H + H) + H·O + O``), a budget, or a fraction of the block's count; the encoders,
-        gate and biases are counted. With ``expert_dims`` given, the hidden width is solved (an
-        MxD block has the MLP's matrices and its experts besides, so at equal parameters its
-        hidden layer is narrower); without, the decoder's scaled labels are (the number of
-        experts for ``"mxd"``, the bonds of other formats).
+        gate and biases are counted. The decoder's bonds are scaled where it has some (CP, TR, …);
+        a decoder without bonds (``"mxd"``) is matched by its number of experts, or, with
+        ``expert_dims`` given, by the hidden width (an MxD block holds the MLP's matrices and its
+        experts besides, so at equal parameters its hidden layer is narrower).
     match_bonds : Sequence[str], optional
-        The labels ``match=`` scales when ``expert_dims`` is not given (default: the format's).
+        The labels ``match=`` scales (default: the format's).
     rank_multiple : int, optional
         With ``match=``, a multiple for the scaled labels.
     bias : bool, optional
@@ -188,7 +188,9 @@ class MixtureOfDecoders(MuMoEBase):
         if exact and network.bonds:
             network = match_exact([network], bonds=match_bonds, multiple=rank_multiple)[1][0]
         if match is not None:
-            names = ("i",) if expert_dims is not None else scaled_bonds(network, match_bonds)
+            names = scaled_bonds(network, match_bonds)
+            if expert_dims is not None and set(names) <= set(network.expert_legs):
+                names = ("i",)  # the experts are given and there is no bond: the hidden width is solved
             options = {"gated": gated, "bias": bias, "gate": gate, "input_norm": input_norm}
             network = self._matched(network, in_features, match, names, rank_multiple, options)
         else:

@@ -220,6 +220,8 @@ def _apply_noise(
     tensor: torch.Tensor, shape: list[int], sigma: float, expert_dims: set[int], generator: torch.Generator | None
 ) -> None:
     """Multiply ``tensor`` by ``N(1, σ)`` noise of ``shape`` (1 along ``expert_dims``), in slices."""
+    if tensor.is_meta:  # no values to noise (a module built on the meta device only to read its shapes)
+        return
     total = math.prod(shape)
     full = [dim for dim in range(len(shape)) if dim not in expert_dims and shape[dim] > 1]
     if total <= NOISE_CHUNK or not full:

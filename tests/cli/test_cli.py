@@ -280,7 +280,7 @@ def _fails_with_one_line(capsys, args, message):
         (["plan", "tr", "--batch", "0"], "--batch: expected a positive integer, got '0'"),
         (["plan", "tr", "--batch", "-3"], "--batch: expected a positive integer, got '-3'"),
         (["plan", "tr", "--rank", "4,0,64"], "got '4,0,64'"),
-        (["plan", "n1 a, a i b, b o", "--rank", "4,4"], "a spec string takes one --rank for all of its bonds"),
+        (["plan", "n1 a, a i b, b o", "--rank", "4,4,4"], "has 2 bonds ['a', 'b'], so it takes one rank or 2"),
         (["demo", "--epochs", "-1"], "--epochs: expected a positive integer, got '-1'"),
         (["demo", "--epochs", "0"], "--epochs: expected a positive integer, got '0'"),
         (["compare", "--match", "10"], "below the smallest possible count"),

@@ -11,6 +11,7 @@ from torch import nn
 from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
 from mumoe_tn.conversion.record import ConversionRecord
+from mumoe_tn.gates.registry import register_gate
 from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
@@ -56,52 +57,99 @@ def _train(model, steps=3, lr=1e-2):
     return model.eval(), losses
 
 
-def _converted(family, **options):
-    build, _, selection = FAMILIES[family]
+def _converted(family, dtype=None, **options):
+    build, cls, selection = FAMILIES[family]
     torch.manual_seed(0)
     model = build()
+    if dtype is not None:  # the same weights, in a model built in dtype
+        weights, model = model.state_dict(), cls._from_config(model.config, dtype=dtype)
+        model.load_state_dict(weights)
     convert(model, expert_dims=(4, 4), **selection, **options)
     return _train(model)[0]
 
 
 @pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_save_pretrained_then_load_converted_gives_bitwise_equal_logits_and_generations(family, shard, tmp_path):
-    model = _converted(family, gate=Gate("entmax15", "batch"), causal=False)  # running statistics saved too
+def test_stock_from_pretrained_and_load_converted_give_bitwise_equal_logits_and_generations(
+    family, dtype, shard, tmp_path
+):
+    model = _converted(family, dtype=None if dtype == torch.float32 else dtype, gate=Gate("entmax15", "batch"))
     _, cls, _ = FAMILIES[family]
     model.save_pretrained(tmp_path, **({"max_shard_size": "40KB"} if shard else {}))
     saved = sorted(p.name for p in tmp_path.iterdir())
     assert ("model.safetensors.index.json" in saved) == shard and "config.json" in saved
-    loaded = load_converted(cls, tmp_path)
-    assert not loaded.training
-    assert conversion_record(loaded) == conversion_record(model)
-    assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
     tokens = _tokens()
-    with torch.no_grad():
-        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
     prompt = tokens[:1, :5]
     options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
-    assert torch.equal(loaded.generate(prompt, **options), model.generate(prompt, **options))
+    with torch.no_grad():
+        expected = model(tokens).logits
+    generated = model.generate(prompt, **options)
+    loaders = {
+        "AutoModelForCausalLM.from_pretrained": transformers.AutoModelForCausalLM.from_pretrained,
+        f"{cls.__name__}.from_pretrained": cls.from_pretrained,
+        "load_converted": lambda path: load_converted(cls, path),
+    }
+    for name, load in loaders.items():
+        loaded = load(tmp_path)
+        assert type(loaded) is cls and not loaded.training, name
+        assert conversion_record(loaded) == conversion_record(model), name
+        assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()], name
+        assert {p.dtype for p in loaded.parameters()} == {dtype}, name
+        with torch.no_grad():
+            assert torch.equal(loaded(tokens).logits, expected), name
+        assert torch.equal(loaded.generate(prompt, **options), generated), name
 
 
-def test_plain_from_pretrained_of_a_converted_checkpoint_is_what_load_converted_fixes(tmp_path):
+_WITHOUT_AND_WITH = """
+import logging, sys, warnings
+import transformers
+{first}
+transformers.logging.set_verbosity_warning()
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+transformers.logging.get_logger().addHandler(Keep())
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+print(type(model.transformer.h[0].mlp).__name__)
+print(any("Unknown quantization type, got mumoe_tn" in message for message in records))
+"""
+
+
+@pytest.mark.parametrize("first", ["", "import mumoe_tn"], ids=["not imported", "imported first"])
+def test_without_mumoe_tn_from_pretrained_warns_and_is_dense_and_importing_it_first_is_enough(first, tmp_path):
+    import subprocess
+    import sys
+
+    _converted("gpt2").save_pretrained(tmp_path)
+    script = _WITHOUT_AND_WITH.format(first=first)
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    block, warned = result.stdout.split()[-2:]
+    assert (block, warned) == (("GPT2MLP", "True") if not first else ("MuMoEMLP", "False"))
+
+
+def test_load_converted_casts_but_keeps_gate_statistics_in_float32_and_the_record_selects_the_hook(tmp_path):
     model = _converted("gpt2", gate_norm="batch", causal=False)
     model.save_pretrained(tmp_path)
     half = load_converted(transformers.GPT2LMHeadModel, tmp_path, dtype=torch.bfloat16)
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
     stats = [b for name, b in half.named_buffers() if "running" in name]
     assert stats and all(b.dtype == torch.float32 for b in stats)  # the gates' statistics stay float32
-    assert "mumoe_conversion" in json.loads((tmp_path / "config.json").read_text())
-    dense = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)  # cannot know: builds dense blocks
-    assert not any(isinstance(m, MuMoEMLP) for m in dense.modules())
-    assert conversion_record(dense) == conversion_record(model)  # the record travelled with the config
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "mumoe_conversion" in saved and saved["quantization_config"] == {"quant_method": "mumoe_tn"}
+    stock = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)  # the hook rebuilds the converted model
+    assert isinstance(stock.transformer.h[0].mlp, MuMoEMLP) and not stock.is_quantized
+    assert conversion_record(stock) == conversion_record(model)
     with pytest.raises(ValueError, match="already converted"):
-        apply_conversion(load_converted(transformers.GPT2LMHeadModel, tmp_path), conversion_record(model))
+        apply_conversion(stock, conversion_record(model))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_converted_model_runs_forward_generate_and_trains_in_bfloat16(family, tmp_path):
-    model = _converted(family).to(torch.bfloat16)
+    # built in bfloat16 as from_pretrained builds it (a Llama cast with .to() also rounds its rotary buffers)
+    model = _converted(family, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     tokens = _tokens()
     with torch.no_grad():
@@ -151,7 +199,9 @@ def test_weights_that_do_not_fit_the_record_are_refused_before_loading(tmp_path)
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
     up["sizes"]["r"] += 1  # they agree, but not with the saved cores
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"do not fit the converted model: shapes differ for \['transformer\.h\.0"):
+    with pytest.raises(
+        ValueError, match=r"record\.modules\[1\] implies 'transformer\.h\.0\.mlp\.experts1\.\w+' of shape"
+    ):
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
 
 
@@ -171,9 +221,10 @@ def _plain():
     return nn.Sequential(Block(), shared, nn.Linear(12, 12), shared)  # one block at two paths
 
 
+@register_gate
 @dataclass(frozen=True)
 class WideTopK(TopKGate):
-    """A user's own gate descriptor (a dataclass), recorded by its class name."""
+    """A user's own gate descriptor (a registered dataclass), recorded by its class name."""
 
 
 @pytest.mark.parametrize(
@@ -230,13 +281,15 @@ def test_bad_records_and_files_get_the_library_messages(tmp_path):
         apply_conversion(_plain(), {**data, "version": 99})
     unknown = copy.deepcopy(data)
     unknown["modules"][0]["gate"]["class"] = "not_imported_anywhere.MyGate"
-    with pytest.raises(ValueError, match=r"'not_imported_anywhere\.MyGate' is not available: import the module"):
+    with pytest.raises(
+        ValueError, match=r"gate\.class = 'not_imported_anywhere\.MyGate' is invalid: it is not a registered"
+    ):
         apply_conversion(_plain(), unknown)
     unregistered = copy.deepcopy(data)
     unregistered["modules"][0]["networks"][0][1]["format"] = "no_such_format"
-    with pytest.raises(ValueError, match="format 'no_such_format', which is not registered"):
+    with pytest.raises(ValueError, match=r"format = 'no_such_format' is invalid: it names no format registered"):
         apply_conversion(_plain(), unregistered)
-    with pytest.raises(ValueError, match="a conversion record is a mapping"):
+    with pytest.raises(ValueError, match=r"record = \{'modules': 3\} is invalid: it lacks the key\(s\) \['version'\]"):
         apply_conversion(_plain(), {"modules": 3})
     from safetensors.torch import save_model
 
@@ -273,6 +326,21 @@ def test_a_record_with_invalid_execution_options_is_refused_before_any_change():
     data = conversion_record(model).to_dict()
     data["modules"][0]["execution"]["max_plans"] = -1
     fresh = _plain()
-    with pytest.raises(ValueError, match=r"execution options at '0' are invalid: max_plans must be a positive int"):
+    with pytest.raises(ValueError, match=r"record\.modules\[0\]\.execution\['max_plans'\] = -1 is invalid"):
         apply_conversion(fresh, data)
     assert conversion_record(fresh) is None and not isinstance(fresh[0], MuMoEMLP)
+
+
+def test_a_directory_saved_before_the_record_selected_the_hook_still_loads(tmp_path):
+    model = _converted("llama", causal=False)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.pop("quantization_config") == {"quant_method": "mumoe_tn"}
+    assert config["mumoe_conversion"]["version"] == 1  # the record's layout is unchanged
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_converted(transformers.LlamaForCausalLM, tmp_path)
+    tokens = _tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+    dense = transformers.LlamaForCausalLM.from_pretrained(tmp_path)  # nothing selects the hook: dense
+    assert not any(isinstance(m, MuMoEGatedMLP) for m in dense.modules())

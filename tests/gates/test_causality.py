@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mumoe_tn.conversion.convert import convert, is_causal_model
-from mumoe_tn.gates.specs import CausalityWarning, Gate, TopKGate
+from mumoe_tn.gates.specs import CausalityWarning, Gate, ReLUTopKGate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
@@ -35,6 +35,7 @@ GATES = st.one_of(
         z_loss=st.booleans(),
     ),
     st.builds(TopKGate, k=st.integers(1, 3), norm=st.sampled_from(NORMS), balance_loss=st.booleans()),
+    st.builds(ReLUTopKGate, k=st.integers(1, 2), norm=st.sampled_from(NORMS), bias=st.booleans()),
 )
 
 

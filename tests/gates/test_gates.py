@@ -20,7 +20,7 @@ from mumoe_tn import MuMoE
 from mumoe_tn.costs import gate_fma, layer_flops, layer_parameters
 from mumoe_tn.decompositions import build
 from mumoe_tn.gates.modules import gate_losses
-from mumoe_tn.gates.specs import DEFAULT_GATE, Gate, GateSpec, TopKGate
+from mumoe_tn.gates.specs import DEFAULT_GATE, Gate, GateSpec, ReLUTopKGate, TopKGate
 from mumoe_tn.layers import MuMoEMLP
 
 DTYPE = torch.float64
@@ -362,7 +362,14 @@ def _round_trips(module):
 
 
 @pytest.mark.parametrize(
-    "spec", [Gate(), Gate(1.7, "layer"), Gate("sparsemax", "none", balance_loss=True), TopKGate(k=2, z_loss=True)]
+    "spec",
+    [
+        Gate(),
+        Gate(1.7, "layer"),
+        Gate("sparsemax", "none", balance_loss=True),
+        TopKGate(k=2, z_loss=True),
+        ReLUTopKGate(k=2, norm="batch"),
+    ],
 )
 def test_gate_modules_pickle_deepcopy_and_save(spec):
     gate = spec.build(6, (4, 3))

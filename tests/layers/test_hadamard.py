@@ -216,3 +216,10 @@ def test_hierarchical_mxd_has_a_million_experts_at_the_gate_cost_of_two_thousand
     assert network.n_experts == 2**20
     assert layer_parameters(network).gate == 768 * 2048
     assert math.isclose(rank_bound(network), 768)
+
+
+def test_a_decoder_with_bonds_is_matched_by_its_ranks_not_its_width():
+    block = MixtureOfDecoders(16, 32, expert_dims=4, decomposition="tr", match="mlp")
+    mlp = 16 * 32 + 32 + 32 * 16 + 16
+    assert block.hidden_features == 32 and block.network.sizes["r3"] > 1
+    assert abs(sum(p.numel() for p in block.parameters()) - mlp) <= 0.05 * mlp

@@ -12,6 +12,7 @@ import pickle
 
 import pytest
 import torch
+from strategies import rank_of
 
 from mumoe_tn import ExpertNetwork, MuMoE
 from mumoe_tn.decompositions import available, get_format
@@ -24,7 +25,7 @@ def _layers():
     """name -> a builder of a small layer (seeded, so two builds differ only by the seed given)."""
     # The package's own formats (test modules may register formats of other shapes).
     own = [name for name in available() if type(get_format(name)).__module__.startswith("mumoe_tn.")]
-    layers = {f"{name} (registered)": (lambda name=name: MuMoE(4, 3, 5, name, 2)) for name in own}
+    layers = {f"{name} (registered)": (lambda name=name: MuMoE(4, 3, 5, name, rank_of(name, 2))) for name in own}
     layers["custom spec network"] = lambda: MuMoE(4, 3, (3, 2), SPEC, 2)
     layers["hierarchical cp"] = lambda: MuMoE(4, 3, (3, 2), "cp", 2)
     layers["entmax alpha, layer norm, input norm"] = lambda: MuMoE(

@@ -1,0 +1,92 @@
+"""The allow-list of gate descriptor classes a saved conversion may name (torch-free).
+
+A checkpoint records a layer's gate as data: the descriptor class's qualified name and its
+dataclass fields (see [`mumoe_tn.conversion.record`][mumoe_tn.conversion.record]). Loading rebuilds
+it only from a class registered here, looked up by that name in this table — never by importing
+a module or reading an attribute — so a checkpoint cannot make the loader import, construct or run
+anything else. The shipped descriptors register themselves where they are defined; a user's own
+descriptor registers like a format does:
+
+```python
+@register_gate
+@dataclass(frozen=True)
+class MyGate:
+    ...
+```
+
+The registry is the only place that maps a recorded class name to a class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeVar
+
+__all__ = ["gate_class", "gate_class_name", "register_gate", "registered_gates", "unregister_gate"]
+
+_GATES: dict[str, type] = {}
+
+_Class = TypeVar("_Class", bound=type)
+
+#: What a gate descriptor class provides (see [`GateSpec`][mumoe_tn.gates.specs.GateSpec]).
+_METHODS = ("build", "parameter_count", "fma_per_token")
+
+
+def gate_class_name(cls: type) -> str:
+    """The name a record stores for ``cls``: ``module.QualifiedName``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_gate(cls: _Class, *, replace: bool = False) -> _Class:
+    """Allow checkpoints to name the gate descriptor class ``cls`` (usable as a class decorator).
+
+    Parameters
+    ----------
+    cls : type
+        A dataclass with ``build``, ``parameter_count`` and ``fma_per_token`` (the
+        [`GateSpec`][mumoe_tn.gates.specs.GateSpec] protocol) whose ``__init__`` (and
+        ``__post_init__``) only validate and store its fields: a checkpoint may call it with any
+        JSON values of those fields.
+    replace : bool, optional
+        Replace another class registered under the same qualified name (default: raise).
+
+    Returns
+    -------
+    type
+        ``cls``, for use as a decorator.
+
+    Raises
+    ------
+    TypeError
+        If ``cls`` is not a dataclass type with the three methods.
+    ValueError
+        If another class is registered under its name and ``replace`` is False.
+    """
+    if not isinstance(cls, type) or not dataclasses.is_dataclass(cls):
+        raise TypeError(f"register_gate() takes a dataclass type (a gate descriptor class), got {cls!r}")
+    missing = [method for method in _METHODS if not callable(getattr(cls, method, None))]
+    if missing:
+        raise TypeError(f"the gate descriptor class {cls.__qualname__} lacks {missing} (see mumoe_tn.gates.GateSpec)")
+    name = gate_class_name(cls)
+    known = _GATES.get(name)
+    if known is not None and known is not cls and not replace:
+        raise ValueError(f"another gate class is registered as {name!r} ({known!r}); pass replace=True")
+    _GATES[name] = cls
+    return cls
+
+
+def unregister_gate(cls: type) -> None:
+    """Remove ``cls`` from the allow-list (e.g. at the end of a test); a class never registered is ignored."""
+    name = gate_class_name(cls)
+    if _GATES.get(name) is cls:
+        del _GATES[name]
+
+
+def gate_class(name: str) -> type | None:
+    """The registered gate descriptor class recorded as ``name``, or None (nothing is imported)."""
+    return _GATES.get(name) if isinstance(name, str) else None
+
+
+def registered_gates() -> list[str]:
+    """Sorted qualified names of the registered gate descriptor classes."""
+    return sorted(_GATES)
