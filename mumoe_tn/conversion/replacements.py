@@ -31,7 +31,7 @@ from mumoe_tn.conversion.streaming import BlockInfo
 from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.costs.transcoders import match_transcoder
 from mumoe_tn.decompositions.resolve import Decomposition, format_of
-from mumoe_tn.gates.specs import TopKGate
+from mumoe_tn.gates.specs import ReLUTopKGate, TopKGate
 from mumoe_tn.layers.decoders import MixtureOfDecoders
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
 from mumoe_tn.layers.transcoders import Transcoder
@@ -93,9 +93,12 @@ def mumoe_factory(
     expert_dims : int or Sequence[int]
         ``N`` (flat) or ``(N_1, …, N_E)`` (hierarchical).
     k : int or Sequence[int]
-        Experts kept per token, per mode (a [`TopKGate`][mumoe_tn.gates.specs.TopKGate]); with
-        several modes an int is split by [`mode_split`][mumoe_tn.conversion.replacements.mode_split]
-        so that ``∏ k_e`` experts are active.
+        Experts kept per token, per mode; with several modes an int is split by
+        [`mode_split`][mumoe_tn.conversion.replacements.mode_split] so that ``∏ k_e`` experts are
+        active. The gate is a softmax top-k ([`TopKGate`][mumoe_tn.gates.specs.TopKGate]), or for a
+        Mixture of Decoders the authors' ``TopK(ReLU(G x + b))``
+        ([`ReLUTopKGate`][mumoe_tn.gates.specs.ReLUTopKGate]), which may keep fewer than ``k``
+        where fewer logits are positive; ``gate=`` in ``options`` replaces it.
     budget : int or float
         Parameters of the block (its gate counted): an int, or a multiple of the replaced block's
         parameters.
@@ -117,10 +120,10 @@ def mumoe_factory(
     dims = (expert_dims,) if isinstance(expert_dims, int) else tuple(expert_dims)
     if isinstance(k, int) and len(dims) > 1:
         k = mode_split(k, len(dims))
-    gate = options.pop("gate", None) or TopKGate(k=k)
 
     fmt = format_of(decomposition)
     decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
+    gate = options.pop("gate", None) or (ReLUTopKGate(k=k) if decoders else TopKGate(k=k))
 
     def build(block: BlockInfo) -> nn.Module:
         activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)

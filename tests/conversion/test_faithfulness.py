@@ -148,7 +148,9 @@ def test_distill_command_quick_run(tmp_path, capsys):
     budget = data["config"]["budget"]
     for row in rows:
         assert abs(row["params"] - budget) / budget < 0.1, row
-        assert row["l0"] == float(row["method"].split("@")[1])
+        k = float(row["method"].split("@")[1])
+        softmax_top_k = row["method"].split("@")[0] in ("cp", "cp-hier", "tr", "tr-hier")
+        assert row["l0"] == k if softmax_top_k else 0 < row["l0"] <= k  # a ReLU may cut some of the top k
         assert np.isfinite(row["ce_spliced"]) and row["ce_zero"] > row["ce_clean"]
     assert plot.stat().st_size > 1000
 
