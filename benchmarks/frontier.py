@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite the report and plot from the JSON")
     parser.add_argument("--merge", metavar="FILE.json", help="add the rows of this frontier JSON to the stored one")
     parser.add_argument("--methods", nargs="+", help="methods (default: the command's defaults)")
+    parser.add_argument("--top-k", choices=("auto", "softmax", "relu"), default="auto", help="the μMoE top-k gate")
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/, or a temporary one with --quick)")
     args = parser.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="frontier-")) if args.quick else HERE)
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         config = FrontierConfig.quick() if args.quick else FrontierConfig()
         if args.methods:
             config = dataclasses.replace(config, methods=tuple(args.methods))
+        config = dataclasses.replace(config, top_k=args.top_k)
         machine = _machine()
         table = run_frontier(config, progress=True)
         table = FrontierTable(table.rows, {**table.config, **machine, "load_average_end": _machine()["load_average"]})

@@ -37,7 +37,10 @@ from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
 from mumoe_tn.layers.transcoders import Transcoder
 from mumoe_tn.validation import check_size
 
-__all__ = ["mode_split", "mumoe_factory", "transcoder_factory"]
+__all__ = ["TOP_K_GATES", "mode_split", "mumoe_factory", "transcoder_factory"]
+
+#: The top-k gates a μMoE replacement may have: by block (``"auto"``), softmax, or ReLU.
+TOP_K_GATES = ("auto", "softmax", "relu")
 
 
 def mode_split(total: int, modes: int) -> tuple[int, ...]:
@@ -81,6 +84,7 @@ def mumoe_factory(
     budget: int | float,
     *,
     layer: type[nn.Module] | None = None,
+    top_k: str = "auto",
     **options: Any,
 ) -> Factory:
     """A factory of parameter-matched μMoE blocks with a top-k gate.
@@ -98,7 +102,7 @@ def mumoe_factory(
         active. The gate is a softmax top-k ([`TopKGate`][mumoe_tn.gates.specs.TopKGate]), or for a
         Mixture of Decoders the authors' ``TopK(ReLU(G x + b))``
         ([`ReLUTopKGate`][mumoe_tn.gates.specs.ReLUTopKGate]), which may keep fewer than ``k``
-        where fewer logits are positive; ``gate=`` in ``options`` replaces it.
+        where fewer logits are positive (see ``top_k``); ``gate=`` in ``options`` replaces it.
     budget : int or float
         Parameters of the block (its gate counted): an int, or a multiple of the replaced block's
         parameters.
@@ -110,6 +114,9 @@ def mumoe_factory(
         [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one,
         [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] (``gated=`` for a gated
         block) for a decoder format such as ``"mxd"``.
+    top_k : {"auto", "softmax", "relu"}, optional
+        The top-k gate: ``"auto"`` (default) the ReLU top-k for a Mixture of Decoders and the
+        softmax top-k otherwise; ``"softmax"`` or ``"relu"`` for every block.
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
@@ -123,7 +130,10 @@ def mumoe_factory(
 
     fmt = format_of(decomposition)
     decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
-    gate = options.pop("gate", None) or (ReLUTopKGate(k=k) if decoders else TopKGate(k=k))
+    if top_k not in TOP_K_GATES:
+        raise ValueError(f"top_k must be one of {list(TOP_K_GATES)}, got {top_k!r}")
+    relu = top_k == "relu" or (top_k == "auto" and decoders)
+    gate = options.pop("gate", None) or (ReLUTopKGate(k=k) if relu else TopKGate(k=k))
 
     def build(block: BlockInfo) -> nn.Module:
         activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)

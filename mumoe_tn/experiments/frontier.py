@@ -35,7 +35,7 @@ from torch import nn
 
 from mumoe_tn.conversion.distill import Factory, distill
 from mumoe_tn.conversion.faithfulness import evaluate_replacements
-from mumoe_tn.conversion.replacements import mode_split, mumoe_factory, transcoder_factory
+from mumoe_tn.conversion.replacements import TOP_K_GATES, mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.conversion.streaming import TokenWindows, select_blocks
 from mumoe_tn.costs.frontier import FrontierTable, plot_frontier
 from mumoe_tn.costs.transcoders import transcoder_parameters
@@ -83,6 +83,9 @@ class FrontierConfig:
         Held-out tokens for the evaluation.
     seed : int
         Seeds the model, the data windows and the replacements.
+    top_k : {"auto", "softmax", "relu"}
+        The μMoE blocks' top-k gate: by block (ReLU for a Mixture of Decoders, the authors' gate;
+        softmax otherwise), or one kind for all.
     """
 
     width: int = 64
@@ -105,6 +108,7 @@ class FrontierConfig:
     lr: float = 1e-3
     eval_tokens: int = 16_384
     seed: int = 0
+    top_k: str = "auto"
 
     @classmethod
     def quick(cls) -> FrontierConfig:
@@ -127,9 +131,9 @@ def _check_methods(methods: Sequence[str]) -> None:
 
 
 def method_factories(
-    methods: Sequence[str], l0s: Sequence[int], budget: int | float, experts: int
+    methods: Sequence[str], l0s: Sequence[int], budget: int | float, experts: int, *, top_k: str = "auto"
 ) -> dict[str, Factory]:
-    """The factories of a frontier, named ``"<method>@<L0>"``.
+    """The factories of a frontier, named ``"<method>@<L0>"`` (a μMoE with ``top_k`` set: ``"<method>:<top_k>@<L0>"``).
 
     Parameters
     ----------
@@ -141,6 +145,8 @@ def method_factories(
         Parameters per replacement, or a multiple of the block's.
     experts : int
         Experts of a μMoE block (``-hier``: split into two modes).
+    top_k : {"auto", "softmax", "relu"}, optional
+        The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.conversion.replacements.mumoe_factory]).
 
     Returns
     -------
@@ -150,13 +156,15 @@ def method_factories(
     factories: dict[str, Factory] = {}
     for method in methods:
         for l0 in l0s:
-            name = f"{method}@{l0}"
             if method in ("transcoder", "skip-transcoder"):
-                factories[name] = transcoder_factory(l0, budget, skip=method == "skip-transcoder")
-            elif method.endswith(_HIER):
-                factories[name] = mumoe_factory(method[: -len(_HIER)], mode_split(experts, 2), l0, budget)
+                factories[f"{method}@{l0}"] = transcoder_factory(l0, budget, skip=method == "skip-transcoder")
+                continue
+            name = f"{method}@{l0}" if top_k == "auto" else f"{method}:{top_k}@{l0}"
+            if method.endswith(_HIER):
+                dims: int | tuple[int, ...] = mode_split(experts, 2)
+                factories[name] = mumoe_factory(method[: -len(_HIER)], dims, l0, budget, top_k=top_k)
             else:
-                factories[name] = mumoe_factory(method, experts, l0, budget)
+                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k)
     return factories
 
 
@@ -246,7 +254,7 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     first = blocks[0]
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
                                                     first.out_features)  # fmt: skip
-    factories = method_factories(config.methods, config.l0s, budget, config.experts)
+    factories = method_factories(config.methods, config.l0s, budget, config.experts, top_k=config.top_k)
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
@@ -295,6 +303,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--width", type=int, help=f"width of the built model (default {d.width})")
     parser.add_argument("--depth", type=int, help=f"layers of the built model (default {d.depth})")
     parser.add_argument("--seed", type=int, help=f"seed (default {d.seed})")
+    parser.add_argument("--top-k", choices=TOP_K_GATES, help="the μMoE blocks' top-k gate: 'auto' (default: ReLU for "
+                        "MxD, the authors' gate; softmax for the others), 'softmax' or 'relu'")  # fmt: skip
     parser.add_argument("--checkpoint", metavar="FILE", help="save the distillation's state here (and resume from it "
                         "with --resume)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
@@ -313,7 +323,7 @@ def config_from(args: argparse.Namespace) -> FrontierConfig:
     """The configuration the parsed arguments ask for."""
     config = FrontierConfig.quick() if args.quick else FrontierConfig()
     names = ("model_dir", "mlps", "methods", "l0s", "experts", "expansion", "budget", "tokens", "eval_tokens",
-             "batch_size", "buffer_tokens", "lr", "pretrain_steps", "width", "depth", "seed")  # fmt: skip
+             "batch_size", "buffer_tokens", "lr", "pretrain_steps", "width", "depth", "seed", "top_k")  # fmt: skip
     changes = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     for name in ("methods", "l0s"):
         if name in changes:

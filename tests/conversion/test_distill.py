@@ -261,6 +261,10 @@ def test_factories_meet_the_budget_and_l0():
     l0s = [row.l0 for row in table.rows]
     assert all(0 < l0 <= 8 for l0 in l0s[:2])  # TopK keeps 8 latents; a ReLU may zero some of them
     assert l0s[2:] == [8.0] * 4  # 8 of 64 experts, or 4 × 2 of 8 × 8
+    relu = mumoe_factory("cp", 64, 8, budget, top_k="relu")(block)
+    assert type(relu.gate).__name__ == "ReLUTopKRouter"
+    with pytest.raises(ValueError, match="top_k must be one of"):
+        mumoe_factory("cp", 64, 8, budget, top_k="sparsemax")
     assert mode_split(8, 2) == (4, 2) and mode_split(64, 2) == (8, 8) and math.prod(mode_split(96, 3)) == 96
 
 
