@@ -75,8 +75,9 @@ def write_report(table: FrontierTable, out: Path, *, kind: str = "cpu") -> Path:
         f"Machine: {c.get('machine', '?')}; load average {c.get('load_average', '?')}; "
         f"{c.get('seconds', '?')} s from start to table.",
         *[
-            f"Rows of {', '.join(run.get('methods') or [])} from a second run of the same configuration (the same "
-            f"model, clean CE equal): {run.get('seconds')} s, load average {run.get('load_average')}."
+            f"Rows of {', '.join(run.get('methods') or [])} (top-k gate {run.get('top_k') or 'auto'}) from another run "
+            f"of the same configuration (the same model, clean CE equal): {run.get('seconds')} s, load average "
+            f"{run.get('load_average')}."
             for run in c.get("merged_runs", [])
         ],
         "",
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             keys = {(row.block, row.method) for row in extra.rows}
             kept = tuple(row for row in table.rows if (row.block, row.method) not in keys)
             methods = list(dict.fromkeys([*table.config.get("methods", []), *extra.config.get("methods", [])]))
-            runs = [*table.config.get("merged_runs", []), {k: extra.config.get(k) for k in ("methods", "seconds",
-                    "load_average", "machine")}]  # fmt: skip
+            runs = [*table.config.get("merged_runs", []), {k: extra.config.get(k) for k in ("methods", "top_k",
+                    "seconds", "load_average", "machine")}]  # fmt: skip
             table = FrontierTable(kept + extra.rows, {**table.config, "methods": methods, "merged_runs": runs})
             stored.write_text(table.to_json() + "\n")
     else:
