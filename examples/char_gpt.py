@@ -12,7 +12,8 @@ Each variant's row prints as soon as it has trained, with its median time per tr
 that time relative to the first variant (the MLP).
 
 Run: ``python examples/char_gpt.py`` (a few minutes on 2 CPU cores); ``--quick`` for a tiny run
-of a few seconds.
+of a few seconds. ``mumoe-tn explore examples/char_gpt.py:explorer`` trains the CP variant briefly
+and writes the expert explorer's page for it.
 """
 
 from __future__ import annotations
@@ -135,7 +136,31 @@ def train(name: str, make_mlp, data: dict, args: argparse.Namespace) -> dict:
         "val_loss": evaluate(model, data["val"], args.context),
         "step_ms": 1e3 * statistics.median(step_seconds[min(5, len(step_seconds) - 1) :]),
         "seconds": time.perf_counter() - start,
+        "trained": model,
     }
+
+
+def encoded_corpus() -> tuple[list[str], torch.Tensor]:
+    """The corpus's characters and the text as indices into them."""
+    text = corpus()
+    chars = sorted(set(text))
+    lookup = {c: k for k, c in enumerate(chars)}
+    return chars, torch.tensor([lookup[c] for c in text], dtype=torch.long)
+
+
+def explorer(steps: int = 300, variant: str = "CP μMoE (64 experts)", sequences: int = 128, width: int = 64) -> dict:
+    """Train ``variant`` for ``steps`` steps; return the arguments of ``mumoe_tn.analysis.explore`` for it.
+
+    The data are ``sequences`` validation windows of 64 characters (``mumoe-tn explore
+    examples/char_gpt.py:explorer``).
+    """
+    chars, encoded = encoded_corpus()
+    split = int(0.9 * len(encoded))
+    data = {"vocab": len(chars), "train": encoded[:split], "val": encoded[split:]}
+    args = argparse.Namespace(steps=steps, batch=32, context=64, width=width, depth=2, heads=4, lr=3e-3)
+    model = train(variant, VARIANTS[variant], data, args)["trained"].eval()
+    windows = next(batches(data["val"], args.context, sequences, torch.Generator().manual_seed(3)))[0]
+    return {"model": model, "data": windows, "vocabulary": chars, "title": f"Char GPT on pydoc_data: {variant}"}
 
 
 def seconds(value: float) -> str:
@@ -169,9 +194,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.quick:
         args.steps, args.batch, args.context, args.width, args.depth = 40, 8, 16, 32, 1
     torch.set_num_threads(args.threads)
+    chars, encoded = encoded_corpus()
     text = corpus()
-    chars = sorted(set(text))
-    encoded = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     split = int(0.9 * len(encoded))
     data = {"vocab": len(chars), "train": encoded[:split], "val": encoded[split:]}
     print(

@@ -14,7 +14,9 @@ briefly as a stand-in for pretrained weights; with ``--weights DIR`` a local che
 tokenizer) is loaded from ``DIR`` — nothing is downloaded.
 
 Run: ``python examples/gpt2_upcycle.py`` (several minutes on 2 CPU cores), ``--quick`` for a tiny
-run (about 25 s of CPU time). Needs the ``hf`` extra (transformers).
+run (about 25 s of CPU time). Needs the ``hf`` extra (transformers). ``mumoe-tn explore
+examples/gpt2_upcycle.py:explorer`` upcycles a small GPT-2 into hierarchical μMoE blocks and
+writes the expert explorer's page for it.
 """
 
 from __future__ import annotations
@@ -98,6 +100,32 @@ def train(model, data: torch.Tensor, steps: int, args: argparse.Namespace, desc:
         loss.backward()
         optimizer.step()
     return steps * args.batch * args.context / max(time.perf_counter() - start, 1e-9)
+
+
+def explorer(
+    experts: tuple[int, ...] = (8, 8), decomposition: str = "cp", steps: int = 100, sequences: int = 64
+) -> dict:
+    """A small GPT-2 (byte tokens) trained ``steps`` steps, its MLPs upcycled into ``experts`` μMoE blocks and
+    fine-tuned ``steps`` steps; returns the arguments of ``mumoe_tn.analysis.explore`` on validation windows.
+    """
+    args = argparse.Namespace(
+        weights=None, width=64, depth=2, heads=2, context=64, batch=8, lr=3e-3, device="cpu", eval_batches=2
+    )
+    torch.manual_seed(0)
+    model, tokens = load_model(args)
+    split = int(0.9 * tokens.numel())
+    train(model, tokens[:split], steps, args, "pretraining the dense GPT-2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UpcycleWarning)
+        convert(model, expert_dims=list(experts), mlps=r"mlp$", decomposition=decomposition, rank="match", upcycle=True)
+    train(model, tokens[:split], steps, args, "fine-tuning the μMoE GPT-2")
+    windows = next(batches(tokens[split:], args.context, sequences, torch.Generator().manual_seed(3)))
+
+    def byte(token: int) -> str:
+        return bytes([token]).decode("latin-1")
+
+    dims = "×".join(map(str, experts))
+    return {"model": model.eval(), "data": windows, "vocabulary": byte, "title": f"GPT-2 upcycled to {dims} experts"}
 
 
 def mlp_parameters(model) -> int:

@@ -5,7 +5,8 @@ The digits ship inside scikit-learn (nothing is downloaded). Images are cut into
 with 16 experts, parameter-matched to it. Prints parameters and test accuracy per model.
 
 Each model's row prints as soon as it has trained. Run: ``python examples/mixer_digits.py``
-(about a minute on 2 CPU cores); ``--quick`` for a run of seconds.
+(about a minute on 2 CPU cores); ``--quick`` for a run of seconds. ``mumoe-tn explore
+examples/mixer_digits.py:explorer`` trains the CP variant and writes the expert explorer's page.
 """
 
 from __future__ import annotations
@@ -109,6 +110,23 @@ def run(name: str, make_mlp, data, args: argparse.Namespace) -> dict:
         "accuracy": accuracy,
         "epoch_losses": epoch_losses,
         "seconds": time.perf_counter() - start,
+        "trained": model,
+    }
+
+
+def explorer(epochs: int = 10, variant: str = "CP μMoE (16 experts)") -> dict:
+    """Train ``variant`` for ``epochs`` epochs; return ``mumoe_tn.analysis.explore``'s arguments on the test set."""
+    data = load_digits()
+    args = argparse.Namespace(epochs=epochs, batch=64, lr=1e-2)
+    model = run(variant, VARIANTS[variant], data, args)["trained"].eval()
+    images, labels = data[2], data[3]
+    return {
+        "model": model,
+        "data": patches(images),
+        "labels": labels,
+        "images": images,
+        "class_names": [str(digit) for digit in range(10)],
+        "title": f"Mixer on 8×8 digits: {variant}",
     }
 
 

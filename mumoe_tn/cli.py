@@ -1,4 +1,4 @@
-"""The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a contraction, ``design``, ``demo``.
+"""The ``mumoe-tn`` command line: ``compare`` cost tables, ``plan`` a contraction, ``design``, ``demo``, ``explore``.
 
 Every error — a bad argument, an output that cannot be written, a missing optional package, or
 an error from the library — is printed as one line naming the problem, with exit status 2. Every
@@ -352,6 +352,19 @@ def _parser() -> argparse.ArgumentParser:
         positive=_positive,
         budget=_match,
     )
+    from mumoe_tn.analysis.explorer.command import configure_parser as configure_explore
+
+    configure_explore(
+        commands.add_parser(
+            "explore",
+            help="write a self-contained HTML page showing what each expert of a model does",
+            description="Runs the model a Python function builds over its data and writes one HTML page (no network "
+            "needed to open it): per layer the experts' usage, sparsity, dead experts and specialisation; per expert "
+            "(or slice of a hierarchical mode) its top-activating examples in context, a histogram of its "
+            "coefficient and the effect of ablating it on the loss and outputs.",
+        ),
+        positive=_positive,
+    )
     from mumoe_tn.experiments.frontier import configure_parser as configure_distill
 
     configure_distill(
@@ -568,6 +581,12 @@ def _specialisation(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _explore(args: argparse.Namespace) -> int:
+    from mumoe_tn.analysis.explorer.command import run
+
+    return run(args)
+
+
 def _design(args: argparse.Namespace) -> int:
     _check_plot(args.plot, "plot")
     from mumoe_tn.design.command import run
@@ -599,6 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": _demo,
         "specialisation": _specialisation,
         "design": _design,
+        "explore": _explore,
         "distill": _distill,
     }
     with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is shown

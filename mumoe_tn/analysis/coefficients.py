@@ -5,21 +5,40 @@ Nothing in the model is edited: a forward hook on each [`MuMoE`][mumoe_tn.layers
 bounded for any expert count: per expert mode, running sums, a load count, a running top-k of
 activating rows, and the coefficient-weighted sum of the layer's inputs (for cluster centres).
 Rows are counted in the order the layer sees them (``row = sample · tokens + token`` for
-inputs of shape ``(samples, tokens, features)``).
+inputs of shape ``(samples, tokens, features)``);
+[`LayerCoefficients.locate`][mumoe_tn.analysis.coefficients.LayerCoefficients.locate] maps them
+back to ``(sample, position)``. Experts no row ever loaded are reported (a
+[`DeadExpertWarning`][mumoe_tn.analysis.coefficients.DeadExpertWarning] and the summary), and the
+top rows never list a row on which the expert was inactive.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from mumoe_tn.analysis.progress import check_progress
+from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import check_callable, check_int, check_model, check_real, check_tensor
 from mumoe_tn.layers import MuMoEBase
 
-__all__ = ["ExpertStatistics", "LayerCoefficients", "collect_coefficients", "default_forward", "mumoe_layers"]
+__all__ = [
+    "Coefficients",
+    "DeadExpertWarning",
+    "ExpertStatistics",
+    "LayerCoefficients",
+    "collect_coefficients",
+    "default_forward",
+    "mumoe_layers",
+]
+
+
+class DeadExpertWarning(UserWarning):
+    """Some experts loaded no row of the data (their coefficient never reached the load threshold)."""
 
 
 def mumoe_layers(model: nn.Module) -> dict[str, MuMoEBase]:
@@ -44,7 +63,9 @@ class ExpertStatistics:
         Rows with ``a_n ≥ threshold`` per expert (the paper's expert load).
     top_values, top_rows : torch.Tensor
         The ``k`` largest coefficients per expert and the rows they came from, largest first
-        (``min(k, rows)`` columns: memory grows with the rows seen, never with ``k`` alone).
+        (``min(k, rows)`` columns: memory grows with the rows seen, never with ``k`` alone). A
+        row on which the expert was inactive (``a_n < threshold``) is never listed: its slot
+        holds row ``-1`` (see [`examples`][mumoe_tn.analysis.coefficients.ExpertStatistics.examples]).
     input_sum : torch.Tensor or None
         ``Σ a_n · x`` over rows (``N × I``), where ``x`` is the layer's input.
     threshold : float
@@ -112,7 +133,8 @@ class ExpertStatistics:
         k = min(self.top_k, values.shape[1])
         indices = torch.cat([self.top_rows, rows.expand(a.shape[1], -1)], dim=1)
         self.top_values, order = values.topk(k, dim=1)
-        self.top_rows = indices.gather(1, order)
+        rows_kept = indices.gather(1, order)
+        self.top_rows = torch.where(self.top_values >= self.threshold, rows_kept, torch.full_like(rows_kept, -1))
         if self.input_sum is not None and x is not None:
             self.input_sum += a.T @ x.detach().reshape(-1, x.shape[-1]).double().cpu()
         self.rows += a.shape[0]
@@ -132,6 +154,22 @@ class ExpertStatistics:
         """Fraction of rows with ``a_n ≥ threshold``."""
         return self.load.double() / max(self.rows, 1)
 
+    @property
+    def dead(self) -> torch.Tensor:
+        """Indices of the experts that loaded no row (never active on the data seen)."""
+        return (self.load == 0).nonzero().flatten()
+
+    def examples(self, expert: int) -> list[tuple[int, float]]:
+        """``(row, coefficient)`` of expert ``expert``'s top rows, largest first, active rows only."""
+        expert = check_int("expert", expert, minimum=0)
+        if expert >= self.load.shape[0]:
+            raise ValueError(f"expert must be below {self.load.shape[0]} (experts of this mode), got {expert}")
+        return [
+            (int(row), float(value))
+            for row, value in zip(self.top_rows[expert].tolist(), self.top_values[expert].tolist(), strict=True)
+            if row >= 0
+        ]
+
     def centres(self) -> torch.Tensor:
         """Each expert's cluster centre: the coefficient-weighted mean input ``Σ a_n x / Σ a_n``."""
         if self.input_sum is None:
@@ -141,10 +179,152 @@ class ExpertStatistics:
 
 @dataclass
 class LayerCoefficients:
-    """Statistics of every expert mode of one layer."""
+    """Statistics of every expert mode of one layer.
+
+    Attributes
+    ----------
+    name : str
+        The layer's qualified name.
+    modes : list of ExpertStatistics
+        One per expert mode.
+    calls : list of tuple
+        Per forward call: its first row, its first sample and the leading shape of the layer's
+        input (``(samples, …)``), and the flat positions of its real tokens (None: all real);
+        what [`locate`][mumoe_tn.analysis.coefficients.LayerCoefficients.locate] reads.
+    """
 
     name: str
     modes: list[ExpertStatistics] = field(default_factory=list)
+    calls: list[tuple[int, int, tuple[int, ...], torch.Tensor | None]] = field(default_factory=list)
+
+    def record_call(self, leading: tuple[int, ...], real: torch.Tensor | None) -> None:
+        """Note a forward call whose input had leading shape ``leading`` (``real``: its token mask)."""
+        first_row = self.modes[0].rows if self.modes else 0
+        first_sample = 0
+        if self.calls:
+            _, sample, shape, _ = self.calls[-1]
+            first_sample = sample + (shape[0] if shape else 1)
+        positions = None if real is None else real.reshape(-1).nonzero().flatten().cpu()
+        self.calls.append((first_row, first_sample, tuple(leading), positions))
+
+    def locate(self, rows: torch.Tensor | Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sample, position)`` of each row (``-1`` for row ``-1``).
+
+        The sample counts along the layer input's first dimension over all calls; the position is
+        the flat index within it (a token's index for inputs ``(samples, tokens, features)``).
+        """
+        rows = torch.as_tensor(rows if isinstance(rows, torch.Tensor) else list(rows), dtype=torch.long).flatten()
+        total = self.modes[0].rows if self.modes else 0
+        if rows.numel() and (int(rows.max()) >= total or int(rows.min()) < -1):
+            raise ValueError(f"rows must lie in [-1, {total}) (rows seen by layer {self.name!r}), got {rows.tolist()}")
+        samples = torch.full_like(rows, -1)
+        positions = torch.full_like(rows, -1)
+        starts = torch.tensor([call[0] for call in self.calls] or [0], dtype=torch.long)
+        for k, row in enumerate(rows.tolist()):
+            if row < 0:
+                continue
+            first_row, first_sample, leading, real = self.calls[int(torch.searchsorted(starts, row, right=True)) - 1]
+            flat = row - first_row
+            if real is not None:
+                flat = int(real[flat])
+            per_sample = 1
+            for size in leading[1:]:
+                per_sample *= size
+            samples[k] = first_sample + flat // per_sample
+            positions[k] = flat % per_sample
+        return samples, positions
+
+    def dead(self) -> list[torch.Tensor]:
+        """Per expert mode, the experts that loaded no row."""
+        return [mode.dead for mode in self.modes]
+
+
+class Coefficients(dict):
+    """Layer name -> [`LayerCoefficients`][mumoe_tn.analysis.coefficients.LayerCoefficients], with a summary.
+
+    What [`collect_coefficients`][mumoe_tn.analysis.coefficients.collect_coefficients] returns.
+    """
+
+    def rows(self) -> list[dict[str, object]]:
+        """One row per layer and expert mode: rows seen, experts, dead, load and coefficient statistics."""
+        result = []
+        for name, layer in self.items():
+            for e, mode in enumerate(layer.modes):
+                n = mode.load.shape[0]
+                fraction = mode.load_fraction
+                result.append(
+                    {
+                        "layer": name or "(model)",
+                        "mode": e,
+                        "experts": n,
+                        "rows": mode.rows,
+                        "dead": int(mode.dead.numel()),
+                        "mean active per row": float(mode.load.sum()) / max(mode.rows, 1),
+                        "max load": float(fraction.max()) if n else 0.0,
+                        "median load": float(fraction.median()) if n else 0.0,
+                    }
+                )
+        return result
+
+    def warnings(self) -> list[str]:
+        """One line per layer mode with dead experts."""
+        return [
+            f"{row['dead']} of {row['experts']} experts of layer {row['layer']!r} mode {row['mode']} were never "
+            f"active on {row['rows']} rows"
+            for row in self.rows()
+            if row["dead"]
+        ]
+
+    def to_markdown(self) -> str:
+        """The summary as a Markdown table, dead-expert warnings below it."""
+        rows = self.rows()
+        head = list(rows[0]) if rows else ["layer"]
+        rule = "|" + "|".join("---" if k == 0 else "---:" for k in range(len(head))) + "|"
+        lines = ["| " + " | ".join(head) + " |", rule]
+        for row in rows:
+            cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += [f"\n**Warning:** {line}." for line in self.warnings()]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """The summary as plain text (a rich table), dead-expert warnings below it."""
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="expert coefficients")
+        rows = self.rows()
+        for k, column in enumerate(rows[0] if rows else ["layer"]):
+            table.add_column(column, justify="left" if k == 0 else "right")
+        for row in rows:
+            table.add_row(*(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()))
+        console = Console(width=120, record=True, file=None, force_terminal=False)
+        with console.capture() as captured:
+            console.print(table)
+            for line in self.warnings():
+                console.print(f"warning: {line}")
+        return captured.get()
+
+    def plot(self, path: str | None = None):
+        """Bar charts of every layer mode's load per expert (dead experts in red); saved to ``path`` if given.
+
+        Returns the matplotlib figure.
+        """
+        import matplotlib.pyplot as plt
+
+        panels = [(name, e, mode) for name, layer in self.items() for e, mode in enumerate(layer.modes)]
+        figure, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), squeeze=False)
+        for ax, (name, e, mode) in zip(axes[:, 0], panels, strict=True):
+            fraction = mode.load_fraction.numpy()
+            colours = ["#c0392b" if v == 0 else "#2e86c1" for v in fraction]
+            ax.bar(range(len(fraction)), fraction, color=colours)
+            ax.set_ylabel("load")
+            ax.set_title(f"{name or '(model)'} mode {e}: {int(mode.dead.numel())} dead of {len(fraction)}", fontsize=9)
+        axes[-1, 0].set_xlabel("expert")
+        figure.tight_layout()
+        if path is not None:
+            figure.savefig(path, dpi=120)
+        return figure
 
 
 def default_forward(model: nn.Module, batch: object) -> object:
@@ -164,7 +344,8 @@ def collect_coefficients(
     top_k: int = 8,
     centres: bool = False,
     forward: Callable[[nn.Module, object], object] | None = None,
-) -> dict[str, LayerCoefficients]:
+    progress: bool | None = None,
+) -> Coefficients:
     """Run ``model`` over ``batches`` and collect every μMoE layer's expert statistics.
 
     Parameters
@@ -189,6 +370,8 @@ def collect_coefficients(
         ``forward(model, batch)``; by default ``model(**batch)`` for a mapping (a Hugging Face
         batch with ``input_ids`` and ``attention_mask``), ``model(batch[0])`` for tuples/lists (an
         ``(inputs, labels)`` loader) and ``model(batch)`` otherwise.
+    progress : bool, optional
+        Show a progress bar over the batches (tqdm, on stderr); by default only on a terminal.
 
     Notes
     -----
@@ -196,10 +379,14 @@ def collect_coefficients(
     [`mumoe_tn.masking`][mumoe_tn.masking]; a converted model takes it from its ``attention_mask``)
     count towards no statistic, and row numbers (``top_rows``) count real tokens only.
 
+    Experts that loaded no row are reported with a
+    [`DeadExpertWarning`][mumoe_tn.analysis.coefficients.DeadExpertWarning] and in the summary.
+
     Returns
     -------
-    dict
-        Layer name -> [`LayerCoefficients`][mumoe_tn.analysis.coefficients.LayerCoefficients].
+    Coefficients
+        Layer name -> [`LayerCoefficients`][mumoe_tn.analysis.coefficients.LayerCoefficients];
+        ``summary()`` / ``to_markdown()`` / ``plot()`` show load, sparsity and dead experts.
     """
     found = mumoe_layers(model)
     if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable)):
@@ -226,7 +413,8 @@ def collect_coefficients(
         raise ValueError(f"no μMoE layer named {unknown}; the model has {list(found)}")
     if not names:
         raise ValueError("the model has no μMoE layer (MuMoE, MuMoEMLP or MuMoEGatedMLP)")
-    results = {name: LayerCoefficients(name) for name in names}
+    check_progress(progress)
+    results = Coefficients({name: LayerCoefficients(name) for name in names})
 
     def hook(name: str):
         def record(module: nn.Module, args: tuple, output: object) -> None:
@@ -236,6 +424,7 @@ def collect_coefficients(
                 width = module.in_features if centres else None
                 stats += [ExpertStatistics.empty(a.shape[-1], top_k, width, threshold) for a in coefficients]
             tokens = module.last_token_mask
+            results[name].record_call(tuple(coefficients[0].shape[:-1]), tokens)
             x = args[0] if centres else None
             if tokens is not None:  # padding tokens are not counted
                 coefficients = [a[tokens] for a in coefficients]
@@ -248,11 +437,14 @@ def collect_coefficients(
     handles = [found[name].register_forward_hook(hook(name)) for name in names]
     call = forward or default_forward
     try:
-        for batch in batches:
+        for batch in progress_bar(batches, "collecting coefficients", enabled=progress):
             call(model, batch)
     finally:
         for handle in handles:
             handle.remove()
     if not any(results[name].modes for name in names):
         raise ValueError(f"no μMoE layer ran: batches gave no input that reached layer(s) {names}")
+    dead = results.warnings()
+    if dead:
+        warnings.warn("; ".join(dead), DeadExpertWarning, stacklevel=2)
     return results

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from mumoe_tn.analysis.ablation import ExpertAblation, ablate
+from mumoe_tn.analysis.progress import check_progress
+from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoEBase
 
@@ -122,6 +124,7 @@ def class_polysemanticity(
     n_classes: int | None = None,
     max_rows: int = 65_536,
     forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    progress: bool | None = None,
 ) -> Polysemanticity:
     """Ablate every expert of ``layer`` in turn and measure each class's accuracy change.
 
@@ -144,6 +147,8 @@ def class_polysemanticity(
         together).
     forward : Callable, optional
         ``forward(model, inputs) -> logits`` if the model is not simply called.
+    progress : bool, optional
+        Show a progress bar over the ablation passes (tqdm, on stderr); by default only on a terminal.
 
     Returns
     -------
@@ -160,6 +165,7 @@ def class_polysemanticity(
     _check_labels(labels, n_classes)
     max_rows = check_int("max_rows", max_rows, minimum=1)
     check_callable("forward", forward)
+    check_progress(progress)
     if experts is None:
         experts = list(itertools.product(*(range(n) for n in layer.expert_dims)))
     else:
@@ -173,7 +179,8 @@ def class_polysemanticity(
         samples = inputs.shape[0]
         group = max(1, max_rows // samples)
         rows = []
-        for start in range(0, len(experts), group):
+        starts = range(0, len(experts), group)
+        for start in progress_bar(starts, f"ablating {len(experts)} experts", enabled=progress):
             chunk = experts[start : start + group]
             replicated = inputs.repeat(len(chunk), *([1] * (inputs.ndim - 1)))
             with ablate(layer, [[e] for e in chunk], group_size=samples):

@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mumoe_tn.analysis.coefficients import default_forward
+from mumoe_tn.analysis.progress import check_progress
+from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.analysis.validation import (
     check_callable,
     check_inside,
@@ -54,6 +56,7 @@ def mean_coefficients(
     batches: Iterable[object],
     *,
     forward: Callable[[nn.Module, object], object] | None = None,
+    progress: bool | None = None,
 ) -> torch.Tensor:
     """``ā``: the mean (outer product of) coefficients of ``layer`` over a subpopulation.
 
@@ -67,6 +70,8 @@ def mean_coefficients(
         The subpopulation's inputs (tuples/lists are read as ``(inputs, …)``).
     forward : Callable, optional
         ``forward(model, batch)``.
+    progress : bool, optional
+        Show a progress bar over the batches (tqdm, on stderr); by default only on a terminal.
 
     Returns
     -------
@@ -77,6 +82,7 @@ def mean_coefficients(
     layer = check_layer("layer", layer)
     check_inside(model, layer)
     check_callable("forward", forward)
+    check_progress(progress)
     if isinstance(batches, torch.Tensor) or not isinstance(batches, Iterable):
         raise TypeError(
             f"batches must be an iterable of model inputs (a list or DataLoader), got {type(batches).__name__}; "
@@ -91,7 +97,7 @@ def mean_coefficients(
 
     handle = layer.register_forward_hook(record)
     try:
-        for number, batch in enumerate(batches):
+        for number, batch in enumerate(progress_bar(batches, "mean coefficients", enabled=progress)):
             seen.clear()
             call(model, batch)
             if not seen:

@@ -72,6 +72,8 @@ MAX_GATE_LIST = 64
 
 #: The roles of a recorded module's networks, by kind, in the block's order.
 ROLES = {"linear": ("layer",), "mlp": ("up", "down"), "split": ("up", "down"), "gated": ("gate", "up", "down")}
+#: The roles of a block whose encoders stay dense (a Mixture of Decoders): its decoder alone.
+DECODER_ROLES = ("down",)
 #: What a recorded gate may read.
 GATE_INPUTS = ("normed", "raw")
 
@@ -360,13 +362,18 @@ class ConvertedModule:
         kind = data["kind"]
         if not isinstance(kind, str) or kind not in ROLES:
             raise invalid(f"{field}.kind", kind, f"it must be one of {list(ROLES)}")
-        networks = _list(f"{field}.networks", data["networks"], length=len(ROLES[kind]))
+        networks = _list(f"{field}.networks", data["networks"], limit=len(ROLES[kind]))
+        # Every layer of the block factorized, or (a Mixture of Decoders) only its decoder.
+        choices = [ROLES[kind]] + ([DECODER_ROLES] if kind != "linear" else [])
+        roles = next((each for each in choices if len(each) == len(networks)), None)
+        if roles is None:
+            raise invalid(f"{field}.networks", networks, f"a {kind!r} module records the roles {choices}")
         pairs = []
-        for number, (role, expected) in enumerate(zip(networks, ROLES[kind], strict=True)):
+        for number, (role, expected) in enumerate(zip(networks, roles, strict=True)):
             role_name, network = _list(f"{field}.networks[{number}]", role, length=2)
             if role_name != expected:
                 raise invalid(
-                    f"{field}.networks[{number}][0]", role_name, f"a {kind!r} module's roles are {ROLES[kind]}"
+                    f"{field}.networks[{number}][0]", role_name, f"a {kind!r} module records the roles {choices}"
                 )
             network_from_data(network, f"{field}.networks[{number}][1]")
             pairs.append((role_name, dict(network)))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mumoe_tn.costs.display import DTYPE_BYTES
 from mumoe_tn.design.search import design
-from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, FAMILIES
+from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, FAMILIES, HADAMARD_LEGS
 
 __all__ = ["configure_parser", "run"]
 
@@ -65,6 +65,14 @@ def configure_parser(
         default=list(DEFAULT_EXPERT_RANKS),
         help="sizes tried for fixed bonds: TR's R1/R2, TT's and the topologies' expert bonds (default 2 4 8 16)",
     )
+    parser.add_argument(
+        "--hadamard",
+        nargs="*",
+        choices=("o", "i", "io"),
+        default=list(HADAMARD_LEGS),
+        help="Hadamard variants of the generated topologies: the physical legs their expert cores also hold "
+        "(default: o i; none: --hadamard with no value)",
+    )
     parser.add_argument("--no-bias", dest="bias", action="store_false", help="no folded bias")
     parser.add_argument("--no-gating", dest="gate", action="store_false", help="do not count gating parameters/FMAs")
     parser.add_argument(
@@ -119,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         max_modes=args.max_modes,
         families=args.families,
         expert_ranks=args.expert_ranks,
+        hadamard=args.hadamard,
         bias=args.bias,
         gate=args.gate,
         weight=weight,

@@ -47,8 +47,8 @@ class DesignPoint:
     Attributes
     ----------
     family : str
-        ``"cp"``, ``"tr"``, ``"tt"``, ``"tucker"`` or a generated topology (``"chain"``, ``"ring"``,
-        ``"star"``, ``"tree"``).
+        ``"cp"``, ``"tr"``, ``"tt"``, ``"tucker"``, ``"mxd"`` or a generated topology (``"chain"``,
+        ``"ring"``, ``"star"``, ``"tree"``).
     structure : str
         The shape's description, e.g. ``"tr R1=4 R2=4"``.
     networks : tuple of ExpertNetwork
@@ -89,8 +89,8 @@ class DesignPoint:
 
     @property
     def ranks(self) -> str:
-        """Bond sizes, e.g. ``"r1=4, r2=4, r3=141"``."""
-        return ", ".join(f"{bond}={self.network.sizes[bond]}" for bond in self.network.bonds)
+        """Bond sizes, e.g. ``"r1=4, r2=4, r3=141"`` (``"—"`` for a network without a bond, such as MxD)."""
+        return ", ".join(f"{bond}={self.network.sizes[bond]}" for bond in self.network.bonds) or "—"
 
     def objectives(self) -> tuple[float, ...]:
         """What the front minimises: parameters, FMAs, peak, minus the rank bound (and the upcycle error)."""

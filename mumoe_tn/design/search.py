@@ -6,6 +6,9 @@ and costed like a [`compare`][mumoe_tn.costs.table.compare] row: total parameter
 default), planned FMAs per token, the peak intermediate at ``batch`` tokens, and the expert-matrix
 rank bound. A match that misses the budget by more than the matcher's
 [`TOLERANCE`][mumoe_tn.costs.matching] or leaves an expert mode collapsed is dropped (and counted).
+A shape with no bond to scale (MxD: its size is set by its legs, and the design fixes the number of
+experts) is costed at its fixed size and kept only where that is within the tolerance of the budget;
+otherwise it is dropped as ``"no bond to scale: misses the budget at its fixed size"``.
 With a pretrained layer, every point also carries the relative error of upcycling it.
 """
 
@@ -19,11 +22,13 @@ from typing import Any
 
 from mumoe_tn.costs.baselines import linear, mlp
 from mumoe_tn.costs.flops import layer_flops
-from mumoe_tn.costs.matching import MatchingWarning, match_block, match_layer, resolve_target
-from mumoe_tn.costs.rank import rank_bound
+from mumoe_tn.costs.matching import TOLERANCE, MatchingWarning, match_block, match_layer, resolve_target
+from mumoe_tn.costs.params import block_parameters, layer_parameters
+from mumoe_tn.costs.rank import collapsed_expert_modes, rank_bound
 from mumoe_tn.design.front import pareto_front
 from mumoe_tn.design.result import DesignPoint, DesignResult
-from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, FAMILIES, Shape, search_space
+from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, FAMILIES, HADAMARD_LEGS, Shape, search_space
+from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
 __all__ = ["design", "evaluate"]
@@ -70,6 +75,9 @@ def evaluate(
 ) -> DesignPoint | str:
     """Match ``shape`` to ``target`` parameters and cost it; a string says why it was dropped.
 
+    A shape without a bond to scale (``shape.scaled`` empty) keeps its fixed size: it is costed as
+    it is and dropped unless its parameters are within the matcher's ``TOLERANCE`` of ``target``.
+
     Parameters
     ----------
     shape : Shape
@@ -87,6 +95,8 @@ def evaluate(
     """
     width = in_features + int(bias)
     first = shape.make(width, out_features)
+    if not shape.scaled:
+        return _fixed(shape, first, target, in_features, out_features, block=block, bias=bias, gate=gate, batch=batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MatchingWarning)
         try:
@@ -103,15 +113,51 @@ def evaluate(
             return "cannot reach the budget"
     if matched.problems:
         return "collapsed expert mode" if "collapse" in " ".join(matched.problems) else "misses the budget"
-    flops = [layer_flops(net, batch=batch, bias=bias, gate=gate) for net in matched.networks]
+    return _point(shape, matched.networks, matched.params, batch=batch, bias=bias, gate=gate)
+
+
+#: Why a shape without a bond was dropped.
+FIXED_MISS = "no bond to scale: misses the budget at its fixed size"
+
+
+def _fixed(
+    shape: Shape,
+    first: ExpertNetwork,
+    target: int,
+    in_features: int,
+    out_features: int,
+    *,
+    block: bool,
+    bias: bool,
+    gate: bool,
+    batch: int,
+) -> DesignPoint | str:
+    """A shape with no bond, costed at its fixed size (kept within the matcher's tolerance of ``target``)."""
+    if block:
+        networks: tuple[ExpertNetwork, ...] = (first, shape.make(out_features + int(bias), in_features))
+        params = block_parameters(*networks, bias=bias, gate=gate).total
+    else:
+        networks = (first,)
+        params = layer_parameters(first, bias=bias, gate=gate).total
+    if abs(params - target) > TOLERANCE * target:
+        return FIXED_MISS
+    if any(collapsed_expert_modes(net) for net in networks):
+        return "collapsed expert mode"
+    return _point(shape, networks, params, batch=batch, bias=bias, gate=gate)
+
+
+def _point(
+    shape: Shape, networks: tuple[ExpertNetwork, ...], params: int, *, batch: int, bias: bool, gate: bool
+) -> DesignPoint:
+    flops = [layer_flops(net, batch=batch, bias=bias, gate=gate) for net in networks]
     return DesignPoint(
         family=shape.family,
         structure=shape.label,
-        networks=matched.networks,
-        params=matched.params,
+        networks=networks,
+        params=params,
         fma=sum(f.per_token for f in flops),
         peak_elements=max(f.peak_elements for f in flops),
-        rank_bound=min(rank_bound(net) for net in matched.networks),
+        rank_bound=min(rank_bound(net) for net in networks),
     )
 
 
@@ -130,6 +176,7 @@ def design(
     families: Sequence[str] = FAMILIES,
     expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
     topology_modes: int = 2,
+    hadamard: Sequence[str] = HADAMARD_LEGS,
     bias: bool = True,
     gate: bool = True,
     weight: Any = None,
@@ -160,7 +207,7 @@ def design(
         Keep points whose expert-matrix rank bound is at least this.
     rank_multiple : int, optional
         Matched ranks are multiples of this.
-    max_modes, families, expert_ranks, topology_modes : optional
+    max_modes, families, expert_ranks, topology_modes, hadamard : optional
         The search space; see [`search_space`][mumoe_tn.design.space.search_space].
     bias, gate : bool, optional
         Fold a bias into the input leg; count gating parameters and FMAs.
@@ -203,8 +250,9 @@ def design(
         )
         experts = fit.expert_dims or experts
     shapes = search_space(
-        experts, max_modes=max_modes, families=families, expert_ranks=expert_ranks, topology_modes=topology_modes
-    )
+        experts, max_modes=max_modes, families=families, expert_ranks=expert_ranks, topology_modes=topology_modes,
+        hadamard=hadamard,
+    )  # fmt: skip
     from tqdm.auto import tqdm
 
     show = sys.stderr.isatty() if progress is None else bool(progress)
@@ -251,6 +299,7 @@ def design(
         "max_modes": max_modes,
         "families": list(families),
         "expert_ranks": list(expert_ranks),
+        "hadamard": list(hadamard),
         "bias": bias,
         "gate": gate,
         "fitted": fit is not None,

@@ -4,14 +4,25 @@ A [`Shape`][mumoe_tn.design.space.Shape] is a network *structure*: a builder of 
 given leg sizes (one layer ``I → O``, or both layers of a block), the bonds parameter matching
 scales, and the sizes of the bonds it keeps fixed. The space holds
 
-- the registered formats CP, TR (expert ranks ``R1``/``R2`` over a few powers of two), TT and Tucker;
+- the registered formats CP, TR (expert ranks ``R1``/``R2`` over a few powers of two), TT, Tucker
+  and MxD (a Hadamard factorisation: decoder ``D: i o`` and expert matrices ``C_ne: ne o``; over
+  several expert modes, hierarchical MxD);
 - every factorization of the number of experts into 1 … ``max_modes`` expert modes;
 - generated custom topologies with one core per leg: chains and rings in every leg order, stars
   (a hub core with no leg, or one leg's core as the hub) and trees (every labelled tree of the
-  leg cores), with every bond scaled, or the bonds of expert cores fixed and the rest scaled.
+  leg cores), with every bond scaled, or the bonds of expert cores fixed and the rest scaled;
+  and each of them as a Hadamard network, its expert cores also holding the output leg
+  (``⊙o``: every expert is a sum of shared matrices scaled column-wise,
+  ``W_n = Σ_b V_b · diag(c_{n,b})`` over the bonds ``b`` joining the expert cores to the rest;
+  MxD is the case without a bond) or the input leg (``⊙i``: ``Σ_b diag(c_{n,b}) · V_b``).
+
+The design fixes the number of experts, so matching scales only bonds: the expert legs a format
+would scale (MxD's) stay at the factorization's sizes. A shape with no bond at all is evaluated
+at its fixed size (see [`evaluate`][mumoe_tn.design.search.evaluate]).
 
 Shapes that are the same network up to relabelling (core and bond names, expert modes of equal
-size) are kept once (networkx isomorphism on a graph with the legs and bond roles as attributes).
+size) are kept once (networkx isomorphism on a graph of cores, bonds and physical legs, where a
+leg held by several cores is one node joined to each of them).
 Everything here is torch-free.
 """
 
@@ -30,6 +41,7 @@ from mumoe_tn.validation import check_size
 __all__ = [
     "DEFAULT_EXPERT_RANKS",
     "FAMILIES",
+    "HADAMARD_LEGS",
     "Shape",
     "expert_factorizations",
     "named_shapes",
@@ -42,7 +54,12 @@ __all__ = [
 DEFAULT_EXPERT_RANKS = (2, 4, 8, 16)
 
 #: The families of a search space, in the order they are generated.
-FAMILIES = ("cp", "tr", "tt", "tucker", "chain", "ring", "star", "tree")
+FAMILIES = ("cp", "tr", "tt", "tucker", "mxd", "chain", "ring", "star", "tree")
+
+#: Physical legs the expert cores of generated topologies also hold, one Hadamard variant each:
+#: ``"o"`` (output side, ``Σ_b V_b · diag(c_{n,b})``), ``"i"`` (input side, ``Σ_b diag(c_{n,b}) · V_b``),
+#: ``"io"`` (both).
+HADAMARD_LEGS = ("o", "i")
 
 #: A bond the matcher scales is marked with this size before matching.
 SCALED = 1
@@ -55,14 +72,16 @@ class Shape:
     Attributes
     ----------
     family : str
-        ``"cp"``, ``"tr"``, ``"tt"``, ``"tucker"`` (registered formats) or ``"chain"``,
+        ``"cp"``, ``"tr"``, ``"tt"``, ``"tucker"``, ``"mxd"`` (registered formats) or ``"chain"``,
         ``"ring"``, ``"star"``, ``"tree"`` (generated topologies).
     expert_dims : tuple of int
         ``N_1 … N_E``.
     label : str
-        A short description for tables, e.g. ``"tr R1=4 R2=8"`` or ``"chain n1-i-o"``.
+        A short description for tables, e.g. ``"tr R1=4 R2=8"``, ``"chain n1-i-o"`` or
+        ``"chain n1-i-o ⊙o"`` (the expert cores also hold the output leg).
     scaled : tuple of str
-        The bonds parameter matching scales (all to one rank).
+        The bonds parameter matching scales (all to one rank); empty for a network without a bond
+        (MxD), which is evaluated at its fixed size.
     make : Callable[[int, int], ExpertNetwork]
         ``(i, o) -> network`` with the scaled bonds at size 1 (``i`` counts a folded bias).
     """
@@ -108,10 +127,11 @@ def expert_factorizations(n_experts: int, max_modes: int) -> list[tuple[int, ...
 
 
 def named_shapes(expert_dims: tuple[int, ...], expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS) -> list[Shape]:
-    """CP, TR (every ``(R1, R2)`` of ``expert_ranks`` with a ratio ≤ 4), TT and Tucker over ``expert_dims``."""
+    """CP, TR (every ``(R1, R2)`` of ``expert_ranks`` with a ratio ≤ 4), TT, Tucker and MxD over ``expert_dims``."""
     shapes = []
     for name in ("cp", "tucker"):
         shapes.append(_named_shape(name, expert_dims, name, 1))
+    shapes.append(_named_shape("mxd", expert_dims, "mxd" if len(expert_dims) == 1 else "hierarchical mxd", None))
     n_modes = len(expert_dims)
     for r1, r2 in itertools.product(expert_ranks, repeat=2):
         if max(r1, r2) > 4 * min(r1, r2):
@@ -123,14 +143,20 @@ def named_shapes(expert_dims: tuple[int, ...], expert_ranks: Sequence[int] = DEF
     return shapes
 
 
-def _named_shape(name: str, dims: tuple[int, ...], description: str, rank: int | tuple[int, ...]) -> Shape:
-    """A registered format at ``rank``, scaling the bonds the format itself matches."""
+def _named_shape(name: str, dims: tuple[int, ...], description: str, rank: int | tuple[int, ...] | None) -> Shape:
+    """A registered format at ``rank``, scaling the bonds the format itself matches.
+
+    Expert legs the format would scale are left out: the design fixes the number of experts.
+    """
     fmt = get_format(name)
-    matched = fmt.matched_bonds(fmt.build(dims, 2, 2, rank))
+    network = fmt.build(dims, 2, 2, rank)
+    matched = tuple(label for label in fmt.matched_bonds(network) if label in network.bonds)
     return Shape(name, dims, description, matched, _format_maker(name, dims, rank))
 
 
-def _format_maker(name: str, dims: tuple[int, ...], rank: int | tuple[int, ...]) -> Callable[[int, int], ExpertNetwork]:
+def _format_maker(
+    name: str, dims: tuple[int, ...], rank: int | tuple[int, ...] | None
+) -> Callable[[int, int], ExpertNetwork]:
     def make(i: int, o: int) -> ExpertNetwork:
         return get_format(name).build(dims, i, o, rank)
 
@@ -169,11 +195,28 @@ def _topologies(legs: list[str]) -> Iterator[tuple[str, str, tuple[tuple[str, st
         yield "tree", " ".join(f"{a}-{b}" for a, b in edges), edges
 
 
-def topology_shapes(expert_dims: tuple[int, ...], expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS) -> list[Shape]:
+def check_hadamard(hadamard: Sequence[str]) -> tuple[str, ...]:
+    """``hadamard`` as a tuple, or a ValueError naming the allowed values."""
+    allowed = ("o", "i", "io")
+    if isinstance(hadamard, str) or not isinstance(hadamard, Sequence) or any(h not in allowed for h in hadamard):
+        raise ValueError(
+            f"hadamard must be a sequence of {list(allowed)} (the physical legs the expert cores also hold), "
+            f"got {hadamard!r}"
+        )
+    return tuple(dict.fromkeys(hadamard))
+
+
+def topology_shapes(
+    expert_dims: tuple[int, ...],
+    expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
+    hadamard: Sequence[str] = HADAMARD_LEGS,
+) -> list[Shape]:
     """Generated chains, rings, stars and trees with one core per leg (see the module docstring).
 
     Every bond is scaled; and for each size ``s`` of ``expert_ranks``, the bonds of the expert
-    cores are fixed at ``s`` and the other bonds scaled (where some remain).
+    cores are fixed at ``s`` and the other bonds scaled (where some remain). Each of
+    ``hadamard`` (``"o"``, ``"i"``, ``"io"``) adds every topology again with those physical legs
+    also held by every expert core, a Hadamard (Khatri–Rao) factorisation along them.
     """
     legs = _legs(expert_dims)
     shapes = []
@@ -189,11 +232,15 @@ def topology_shapes(expert_dims: tuple[int, ...], expert_ranks: Sequence[int] = 
         free = tuple(b for b in bonds if b not in expert_bonds)
         if free and expert_bonds:
             policies += [(f" Rn={s}", free, s) for s in expert_ranks]
-        for suffix, scaled, fixed in policies:
-            sizes = {b: (SCALED if b in scaled else fixed) for b in bonds}
-            shapes.append(
-                Shape(family, expert_dims, f"{family} {description}{suffix}", scaled, _maker(cores, sizes, expert_dims))
-            )
+        expert_cores = {f"C_{leg}" for leg in legs if leg not in (INPUT_LEG, OUTPUT_LEG)}
+        for shared in ("", *check_hadamard(hadamard)):
+            extra = [leg for leg in (INPUT_LEG, OUTPUT_LEG) if leg in shared]
+            held = {core: labels + extra if core in expert_cores else labels for core, labels in cores.items()}
+            mark = f" ⊙{shared}" if shared else ""
+            for suffix, scaled, fixed in policies:
+                sizes = {b: (SCALED if b in scaled else fixed) for b in bonds}
+                label = f"{family} {description}{suffix}{mark}"
+                shapes.append(Shape(family, expert_dims, label, scaled, _maker(held, sizes, expert_dims)))
     return shapes
 
 
@@ -207,24 +254,27 @@ def _maker(
 
 
 def signature_graph(network: ExpertNetwork, scaled: Iterable[str] = ()) -> nx.Graph:
-    """A graph of ``network`` for isomorphism tests: cores and bonds as nodes, legs as attributes.
+    """A graph of ``network`` for isomorphism tests: cores, bonds and physical legs as nodes.
 
-    A core's attribute is the multiset of its physical legs (expert legs by size only, so modes
-    of equal size are interchangeable); a bond's is its size, or ``"scaled"``.
+    Every label is one node joined to each core that holds it, so a physical leg shared by
+    several cores (a Hadamard factorisation) is a hyperedge of the graph. A bond's attribute is
+    its size, or ``"scaled"``; a physical leg's is its name (``i``, ``o``), an expert leg's its
+    size only, so expert modes of equal size are interchangeable.
     """
     scaled = set(scaled)
     graph = nx.Graph()
+    experts = set(network.expert_legs)
     for core, labels in network.cores.items():
-        legs = sorted(
-            ("n", network.sizes[label]) if label.startswith("n") and label not in network.bonds else (label, 0)
-            for label in labels
-            if label not in network.bonds
-        )
-        _node(graph, ("core", core), ("core", tuple(legs)))
-        for bond in labels:
-            if bond in network.bonds:
-                _node(graph, ("bond", bond), ("bond", "scaled" if bond in scaled else network.sizes[bond]))
-                graph.add_edge(("core", core), ("bond", bond))
+        _node(graph, ("core", core), ("core",))
+        for label in labels:
+            if label in network.bonds:
+                kind: tuple[object, ...] = ("bond", "scaled" if label in scaled else network.sizes[label])
+            elif label in experts:
+                kind = ("leg", "n", network.sizes[label])
+            else:
+                kind = ("leg", label)
+            _node(graph, ("label", label), kind)
+            graph.add_edge(("core", core), ("label", label))
     return graph
 
 
@@ -262,6 +312,7 @@ def search_space(
     families: Sequence[str] = FAMILIES,
     expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
     topology_modes: int = 2,
+    hadamard: Sequence[str] = HADAMARD_LEGS,
 ) -> list[Shape]:
     """Every shape of the search, deduplicated.
 
@@ -278,6 +329,9 @@ def search_space(
     topology_modes : int, optional
         Generated topologies only for factorizations with at most this many modes (default 2:
         their number grows factorially with the legs).
+    hadamard : Sequence[str], optional
+        Hadamard variants of the generated topologies: the physical legs their expert cores also
+        hold (default ``("o", "i")``; ``()`` for none).
 
     Returns
     -------
@@ -288,6 +342,7 @@ def search_space(
         raise ValueError(f"families must be a non-empty selection of {list(FAMILIES)}, got {list(families)}")
     for size in expert_ranks:
         check_size("expert_ranks", size)
+    hadamard = check_hadamard(hadamard)
     if isinstance(n_experts, int):
         factorizations = expert_factorizations(n_experts, max_modes)
     else:
@@ -296,5 +351,5 @@ def search_space(
     for dims in factorizations:
         shapes += [s for s in named_shapes(dims, expert_ranks) if s.family in families]
         if len(dims) <= topology_modes:
-            shapes += [s for s in topology_shapes(dims, expert_ranks) if s.family in families]
+            shapes += [s for s in topology_shapes(dims, expert_ranks, hadamard) if s.family in families]
     return deduplicate(shapes)

@@ -64,3 +64,14 @@ def test_design_errors_are_one_line(capsys, args, message):
     assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and message in captured.err, captured.err
+
+
+def test_design_searches_mxd_and_hadamard_variants_on_request(capsys):
+    assert main([*SMALL, "--budget", "852", "--families", "mxd", "chain", "--hadamard", "o", "--json", "--all"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    structures = {p["structure"] for p in data["points"]}
+    assert "mxd" in structures and data["best"] == "mxd"
+    assert any(s.endswith("⊙o") for s in structures) and not any(s.endswith("⊙i") for s in structures)
+    assert data["config"]["hadamard"] == ["o"]
+    assert main([*SMALL, "--families", "chain", "--hadamard", "--json", "--all"]) == 0
+    assert not any("⊙" in p["structure"] for p in json.loads(capsys.readouterr().out)["points"])

@@ -89,6 +89,10 @@ def test_materialize_matches_tensorly(network):
             factors = [cores[f"G_{leg}"] for leg in legs]
             factors[0], factors[-1] = factors[0][None], factors[-1][..., None]
             reference = tl.tt_to_tensor(factors)
+        elif network.name == "mxd":  # W[n1…nE, i, o] = D[i, o] · Π_e C_ne[ne, o], a Khatri–Rao product along o
+            reference = cores["D"]
+            for leg in reversed(network.expert_legs):
+                reference = cores[f"C_{leg}"].reshape(-1, *[1] * (reference.ndim - 1), reference.shape[-1]) * reference
         else:
             reference = tl.tucker_to_tensor((cores["core"], [cores[f"U_{leg}"] for leg in legs]))
     torch.testing.assert_close(materialize(network, cores), reference)

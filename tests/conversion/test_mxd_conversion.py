@@ -60,8 +60,11 @@ def test_mxd_conversion_trains_saves_and_reloads_bitwise(family, tmp_path):
     loaded = load_converted(cls, tmp_path)
     assert conversion_record(loaded) == conversion_record(model)
     assert [type(m) for m in loaded.modules()] == [type(m) for m in model.modules()]
+    stock = cls.from_pretrained(tmp_path).eval()  # the registered hook rebuilds the decoder blocks
+    assert [type(m) for m in stock.modules()] == [type(m) for m in model.modules()]
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+        assert torch.equal(stock(tokens).logits, model(tokens).logits)
 
 
 def test_matched_mxd_conversion_narrows_the_hidden_layer():

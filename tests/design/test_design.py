@@ -187,3 +187,75 @@ def test_the_search_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _mxd_params(in_features: int, out_features: int, dims: tuple[int, ...]) -> int:
+    """MxD written out: D (I+1) × O, one N_e × O matrix per mode, an I × N_e gate per mode."""
+    return (in_features + 1) * out_features + sum(dims) * out_features + in_features * sum(dims)
+
+
+def test_mxd_is_searched_at_its_fixed_number_of_experts():
+    from mumoe_tn.design.search import FIXED_MISS
+
+    flat, hierarchical = _mxd_params(24, 20, (8,)), _mxd_params(24, 20, (4, 2))
+    assert (flat, hierarchical) == (852, 764)
+    result = design(**SMALL, budget=flat, progress=False)
+    (point,) = [p for p in result.points if p.family == "mxd"]
+    assert point.network.to_spec() == "D: i o, C_n1: n1 o" and point.network.expert_dims == (8,)
+    assert point.params == flat and point.ranks == "—"
+    assert point.rank_bound == 20  # min(I + 1, O): every expert is full rank
+    assert result.best_point is point  # no other point reaches rank 20 at this budget
+    assert result.config["dropped"][FIXED_MISS] == 1  # the hierarchical one, 10 % below
+    # hierarchical MxD: 4 × 2 and 2 × 4 are one network; kept at its own budget
+    result = design(**SMALL, budget=hierarchical, progress=False)
+    (point,) = [p for p in result.points if p.family == "mxd"]
+    assert point.structure == "hierarchical mxd" and sorted(point.network.expert_dims) == [2, 4]
+    assert point.network.to_spec() == "D: i o, C_n1: n1 o, C_n2: n2 o" and point.params == hierarchical
+    # far from the budget: refused with the reason, never rescaled to other experts
+    result = design(**SMALL, budget=0.6, progress=False)
+    assert not [p for p in result.points if p.family == "mxd"]
+    assert result.config["dropped"][FIXED_MISS] == 2
+
+
+def test_hadamard_topologies_hold_the_shared_legs_in_every_expert_core():
+    plain = topology_shapes((4, 2), (2,), hadamard=())
+    shapes = topology_shapes((4, 2), (2,), hadamard=("o", "i", "io"))
+    assert len(shapes) == 4 * len(plain)
+    for shape in shapes:
+        net = shape.make(7, 5)
+        shared = shape.label.split("⊙")[1] if "⊙" in shape.label else ""
+        for leg, size in (("i", 7), ("o", 5)):
+            holders = set(net.cores_with(leg))
+            experts = {core for core, labels in net.cores.items() if any(label.startswith("n") for label in labels)}
+            if leg in shared:
+                assert holders == experts | {f"C_{leg}"}, (shape.label, net.to_spec())
+            else:
+                assert holders == {f"C_{leg}"}, (shape.label, net.to_spec())
+            assert net.sizes[leg] == size
+    with pytest.raises(ValueError, match=r"hadamard must be a sequence of \['o', 'i', 'io'\].*got \['x'\]"):
+        design(**SMALL, hadamard=["x"], progress=False)
+
+
+def test_deduplication_tells_apart_which_cores_share_a_leg():
+    from mumoe_tn.design.space import Shape, deduplicate
+
+    sizes = {"n1": 3, "n2": 3, "i": 5, "o": 4, "x": 2}
+    # the same legs per core, but n1 joins A to the input core in one and to the other output core in the other
+    a = ExpertNetwork({"A": "n1 o", "B": "n1 i x", "C": "n2 o x"}, sizes)
+    b = ExpertNetwork({"A": "n1 o", "B": "n2 i x", "C": "n1 o x"}, sizes)
+    # a relabelling of a (cores renamed, expert modes swapped)
+    c = ExpertNetwork({"P": "n2 i x", "Q": "n1 o x", "R": "n2 o"}, sizes)
+    shapes = [
+        Shape("x", (3, 3), name, (), lambda i, o, net=net: net) for name, net in zip("abc", (a, b, c), strict=True)
+    ]
+    assert [s.label for s in deduplicate(shapes)] == ["a", "b"]
+
+
+def test_hadamard_points_meet_the_budget_and_are_on_the_front_where_they_should_be():
+    result = design(**SMALL, budget=0.9, families=("chain", "star"), progress=False)
+    hadamard = [p for p in result.points if "⊙" in p.structure]
+    assert hadamard
+    for point in hadamard:
+        assert point.params == _by_hand(point.network, 24)
+        assert point.network.shared_legs
+    assert {p.objectives() for p in result.front} == _naive_front({p.objectives() for p in result.points})
