@@ -365,6 +365,19 @@ def _parser() -> argparse.ArgumentParser:
         ),
         positive=_positive,
     )
+    from mumoe_tn.experiments.frontier import configure_parser as configure_distill
+
+    configure_distill(
+        commands.add_parser(
+            "distill",
+            help="distil a model's MLP blocks into μMoE blocks and transcoders: the sparsity-accuracy frontier",
+            description="Distils each MLP block of a causal language model into sparse replacements (μMoE blocks of "
+            "any format, flat or hierarchical, TopK transcoders and skip transcoders) at one parameter budget and "
+            "several sparsities L0, on streamed activations, then measures L0, normalised MSE, explained variance, "
+            "next-token cross-entropy clean / spliced / zero-ablated and the CE-loss score on held-out text. Without "
+            "--model a GPT-2-shaped model is built and trained on Python's pydoc_data first (needs the hf extra).",
+        )
+    )
     for command in commands.choices.values():  # --import may also stand after the command
         command.add_argument(
             "--import", dest="modules", action="append", default=argparse.SUPPRESS, metavar="MODULE",
@@ -581,6 +594,15 @@ def _design(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _distill(args: argparse.Namespace) -> int:
+    _check_plot(args.plot, "plot")
+    if importlib.util.find_spec("transformers") is None:
+        raise UsageError("distill needs transformers: pip install 'mumoe_tn[hf]'")
+    from mumoe_tn.experiments.frontier import run
+
+    return run(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``mumoe-tn`` command; returns the exit status (2 for any error, printed as one line)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -597,6 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "specialisation": _specialisation,
         "design": _design,
         "explore": _explore,
+        "distill": _distill,
     }
     with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is shown
         try:

@@ -10,6 +10,10 @@
 - [`record`][mumoe_tn.conversion.record] and [`checkpoints`][mumoe_tn.conversion.checkpoints]: the conversion as
   plain data, saved with the weights, so a converted model reloads as itself.
 - [`interop`][mumoe_tn.conversion.interop]: tensorly-torch factorized tensors.
+- [`distill`][mumoe_tn.conversion.distill], [`streaming`][mumoe_tn.conversion.streaming],
+  [`replacements`][mumoe_tn.conversion.replacements] and [`faithfulness`][mumoe_tn.conversion.faithfulness]:
+  MLP blocks of a trained model distilled into sparse replacements (μMoE blocks, transcoders) on
+  streamed activations, spliced in and measured (L0, normalised MSE, CE-loss score).
 """
 
 from mumoe_tn.conversion.adapters import LayerAdapter, LinearView, linear_view, register_adapter
@@ -23,13 +27,19 @@ from mumoe_tn.conversion.convert import (
     find_mlp_blocks,
     is_causal_model,
 )
+from mumoe_tn.conversion.distill import Distillation, distill, normalised_mse, splice, spliced
+from mumoe_tn.conversion.faithfulness import evaluate_replacements
 from mumoe_tn.conversion.record import ConversionRecord, ConvertedModule
+from mumoe_tn.conversion.replacements import mumoe_factory, transcoder_factory
+from mumoe_tn.conversion.streaming import BlockInfo, select_blocks
 from mumoe_tn.conversion.upcycling import UpcycleWarning, decompose_dense, upcycle_experts, upcycle_linear
 
 __all__ = [
+    "BlockInfo",
     "ConversionRecord",
     "ConversionReport",
     "ConvertedModule",
+    "Distillation",
     "LayerAdapter",
     "LinearView",
     "Replacement",
@@ -38,12 +48,20 @@ __all__ = [
     "conversion_record",
     "convert",
     "decompose_dense",
+    "distill",
+    "evaluate_replacements",
     "find_mlp_blocks",
     "is_causal_model",
     "linear_view",
     "load_converted",
+    "mumoe_factory",
+    "normalised_mse",
     "register_adapter",
     "save_converted",
+    "select_blocks",
+    "splice",
+    "spliced",
+    "transcoder_factory",
     "upcycle_experts",
     "upcycle_linear",
 ]

@@ -9,6 +9,8 @@
   [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP], drop-ins for MLP blocks.
 - [`decoders`][mumoe_tn.layers.decoders]: [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders], an MLP
   block with a dense encoder and a μMoE decoder (the Mixture of Decoders layer, GLU variant too).
+- [`transcoders`][mumoe_tn.layers.transcoders]: [`Transcoder`][mumoe_tn.layers.transcoders.Transcoder], the
+  TopK/ReLU (skip) transcoder a distilled μMoE block is compared with.
 - [`options`][mumoe_tn.layers.options] and [`init`][mumoe_tn.layers.init]: the arguments every layer shares,
   and the initialisation of any network's cores.
 """
@@ -19,6 +21,7 @@ from mumoe_tn.layers.experts import COMPILE_PLAN_BATCH, FactorizedExperts
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP, gated_mlp_parameters
 from mumoe_tn.layers.moe import MuMoE
 from mumoe_tn.layers.options import resolve_network
+from mumoe_tn.layers.transcoders import Transcoder
 
 __all__ = [
     "COMPILE_PLAN_BATCH",
@@ -29,6 +32,7 @@ __all__ = [
     "MuMoEBase",
     "MuMoEGatedMLP",
     "MuMoEMLP",
+    "Transcoder",
     "decoder_block_parameters",
     "gated_mlp_parameters",
     "resolve_network",
