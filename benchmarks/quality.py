@@ -122,7 +122,8 @@ def load(out: Path) -> list[dict]:
                 runs[run["model"]][run["seed"]] = run
         order = {name: k for k, name in enumerate(example_variants(study["example"]))}
         ordered = dict(sorted(runs.items(), key=lambda item: order.get(item[0], len(order))))
-        studies.append({**study, "name": path.parent.name, "runs": ordered})
+        if ordered:  # a study planned but not yet run has nothing to report
+            studies.append({**study, "name": path.parent.name, "runs": ordered})
     return studies
 
 
@@ -198,22 +199,18 @@ def study_markdown(study: dict, baseline: dict | None) -> list[str]:
     gap_unit = "% of the MLP's loss" if not settings["higher"] else "accuracy points"
     title = f"`{study['example']}`, {_length(study)}" + (f", `{study['factor']}`" if study["factor"] else "")
     lines = [f"**{title}** — seeds {', '.join(map(str, seeds))}", ""]
-    header = [
-        "model",
-        "params",
-        "MLP-block params",
-        f"{settings['name']} (mean ± std)",
-        f"gap to MLP ({gap_unit}, 95 % CI)",
-    ]
+    blocks = any(row["block_params"] is not None for row in rows)
+    header = ["model", "params", *(["MLP-block params"] if blocks else [])]
+    header += [f"{settings['name']} (mean ± std)", f"gap to MLP ({gap_unit}, 95 % CI)"]
     if study["factor"]:
         header.append("change vs defaults (paired, 95 % CI)")
     header.append("steps/s")
     lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for row in rows:
-        block = "—" if row["block_params"] is None else f"{row['block_params']:,}"
+        block = ["—" if row["block_params"] is None else f"{row['block_params']:,}"] if blocks else []
         unit = " %" if not settings["higher"] else " pt"
         scale = 1.0 if not settings["higher"] else 100.0
-        cells = [row["variant"], f"{row['params']:,}", block, f"{row['mean']:.4f} ± {row['std']:.4f}"]
+        cells = [row["variant"], f"{row['params']:,}", *block, f"{row['mean']:.4f} ± {row['std']:.4f}"]
         cells.append(fmt_interval(_scaled(row.get("gap"), scale), unit) if row["variant"] != REFERENCE else "—")
         if study["factor"]:
             cells.append(fmt_interval(_scaled(row.get("change"), scale), unit))
