@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from benchmarks import report
 from benchmarks.quality_jobs import EXAMPLES, Job, run_jobs, slug
@@ -68,12 +69,50 @@ STEP_MS = {
 
 
 @functools.cache
-def example_variants(example: str) -> tuple[str, ...]:
-    """The variant names of an example's ``VARIANTS`` (the MLP first)."""
+def example_module(example: str) -> Any:
+    """The example's module, imported from ``examples/``."""
     spec = importlib.util.spec_from_file_location(f"_quality_{example}", EXAMPLES / f"{example}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return tuple(module.VARIANTS)
+    return module
+
+
+def example_variants(example: str) -> tuple[str, ...]:
+    """The variant names of an example's ``VARIANTS`` (the MLP first)."""
+    return tuple(example_module(example).VARIANTS)
+
+
+def budget_markdown(width: int = 64) -> list[str]:
+    """Where each char-GPT block's parameters go: gate, expert-mode cores, the other cores; the bond sizes."""
+    from mumoe_tn.layers.base import MuMoEBase
+    from mumoe_tn.layers.experts import FactorizedExperts
+    from mumoe_tn.network import is_expert_leg
+
+    module = example_module("char_gpt")
+    lines = [
+        "| block | params | gate | expert-mode cores | other cores | bond sizes (first layer) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, make in module.VARIANTS.items():
+        block = make(width)
+        total = sum(p.numel() for p in block.parameters())
+        if not isinstance(block, MuMoEBase):
+            lines.append(f"| {name} | {total:,} | — | — | — | hidden {4 * width} |")
+            continue
+        gate = sum(p.numel() for p in block.gate.parameters())
+        expert = other = 0
+        layers = [m for m in block.modules() if isinstance(m, FactorizedExperts)]
+        for layer in layers:
+            for core_name, core in layer.cores.items():
+                if any(is_expert_leg(label) for label in layer.network.cores[core_name]):
+                    expert += core.numel()
+                else:
+                    other += core.numel()
+        network = layers[0].network
+        bonds = ", ".join(f"{bond}={network.sizes[bond]}" for bond in network.bonds)
+        cells = [f"{total:,}", f"{gate:,} ({100 * gate / total:.0f} %)", f"{expert:,}", f"{other:,}", bonds]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def study_name(example: str, length: int | None, factor: str) -> str:
@@ -253,6 +292,9 @@ def markdown(studies: list[dict], machine: str) -> str:
         "differences with its Student-t 95 % interval); steps/s is the median training step of one thread, "
         "two runs sharing the machine. The paper's GPT-2 gaps: CP +0.6 %, TR +0.35 %.", "",
     ]  # fmt: skip
+    if any(s["example"] == "char_gpt" for s in studies):
+        lines += ['**Where the char-GPT blocks\' parameters go** (`match="mlp"`, width 64; per block)', ""]
+        lines += budget_markdown()
     for example in EXAMPLE_SETTINGS:
         own = [s for s in studies if s["example"] == example]
         for study in sorted(own, key=lambda s: (bool(s["factor"]), -(s["length"] or 0), s["factor"])):
