@@ -55,6 +55,23 @@ REFERENCE = "MLP"
 #: The paper's GPT-2 (OpenWebText) gaps to the MLP, in % of its validation loss.
 PAPER_GAPS = {"cp": 0.6, "tr": 0.35}
 
+
+def paper_gap(variant: str) -> float | None:
+    """The paper's gap for a variant's format (named first in the variant, e.g. ``CP μMoE (…)``), if it has one."""
+    return PAPER_GAPS.get(variant.split()[0].lower())
+
+
+def verdict(gap: Interval, paper: float) -> str:
+    """Where a measured gap stands against the paper's."""
+    if gap.mean <= paper:
+        return "within the paper's gap"
+    if math.isnan(gap.low):
+        return "above the paper's gap (one seed)"
+    if gap.low <= paper:
+        return "mean above the paper's gap; the interval reaches it"
+    return "above the paper's gap"
+
+
 #: Per example: the metric, whether higher is better, the training-length option and its full default.
 EXAMPLE_SETTINGS = {
     "char_gpt": {"metric": "val_loss", "name": "validation loss", "higher": False, "length": "steps", "full": 2400},
@@ -264,6 +281,20 @@ def _scaled(interval: Interval | None, scale: float) -> Interval | None:
     return Interval(interval.mean * scale, interval.low * scale, interval.high * scale, interval.n)
 
 
+def paper_markdown(study: dict) -> list[str]:
+    """The gaps of the formats the paper measured (and of the same formats' other shapes) against its gaps."""
+    rows = [row for row in summarise(study) if row.get("gap") is not None and paper_gap(row["variant"]) is not None]
+    if not rows:
+        return []
+    lines = [f"**Against the paper's GPT-2 gaps** ({_length(study)})", ""]
+    lines += ["| model | gap to MLP (95 % CI) | paper | verdict |", "|---|---:|---:|---|"]
+    for row in rows:
+        paper = paper_gap(row["variant"])
+        cells = [fmt_interval(row["gap"]), f"+{paper} %", verdict(row["gap"], paper)]
+        lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def length_markdown(studies: list[dict], example: str) -> list[str]:
     """The paired gap to the MLP of every variant at every stored training length (separate runs)."""
     chosen = sorted(
@@ -283,6 +314,11 @@ def length_markdown(studies: list[dict], example: str) -> list[str]:
     return [*lines, ""]
 
 
+def own_longest(studies: list[dict]) -> dict | None:
+    """The longest study without a factor."""
+    return max((s for s in studies if not s["factor"]), key=lambda s: s["length"] or 0, default=None)
+
+
 def markdown(studies: list[dict], machine: str) -> str:
     """The whole report."""
     lines = [
@@ -299,6 +335,8 @@ def markdown(studies: list[dict], machine: str) -> str:
         own = [s for s in studies if s["example"] == example]
         for study in sorted(own, key=lambda s: (bool(s["factor"]), -(s["length"] or 0), s["factor"])):
             lines += study_markdown(study, baseline_of(study, studies) if study["factor"] else None)
+            if example == "char_gpt" and not study["factor"] and study is own_longest(own):
+                lines += paper_markdown(study)
         table = length_markdown(studies, example)
         if table:
             lines += [f"**`{example}`: the gap to the MLP against training length** (separate runs)", "", *table]

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import quality  # noqa: E402
 from benchmarks.quality_jobs import slug  # noqa: E402
-from benchmarks.quality_stats import mean_std, paired_differences, t_interval  # noqa: E402
+from benchmarks.quality_stats import Interval, mean_std, paired_differences, t_interval  # noqa: E402
 
 # Student-t quantiles t_{0.975, df} from a printed table (df = 1, 2, 4).
 T_TABLE = {1: 12.706, 2: 4.303, 4: 2.776}
@@ -212,3 +212,12 @@ def test_quick_benchmark_runs_in_parallel_and_reports_the_paired_gap(tmp_path, c
     capsys.readouterr()
     assert quality.main(argv) == 0  # a second run finds every run stored and trains nothing
     assert "2 runs, 2 already stored" in capsys.readouterr().out
+
+
+def test_verdict_against_the_papers_gaps():
+    assert quality.paper_gap("CP μMoE (32×32×32×32 experts)") == 0.6
+    assert quality.paper_gap("TR μMoE (64 experts)") == 0.35
+    assert quality.paper_gap("TT μMoE (64 experts)") is None and quality.paper_gap("MLP") is None
+    assert quality.verdict(Interval(0.5, -0.1, 1.1, 3), 0.6) == "within the paper's gap"
+    assert quality.verdict(Interval(1.0, 0.2, 1.8, 3), 0.6) == "mean above the paper's gap; the interval reaches it"
+    assert quality.verdict(Interval(2.0, 1.0, 3.0, 3), 0.6) == "above the paper's gap"
