@@ -95,12 +95,14 @@ def mlp_block(width: int) -> nn.Module:
 CAUSAL_GATE = {"gate_norm": "layer"}
 
 
-def mumoe(expert_dims: int | tuple[int, ...], decomposition: str) -> Callable[..., nn.Module]:
-    """A factory of parameter-matched μMoE blocks ``w → 4w → w`` (extra keywords reach ``MuMoEMLP``)."""
+def mumoe(
+    expert_dims: int | tuple[int, ...], decomposition: str, block: Callable[..., nn.Module] = MuMoEMLP
+) -> Callable[..., nn.Module]:
+    """A factory of parameter-matched μMoE blocks ``w → 4w → w`` (extra keywords reach ``block``)."""
 
     def make(width: int, **options) -> nn.Module:
         options = {**CAUSAL_GATE, "match": "mlp", **options}  # e.g. match=None, rank=28 for fixed ranks
-        return MuMoEMLP(width, 4 * width, width, expert_dims, decomposition, **options)
+        return block(width, 4 * width, width, expert_dims, decomposition, **options)
 
     return make
 
