@@ -295,6 +295,23 @@ def paper_markdown(study: dict) -> list[str]:
     return [*lines, ""]
 
 
+def curve_markdown(study: dict, columns: int = 6) -> list[str]:
+    """The paired gap to the MLP at evenly spaced evaluations along the run (its learning curves)."""
+    gaps = curve_gaps(study)
+    if not gaps:
+        return []
+    steps = next(iter(gaps.values()))[0]
+    stride = max(1, len(steps) // columns)
+    chosen = steps[::-stride][:columns][::-1]  # evenly spaced, ending at the last step
+    lines = [f"**The gap to the MLP along the {_length(study)} run** (paired, mean over seeds)", ""]
+    lines += ["| model | " + " | ".join(f"step {step:,}" for step in chosen) + " |"]
+    lines.append("|---|" + "---:|" * len(chosen))
+    for variant, (at, intervals) in gaps.items():
+        by_step = dict(zip(at, intervals, strict=True))
+        lines.append(f"| {variant} | " + " | ".join(f"{by_step[step].mean:+.2f} %" for step in chosen) + " |")
+    return [*lines, ""]
+
+
 def length_markdown(studies: list[dict], example: str) -> list[str]:
     """The paired gap to the MLP of every variant at every stored training length (separate runs)."""
     chosen = sorted(
@@ -337,6 +354,7 @@ def markdown(studies: list[dict], machine: str) -> str:
             lines += study_markdown(study, baseline_of(study, studies) if study["factor"] else None)
             if example == "char_gpt" and not study["factor"] and study is own_longest(own):
                 lines += paper_markdown(study)
+                lines += curve_markdown(study)
         table = length_markdown(studies, example)
         if table:
             lines += [f"**`{example}`: the gap to the MLP against training length** (separate runs)", "", *table]
