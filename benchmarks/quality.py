@@ -303,7 +303,7 @@ def curve_markdown(study: dict, columns: int = 6) -> list[str]:
     steps = next(iter(gaps.values()))[0]
     stride = max(1, len(steps) // columns)
     chosen = steps[::-stride][:columns][::-1]  # evenly spaced, ending at the last step
-    lines = [f"**The gap to the MLP along the {_length(study)} run** (paired, mean over seeds)", ""]
+    lines = [f"**The gap to the MLP along the run of {_length(study)}** (paired, mean over seeds)", ""]
     lines += ["| model | " + " | ".join(f"step {step:,}" for step in chosen) + " |"]
     lines.append("|---|" + "---:|" * len(chosen))
     for variant, (at, intervals) in gaps.items():

@@ -221,3 +221,17 @@ def test_verdict_against_the_papers_gaps():
     assert quality.verdict(Interval(0.5, -0.1, 1.1, 3), 0.6) == "within the paper's gap"
     assert quality.verdict(Interval(1.0, 0.2, 1.8, 3), 0.6) == "mean above the paper's gap; the interval reaches it"
     assert quality.verdict(Interval(2.0, 1.0, 3.0, 3), 0.6) == "above the paper's gap"
+
+
+def test_the_gap_along_the_run_is_paired_at_every_evaluation():
+    def run(seed, losses):
+        curve = [[100 * (k + 1), loss] for k, loss in enumerate(losses)]
+        return {"val_loss": losses[-1], "seed": seed, "params": 1, "steps_per_s": 1.0, "curve": curve}
+
+    mlp = {0: run(0, [4.0, 2.0]), 1: run(1, [2.0, 1.0])}
+    cp = {0: run(0, [4.4, 2.02]), 1: run(1, [2.0, 1.03])}  # +10 %, 0 %; then +1 %, +3 %
+    study = _study("char_gpt", {"MLP": mlp, "CP": cp})
+    steps, intervals = quality.curve_gaps(study)["CP"]
+    assert steps == [100, 200] and [i.mean for i in intervals] == pytest.approx([5.0, 2.0])
+    table = "\n".join(quality.curve_markdown(study, columns=2))
+    assert "| step 100 | step 200 |" in table and "| CP | +5.00 % | +2.00 % |" in table
