@@ -433,7 +433,8 @@ def update_docs(text: str, page: Path, image: str) -> bool:
     page_text = page.read_text()
     if start not in page_text or end not in page_text:
         return False
-    body = text.split("\n", 2)[2]  # without the report's own heading
+    body = text.split("\n", 4)[4]  # without the report's own heading and first line
+    body = f"`{COMMAND}` regenerates this block, `benchmarks/quality-cpu.md` and the plot.\n\n" + body
     before, rest = page_text.split(start, 1)
     page.write_text(before + start + "\n\n" + body + f"\n![learning curves and gap to the MLP]({image})\n\n" + end
                     + rest.split(end, 1)[1])  # fmt: skip
