@@ -8,6 +8,7 @@ Run from the repository root::
     python -m benchmarks.run --only inference latency generation   # eval-mode inference and generation
     python -m benchmarks.run --only scale      # every format, 2^8 … 2^24 experts: time, memory, planning grid
     python -m benchmarks.run --optimize optimal # the path optimizer handed to every μMoE (optimize=)
+    python -m benchmarks.run --only quality     # training quality over seeds (python -m benchmarks.quality)
 
 Each row prints as soon as it is measured and each finished section is saved at once, so an
 interrupted run keeps what it measured. Peers come with ``pip install -e ".[bench]"``.
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from benchmarks import report
+from benchmarks import quality, report
 from benchmarks.baselines import PEER_MODULES, PEER_PACKAGES, Case, count_params, fp32_bytes, missing_package
 from benchmarks.measure import MemoryProbe, Runner, Timing, alternate
 from benchmarks.scale import extras as scale_extras
@@ -165,8 +166,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """Command-line arguments."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="NAME",
-                        help=f"sections to run, of {', '.join(SECTIONS)} (default all)")  # fmt: skip
+    parser.add_argument("--only", nargs="+", choices=(*SECTIONS, "quality"), default=list(SECTIONS), metavar="NAME",
+                        help=f"sections to run, of {', '.join(SECTIONS)} (default all) and quality (training "
+                        "quality over seeds, about 30 minutes: python -m benchmarks.quality)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; 1 with --quick)")
@@ -188,6 +190,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the selected sections and write the results."""
     args = parse(argv)
+    if "quality" in args.only:
+        code = quality.main(["--quick"] if args.quick else [])
+        args.only = [name for name in args.only if name != "quality"]
+        if not args.only:
+            return code
     given = sys.argv[1:] if argv is None else argv
     command = " ".join([COMMAND, *given])
     args.command = command

@@ -4,6 +4,12 @@ The digits ship inside scikit-learn (nothing is downloaded). Images are cut into
 (16 tokens); every token-mixing and channel-mixing MLP is either a plain MLP or a μMoE block
 with 16 experts, parameter-matched to it. Prints parameters and test accuracy per model.
 
+``--seeds 0 1 2`` trains every model once per seed. A seed fixes the initialisation and the
+order of the training batches; the train/test split is the same for every run, and the parts
+every model shares (patch embedding, norms, head) start alike for one seed whatever the MLPs are.
+``--json PATH`` writes every run; ``python -m benchmarks.quality`` runs this example over models
+and seeds in parallel processes and reports means and intervals.
+
 Each model's row prints as soon as it has trained. Run: ``python examples/mixer_digits.py``
 (about a minute on 2 CPU cores); ``--quick`` for a run of seconds. ``mumoe-tn explore
 examples/mixer_digits.py:explorer`` trains the CP variant and writes the expert explorer's page.
@@ -12,7 +18,10 @@ examples/mixer_digits.py:explorer`` trains the CP variant and writes the expert 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,11 +54,14 @@ def mlp(width: int, hidden: int) -> nn.Module:
 
 
 class MixerLayer(nn.Module):
-    def __init__(self, tokens: int, channels: int, make_mlp) -> None:
+    def __init__(self, tokens: int, channels: int, make_mlp, seed: int = 0) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(channels), nn.LayerNorm(channels)
-        self.token_mlp = make_mlp(tokens, 4 * tokens)
-        self.channel_mlp = make_mlp(channels, 4 * channels)
+        # The MLPs draw from a stream of their own, so the shared parts start alike for every model.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.token_mlp = make_mlp(tokens, 4 * tokens)
+            self.channel_mlp = make_mlp(channels, 4 * channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.token_mlp(self.norm1(x).transpose(1, 2)).transpose(1, 2)
@@ -57,10 +69,14 @@ class MixerLayer(nn.Module):
 
 
 class Mixer(nn.Module):
-    def __init__(self, make_mlp, tokens: int = 16, patch: int = 4, channels: int = 32, depth: int = 2) -> None:
+    def __init__(
+        self, make_mlp, tokens: int = 16, patch: int = 4, channels: int = 32, depth: int = 2, seed: int = 0
+    ) -> None:
         super().__init__()
+        torch.manual_seed(seed)
         self.embed = nn.Linear(patch, channels)
-        self.layers = nn.Sequential(*(MixerLayer(tokens, channels, make_mlp) for _ in range(depth)))
+        layer_seeds = [1_000_003 * (seed + 1) + layer for layer in range(depth)]
+        self.layers = nn.Sequential(*(MixerLayer(tokens, channels, make_mlp, s) for s in layer_seeds))
         self.norm = nn.LayerNorm(channels)
         self.head = nn.Linear(channels, 10)
 
@@ -75,29 +91,32 @@ VARIANTS = {
 }
 
 
-def run(name: str, make_mlp, data, args: argparse.Namespace) -> dict:
-    torch.manual_seed(0)
+def run(name: str, make_mlp, data, args: argparse.Namespace, seed: int = 0) -> dict:
     x_train, y_train, x_test, y_test = data
-    model = Mixer(make_mlp)
+    model = Mixer(make_mlp, seed=seed)
+    shuffle = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, args.lr, total_steps=args.epochs * ((len(y_train) + args.batch - 1) // args.batch)
     )
     start = time.perf_counter()
     epoch_losses = []
-    progress = tqdm(range(args.epochs), desc=name, leave=False)
+    step_seconds = []
+    progress = tqdm(range(args.epochs), desc=f"{name} seed {seed}", leave=False)
     for _ in progress:
-        order = torch.randperm(len(y_train))
+        order = torch.randperm(len(y_train), generator=shuffle)
         losses = []
         for k in range(0, len(order), args.batch):
             chosen = order[k : k + args.batch]
             if len(chosen) < 2:  # BatchNorm gates need two or more samples
                 continue
+            tic = time.perf_counter()
             loss = F.cross_entropy(model(patches(x_train[chosen])), y_train[chosen])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             schedule.step()
+            step_seconds.append(time.perf_counter() - tic)
             losses.append(loss.item())
         epoch_losses.append(sum(losses) / len(losses))
         progress.set_postfix(loss=f"{epoch_losses[-1]:.3f}", refresh=False)  # shown with the epoch count
@@ -106,9 +125,11 @@ def run(name: str, make_mlp, data, args: argparse.Namespace) -> dict:
         accuracy = (model(patches(x_test)).argmax(-1) == y_test).float().mean().item()
     return {
         "model": name,
+        "seed": seed,
         "params": sum(p.numel() for p in model.parameters()),
         "accuracy": accuracy,
         "epoch_losses": epoch_losses,
+        "steps_per_s": 1.0 / statistics.median(step_seconds),
         "seconds": time.perf_counter() - start,
         "trained": model,
     }
@@ -141,20 +162,41 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], metavar="SEED",
+                        help="train every model once per seed (default 0)")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write every run here")
     parser.add_argument("--quick", action="store_true", help="3 epochs: a run of seconds")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
     args = parser.parse_args(argv)
+    for option in ("epochs", "batch", "threads"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+    if any(seed < 0 for seed in args.seeds) or len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds}")
     if args.quick:
         args.epochs = 3
     torch.set_num_threads(args.threads)
     data = load_digits()
     print(f"digits: {len(data[1])} train / {len(data[3])} test images, {args.epochs} epochs")
-    print("\n| model | params | test accuracy | time (s) |\n|---|---:|---:|---:|", flush=True)
+    print("\n| model | seed | params | test accuracy | time (s) |\n|---|---:|---:|---:|---:|", flush=True)
     rows = []
-    for name in args.variants:
-        row = run(name, VARIANTS[name], data, args)
-        print(f"| {row['model']} | {row['params']:,} | {row['accuracy']:.3f} | {seconds(row['seconds'])} |", flush=True)
-        rows.append(row)
+    for seed in args.seeds:
+        for name in args.variants:
+            row = run(name, VARIANTS[name], data, args, seed)
+            print(
+                f"| {row['model']} | {seed} | {row['params']:,} | {row['accuracy']:.3f} | {seconds(row['seconds'])} |",
+                flush=True,
+            )
+            rows.append(row)
+            if args.json is not None:  # every finished run is kept, even if a later one is interrupted
+                settings = {"epochs": args.epochs, "batch": args.batch, "lr": args.lr}
+                args.json.write_text(json.dumps({"config": settings, "runs": rows}, indent=1))
+    if len(args.seeds) > 1:
+        print("\n| model | seeds | test accuracy (mean ± std) |\n|---|---:|---:|")
+        for name in args.variants:
+            accuracies = [row["accuracy"] for row in rows if row["model"] == name]
+            mean, spread = statistics.fmean(accuracies), statistics.stdev(accuracies)
+            print(f"| {name} | {len(accuracies)} | {mean:.3f} ± {spread:.3f} |", flush=True)
     return rows
 
 

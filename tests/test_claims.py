@@ -257,12 +257,18 @@ def test_readme_upcycling_prose_quotes_its_measured_table():
 def test_results_prose_quotes_its_tables_and_the_benchmark_report():
     results = (ROOT / "docs" / "results.md").read_text()
     flat = _flat(results)
-    gpt = _table_with(results, "ms/step")
-    steps = [_number(row[6]) for row in gpt[1:]]
-    assert f"take {min(steps):.2f}–{max(steps):.2f}× the MLP's step" in flat
-    mlp, *_, million = gpt
-    assert f"within {_number(million[4]) - _number(mlp[4]):.2f} of its validation loss" in flat
-    mlp_block = int(_number(mlp[2]))
+    start, end = "<!-- quality-cpu:start -->", "<!-- quality-cpu:end -->"
+    block = results[results.index(start) : results.index(end)]
+    examples = results[results.index("## Examples") : results.index("## Polysemanticity")]
+    prose = _flat(examples.replace(block, ""))
+    # every gap the prose quotes is a figure of the benchmark's tables
+    quoted = re.findall(r"[-+]\d+\.\d\d %", prose)
+    assert quoted, "the examples' prose quotes no gap"
+    for gap in quoted:
+        assert gap in block, f"the prose quotes {gap}, which no table of the quality block shows"
+    losses = block[block.index("validation loss (mean ± std)") :]  # the longest run's table comes first
+    mlp = next(line.split("|") for line in losses.splitlines() if line.startswith("| MLP |"))
+    mlp_block = int(_number(mlp[3]))
     assert f"1,048,576 × {mlp_block:,} / 2 ≈ {round(2**20 * mlp_block / 2 / 1e9)} billion" in flat
     report = (ROOT / "benchmarks" / "results-cpu.md").read_text()
     inference = report[report.index("## Inference") :]

@@ -24,7 +24,7 @@ def test_char_gpt_mumoe_learns_like_the_mlp(examples, capsys):
         assert abs(row["mlp_params"] - mlp["mlp_params"]) <= 0.1 * mlp["mlp_params"]
         assert row["val_loss"] <= 1.1 * mlp["val_loss"], row
     out = capsys.readouterr().out
-    assert "| model | params |" in out and all(f"| {name} |" in out for name in variants)
+    assert "| model | seed | params |" in out and all(f"| {name} |" in out for name in variants)
 
 
 def test_char_gpt_prints_each_row_when_its_variant_finishes(examples, monkeypatch, capsys):
@@ -32,10 +32,10 @@ def test_char_gpt_prints_each_row_when_its_variant_finishes(examples, monkeypatc
 
     before_training = []  # what had been printed when each variant started training
 
-    def train(name, make_mlp, data, args):
+    def train(name, make_mlp, data, args, seed=0):
         before_training.append(capsys.readouterr().out)
         fields = {"params": 1, "mlp_params": 1, "first_loss": 1.0, "train_loss": 1.0, "val_loss": 1.0}
-        return {"model": name, **fields, "step_ms": 2.0, "seconds": 1.0}
+        return {"model": name, "seed": seed, **fields, "step_ms": 2.0, "seconds": 1.0}
 
     monkeypatch.setattr(char_gpt, "train", train)
     char_gpt.main(["--quick", "--variants", "MLP", "TR μMoE (64 experts)"])
