@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from mumoe_tn.layers import MuMoEMLP
+from mumoe_tn.layers import MixtureOfDecoders, MuMoEMLP
 from mumoe_tn.layers.base import MuMoEBase
 from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.network import is_expert_leg
@@ -116,6 +116,7 @@ VARIANTS: dict[str, Callable[..., nn.Module]] = {
     "TT μMoE (64 experts)": mumoe(64, "tt"),
     "Tucker μMoE (64 experts)": mumoe(64, "tucker"),
     "CP μMoE (32×32×32×32 experts)": mumoe((32, 32, 32, 32), "cp"),
+    "MxD (64 experts)": mumoe(64, "mxd", block=MixtureOfDecoders),
 }
 
 
