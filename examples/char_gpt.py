@@ -241,7 +241,10 @@ def explorer(steps: int = 300, variant: str = "CP μMoE (64 experts)", sequences
     chars, encoded = encoded_corpus()
     split = int(0.9 * len(encoded))
     data = {"vocab": len(chars), "train": encoded[:split], "val": encoded[split:]}
-    args = argparse.Namespace(steps=steps, batch=32, context=64, width=width, depth=2, heads=4, lr=3e-3)
+    args = argparse.Namespace(
+        steps=steps, batch=32, context=64, width=width, depth=2, heads=4, lr=3e-3, weight_decay=0.01,
+        warmup=None, gate_lr=1.0, core_lr=1.0, core_weight_decay=None, block_option=None, eval_every=0,
+    )  # fmt: skip
     model = train(variant, VARIANTS[variant], data, args)["trained"].eval()
     windows = next(batches(data["val"], args.context, sequences, torch.Generator().manual_seed(3)))[0]
     return {"model": model, "data": windows, "vocabulary": chars, "title": f"Char GPT on pydoc_data: {variant}"}
@@ -328,7 +331,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(train(name, VARIANTS[name], data, args, seed))
             print_row(rows[-1], rows[first])
             if args.json is not None:  # every finished run is kept, even if a later one is interrupted
-                args.json.write_text(json.dumps({"config": config(args), "runs": rows}, indent=1))
+                runs = [{key: value for key, value in row.items() if key != "trained"} for row in rows]
+                args.json.write_text(json.dumps({"config": config(args), "runs": runs}, indent=1))
     if len(args.seeds) > 1:
         print_summary(rows)
     return rows
