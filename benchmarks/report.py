@@ -257,6 +257,23 @@ PAIRED_NOTE = (
 )
 
 
+#: How to read times measured on the shared CPU machine.
+CPU_NOTE = (
+    "This CPU machine is shared with other jobs (see the load average of each section): absolute times vary "
+    "run to run, and ratios by several percent. While the load average is well above the 2 cores, a 2-thread "
+    "OpenMP region stalls whenever one of its threads is descheduled, which distorts ratios far more than "
+    "running on one thread does: `--threads 1` is then the fairer setting."
+)
+
+#: How to read times measured on a GPU.
+GPU_NOTE = (
+    "On a GPU the host queues kernels ahead of the device, and a call costs the longer of the two: "
+    "a μMoE layer launches tens of kernels where nn.Linear launches one, so at small batches (the "
+    "inference rows) the host's Python and launch time, not the arithmetic, sets its time. *threads* "
+    "is the host's thread count."
+)
+
+
 def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
     """The whole report."""
     sections = [store["sections"][name] for name in order if name in store["sections"]]
@@ -278,12 +295,8 @@ def markdown(store: dict, order: tuple[str, ...], command: str) -> str:
         "(mid-sized temporaries are served from the heap once its dynamic mmap threshold has risen, and "
         "the heap is not returned at once), which penalises layers with many mid-sized intermediates: "
         "with `MALLOC_MMAP_THRESHOLD_=131072` the CP layer's RSS ratio falls from 1.49× to 1.28×. The "
-        "memory target is on *peak*, the allocator-independent figure (the one CUDA reports). This CPU "
-        "machine is shared "
-        "with other jobs (see the load average of each section): absolute times vary run to run, and "
-        "ratios by several percent. While the load average is well above the 2 cores, a 2-thread OpenMP "
-        "region stalls whenever one of its threads is descheduled, which distorts ratios far more than "
-        "running on one thread does: `--threads 1` is then the fairer setting.",
+        "memory target is on *peak*, the allocator-independent figure (the one CUDA reports). "
+        + (GPU_NOTE if any(s["machine"]["device"].startswith("cuda") for s in sections) else CPU_NOTE),
         "",
     ]
     summary = [t for section in sections for t in section["targets"]]

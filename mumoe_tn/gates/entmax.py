@@ -21,11 +21,12 @@ form is taken from the sums of the excess ``(x − τ)₊`` (shifted by ``τ``),
 ``(2048, 64)`` batch each take 5–10 times a float ``sub`` or ``sum``. For the same reason the
 backward of 1.5-entmax takes ``√y`` as ``√(y + z) − z`` with ``z = 1`` off the support:
 ``sqrt`` of zeros runs about 8 times slower on CPU than of positive numbers, and the form keeps
-second derivatives finite. The eager search runs in float32 for half-precision inputs, whose
-sums cannot count the support of a wide row. Under
-``torch.compile`` and ``torch.func`` transforms the full sort is used, because the fallbacks are
-data-dependent control flow. The Functions define ``setup_context`` and generate their vmap rule,
-so ``torch.func`` (``vmap``, ``grad``, ``jacrev``, …) works through them.
+second derivatives finite. Under ``torch.compile`` and ``torch.func`` transforms, and on every
+device but the CPU, the full sort is used: the fallbacks are data-dependent control flow, which
+cannot be traced, and which on an accelerator makes the host wait for the device at every call.
+Either search runs in float32 for half-precision inputs, whose sums cannot count the support of
+a wide row. The Functions define ``setup_context`` and generate their vmap rule, so
+``torch.func`` (``vmap``, ``grad``, ``jacrev``, …) works through them.
 
 Non-finite logits behave as in ``torch.softmax``: a row holding NaN or ``+inf`` (or only
 ``-inf``) gives NaN in that row only, and ``-inf`` entries of other rows get probability 0.
@@ -130,18 +131,18 @@ def _threshold(x: torch.Tensor, dim: int, sparse_map: _Map) -> torch.Tensor:
     """The exact threshold ``τ`` along ``dim`` of the max-shifted ``x``."""
     size = x.shape[dim]
     rows = x.movedim(dim, -1).reshape(-1, size)
-    if _traced():
-        tau = _sorted_threshold(rows, size, sparse_map.rule)
+    # Half-precision sums of a wide row lose its support counts (bfloat16 rounds 5000 to 4992)
+    # and can push τ onto the maximum; the search runs in float32 and τ is rounded back.
+    search = rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows
+    if _without_host_checks(rows):
+        tau = _sorted_threshold(search, size, sparse_map.rule)
     else:
-        # Half-precision sums of a wide row lose its support counts (bfloat16 rounds 5000 to 4992)
-        # and can push τ onto the maximum; the search runs in float32 and τ is rounded back.
-        search = rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows
         tau, settled = _newton_threshold(search, sparse_map)
         redo = (~settled).nonzero().squeeze(-1)
         if redo.numel():
             redone = _sorted_threshold(search.index_select(0, redo), min(FIRST_K, size), sparse_map.rule)
             tau = tau.index_copy(0, redo, redone)
-        tau = tau.to(rows.dtype)
+    tau = tau.to(rows.dtype)
     shape = list(x.movedim(dim, -1).shape)
     shape[-1] = 1
     return tau.reshape(shape).movedim(-1, dim)
@@ -175,9 +176,19 @@ def _traced() -> bool:
     return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
+def _without_host_checks(x: torch.Tensor) -> bool:
+    """Whether to take the full sort, with no step whose control flow reads values of ``x``.
+
+    Under ``torch.compile`` and ``torch.func`` such steps cannot be traced. Off the CPU, reading a
+    value on the host (``nonzero``, ``any``) waits for every kernel queued before it, so the host
+    stops queueing ahead of the device: a sort per row costs less there than the stall.
+    """
+    return _traced() or x.device.type != "cpu"
+
+
 def _where_bad(bad: torch.Tensor, value: float, y: torch.Tensor) -> torch.Tensor:
-    """``value`` in the bad rows of ``y``; in eager mode ``y`` itself when no row is bad."""
-    if not _traced() and not bad.any():
+    """``value`` in the bad rows of ``y``; on CPU in eager mode ``y`` itself when no row is bad."""
+    if not _without_host_checks(bad) and not bad.any():
         return y
     return torch.where(bad, value, y)
 

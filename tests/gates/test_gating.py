@@ -2,6 +2,7 @@
 
 import math
 import pickle
+from unittest import mock
 
 import entmax
 import pytest
@@ -9,16 +10,26 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mumoe_tn.gates import entmax as entmax_module
 from mumoe_tn.gates.entmax import entmax15, sparsemax
 from mumoe_tn.gates.modules import ACTIVATIONS, GATE_NORMS, ExpertGate, resolve_activation
 
 
-@given(st.integers(1, 8), st.integers(1, 40), st.floats(0.1, 20), st.integers(0, 2**16))
+def search(host_checks: bool):
+    """The threshold search of the CPU (Newton steps, host-checked fallbacks) or of other devices (full sort)."""
+    if host_checks:
+        return mock.patch.object(entmax_module, "_without_host_checks", lambda x: entmax_module._traced())
+    return mock.patch.object(entmax_module, "_without_host_checks", lambda x: True)
+
+
+@given(st.integers(1, 8), st.integers(1, 40), st.floats(0.1, 20), st.integers(0, 2**16), st.booleans())
 @pytest.mark.parametrize(("ours", "reference"), [(entmax15, entmax.entmax15), (sparsemax, entmax.sparsemax)])
-def test_activations_equal_entmax_package(ours, reference, rows, width, scale, seed):
+def test_activations_equal_entmax_package(ours, reference, rows, width, scale, seed, host_checks):
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
     x.requires_grad_(True)
-    y, y_ref = ours(x), reference(x, dim=-1)
+    with search(host_checks):
+        y = ours(x)
+    y_ref = reference(x, dim=-1)
     torch.testing.assert_close(y, y_ref)
     weights = torch.randn_like(y)
     (grad,) = torch.autograd.grad((y * weights).sum(), x)
@@ -103,10 +114,12 @@ def _softmax_would_be_nan(x):
     return torch.softmax(x, dim=-1).isnan().any(-1)
 
 
-@given(logits_with_non_finite_entries())
+@given(logits_with_non_finite_entries(), st.booleans())
 @pytest.mark.parametrize(("ours", "reference"), [(entmax15, entmax.entmax15), (sparsemax, entmax.sparsemax)])
-def test_non_finite_logits_poison_their_rows_only(ours, reference, x):
-    y = ours(x)
+def test_non_finite_logits_poison_their_rows_only(ours, reference, x, host_checks):
+    with search(host_checks):
+        y = ours(x.requires_grad_(True)).detach()
+    x = x.detach()
     bad = x.isnan().any(-1) | (x == math.inf).any(-1) | (x == -math.inf).all(-1)
     assert torch.equal(bad, _softmax_would_be_nan(x))  # the rule is softmax's
     assert y[bad].isnan().all()
@@ -174,3 +187,25 @@ def test_long_rows_along_any_dim_and_under_vmap(ours, reference):
     expected = reference(x, dim=0)
     torch.testing.assert_close(ours(x, dim=0), expected)
     torch.testing.assert_close(torch.func.vmap(ours)(x.T), expected.T)
+
+
+@pytest.mark.parametrize("fn", [entmax15, sparsemax])
+def test_training_forward_off_the_cpu_reads_no_value_on_the_host(fn):
+    # A meta tensor has no values: a step that reads one on the host (nonzero, any) raises here,
+    # as it would make the host wait for the device on CUDA.
+    x = torch.randn(64, 256, device="meta", requires_grad=True)
+    y = fn(x)
+    assert y.shape == x.shape and y.device.type == "meta"
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_full_sort_search_of_wide_half_precision_rows_matches_entmax(dtype):
+    # 5,000 near-equal logits: a support wider than half precision counts exactly.
+    x = (torch.randn(3, 5000, dtype=torch.float64) * 1e-3).to(dtype)
+    reference = entmax.entmax15(x.double(), dim=-1)
+    with search(False):
+        y = entmax15(x.requires_grad_(True))
+    torch.testing.assert_close(y.double(), reference, rtol=2e-2, atol=2e-6)
+    assert (y > 0).sum(-1).min() > 4000

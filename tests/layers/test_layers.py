@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import any_network, named_networks
 
-from mumoe_tn import ExpertNetwork, FactorizedExperts, MuMoE, dense_forward
+from mumoe_tn import ExpertNetwork, FactorizedExperts, MuMoE, MuMoEMLP, dense_forward
 from mumoe_tn.decompositions import tr
 
 DTYPE = torch.float64
@@ -148,6 +148,24 @@ def test_cuda_matches_cpu():
     expected = layer(x)
     y = layer.cuda()(x.cuda())
     torch.testing.assert_close(y.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("decomposition", ["cp", "tr", "tucker"])
+@pytest.mark.parametrize("activation", ["entmax15", "sparsemax"])
+def test_cuda_training_step_never_waits_for_the_device(decomposition, activation):
+    # A host read of a device value (item, nonzero, any) stalls the queue of kernels: none may occur.
+    layer = MuMoEMLP(32, 64, 32, (4, 4), decomposition, match="mlp", activation=activation).cuda()
+    x = torch.randn(2, 8, 32, device="cuda", requires_grad=True)
+    layer(x).sum().backward()  # the first call plans the contraction
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).sum().backward()
+        with torch.no_grad():
+            layer.eval()(x[:1, :1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 # ----------------------------------------------------------------------------- errors
