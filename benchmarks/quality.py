@@ -266,7 +266,8 @@ def study_markdown(study: dict, baseline: dict | None) -> list[str]:
         block = ["—" if row["block_params"] is None else f"{row['block_params']:,}"] if blocks else []
         unit = " %" if not settings["higher"] else " pt"
         scale = 1.0 if not settings["higher"] else 100.0
-        cells = [row["variant"], f"{row['params']:,}", *block, f"{row['mean']:.4f} ± {row['std']:.4f}"]
+        spread = "(one seed)" if len(row["seeds"]) < 2 else f"± {row['std']:.4f}"
+        cells = [row["variant"], f"{row['params']:,}", *block, f"{row['mean']:.4f} {spread}"]
         cells.append(fmt_interval(_scaled(row.get("gap"), scale), unit) if row["variant"] != REFERENCE else "—")
         if study["factor"]:
             cells.append(fmt_interval(_scaled(row.get("change"), scale), unit))
@@ -312,6 +313,73 @@ def curve_markdown(study: dict, columns: int = 6) -> list[str]:
     return [*lines, ""]
 
 
+def settled_ranking(study: dict) -> tuple[int, list[str]] | None:
+    """The first evaluated step from which the variants' order by mean validation loss stays as at the end.
+
+    Returns the step and the final order (best first), or None without learning curves. Ties keep
+    the variants' order, so they do not count as a change.
+    """
+    curves = {
+        variant: [run["curve"] for run in runs.values() if run.get("curve")] for variant, runs in study["runs"].items()
+    }
+    if len(curves) < 2 or not all(curves.values()):
+        return None
+    steps = [step for step, _ in next(iter(curves.values()))[0]]
+
+    def order(k: int) -> list[str]:
+        means = {v: sum(c[k][1] for c in cs) / len(cs) for v, cs in curves.items()}
+        return sorted(means, key=means.__getitem__)
+
+    final = order(len(steps) - 1)
+    first = len(steps) - 1
+    while first > 0 and order(first - 1) == final:
+        first -= 1
+    return steps[first], final
+
+
+def settled_markdown(study: dict) -> list[str]:
+    """One sentence: from which step of the run the ranking no longer moves."""
+    settled = settled_ranking(study)
+    if settled is None:
+        return []
+    step, final = settled
+    last = next(run["curve"][-1][0] for runs in study["runs"].values() for run in runs.values())
+    return [
+        f"Ranked by mean validation loss, the variants keep their final order ({' < '.join(final)}) at every "
+        f"evaluation from step {step:,} of {last:,} on.",
+        "",
+    ]
+
+
+def factor_markdown(studies: list[dict], example: str) -> list[str]:
+    """Every factor study of ``example``, one row per factor: the paired change against the defaults per variant."""
+    settings = EXAMPLE_SETTINGS[example]
+    lines = []
+    lengths = sorted({s["length"] for s in studies if s["example"] == example and s["factor"] and s["length"]})
+    for length in reversed(lengths):
+        chosen = [s for s in studies if s["example"] == example and s["factor"] and s["length"] == length]
+        baseline = baseline_of(chosen[0], studies)
+        if baseline is None:
+            continue
+        variants = list(dict.fromkeys(v for s in chosen for v in s["runs"]))
+        unit, scale = (" %", 1.0) if not settings["higher"] else (" pt", 100.0)
+        better = "negative" if not settings["higher"] else "positive"
+        title = f"**`{example}`, {_length(chosen[0])}: one factor at a time**"
+        lines += [f"{title} (change against the defaults, paired by seed, 95 % CI; "
+                  f"{better} is better)", ""]  # fmt: skip
+        lines += ["| factor | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
+        for study in sorted(chosen, key=lambda s: s["factor"]):
+            changes = {row["variant"]: row.get("change") for row in summarise(study, baseline)}
+            cells = []
+            for variant in variants:
+                change = _scaled(changes.get(variant), scale)
+                seeds = "" if change is None or change.n < 2 else f" ({change.n} seeds)"
+                cells.append("—" if change is None else fmt_interval(change, unit) + seeds)
+            lines.append(f"| `{study['factor']}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def length_markdown(studies: list[dict], example: str) -> list[str]:
     """The paired gap to the MLP of every variant at every stored training length (separate runs)."""
     chosen = sorted(
@@ -336,8 +404,8 @@ def own_longest(studies: list[dict]) -> dict | None:
     return max((s for s in studies if not s["factor"]), key=lambda s: s["length"] or 0, default=None)
 
 
-def markdown(studies: list[dict], machine: str) -> str:
-    """The whole report."""
+def markdown(studies: list[dict], machine: str, factor_tables: bool = True) -> str:
+    """The whole report; without ``factor_tables``, factor studies appear only in the one-factor summary."""
     lines = [
         "# Quality at equal parameters", "",
         f"`{COMMAND}` regenerates this file and `quality-cpu.png` from the runs under `benchmarks/quality/`.", "",
@@ -351,13 +419,17 @@ def markdown(studies: list[dict], machine: str) -> str:
     for example in EXAMPLE_SETTINGS:
         own = [s for s in studies if s["example"] == example]
         for study in sorted(own, key=lambda s: (bool(s["factor"]), -(s["length"] or 0), s["factor"])):
+            if study["factor"] and not factor_tables:
+                continue
             lines += study_markdown(study, baseline_of(study, studies) if study["factor"] else None)
             if example == "char_gpt" and not study["factor"] and study is own_longest(own):
                 lines += paper_markdown(study)
                 lines += curve_markdown(study)
+                lines += settled_markdown(study)
         table = length_markdown(studies, example)
         if table:
             lines += [f"**`{example}`: the gap to the MLP against training length** (separate runs)", "", *table]
+        lines += factor_markdown(studies, example)
     return "\n".join(lines)
 
 
@@ -517,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     if image is not None and not (args.quick or args.out or args.no_docs):
         docs_image = DOCS_PAGE.parent / "img" / "quality-cpu.png"
         docs_image.write_bytes(image.read_bytes())
-        if update_docs(text, DOCS_PAGE, "img/quality-cpu.png"):
+        if update_docs(markdown(studies, machine(), factor_tables=False), DOCS_PAGE, "img/quality-cpu.png"):
             print(f"updated the quality block of {DOCS_PAGE}")
     print(f"\nwrote {target / 'quality-cpu.md'}" + (f", {image}" if image else ""))
     return 1 if not args.report_only and failed else 0

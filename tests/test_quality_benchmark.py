@@ -235,3 +235,42 @@ def test_the_gap_along_the_run_is_paired_at_every_evaluation():
     assert steps == [100, 200] and [i.mean for i in intervals] == pytest.approx([5.0, 2.0])
     table = "\n".join(quality.curve_markdown(study, columns=2))
     assert "| step 100 | step 200 |" in table and "| CP | +5.00 % | +2.00 % |" in table
+
+
+def test_factor_table_gives_each_factors_paired_change_by_hand():
+    def run(loss, seed):
+        return {"val_loss": loss, "seed": seed, "params": 10, "mlp_params": 5, "steps_per_s": 4.0}
+
+    defaults = {0: run(2.0, 0), 1: run(1.0, 1), 2: run(4.0, 2)}
+    baseline = _study("char_gpt", {"MLP": defaults, "CP": defaults, "TR": defaults})
+    # CP: −1 %, −2 %, −3 % (mean −2, std 1); TR: +1 % on one seed
+    lowered = {0: run(1.98, 0), 1: run(0.98, 1), 2: run(3.88, 2)}
+    factor = {**_study("char_gpt", {"CP": lowered, "TR": {0: run(2.02, 0)}}), "factor": "--gate-lr 3"}
+    other = {**_study("char_gpt", {"CP": defaults}), "factor": "--warmup 9", "length": 50}
+    table = "\n".join(quality.factor_markdown([baseline, factor, other], "char_gpt"))
+    half = T_TABLE[2] * 1.0 / math.sqrt(3)
+    assert f"| `--gate-lr 3` | -2.00 % [{-2 - half:+.2f}, {-2 + half:+.2f}] (3 seeds) | +1.00 % (one seed) |" in table
+    assert "| factor | CP | TR |" in table and "100 steps: one factor at a time" in table
+    assert "--warmup 9" not in table  # a length without its defaults' study has no row
+    heading = "**`char_gpt`, 100 steps, `--gate-lr 3`**"
+    assert heading in quality.markdown([baseline, factor], "M")
+    summary_only = quality.markdown([baseline, factor], "M", factor_tables=False)
+    assert heading not in summary_only and "| `--gate-lr 3` |" in summary_only
+
+
+def test_the_ranking_settles_where_the_order_stops_changing():
+    def run(seed, losses):
+        curve = [[100 * (k + 1), loss] for k, loss in enumerate(losses)]
+        return {"val_loss": losses[-1], "seed": seed, "params": 1, "steps_per_s": 1.0, "curve": curve}
+
+    # means per step: 100: CP < MLP < TR; 200: TR < MLP < CP; 300 and 400: MLP < CP < TR
+    runs = {
+        "MLP": {0: run(0, [3.0, 2.0, 1.5, 1.4]), 1: run(1, [3.0, 2.0, 1.5, 1.4])},
+        "CP": {0: run(0, [2.9, 2.1, 1.50, 1.40]), 1: run(1, [2.9, 2.1, 1.54, 1.50])},
+        "TR": {0: run(0, [3.1, 1.9, 1.55, 1.5]), 1: run(1, [3.1, 1.9, 1.55, 1.5])},
+    }
+    study = {**_study("char_gpt", runs), "length": 400}
+    assert quality.settled_ranking(study) == (300, ["MLP", "CP", "TR"])
+    assert "(MLP < CP < TR) at every evaluation from step 300 of 400 on" in "\n".join(quality.settled_markdown(study))
+    runs["TR"][1] = run(1, [3.1, 1.9, 1.55, 1.2])  # TR first at the end only
+    assert quality.settled_ranking(study) == (400, ["TR", "MLP", "CP"])
