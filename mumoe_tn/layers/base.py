@@ -139,6 +139,11 @@ class MuMoEBase(PerThreadRecords):
     def _named_loss(self, key: str, option: str) -> torch.Tensor:
         losses = self.gate_losses()
         if key not in losses:
+            if not hasattr(self.gate_spec, option):
+                raise ValueError(
+                    f"this layer's gate {self.gate_spec!r} has no {option} option, so it records no {key!r} loss: "
+                    f"use a gate that has one (e.g. Gate or TopKGate with {option}=True)"
+                )
             raise ValueError(
                 f"this layer's gate {self.gate_spec!r} does not record the {key!r} loss: build it with {option}=True"
             )

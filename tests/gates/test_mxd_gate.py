@@ -255,3 +255,10 @@ def test_bad_options_rejected_by_the_descriptor(kwargs, error, message):
 def test_bad_options_for_the_expert_dims_rejected_when_built(spec, dims, message):
     with pytest.raises(ValueError, match=message):
         MuMoE(6, 4, dims, "cp", 2, gate=spec)
+
+
+def test_relu_top_k_layer_says_its_gate_has_no_balance_loss():
+    layer = MuMoE(6, 4, 8, "cp", 3, gate=ReLUTopKGate(k=2))
+    layer(torch.randn(5, 6))
+    with pytest.raises(ValueError, match=r"ReLUTopKGate\(.*\) has no balance_loss option, so it records no 'balance'"):
+        layer.aux_loss()

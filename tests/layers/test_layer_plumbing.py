@@ -202,9 +202,9 @@ def test_reset_parameters_reaches_the_gates_submodules_and_the_input_norm():
 def test_gate_without_losses_and_coefficients_cast_to_the_input_dtype():
     layer = MuMoE(6, 4, (2, 3), "cp", 3, gate=_PlainGateSpec())
     assert layer.gate_losses() == {}
-    with pytest.raises(ValueError, match=r"does not record the 'z' loss: build it with z_loss=True"):
+    with pytest.raises(ValueError, match=r"has no z_loss option, so it records no 'z' loss: use a gate that has"):
         layer.z_loss()
-    with pytest.raises(ValueError, match=r"_PlainGateSpec\(\) does not record the 'balance' loss.*balance_loss=True"):
+    with pytest.raises(ValueError, match=r"_PlainGateSpec\(\) has no balance_loss option.*TopKGate with balance_loss"):
         layer.aux_loss()
     x = torch.randn(5, 6)
     y = layer(x)
