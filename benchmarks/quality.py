@@ -361,7 +361,8 @@ def factor_markdown(studies: list[dict], example: str) -> list[str]:
         baseline = baseline_of(chosen[0], studies)
         if baseline is None:
             continue
-        variants = list(dict.fromkeys(v for s in chosen for v in s["runs"]))
+        known = {name: k for k, name in enumerate(example_variants(example))}
+        variants = sorted(dict.fromkeys(v for s in chosen for v in s["runs"]), key=lambda v: known.get(v, len(known)))
         unit, scale = (" %", 1.0) if not settings["higher"] else (" pt", 100.0)
         better = "negative" if not settings["higher"] else "positive"
         title = f"**`{example}`, {_length(chosen[0])}: one factor at a time**"
