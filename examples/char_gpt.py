@@ -40,10 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from mumoe_tn.layers import MixtureOfDecoders, MuMoEMLP
-from mumoe_tn.layers.base import MuMoEBase
-from mumoe_tn.layers.experts import FactorizedExperts
-from mumoe_tn.network import is_expert_leg
+from mumoe_tn.layers import MixtureOfDecoders, MuMoEMLP, parameter_groups
 
 
 def corpus() -> str:
@@ -131,33 +128,6 @@ def block_option(text: str) -> tuple[str, object]:
         return key, value
 
 
-def parameter_groups(model: nn.Module, args: argparse.Namespace) -> list[dict]:
-    """AdamW groups: gates and expert-mode cores may take their own LR multiplier and weight decay."""
-    gates = {id(p) for m in model.modules() if isinstance(m, MuMoEBase) for p in m.gate.parameters()}
-    expert_cores = {
-        id(core)
-        for m in model.modules()
-        if isinstance(m, FactorizedExperts)
-        for name, core in m.cores.items()
-        if any(is_expert_leg(label) for label in m.network.cores[name])
-    }
-    groups = {"gate": [], "expert cores": [], "rest": []}
-    for p in model.parameters():
-        kind = "gate" if id(p) in gates else "expert cores" if id(p) in expert_cores else "rest"
-        groups[kind].append(p)
-    wd = args.weight_decay
-    settings = {
-        "gate": (args.gate_lr, wd),
-        "expert cores": (args.core_lr, wd if args.core_weight_decay is None else args.core_weight_decay),
-        "rest": (1.0, wd),
-    }
-    return [
-        {"params": params, "lr_scale": settings[kind][0], "weight_decay": settings[kind][1], "name": kind}
-        for kind, params in groups.items()
-        if params
-    ]
-
-
 def batches(data: torch.Tensor, context: int, batch: int, generator: torch.Generator):
     while True:
         start = torch.randint(len(data) - context - 1, (batch,), generator=generator)
@@ -184,7 +154,15 @@ def train(name: str, make_mlp, data: dict, args: argparse.Namespace, seed: int =
         data["vocab"], args.context, args.width, args.depth, args.heads, lambda: make_mlp(args.width, **options), seed
     )
     mlp_params = sum(p.numel() for block in model.blocks for p in block.mlp.parameters())
-    optimizer = torch.optim.AdamW(parameter_groups(model, args), lr=args.lr)
+    groups = parameter_groups(
+        model,
+        args.lr,
+        gate_lr_scale=args.gate_lr,
+        core_lr_scale=args.core_lr,
+        weight_decay=args.weight_decay,
+        core_weight_decay=args.core_weight_decay,
+    )
+    optimizer = torch.optim.AdamW(groups)
     stream = batches(data["train"], args.context, args.batch, torch.Generator().manual_seed(seed))
     warmup = max(1, min(50, args.steps // 10)) if args.warmup is None else max(1, args.warmup)
     start = time.perf_counter()
@@ -292,9 +270,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--warmup", type=int, default=None,
                         help="linear warm-up steps (default min(50, steps/10))")  # fmt: skip
-    parser.add_argument("--gate-lr", type=float, default=1.0, metavar="X", help="LR multiplier of the μMoE gates")
+    parser.add_argument("--gate-lr", type=float, default=1.0, metavar="X",
+                        help="LR multiplier of the μMoE gates (mumoe_tn.parameter_groups)")  # fmt: skip
     parser.add_argument("--core-lr", type=float, default=1.0, metavar="X",
-                        help="LR multiplier of the expert-mode cores")  # fmt: skip
+                        help="LR multiplier of the expert-mode cores; 3 lowered every format's loss in "
+                        "docs/results.md's factor study")  # fmt: skip
     parser.add_argument("--core-weight-decay", type=float, default=None,
                         help="weight decay of the expert-mode cores (default --weight-decay)")  # fmt: skip
     parser.add_argument("--block-option", type=block_option, action="append", metavar="KEY=VALUE",

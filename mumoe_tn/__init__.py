@@ -43,6 +43,7 @@ _LAZY = {
     "expert_matrix": "mumoe_tn.contractions.dense",
     "materialize": "mumoe_tn.contractions.dense",
     "init_cores": "mumoe_tn.layers.init",
+    "parameter_groups": "mumoe_tn.layers.groups",
     "plan_forward": "mumoe_tn.contractions.plan",
     "token_mask": "mumoe_tn.masking",
 }

@@ -13,11 +13,14 @@
   TopK/ReLU (skip) transcoder a distilled μMoE block is compared with.
 - [`options`][mumoe_tn.layers.options] and [`init`][mumoe_tn.layers.init]: the arguments every layer shares,
   and the initialisation of any network's cores.
+- [`groups`][mumoe_tn.layers.groups]: [`parameter_groups`][mumoe_tn.layers.groups.parameter_groups], optimiser
+  groups for the gates, the expert-mode cores and the rest.
 """
 
 from mumoe_tn.layers.base import GATE_INPUTS, MuMoEBase
 from mumoe_tn.layers.decoders import MixtureOfDecoders, decoder_block_parameters
 from mumoe_tn.layers.experts import COMPILE_PLAN_BATCH, FactorizedExperts
+from mumoe_tn.layers.groups import PARAMETER_KINDS, parameter_groups
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP, gated_mlp_parameters
 from mumoe_tn.layers.moe import MuMoE
 from mumoe_tn.layers.options import resolve_network
@@ -26,6 +29,7 @@ from mumoe_tn.layers.transcoders import Transcoder
 __all__ = [
     "COMPILE_PLAN_BATCH",
     "GATE_INPUTS",
+    "PARAMETER_KINDS",
     "FactorizedExperts",
     "MixtureOfDecoders",
     "MuMoE",
@@ -35,5 +39,6 @@ __all__ = [
     "Transcoder",
     "decoder_block_parameters",
     "gated_mlp_parameters",
+    "parameter_groups",
     "resolve_network",
 ]
