@@ -71,7 +71,7 @@ def parameter_groups(
     Returns
     -------
     list of dict
-        For each non-empty kind of [`PARAMETER_KINDS`][mumoe_tn.layers.groups.PARAMETER_KINDS]:
+        For each non-empty kind of ``PARAMETER_KINDS`` (gates, expert cores, rest, in that order):
         ``params``, ``lr`` (``lr`` × the kind's multiplier), ``weight_decay``, ``name`` and
         ``lr_scale`` (the multiplier, for a schedule that sets each group's rate by hand).
         Parameters that do not require grad are left out.
