@@ -10,8 +10,9 @@ rate and weight decay.
 On the char-GPT of the quality benchmark (``docs/results.md``), a 3× learning rate for the
 expert-mode cores lowered the validation loss after 2,400 steps for every format measured. Over
 five seeds the change was −1.08 % [−1.72, −0.43] for TR, −0.78 % [−1.39, −0.17] for the
-hierarchical CP with 32×32×32×32 experts, and −0.54 % [−1.78, +0.71] for CP. That is one small
-model, so the defaults stay at 1×.
+hierarchical CP with 32×32×32×32 experts, and −0.54 % [−1.78, +0.71] for CP; over three, −1.07 %
+[−2.00, −0.13] for TT and −1.01 % [−2.37, +0.34] for Tucker. That is one small model at one
+learning rate, so the defaults stay at 1×.
 """
 
 from __future__ import annotations
