@@ -455,3 +455,21 @@ def test_the_papers_mxd_equations_equal_the_mxd_block_on_the_same_weights():
     x = torch.randn(5, 7, 12)
     torch.testing.assert_close(authors(x), block(x))
     assert (block.last_coefficients[0] > 0).sum(-1).max() <= 3
+
+
+def test_report_notes_the_device_it_was_measured_on():
+    gpu = report.markdown(report.load(ROOT / "benchmarks" / "results-gpu.json"), SECTIONS, run.COMMAND)
+    cpu = report.markdown(report.load(ROOT / "benchmarks" / "results-cpu.json"), SECTIONS, run.COMMAND)
+    assert report.GPU_NOTE in gpu and report.CPU_NOTE not in gpu
+    assert report.CPU_NOTE in cpu and report.GPU_NOTE not in cpu
+
+
+def test_compiled_decoding_benchmark_checks_its_options_and_needs_cuda(capsys):
+    from benchmarks import compiled
+
+    with pytest.raises(SystemExit):
+        compiled.main(["--batch", "0"])
+    assert "every --batch must be at least 1" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert compiled.main([]) == 2
+        assert "this benchmark needs CUDA" in capsys.readouterr().err
