@@ -196,7 +196,7 @@ if AVAILABLE:
             walking = above < k
             if RELU:
                 walking = walking & (level > 0.0)  # below 0 every entry maps to 0 anyway
-        wanted = k - (above - ties)  # how many of the entries equal to `level` are kept
+        wanted = tl.where(bad, 0, k - (above - ties))  # how many of the entries equal to `level` are kept
         total = tl.full([], 1.0, tl.float32)
         if not RELU:
             total = tl.full([], 0.0, tl.float32)
@@ -207,8 +207,9 @@ if AVAILABLE:
                 tie = x == level
                 rank = seen + tl.cumsum(tie.to(tl.int32), axis=0) - tie.to(tl.int32)
                 keep = (x > level) | (tie & (rank < wanted))
-                total += tl.sum(tl.where(keep, tl.exp(x - peak), 0.0), axis=0)
+                total += tl.sum(tl.exp(tl.where(keep, x - peak, float("-inf"))), axis=0)
                 seen += tl.sum(tie.to(tl.int32), axis=0)
+            total = tl.where(bad, 1.0, total)  # a bad row keeps nothing and is written as NaN
         seen = tl.full([], 0, tl.int32)
         for start in range(0, n_cols, BLOCK):
             index = start + cols
@@ -221,7 +222,7 @@ if AVAILABLE:
             if RELU:
                 y = tl.where(keep, tl.maximum(x, 0.0), 0.0)
             else:
-                y = tl.where(keep, tl.exp(x - peak) / total, 0.0)
+                y = tl.exp(tl.where(keep, x - peak, float("-inf"))) / total
             y = tl.where(bad, float("nan"), y)
             tl.store(y_row + index, y.to(y_ptr.dtype.element_ty), mask=inside_row)
 
