@@ -193,7 +193,7 @@ if AVAILABLE:
             level = top
             ties = count
             above += count
-            walking = above < k
+            walking = (above < k) & (top > float("-inf"))  # the second only guards a k beyond the row
             if RELU:
                 walking = walking & (level > 0.0)  # below 0 every entry maps to 0 anyway
         wanted = tl.where(bad, 0, k - (above - ties))  # how many of the entries equal to `level` are kept
@@ -366,6 +366,11 @@ def sparse_map(x: torch.Tensor, entmax: bool) -> torch.Tensor:
     return _sparse_map_op(x, entmax)
 
 
+def _check_k(x: torch.Tensor, k: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max(x.shape[-1], 1):
+        raise ValueError(f"k must be an int in [1, {x.shape[-1]}] (the logits' last dim), got k={k!r}")
+
+
 def top_k_softmax(x: torch.Tensor, k: int) -> torch.Tensor:
     """The softmax of each row's ``k`` largest logits, 0 elsewhere (exactly ``k`` kept; ties by lowest index).
 
@@ -381,6 +386,7 @@ def top_k_softmax(x: torch.Tensor, k: int) -> torch.Tensor:
     torch.Tensor
         Same shape and dtype as ``x``.
     """
+    _check_k(x, k)
     return _top_k_op(x, k, False)
 
 
@@ -399,4 +405,5 @@ def relu_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
     torch.Tensor
         Same shape and dtype as ``x``.
     """
+    _check_k(x, k)
     return _top_k_op(x, k, True)

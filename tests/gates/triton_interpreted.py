@@ -252,8 +252,9 @@ def test_gates_take_the_kernels_when_forced_and_agree_with_their_torch_paths():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_compiled_gate_has_no_graph_break():
+def test_compiled_gate_has_no_graph_break(monkeypatch):
     torch._dynamo.reset()
+    monkeypatch.setitem(kernels._state, "module", None)  # the first call, traced, finds the kernels
     gate = ExpertGate(8, 12, "entmax15", "layer")
     z = torch.randn(5, 8, requires_grad=True)
 
@@ -271,3 +272,9 @@ def test_compiled_gate_has_no_graph_break():
     torch.testing.assert_close(value, expected_value)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-6)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("k", [0, 6, 2.0, True])
+def test_top_k_refuses_a_k_outside_the_row(k):
+    with pytest.raises(ValueError, match=rf"k must be an int in \[1, 5\].*k={k!r}"):
+        K.top_k_softmax(torch.zeros(2, 5), k)
