@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mumoe_tn.gates import kernels
 from mumoe_tn.gates.modules import ExpertGate, ReLUTopKRouter, TopKRouter
@@ -278,3 +279,36 @@ def test_compiled_gate_has_no_graph_break(monkeypatch):
 def test_top_k_refuses_a_k_outside_the_row(k):
     with pytest.raises(ValueError, match=rf"k must be an int in \[1, 5\].*k={k!r}"):
         K.top_k_softmax(torch.zeros(2, 5), k)
+
+
+class _ComputeCalls(TorchDispatchMode):
+    """The aten and custom operators called at the top level (views, ``detach`` and ``lift_fresh`` left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ not in {"detach", "lift_fresh"}:
+            self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "activation",
+    [
+        lambda t: kernels.sparse_map(t, True),
+        lambda t: kernels.sparse_map(t, False),
+        lambda t: kernels.top_k_softmax(t, 3),
+        lambda t: kernels.relu_top_k(t, 3),
+    ],
+)
+def test_one_kernel_per_direction(activation):
+    x = _rows(7, 4, 24, 2.0).requires_grad_(True)
+    with kernels.gate_kernels("always"), _ComputeCalls() as forward:
+        y = activation(x)
+    with _ComputeCalls() as backward:
+        y.backward(torch.ones_like(y))
+    assert len(forward.names) == 1 and forward.names[0].startswith("mumoe_tn.")
+    assert [name for name in backward.names if name.startswith("mumoe_tn.")] == [forward.names[0] + "_backward"]
+    assert len(backward.names) <= 2, backward.names  # the kernel, and at most the ones_like seed
