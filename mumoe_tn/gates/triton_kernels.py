@@ -1,13 +1,14 @@
 """Gate activations as Triton kernels: one launch per direction for entmax15, sparsemax and the top-k gates.
 
 Why hand-written kernels: on a GPU a gate's activation is a few hundred numbers per token, so its
-cost is the number of launches, not their arithmetic. The ``entmax`` package and the torch paths
-of [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax] spend about 27 aten calls (sort, cumulative sums,
-gathers, comparisons, the map) on one forward call and a dozen more on the backward, each a kernel
-launch the host must queue; a top-k router is ``topk``, ``softmax``, ``zeros_like``, ``scatter``,
-``isfinite``, ``all`` and ``where``. Here each direction of each map is one kernel: one program
-per row reads the row, finds the threshold, writes the coefficients; the backward reads the
-coefficients and the incoming gradient and writes the closed-form vector-Jacobian product.
+cost is the number of launches, not their arithmetic. Counted as aten calls that compute (views left
+out) on a ``(64, 64)`` batch, the ``entmax`` package's 1.5-entmax is 25 forward and 7 backward (its
+sparsemax 15 and 9); the torch forms of [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax] off the
+CPU are 34 and 11 (sparsemax 24 and 7); a top-k router's ``topk``, ``softmax``, ``scatter``,
+``isfinite``, ``where`` … are 11 and 6. Each is a kernel launch the host must queue. Here each
+direction of each map is one kernel: one program per row reads the row, finds the threshold and
+writes the coefficients; the backward reads the coefficients and the incoming gradient and writes
+the closed-form vector-Jacobian product.
 
 **Exact thresholds without a sort.** A row is walked in tiles of at most ``MAX_BLOCK`` columns, so
 any row length works, and every step is a pass of sums over the row in float32 (bfloat16 and
@@ -20,8 +21,9 @@ the smaller root of ``Σ_S (x − t)² = 1``). When that threshold is at most ev
 threshold is exact — the same closed form the sorting algorithms take. Otherwise ``τ`` takes a
 Newton step, which from below the root of a convex decreasing function never passes it. For
 sparsemax the Newton step is the closed form itself (Michelot's algorithm): the support shrinks at
-every step, so a row of ``N`` entries takes at most ``N`` steps and typically 3–6. For 1.5-entmax the
-Newton steps converge quadratically onto the last piece of the piecewise-quadratic equation.
+every step, so a row of ``N`` entries takes at most ``N`` steps. For 1.5-entmax the Newton steps
+converge quadratically onto the last piece of the piecewise-quadratic equation. On Gaussian rows of
+16–1,024 logits (scales 0.3–10) either map took 1–9 steps, fewer the peakier the row.
 A step that makes no progress (a rounding-level stall) ends the search with the closed form of the
 current support. The loops run on the device with no host read, so the launch is asynchronous and
 capturable in a CUDA graph. An in-register sort would bound the row length by the register file
