@@ -14,7 +14,9 @@ class MyGate:
     ...
 ```
 
-The registry is the only place that maps a recorded class name to a class.
+The registry is the only place that maps a recorded class name to a class. It also tells which
+registered gates keep a fixed number ``k`` of experts per token ([`top_k_gates`][mumoe_tn.gates.registry.top_k_gates]),
+the gates distillation offers: a user's registered top-k gate is offered with the shipped ones.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-__all__ = ["gate_class", "gate_class_name", "register_gate", "registered_gates", "unregister_gate"]
+__all__ = [
+    "gate_class",
+    "gate_class_name",
+    "gate_short_name",
+    "register_gate",
+    "registered_gates",
+    "top_k_gates",
+    "unregister_gate",
+]
 
 _GATES: dict[str, type] = {}
 
@@ -90,3 +100,27 @@ def gate_class(name: str) -> type | None:
 def registered_gates() -> list[str]:
     """Sorted qualified names of the registered gate descriptor classes."""
     return sorted(_GATES)
+
+
+def gate_short_name(cls: type) -> str:
+    """A gate class's short name: its ``short_name`` class attribute, or its class name lower-cased."""
+    short = getattr(cls, "short_name", None)
+    return short if isinstance(short, str) and short else cls.__name__.lower()
+
+
+def top_k_gates() -> dict[str, type]:
+    """The registered gate classes that keep ``k`` experts per token, by short name.
+
+    A gate class is a top-k gate when it has a dataclass field ``k`` (experts kept per token, one
+    int or one per mode); it is built as ``cls(k=k)``. ``TopKGate`` is ``"softmax"`` and
+    ``ReLUTopKGate`` ``"relu"``.
+
+    Returns
+    -------
+    dict
+        Short name → class, sorted by name.
+    """
+    found = {
+        gate_short_name(cls): cls for cls in _GATES.values() if any(f.name == "k" for f in dataclasses.fields(cls))
+    }
+    return dict(sorted(found.items()))
