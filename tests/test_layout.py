@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mumoe_tn"
 #: two import torch on use only. ``plugins`` registers conversion with other libraries when they load.
 FLOORS = {
     "validation": 0,
+    "registry": 0,
     "caching": 0,
     "deprecation": 0,
     "network": 1,

@@ -99,3 +99,61 @@ def test_auto_takes_the_formats_top_k_gate():
 
     assert get_format("mxd").top_k_gate == "relu"
     assert get_format("cp").top_k_gate == "softmax"
+
+
+def test_every_extension_point_is_a_registry():
+    from mumoe_tn.conversion.adapters import ADAPTERS
+    from mumoe_tn.conversion.blocks import GATED_LAYOUTS, PACKED_GATED_CLASSES
+    from mumoe_tn.decompositions.registry import FORMATS
+    from mumoe_tn.gates.modules import ACTIVATIONS, GATE_NORMS
+    from mumoe_tn.gates.registry import GATES
+    from mumoe_tn.registry import Registry
+
+    for registry in (ADAPTERS, GATED_LAYOUTS, PACKED_GATED_CLASSES, FORMATS, ACTIVATIONS, GATE_NORMS, GATES):
+        assert isinstance(registry, Registry), registry
+    assert {"cp", "tr", "tt", "tucker", "mxd"} <= set(FORMATS)
+    assert {"entmax15", "sparsemax", "softmax"} <= set(ACTIVATIONS)
+
+
+def test_a_registry_registers_looks_up_and_refuses_clearly():
+    from mumoe_tn.registry import Registry
+
+    seen = []
+    registry = Registry("widget", normalize=str.lower, check=lambda key, value: seen.append((key, value)))
+    assert registry.register("Spoke", 1) == 1
+    assert registry["spoke"] == 1 and "SPOKE" in registry and 3 not in registry
+    assert seen == [("spoke", 1)]
+
+    @registry.register("hub")
+    def hub():
+        return 2
+
+    assert registry.lookup("HUB") is hub
+    assert registry.names() == ["hub", "spoke"]
+    with pytest.raises(ValueError, match=r"already registered as 'spoke'.*replace=True"):
+        registry.register("spoke", 5)
+    registry.register("spoke", 5, replace=True)
+    assert registry["spoke"] == 5
+    with pytest.raises(ValueError, match=r"unknown widget 'rim'; registered: \['hub', 'spoke'\]"):
+        registry.lookup("rim")
+    registry.unregister("spoke")
+    registry.unregister("spoke")
+    assert list(registry) == ["hub"] and len(registry) == 1
+    with pytest.warns(DeprecationWarning, match=r"\.register\('rim', value\)"):
+        registry["rim"] = 7
+    assert registry.lookup("rim") == 7
+
+
+def test_a_registered_activation_is_a_gate_activation():
+    from mumoe_tn.gates.modules import ACTIVATIONS, resolve_activation
+
+    def halve(x):
+        return torch.softmax(x, dim=-1) * 0 + 1 / x.shape[-1]
+
+    ACTIVATIONS.register("uniform_test", halve)
+    try:
+        assert resolve_activation("uniform_test") is halve
+    finally:
+        ACTIVATIONS.unregister("uniform_test")
+    with pytest.raises(ValueError, match="uniform_test"):
+        resolve_activation("uniform_test")

@@ -24,7 +24,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
+from mumoe_tn.registry import Registry
+
 __all__ = [
+    "GATES",
     "gate_class",
     "gate_class_name",
     "gate_short_name",
@@ -34,7 +37,8 @@ __all__ = [
     "unregister_gate",
 ]
 
-_GATES: dict[str, type] = {}
+#: The registered gate descriptor classes by ``module.QualifiedName`` (a [`Registry`][mumoe_tn.registry.Registry]).
+GATES: Registry[str, type] = Registry("gate class")
 
 _Class = TypeVar("_Class", bound=type)
 
@@ -78,28 +82,27 @@ def register_gate(cls: _Class, *, replace: bool = False) -> _Class:
     if missing:
         raise TypeError(f"the gate descriptor class {cls.__qualname__} lacks {missing} (see mumoe_tn.gates.GateSpec)")
     name = gate_class_name(cls)
-    known = _GATES.get(name)
+    known = GATES.get(name)
     if known is not None and known is not cls and not replace:
         raise ValueError(f"another gate class is registered as {name!r} ({known!r}); pass replace=True")
-    _GATES[name] = cls
-    return cls
+    return GATES.register(name, cls, replace=True)
 
 
 def unregister_gate(cls: type) -> None:
     """Remove ``cls`` from the allow-list (e.g. at the end of a test); a class never registered is ignored."""
     name = gate_class_name(cls)
-    if _GATES.get(name) is cls:
-        del _GATES[name]
+    if GATES.get(name) is cls:
+        GATES.unregister(name)
 
 
 def gate_class(name: str) -> type | None:
     """The registered gate descriptor class recorded as ``name``, or None (nothing is imported)."""
-    return _GATES.get(name) if isinstance(name, str) else None
+    return GATES.get(name) if isinstance(name, str) else None
 
 
 def registered_gates() -> list[str]:
     """Sorted qualified names of the registered gate descriptor classes."""
-    return sorted(_GATES)
+    return GATES.names()
 
 
 def gate_short_name(cls: type) -> str:
@@ -120,7 +123,5 @@ def top_k_gates() -> dict[str, type]:
     dict
         Short name → class, sorted by name.
     """
-    found = {
-        gate_short_name(cls): cls for cls in _GATES.values() if any(f.name == "k" for f in dataclasses.fields(cls))
-    }
+    found = {gate_short_name(cls): cls for cls in GATES.values() if any(f.name == "k" for f in dataclasses.fields(cls))}
     return dict(sorted(found.items()))
