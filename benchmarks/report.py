@@ -424,7 +424,7 @@ def plot_latency(store: dict, path: Path) -> Path | None:
 #: Sections shown in the inference block of the results page rather than the benchmarks block.
 INFERENCE = ("inference", "latency", "generation")
 #: Sections with a part of their own on the results page (written by hand from the report).
-OWN_PART = ("scale",)
+OWN_PART = ("scale", "host")
 
 
 def update_inference_docs(store: dict, device: str, image: str, page: Path) -> bool:
