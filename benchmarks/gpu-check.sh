@@ -79,11 +79,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $LOGS/NA
 
 # The CUDA tests: every test whose id names CUDA, in every test file that mentions it.
 mapfile -t files < <(grep -rl --include="test_*.py" "cuda" tests | sort)
-step tests 100 "$PY" -m pytest -q -p no:cacheprovider -k cuda "${files[@]}"
+step tests 90 "$PY" -m pytest -q -p no:cacheprovider -k cuda "${files[@]}"
 tests_summary=$(grep -E "passed|failed|error|no tests ran" "$LOGS/tests.log" | tail -1)
 
-step benchmarks 240 "$PY" -m benchmarks.run --device cuda --only layer host inference --no-docs
-step compiled 120 "$PY" -m benchmarks.compiled --batch 1 64 --calls 100
+step benchmarks 230 "$PY" -m benchmarks.run --device cuda --only layer host inference --no-docs
+step compiled 140 "$PY" -m benchmarks.compiled --batch 1 --calls 100
 
 # Drop the part an earlier check appended (a run that failed before rewriting the page leaves it there).
 "$PY" -c 'import pathlib, sys
