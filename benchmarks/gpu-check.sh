@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command: the CUDA tests, then the layer, host and inference sections and the
-# compiled decoding benchmark on one GPU, written to benchmarks/results-gpu.md (about 6 minutes on one
-# H100; every step has a time limit, 8 minutes in all).
+# compiled decoding benchmark on one GPU, written to benchmarks/results-gpu.md. Every step has a time
+# limit: under 8 minutes in all.
 #
 #   bash benchmarks/gpu-check.sh            # from anywhere; runs in the repository root
 #   PYTHON=/path/to/python bash benchmarks/gpu-check.sh
@@ -103,7 +103,7 @@ page.write_text(text.split("\n## GPU check\n")[0].rstrip("\n") + "\n")' "$RESULT
     echo "|---|---|---:|---|"
     printf '%s\n' "${steps[@]}"
     echo
-    echo "### Decoding under torch.compile (\`python -m benchmarks.compiled --batch 1 64 --calls 100\`)"
+    echo "### Decoding under torch.compile (\`python -m benchmarks.compiled --batch 1 --calls 100\`)"
     echo
     grep -E "^\||^NVIDIA|torch " "$LOGS/compiled.log" || echo "(no table: see the step's outcome)"
 } >>"$RESULTS"
