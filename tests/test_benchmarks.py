@@ -549,3 +549,18 @@ def test_host_section_targets_follow_the_stated_limits():
     assert {t.limit for t in timed if t.metric == "infer_s"} == {3.0} and len(timed) == 2 * 6
     assert {t.limit for t in timed if t.metric == "train_s"} == {4.0}
     assert section.eval_tokens == 1 and all(case.batch * case.seq == 64 for case in section.cases)
+
+
+def test_gpu_check_fits_in_eight_minutes_and_stops_clearly_without_a_gpu():
+    import os
+    import re
+    import subprocess
+
+    script = ROOT / "benchmarks" / "gpu-check.sh"
+    limits = [int(limit) for limit in re.findall(r"^step \w+ (\d+) ", script.read_text(), flags=re.MULTILINE)]
+    assert len(limits) == 3 and sum(limits) < 8 * 60
+    if torch.cuda.is_available():
+        return
+    environment = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(script)], env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "has no CUDA build of torch that sees a GPU" in result.stderr
