@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch_calls import AtenCalls
 
 from mumoe_tn.gates import kernels
 from mumoe_tn.gates.modules import ExpertGate, ReLUTopKRouter, TopKRouter
@@ -281,19 +281,6 @@ def test_top_k_refuses_a_k_outside_the_row(k):
         K.top_k_softmax(torch.zeros(2, 5), k)
 
 
-class _ComputeCalls(TorchDispatchMode):
-    """The aten and custom operators called at the top level (views, ``detach`` and ``lift_fresh`` left out)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.overloadpacket.__name__ not in {"detach", "lift_fresh"}:
-            self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize(
     "activation",
     [
@@ -305,10 +292,12 @@ class _ComputeCalls(TorchDispatchMode):
 )
 def test_one_kernel_per_direction(activation):
     x = _rows(7, 4, 24, 2.0).requires_grad_(True)
-    with kernels.gate_kernels("always"), _ComputeCalls() as forward:
+    with kernels.gate_kernels("always"), AtenCalls() as forward:
         y = activation(x)
-    with _ComputeCalls() as backward:
-        y.backward(torch.ones_like(y))
-    assert len(forward.names) == 1 and forward.names[0].startswith("mumoe_tn.")
-    assert [name for name in backward.names if name.startswith("mumoe_tn.")] == [forward.names[0] + "_backward"]
-    assert len(backward.names) <= 2, backward.names  # the kernel, and at most the ones_like seed
+    seed = torch.ones_like(y)
+    with AtenCalls() as backward:
+        y.backward(seed)
+    assert len(forward.kernels) == 1 and sum(forward.kernels.values()) == 1, forward.kernels
+    (name,) = forward.kernels
+    assert dict(backward.kernels) == {name + "_backward": 1}
+    assert not forward.host_reads and not backward.host_reads
