@@ -97,3 +97,85 @@ def test_kernels_compile_for_a_cuda_target():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "compiled 24" in result.stdout
+
+
+# ----------------------------------------------------------------------------- on a GPU
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _scatter_top_k(t, k, weigh):
+    values, indices = t.topk(k, dim=-1)
+    return torch.zeros_like(t).scatter(-1, indices, weigh(values))
+
+
+def _cuda_references(x, name, k=3):
+    """The reference map of ``x`` computed on the CPU in float64 (values and the VJP of ``weights``)."""
+    import entmax
+
+    maps = {
+        "entmax15": lambda t: entmax.entmax15(t, dim=-1),
+        "sparsemax": lambda t: entmax.sparsemax(t, dim=-1),
+        "top_k_softmax": lambda t: _scatter_top_k(t, k, lambda values: values.softmax(-1)),
+        "relu_top_k": lambda t: _scatter_top_k(torch.relu(t), k, lambda values: values),
+    }
+    leaf = x.detach().cpu().double().requires_grad_(True)
+    weights = torch.linspace(-1, 1, x.shape[-1], dtype=torch.float64)
+    y = maps[name](leaf)
+    (grad,) = torch.autograd.grad((y * weights).sum(), leaf)
+    return y, grad, weights
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [7, 64, 1000, 3000])
+@pytest.mark.parametrize("name", ["entmax15", "sparsemax", "top_k_softmax", "relu_top_k"])
+def test_cuda_kernels_equal_the_references_with_no_host_sync(name, width, dtype):
+    from mumoe_tn.gates import triton_kernels
+
+    maps = {
+        "entmax15": lambda t: triton_kernels.sparse_map(t, True),
+        "sparsemax": lambda t: triton_kernels.sparse_map(t, False),
+        "top_k_softmax": lambda t: triton_kernels.top_k_softmax(t, 3),
+        "relu_top_k": lambda t: triton_kernels.relu_top_k(t, 3),
+    }
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(33, width, generator=generator) * 2).clamp(max=3)
+    if name.endswith("top_k") or name.startswith("top_k"):  # three distinct largest logits: one kept set
+        top = torch.rand(33, width, generator=generator).argsort(-1)[:, :3]
+        x = x.scatter(-1, top, torch.tensor([5.0, 4.5, 4.0]).expand(33, 3))
+    x = x.to(dtype)
+    expected, expected_grad, weights = _cuda_references(x, name)
+    leaf = x.cuda().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = maps[name](leaf)
+        (grad,) = torch.autograd.grad((y * weights.to(device="cuda", dtype=dtype)).sum(), leaf)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(y.cpu().double(), expected, rtol=tolerance, atol=tolerance / 10)
+    torch.testing.assert_close(grad.cpu().double(), expected_grad, rtol=tolerance * 10, atol=tolerance)
+
+
+@cuda
+def test_cuda_gates_take_the_kernels_and_replay_in_a_cuda_graph():
+    from mumoe_tn.gates.modules import ExpertGate
+
+    gate = ExpertGate(16, (24, 24), "entmax15", "layer").cuda()
+    z = torch.randn(8, 16, device="cuda")
+    with torch.profiler.profile() as profile:
+        gate(z)
+    assert any(event.name.startswith("mumoe_tn::") for event in profile.events())
+    with kernels.gate_kernels("never"):
+        expected = gate(z * 2)
+    static = z.clone()
+    with torch.no_grad():
+        gate(static)  # warm-up: the kernels compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = gate(static)
+        static.copy_(z * 2)
+        graph.replay()
+    for a, b in zip(captured, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
