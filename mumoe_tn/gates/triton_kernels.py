@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import torch
 
-from mumoe_tn.gates.entmax import _square_root
-
 try:
     import triton
     import triton.language as tl
@@ -330,7 +328,11 @@ def _save_output(ctx, inputs: tuple, output: torch.Tensor) -> None:
 def _sparse_map_backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
     (y,) = ctx.saved_tensors
     if torch.is_grad_enabled():  # a backward that is itself differentiated: the same formula in torch
-        weight = _square_root(y) if ctx.flag else y.sign()
+        if ctx.flag:  # √y as √(y + z) − z, z = 1 off the support: finite derivatives there (as in entmax.py)
+            off_support = 1 - y.sign()
+            weight = (y + off_support).sqrt() - off_support
+        else:
+            weight = y.sign()
         shift = (grad * weight).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True)
         return weight * (grad - shift), None
     return _sparse_map_backward_op(y, grad, ctx.flag), None
