@@ -56,10 +56,10 @@ def _top_k_reference(x, k, relu):
 # ----------------------------------------------------------------------------- forward values
 @given(
     seed=st.integers(0, 2**16),
-    n_rows=st.integers(1, 3),
+    n_rows=st.integers(1, 2),
     width=st.sampled_from(WIDTHS),
     scale=st.sampled_from([0.01, 1.0, 30.0]),
-    block=st.sampled_from([8, 128]),
+    block=st.sampled_from([16, 128]),
 )
 @pytest.mark.parametrize(("entmax_flag", "reference"), SPARSE_MAPS)
 def test_sparse_maps_equal_the_entmax_package(entmax_flag, reference, seed, n_rows, width, scale, block):
@@ -134,7 +134,7 @@ def _directional_check(f, x, seed):
     return (vjp * v).sum(), (difference * g).sum(), vjp
 
 
-@given(seed=st.integers(0, 2**16), width=st.sampled_from(WIDTHS), scale=st.sampled_from([0.3, 3.0]))
+@given(seed=st.integers(0, 2**16), width=st.sampled_from([1, 3, 7, 33, 100]), scale=st.sampled_from([0.3, 3.0]))
 @pytest.mark.parametrize(("entmax_flag", "reference"), SPARSE_MAPS)
 def test_sparse_map_backward_equals_the_package_and_finite_differences(entmax_flag, reference, seed, width, scale):
     x = _rows(seed, 2, width, scale)
