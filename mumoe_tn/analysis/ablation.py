@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from mumoe_tn.analysis.validation import check_int, check_layer
+from mumoe_tn.analysis.argument_checks import check_int, check_layer
 from mumoe_tn.layers import FactorizedExperts, MuMoEBase
 
 __all__ = ["ExpertAblation", "ablate"]

@@ -24,10 +24,17 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.analysis.ablation import ExpertAblation, _multi_indices, ablate
+from mumoe_tn.analysis.argument_checks import (
+    check_callable,
+    check_inside,
+    check_int,
+    check_layer,
+    check_model,
+    check_tensor,
+)
 from mumoe_tn.analysis.outputs import decoder, logits_of
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
-from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoEBase
 
 __all__ = ["AblationEffects", "ablation_effects", "expert_units"]

@@ -17,9 +17,16 @@ import torch
 from torch import nn
 
 from mumoe_tn.analysis.ablation import ExpertAblation, ablate
+from mumoe_tn.analysis.argument_checks import (
+    check_callable,
+    check_inside,
+    check_int,
+    check_layer,
+    check_model,
+    check_tensor,
+)
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
-from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoEBase
 
 __all__ = ["Polysemanticity", "class_accuracies", "class_polysemanticity"]

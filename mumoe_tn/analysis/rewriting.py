@@ -15,10 +15,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from mumoe_tn.analysis.coefficients import default_forward
-from mumoe_tn.analysis.progress import check_progress
-from mumoe_tn.analysis.progress import progress as progress_bar
-from mumoe_tn.analysis.validation import (
+from mumoe_tn.analysis.argument_checks import (
     check_callable,
     check_inside,
     check_int,
@@ -27,6 +24,9 @@ from mumoe_tn.analysis.validation import (
     check_real,
     check_tensor,
 )
+from mumoe_tn.analysis.coefficients import default_forward
+from mumoe_tn.analysis.progress import check_progress
+from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.layers import MuMoEBase
 
 __all__ = [

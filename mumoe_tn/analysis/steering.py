@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from mumoe_tn.analysis.validation import check_layer, check_real, check_tensor
+from mumoe_tn.analysis.argument_checks import check_layer, check_real, check_tensor
 from mumoe_tn.layers import MuMoEBase
 
 __all__ = ["steer"]

@@ -16,10 +16,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mumoe_tn.analysis.argument_checks import (
+    check_callable,
+    check_inside,
+    check_int,
+    check_layer,
+    check_model,
+    check_tensor,
+)
 from mumoe_tn.analysis.outputs import decoder
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
-from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoEBase
 
 __all__ = ["TokenCoefficients", "token_coefficients"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from mumoe_tn.cli.arguments import budget, check_plot, positive
 from mumoe_tn.costs.display import DTYPE_BYTES
-from mumoe_tn.design.search import design
 from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, FAMILIES, HADAMARD_LEGS
+from mumoe_tn.design.structure_search import design
 
 __all__ = ["DESCRIPTION", "HELP", "configure", "run"]
 
