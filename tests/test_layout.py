@@ -182,3 +182,13 @@ def test_module_names_are_unique_across_the_package():
             continue
         seen.setdefault(basename, []).append(name)
     assert {base: names for base, names in seen.items() if len(names) > 1} == {}
+
+
+def test_the_layout_page_draws_the_floors_this_file_enforces():
+    page = (ROOT.parent / "docs" / "layout.md").read_text()
+    diagram = page.split("```text\n", 1)[1].split("```", 1)[0]
+    drawn = {
+        match.group(2): int(match.group(1))
+        for match in re.finditer(r"^\s+(\d+)\s+([a-z_]+)(?:/|\.py)\s", diagram, flags=re.MULTILINE)
+    }
+    assert drawn == FLOORS

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mumoe_tn.cli.arguments import UsageError, check_plot
+from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
 from mumoe_tn.distillation.frontier import plot_frontier
 from mumoe_tn.distillation.replacements import TOP_K_GATES
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
@@ -62,10 +62,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "with --resume)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print the table as JSON")
-    output.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    output.add_argument("--csv", action="store_true", help="print the table as CSV")
+    add_output_formats(
+        parser, json="print the table as JSON", markdown="print the table as Markdown", csv="print the table as CSV"
+    )
     parser.add_argument("--save", metavar="FILE.json", help="also write the table as JSON to this file")
     parser.add_argument("--plot", metavar="FILE.png", help="save the frontier plot (CE-loss score against L0)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
