@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mumoe_tn"
 #: two import torch on use only. ``plugins`` registers conversion with other libraries when they load.
 FLOORS = {
     "validation": 0,
+    "registry": 0,
     "caching": 0,
     "deprecation": 0,
     "network": 1,
@@ -148,7 +149,6 @@ MOVED = {
     "mumoe_tn.design.command:configure_parser": "mumoe_tn.cli.design_command:configure",
     "mumoe_tn.analysis.explorer.command:load_target": "mumoe_tn.cli.explore_command",
     "mumoe_tn.design.search:design": "mumoe_tn.design.structure_search",
-    "mumoe_tn.analysis.validation:check_layer": "mumoe_tn.analysis.argument_checks",
     "mumoe_tn.gates.options:GATE_INITS": "mumoe_tn.gates.choices",
 }
 
@@ -169,8 +169,8 @@ def _is_stub(path):
     return "moved_module(" in path.read_text()
 
 
-#: Basenames that several packages use with one meaning: each package's table of its own
-#: registered kind (formats in decompositions, gate descriptors in gates).
+#: Basenames used with one meaning in several places: ``registry`` is the registry type
+#: (mumoe_tn.registry) and each package's registry of its own kind (formats, gate classes).
 SAME_MEANING = {"registry"}
 
 
@@ -192,3 +192,38 @@ def test_the_layout_page_draws_the_floors_this_file_enforces():
         for match in re.finditer(r"^\s+(\d+)\s+([a-z_]+)(?:/|\.py)\s", diagram, flags=re.MULTILINE)
     }
     assert drawn == FLOORS
+
+
+#: Where formats and gates are defined and registered: the only code that may compare their names.
+REGISTRIES = ("mumoe_tn/decompositions/", "mumoe_tn/gates/")
+
+
+def _registered_names():
+    from mumoe_tn.decompositions import available, get_format
+    from mumoe_tn.gates.registry import top_k_gates
+
+    names = set(available()) | set(top_k_gates())
+    names |= {getattr(get_format(name), "mlp_block", None) for name in available()} - {None}
+    return {name for name in names if isinstance(name, str)}
+
+
+def _compared_strings(node):
+    for operand in (node.left, *node.comparators):
+        if isinstance(operand, ast.Constant) and isinstance(operand.value, str):
+            yield operand.value
+        elif isinstance(operand, (ast.Tuple, ast.List, ast.Set)):
+            yield from (e.value for e in operand.elts if isinstance(e, ast.Constant) and isinstance(e.value, str))
+
+
+def test_no_code_outside_the_registries_compares_a_format_or_gate_name():
+    names = _registered_names()
+    assert {"cp", "tr", "mxd", "softmax", "relu"} <= names
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT.parent).as_posix()
+        if relative.startswith(REGISTRIES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(value in names for value in _compared_strings(node)):
+                found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "ask the format or gate instead of testing its name:\n" + "\n".join(found)

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mumoe_tn.analysis.argument_checks import check_callable, check_int, check_model, check_real, check_tensor
 from mumoe_tn.analysis.coefficients import DeadExpertWarning, collect_coefficients, mumoe_layers
 from mumoe_tn.analysis.effects import AblationEffects, ablation_effects, expert_units
 from mumoe_tn.analysis.explorer.collect import LayerRecord
@@ -22,6 +21,7 @@ from mumoe_tn.analysis.polysemanticity import class_polysemanticity
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.layers import MuMoEBase
+from mumoe_tn.validation import check_callable, check_int, check_model, check_real, check_tensor
 
 __all__ = ["Exploration", "explore"]
 
