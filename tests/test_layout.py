@@ -6,8 +6,10 @@ checkers excluded, since they never run).
 
 import ast
 import importlib
+import io
 import pathlib
 import re
+import tokenize
 
 import networkx as nx
 import pytest
@@ -150,6 +152,14 @@ MOVED = {
     "mumoe_tn.analysis.explorer.command:load_target": "mumoe_tn.cli.explore_command",
     "mumoe_tn.design.search:design": "mumoe_tn.design.structure_search",
     "mumoe_tn.gates.options:GATE_INITS": "mumoe_tn.gates.choices",
+    "mumoe_tn.network:normalize_expert_dims": "mumoe_tn.network:normalise_expert_dims",
+    "mumoe_tn.decompositions:normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks",
+    "mumoe_tn.decompositions.registry:normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks",
+    "mumoe_tn.contractions.dense:materialize": "mumoe_tn.contractions.dense:materialise",
+    "mumoe_tn.contractions:materialize": "mumoe_tn.contractions.dense:materialise",
+    "mumoe_tn:materialize": "mumoe_tn.contractions.dense:materialise",
+    "mumoe_tn.costs.flops:materialize_fma": "mumoe_tn.costs.flops:materialise_fma",
+    "mumoe_tn.costs:materialize_fma": "mumoe_tn.costs.flops:materialise_fma",
 }
 
 
@@ -227,3 +237,27 @@ def test_no_code_outside_the_registries_compares_a_format_or_gate_name():
             if isinstance(node, ast.Compare) and any(value in names for value in _compared_strings(node)):
                 found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
     assert found == [], "ask the format or gate instead of testing its name:\n" + "\n".join(found)
+
+
+#: The project's own words take British -ise spellings (CONTRIBUTING.md); these -ize stems are
+#: the project's words, so a name spelt with one of them breaks the rule.
+OWN_WORDS_IZE = re.compile(
+    r"(?i)(normal|material|special|initial|random|recogn|standard|summar|synchron|vector|organ|visual|general|custom"
+    r"|stabil|minim|maxim|regular|serial|memor|categor|symmetr|polar|central|local|canonical|optim|parameter)iz"
+)
+#: Names spelt as the library they come from spells them (torch, opt_einsum, transformers), and
+#: the paper's "factorized experts".
+FOREIGN_SPELLINGS = re.compile(
+    r"(?i)optimiz(e|er|ers)\b|optimizers|HyperOptimizer|is_initialized|is_serializable|synchronize|minimize"
+)
+
+
+def test_names_follow_one_spelling():
+    offenders = []
+    for name, path in sorted(_modules().items()):
+        for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if token.type == tokenize.NAME and OWN_WORDS_IZE.search(FOREIGN_SPELLINGS.sub("", token.string)):
+                offenders.append(f"{name}:{token.start[0]}: {token.string}")
+    assert offenders == [], "British -ise spellings for the project's own words (CONTRIBUTING.md):\n" + "\n".join(
+        offenders
+    )
