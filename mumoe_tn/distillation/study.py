@@ -261,7 +261,7 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     result = distill(
         model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
         buffer_tokens=config.buffer_tokens, lr=config.lr, seed=config.seed, checkpoint=checkpoint, resume=resume,
-        progress=progress,
+        run_config={"model": description, **dataclasses.asdict(config)}, progress=progress,
     )  # fmt: skip
     trained = time.perf_counter() - start
     eval_windows = 8

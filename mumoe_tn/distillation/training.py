@@ -234,10 +234,20 @@ class _Run:
             "draining": -1 if self.draining is None else self.draining,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
         for block, methods in self.modules.items():
             for method, module in methods.items():
-                module.load_state_dict(state["modules"][f"{block}/{method}"])
+                saved = state["modules"][f"{block}/{method}"]
+                for key, tensor in module.state_dict().items():
+                    old = saved.get(key)
+                    if old is None or old.shape != tensor.shape:
+                        found = "no such tensor" if old is None else f"shape {tuple(old.shape)}"
+                        raise ValueError(
+                            f"the checkpoint {path} was written by a different distillation: the replacement "
+                            f"{method!r} of {block!r} has {key} of shape {tuple(tensor.shape)} now, {found} in the "
+                            "checkpoint"
+                        )
+                module.load_state_dict(saved)
                 self.optimizers[block][method].load_state_dict(state["optimizers"][f"{block}/{method}"])
         self.buffer.load_state_dict(state["buffer"])
         self.generator.set_state(state["generator"])
@@ -245,9 +255,9 @@ class _Run:
         self.harvested, self.trained, self.steps = (int(counters[k]) for k in ("harvested", "trained", "steps"))
         self.draining = None if int(state["draining"]) < 0 else int(state["draining"])
 
-    def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]], l1: float) -> float:
-        """One optimiser step of every replacement on ``rows``; returns the mean loss."""
-        losses = []
+    def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]], l1: float) -> dict[str, float]:
+        """One optimiser step of every replacement on ``rows``; returns each method's loss (mean over blocks)."""
+        losses: dict[str, list[float]] = {}
         for block, methods in self.modules.items():
             x, y = rows[block]
             for method, module in methods.items():
@@ -269,9 +279,9 @@ class _Run:
                 recent = self.recent.setdefault((block, method), [])
                 recent.append(value)
                 del recent[:-50]
-                losses.append(value)
+                losses.setdefault(method, []).append(value)
         self.steps += 1
-        return sum(losses) / len(losses)
+        return {method: sum(values) / len(values) for method, values in losses.items()}
 
 
 def _save(state: Mapping[str, Any], path: Path) -> None:
@@ -316,6 +326,7 @@ def distill(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 100,
     resume: bool = False,
+    run_config: Mapping[str, Any] | None = None,
     progress: bool = True,
 ) -> Distillation:
     """Train a replacement of each chosen MLP block of ``model`` on the block's streamed activations.
@@ -357,9 +368,15 @@ def distill(
     checkpoint_every : int, optional
         Steps between checkpoints (default 100).
     resume : bool, optional
-        Continue from ``checkpoint`` if it exists (its configuration must match this call's).
+        Continue from ``checkpoint`` if it exists. Its configuration must match this call's — the
+        blocks, methods, ``tokens``, ``batch_size``, ``buffer_tokens``, ``seed``, ``lr``, ``l1``,
+        ``run_config`` and the shapes of every replacement's tensors — or a ValueError names the
+        fields that differ.
+    run_config : Mapping, optional
+        Plain data (JSON-like) on what else the run depends on — the model, the factories'
+        settings — stored in the checkpoint and compared on resume.
     progress : bool, optional
-        Show a tqdm bar of trained tokens with tokens/s and the mean loss.
+        Show a tqdm bar of trained tokens with tokens/s and each method's loss (mean over blocks).
 
     Returns
     -------
@@ -386,12 +403,12 @@ def distill(
     blocks = select_blocks(model, mlps)
     names = [block.name for block in blocks]
     config = {
-        "blocks": names, "methods": sorted(methods), "batch_size": batch_size, "buffer_tokens": capacity,
-        "seed": seed, "lr": lr, "l1": l1,
+        **dict(run_config or {}), "blocks": names, "methods": sorted(methods), "tokens": tokens,
+        "batch_size": batch_size, "buffer_tokens": capacity, "seed": seed, "lr": lr, "l1": l1,
     }  # fmt: skip
     run = _Run(blocks, methods, seed=seed, lr=lr, optimizer=optimizer, capacity=capacity)
     if resume and path is not None and path.exists():
-        run.load_state_dict(_load(path, config))
+        run.load_state_dict(_load(path, config), path)
     was_training = model.training
     model.eval()
     bar = tqdm(total=tokens, initial=min(run.trained, tokens), unit="tok", unit_scale=True, desc="distilling",
@@ -407,7 +424,7 @@ def distill(
                 loss = run.step(run.buffer.take(batch_size), l1)
             run.trained += batch_size
             bar.update(batch_size)
-            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+            bar.set_postfix({method: f"{value:.3g}" for method, value in loss.items()}, refresh=False)
             if path is not None and run.steps % checkpoint_every == 0:
                 _save(run.state_dict(config), path)
         run.draining = None
