@@ -25,23 +25,33 @@ def _warn(old: str, new: str) -> None:
     )
 
 
-def moved_module(old: str, new: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def moved_module(
+    old: str, new: str, elsewhere: Mapping[str, str] | None = None
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for a module that moved from ``old`` to ``new``.
 
     Parameters
     ----------
     old, new : str
         Dotted module paths.
+    elsewhere : Mapping[str, str], optional
+        Names of the old module that went to another module or took a new name, each with its new
+        place as ``"module"`` or ``"module:new_name"``.
 
     Returns
     -------
     tuple
         ``(__getattr__, __dir__)`` to assign at the old module's top level.
     """
+    elsewhere = dict(elsewhere or {})
 
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        if name in elsewhere:
+            module, _, new_name = elsewhere[name].partition(":")
+            _warn(f"{old}.{name}", f"{module}.{new_name or name}")
+            return getattr(importlib.import_module(module), new_name or name)
         value = getattr(importlib.import_module(new), name, _MISSING)
         if value is _MISSING:
             raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {new!r})")
@@ -49,7 +59,7 @@ def moved_module(old: str, new: str) -> tuple[Callable[[str], Any], Callable[[],
         return value
 
     def __dir__() -> list[str]:
-        return sorted(getattr(importlib.import_module(new), "__all__", ()))
+        return sorted({*getattr(importlib.import_module(new), "__all__", ()), *elsewhere})
 
     return __getattr__, __dir__
 

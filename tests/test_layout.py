@@ -125,7 +125,7 @@ def test_distill_and_explore_are_reachable_from_the_top_level():
     assert mumoe_tn.explore is explore
 
 
-#: Public names at their 0.2 paths, each with the module that holds it now.
+#: Public names at their 0.2 paths, each with the module that holds it now (and its new name, if renamed).
 MOVED = {
     "mumoe_tn.conversion.distill:distill": "mumoe_tn.distillation.training",
     "mumoe_tn.conversion.distill:splice": "mumoe_tn.distillation.training",
@@ -139,13 +139,23 @@ MOVED = {
     "mumoe_tn.conversion:select_blocks": "mumoe_tn.distillation.streaming",
     "mumoe_tn.conversion:evaluate_replacements": "mumoe_tn.distillation.faithfulness",
     "mumoe_tn.layers:Transcoder": "mumoe_tn.distillation.transcoders",
+    "mumoe_tn.experiments.frontier:config_from": "mumoe_tn.cli.distill_command",
+    "mumoe_tn.experiments.frontier:configure_parser": "mumoe_tn.cli.distill_command:configure",
+    "mumoe_tn.experiments.demo:run_demo": "mumoe_tn.cli.demo_command",
+    "mumoe_tn.experiments.specialisation:run_experiment": "mumoe_tn.cli.specialisation_command",
+    "mumoe_tn.experiments.specialisation:configure_parser": "mumoe_tn.cli.specialisation_command:configure",
+    "mumoe_tn.design.command:run": "mumoe_tn.cli.design_command",
+    "mumoe_tn.design.command:configure_parser": "mumoe_tn.cli.design_command:configure",
+    "mumoe_tn.analysis.explorer.command:load_target": "mumoe_tn.cli.explore_command",
 }
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_old_paths_still_import_with_a_deprecation_warning(old):
     module_name, name = old.split(":")
-    new = importlib.import_module(MOVED[old])
-    with pytest.warns(DeprecationWarning, match=rf"moved to {re.escape(MOVED[old])}\.{name}"):
+    new_module, _, new_name = MOVED[old].partition(":")
+    new_name = new_name or name
+    new = importlib.import_module(new_module)
+    with pytest.warns(DeprecationWarning, match=rf"moved to {re.escape(new_module)}\.{new_name}"):
         value = getattr(importlib.import_module(module_name), name)
-    assert value is getattr(new, name)
+    assert value is getattr(new, new_name)
