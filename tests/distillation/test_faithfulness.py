@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -19,7 +20,8 @@ from mumoe_tn.conversion.convert import convert
 from mumoe_tn.distillation.faithfulness import ZeroBlock, evaluate_replacements, next_token_loss
 from mumoe_tn.distillation.frontier import FrontierTable, ce_loss_score, plot_frontier
 from mumoe_tn.distillation.streaming import capture_blocks
-from mumoe_tn.distillation.training import spliced
+from mumoe_tn.distillation.study import load_frontier
+from mumoe_tn.distillation.training import load_replacements, spliced
 from mumoe_tn.distillation.transcoders import Transcoder
 from mumoe_tn.gates.specs import TopKGate
 
@@ -167,6 +169,10 @@ def test_distill_command_bad_input(capsys):
         main(["distill", "--quick", "--methods", "nope"])
     assert exit_info.value.code == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # --quick's 16 experts cannot have 32 active
+        main(["distill", "--quick", "--l0", "32"])
+    assert exit_info.value.code == 2
+    assert "raise --experts" in capsys.readouterr().err
 
 
 def test_distill_command_on_a_saved_model(tmp_path, capsys):
@@ -174,11 +180,28 @@ def test_distill_command_on_a_saved_model(tmp_path, capsys):
     saved = gpt2(layers=1, width=16, heads=2, vocab=256, positions=32, bos_token_id=0, eos_token_id=0)
     saved.save_pretrained(tmp_path / "model")
     argv = ["distill", "--quick", "--model", str(tmp_path / "model"), "--methods", "transcoder", "cp-hier", "--l0", "4",
-            "--tokens", "512", "--csv", "--no-progress"]  # fmt: skip
+            "--tokens", "512", "--no-progress", "--save", str(tmp_path / "run")]  # fmt: skip
     assert main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("block,method,params,l0") and len(lines) == 3  # header, two methods on one block
-    assert {line.split(",")[1] for line in lines[1:]} == {"transcoder@4", "cp-hier@4"}
+    lines = capsys.readouterr().out.splitlines()  # stdout is not a terminal here: Markdown
+    assert lines[2].startswith("| block | method | params | L0 |") and lines[3].startswith("|---|---|---:|")
+    assert {line.split(" | ")[1] for line in lines[4:6]} == {"transcoder@4", "cp-hier@4"}
+    model, replacements, table = load_frontier(tmp_path / "run")
+    row = next(row for row in table.rows if row.method == "cp-hier@4")
+    reloaded = replacements[row.block][row.method]
+    batches = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = evaluate_replacements(model, batches, {row.block: {row.method: reloaded}}).rows[0]
+    assert again.params == row.params and again.l0 == 4.0  # the run's own module, spliced in
+    saved = load_file(str(tmp_path / "run" / "replacements.safetensors"))
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, saved[f"{row.block}/{row.method}/{key}"]), key
+    with pytest.raises(ValueError, match="holds replacements of other shapes"):
+        built = {row.block: {"transcoder@4": Transcoder(16, 8, 16, k=4), "cp-hier@4": reloaded}}
+        load_replacements(built, tmp_path / "run" / "replacements.safetensors")
+    with pytest.raises(SystemExit):  # the directory is no longer empty
+        main(argv)
+    assert "--save must name a new or empty directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["distill", "--quick", "--model", str(tmp_path / "missing")])
     assert "must be a directory holding a saved Hugging Face causal LM" in capsys.readouterr().err
