@@ -288,11 +288,13 @@ def test_char_gpt_page_renders_cleanly_at_both_widths(char_report, tmp_path):
     _check_self_contained(char_report.page.read_text(encoding="utf-8"))
     layer = report.data["layers"][1]
     busiest = max(layer["units"], key=lambda u: u["load"])
-    views = {"overview": "layer=0", "expert": f"layer=1&unit={busiest['id']}"}
+    # a layer by its module path, or by its position (older links)
+    views = {"overview": "layer=0", "expert": f"layer={layer['name']}&unit={busiest['id']}"}
     rendered = _render_all(char_report.page, views, tmp_path)
     for (fragment, width), (_, probe, screenshot) in rendered.items():
         assert probe["ready"] and probe["problems"] == [], (fragment, width, probe["problems"])
         assert _png_size(screenshot) == (width, 1400)
+        assert probe["clicked"] == f"#layer={layer['name']}"  # the last layer's button: its module path
     dom, probe, _ = rendered[("layer=0", 1280)]
     first = report.data["layers"][0]
     assert probe["title"].endswith(first["name"])
