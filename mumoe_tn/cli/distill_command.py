@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mumoe_tn.cli.arguments import UsageError, check_plot
-from mumoe_tn.distillation.replacements import TOP_K_GATES
+from mumoe_tn.distillation.replacements import top_k_gate_names
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 
 __all__ = ["DESCRIPTION", "HELP", "config_from", "configure", "run"]
@@ -55,8 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, help=f"width of the built model (default {d.width})")
     parser.add_argument("--depth", type=int, help=f"layers of the built model (default {d.depth})")
     parser.add_argument("--seed", type=int, help=f"seed (default {d.seed})")
-    parser.add_argument("--top-k", choices=TOP_K_GATES, help="the μMoE blocks' top-k gate: 'auto' (default: ReLU for "
-                        "MxD, the authors' gate; softmax for the others), 'softmax' or 'relu'")  # fmt: skip
+    parser.add_argument("--top-k", choices=top_k_gate_names(), help="the μMoE blocks' top-k gate: 'auto' (default: "
+                        "the format's, ReLU for MxD as its authors gate; softmax for the others) or any registered "
+                        "top-k gate")  # fmt: skip
     parser.add_argument("--checkpoint", metavar="FILE", help="save the distillation's state here (and resume from it "
                         "with --resume)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,15 +33,21 @@ from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.distillation.streaming import BlockInfo
 from mumoe_tn.distillation.training import Factory
 from mumoe_tn.distillation.transcoders import Transcoder
-from mumoe_tn.gates.specs import ReLUTopKGate, TopKGate
+from mumoe_tn.gates.registry import top_k_gates
 from mumoe_tn.layers.decoders import MixtureOfDecoders
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
 from mumoe_tn.validation import check_size
 
-__all__ = ["TOP_K_GATES", "mode_split", "mumoe_factory", "transcoder_factory"]
+__all__ = ["mode_split", "mumoe_factory", "top_k_gate_names", "transcoder_factory"]
 
-#: The top-k gates a μMoE replacement may have: by block (``"auto"``), softmax, or ReLU.
-TOP_K_GATES = ("auto", "softmax", "relu")
+
+def top_k_gate_names() -> tuple[str, ...]:
+    """What ``top_k`` may be: ``"auto"`` (the format's choice) and every registered top-k gate's short name.
+
+    The registered top-k gates are [`top_k_gates`][mumoe_tn.gates.registry.top_k_gates]: ``"relu"``
+    and ``"softmax"`` as shipped, and any gate class a user registers with a ``k`` field.
+    """
+    return ("auto", *top_k_gates())
 
 
 def mode_split(total: int, modes: int) -> tuple[int, ...]:
@@ -114,9 +121,11 @@ def mumoe_factory(
         [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one,
         [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] (``gated=`` for a gated
         block) for a decoder format such as ``"mxd"``.
-    top_k : {"auto", "softmax", "relu"}, optional
-        The top-k gate: ``"auto"`` (default) the ReLU top-k for a Mixture of Decoders and the
-        softmax top-k otherwise; ``"softmax"`` or ``"relu"`` for every block.
+    top_k : str, optional
+        The top-k gate: ``"auto"`` (default) the gate the format names (its ``top_k_gate``: the
+        ReLU top-k for a Mixture of Decoders, the softmax top-k otherwise, and the softmax top-k
+        for a custom network), or the short name of any registered top-k gate (see
+        [`top_k_gate_names`][mumoe_tn.distillation.replacements.top_k_gate_names]) for every block.
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
@@ -130,10 +139,16 @@ def mumoe_factory(
 
     fmt = format_of(decomposition)
     decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
-    if top_k not in TOP_K_GATES:
-        raise ValueError(f"top_k must be one of {list(TOP_K_GATES)}, got {top_k!r}")
-    relu = top_k == "relu" or (top_k == "auto" and decoders)
-    gate = options.pop("gate", None) or (ReLUTopKGate(k=k) if relu else TopKGate(k=k))
+    gates = top_k_gates()
+    if not isinstance(top_k, str) or top_k not in ("auto", *gates):
+        raise ValueError(f"top_k must be one of {list(top_k_gate_names())}, got {top_k!r}")
+    chosen = (fmt.top_k_gate if fmt is not None else "softmax") if top_k == "auto" else top_k
+    if chosen not in gates:
+        raise ValueError(
+            f"format {fmt.name!r} names the top-k gate {chosen!r}, which is not registered; "
+            f"registered top-k gates: {sorted(gates)}"
+        )
+    gate = options.pop("gate", None) or gates[chosen](k=k)
 
     def build(block: BlockInfo) -> nn.Module:
         activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)
@@ -176,3 +191,15 @@ def transcoder_factory(k: int | None, budget: int | float, *, skip: bool = False
         )
 
     return build
+
+
+def __getattr__(name: str) -> object:
+    if name == "TOP_K_GATES":  # a constant before every registered top-k gate was offered
+        warnings.warn(
+            "mumoe_tn.distillation.replacements.TOP_K_GATES is now top_k_gate_names() (every registered top-k "
+            "gate); the constant is removed in mumoe_tn 0.4",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return top_k_gate_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -82,9 +82,9 @@ class FrontierConfig:
         Held-out tokens for the evaluation.
     seed : int
         Seeds the model, the data windows and the replacements.
-    top_k : {"auto", "softmax", "relu"}
-        The μMoE blocks' top-k gate: by block (ReLU for a Mixture of Decoders, the authors' gate;
-        softmax otherwise), or one kind for all.
+    top_k : str
+        The μMoE blocks' top-k gate: ``"auto"``, by format (ReLU for a Mixture of Decoders, the
+        authors' gate; softmax otherwise), or any registered top-k gate's short name for all.
     """
 
     width: int = 64
@@ -164,7 +164,7 @@ def method_factories(
         Parameters per replacement, or a multiple of the block's.
     experts : int
         Experts of a μMoE block (``-hier``: split into two modes).
-    top_k : {"auto", "softmax", "relu"}, optional
+    top_k : str, optional
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
 
     Returns
