@@ -19,8 +19,9 @@ from torch import nn
 
 from mumoe_tn.gates.modules import ExpertGate
 from mumoe_tn.layers.base import MuMoEBase
+from mumoe_tn.layers.experts import FactorizedExperts
 
-__all__ = ["code_module", "recording_code", "recording_preactivations", "substituted_code"]
+__all__ = ["code_module", "recording_code", "recording_preactivations", "substituted_code", "unit_parameters"]
 
 
 def code_module(replacement: nn.Module) -> nn.Module | None:
@@ -35,6 +36,28 @@ def code_module(replacement: nn.Module) -> nn.Module | None:
     if isinstance(replacement, MuMoEBase):
         return replacement.gate
     return None
+
+
+def unit_parameters(replacement: nn.Module) -> set[str]:
+    """Names of the parameters indexed by the code's units (each unit owns a slice of them).
+
+    A module's ``unit_parameters`` attribute if it declares one (a transcoder: its decoder's
+    columns); otherwise the cores of every factorized layer that carry an expert leg (a μMoE
+    block's expert factors: ``C`` of a Mixture of Decoders, the expert factor of CP, the expert
+    cores of TR). The parameters shared by all units (encoders, ``D``, the input and output
+    factors, biases) are not among them.
+    """
+    declared = getattr(replacement, "unit_parameters", None)
+    if declared is not None:
+        return set(declared)
+    names = set()
+    for prefix, module in replacement.named_modules():
+        if isinstance(module, FactorizedExperts):
+            network = module.network
+            for core, legs in network.cores.items():
+                if set(legs) & set(network.expert_legs):
+                    names.add(f"{prefix}.{core}" if prefix else core)
+    return names
 
 
 def _required_code_module(replacement: nn.Module, use: str) -> nn.Module:

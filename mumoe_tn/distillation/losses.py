@@ -38,7 +38,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
-from mumoe_tn.distillation.codes import substituted_code
+from mumoe_tn.distillation.codes import substituted_code, unit_parameters
 from mumoe_tn.validation import check_positive_float, check_size
 
 __all__ = [
@@ -337,9 +337,12 @@ class AuxK(Loss, name="aux-k"):
             top, indices = values.topk(k, dim=-1)
             auxiliary.append(torch.zeros_like(values).scatter(-1, indices, top).to(part.dtype))
             baseline.append(torch.zeros_like(part))
-        with substituted_code(inputs.module, auxiliary):
-            reconstructed = inputs.module(inputs.x)
-        with torch.no_grad(), substituted_code(inputs.module, baseline):
-            reconstructed = reconstructed - inputs.module(inputs.x)
+        module, trained = inputs.module, unit_parameters(inputs.module)
+        parameters = {name: p if name in trained else p.detach() for name, p in module.named_parameters()}
+        with substituted_code(module, auxiliary):
+            reconstructed = torch.func.functional_call(module, parameters, (inputs.x,))
+        with torch.no_grad(), substituted_code(module, baseline):
+            floor = module(inputs.x)
+        reconstructed = reconstructed - floor
         residual = (inputs.target - inputs.prediction).detach()
         return self.weight * normalised_mse(reconstructed, residual)

@@ -23,8 +23,8 @@ authors size theirs (≈ 21.5 k experts for GPT-2 small).
 
 A Mixture of Decoders is built with its authors' recipe by default
 ([`mxd_paper_init`][mumoe_tn.distillation.replacements.mxd_paper_init]: unit-norm expert vectors,
-zero decoder); a μMoE block with a top-k gate trains with the auxiliary-k loss on dead experts
-([`AuxK`][mumoe_tn.distillation.losses.AuxK]) where that helps.
+zero decoder); a μMoE block with a softmax top-k gate trains with the auxiliary-k loss on dead
+experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK]) by default.
 """
 
 from __future__ import annotations
@@ -203,8 +203,9 @@ def mumoe_factory(
     aux_k : bool or AuxK, optional
         Train with the auxiliary-k loss on dead experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK],
         attached as the block's ``distillation_losses``): True for its defaults, an ``AuxK`` for
-        others, False for none. Default: on for a softmax top-k gate (flat or hierarchical), where
-        experts die, off for the ReLU top-k gate of a Mixture of Decoders, as its authors train it.
+        others, False for none. Default: on for a softmax top-k gate, where it leaves fewer experts
+        dead at about the same error; off for the ReLU top-k gate of a Mixture of Decoders, whose
+        error it raised (measured in the distillation guide) and whose authors train without it.
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
