@@ -77,8 +77,12 @@ class FrontierConfig:
         Parameters per replacement.
     tokens, batch_size, buffer_tokens : int
         Distillation tokens, tokens per step, activation buffer.
-    lr : float
-        Adam's learning rate for every replacement.
+    recipe : {"mxd-paper", "plain"}
+        The training recipe of every replacement (see
+        [`RECIPES`][mumoe_tn.distillation.training.RECIPES]); a Mixture of Decoders is also
+        initialised by its authors' recipe with ``"mxd-paper"``.
+    lr : float or None
+        The learning rate for every replacement (default the recipe's).
     eval_tokens : int
         Held-out tokens for the evaluation.
     seed : int
@@ -105,7 +109,8 @@ class FrontierConfig:
     tokens: int = 200_000
     batch_size: int = 256
     buffer_tokens: int = 16_384
-    lr: float = 1e-3
+    recipe: str = "mxd-paper"
+    lr: float | None = None
     eval_tokens: int = 16_384
     seed: int = 0
     top_k: str = "auto"
@@ -131,7 +136,13 @@ def _check_methods(methods: Sequence[str]) -> None:
 
 
 def method_factories(
-    methods: Sequence[str], l0s: Sequence[int], budget: int | float, experts: int, *, top_k: str = "auto"
+    methods: Sequence[str],
+    l0s: Sequence[int],
+    budget: int | float,
+    experts: int,
+    *,
+    top_k: str = "auto",
+    recipe: str = "mxd-paper",
 ) -> dict[str, Factory]:
     """The factories of a frontier, named ``"<method>@<L0>"`` (a μMoE with ``top_k`` set: ``"<method>:<top_k>@<L0>"``).
 
@@ -147,6 +158,8 @@ def method_factories(
         Experts of a μMoE block (``-hier``: split into two modes).
     top_k : {"auto", "softmax", "relu"}, optional
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
+    recipe : {"mxd-paper", "plain"}, optional
+        ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors'.
 
     Returns
     -------
@@ -160,11 +173,12 @@ def method_factories(
                 factories[f"{method}@{l0}"] = transcoder_factory(l0, budget, skip=method == "skip-transcoder")
                 continue
             name = f"{method}@{l0}" if top_k == "auto" else f"{method}:{top_k}@{l0}"
+            initial = "plain" if recipe == "plain" else None  # None: the authors' init for a Mixture of Decoders
             if method.endswith(_HIER):
                 dims: int | tuple[int, ...] = mode_split(experts, 2)
-                factories[name] = mumoe_factory(method[: -len(_HIER)], dims, l0, budget, top_k=top_k)
+                factories[name] = mumoe_factory(method[: -len(_HIER)], dims, l0, budget, top_k=top_k, recipe=initial)
             else:
-                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k)
+                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k, recipe=initial)
     return factories
 
 
@@ -254,13 +268,16 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     first = blocks[0]
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
                                                     first.out_features)  # fmt: skip
-    factories = method_factories(config.methods, config.l0s, budget, config.experts, top_k=config.top_k)
+    factories = method_factories(
+        config.methods, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe
+    )
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
     result = distill(
         model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
-        buffer_tokens=config.buffer_tokens, lr=config.lr, seed=config.seed, checkpoint=checkpoint, resume=resume,
+        buffer_tokens=config.buffer_tokens, recipe=config.recipe, lr=config.lr, seed=config.seed,
+        checkpoint=checkpoint, resume=resume,
         progress=progress,
     )  # fmt: skip
     trained = time.perf_counter() - start
@@ -296,7 +313,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--eval-tokens", type=int, help=f"held-out evaluation tokens (default {d.eval_tokens:,})")
     parser.add_argument("--batch-size", type=int, help=f"tokens per optimiser step (default {d.batch_size})")
     parser.add_argument("--buffer-tokens", type=int, help=f"activation buffer capacity (default {d.buffer_tokens:,})")
-    parser.add_argument("--lr", type=float, help=f"Adam learning rate (default {d.lr})")
+    parser.add_argument("--recipe", choices=("mxd-paper", "plain"), help="training recipe: 'mxd-paper' (default: "
+                        "the MxD authors' init, unit-norm expert vectors, AdamW 4e-4 with warm-up) or 'plain' "
+                        "(Adam 1e-3)")  # fmt: skip
+    parser.add_argument("--lr", type=float, help="learning rate (default the recipe's)")
     parser.add_argument(
         "--pretrain-steps", type=int, help=f"training steps of the built model (default {d.pretrain_steps})"
     )
@@ -323,7 +343,8 @@ def config_from(args: argparse.Namespace) -> FrontierConfig:
     """The configuration the parsed arguments ask for."""
     config = FrontierConfig.quick() if args.quick else FrontierConfig()
     names = ("model_dir", "mlps", "methods", "l0s", "experts", "expansion", "budget", "tokens", "eval_tokens",
-             "batch_size", "buffer_tokens", "lr", "pretrain_steps", "width", "depth", "seed", "top_k")  # fmt: skip
+             "batch_size", "buffer_tokens", "recipe", "lr", "pretrain_steps", "width", "depth", "seed",
+             "top_k")  # fmt: skip
     changes = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     for name in ("methods", "l0s"):
         if name in changes:
