@@ -8,7 +8,8 @@ Run from the repository root::
 Each replacement of the default frontier (``mumoe-tn distill``: a GPT-2-shaped block of width 64,
 every method at L0 8, 16, 32 and 64, one parameter budget) takes the training step
 [`distill`][mumoe_tn.distillation.training.distill] gives it — forward, normalised-MSE loss,
-backward, Adam step — on ``batch_size`` cached activation rows. The floor is the time its
+backward, the recipe's optimiser step (the auxiliary-k term and the unit-norm projection left
+out) — on ``batch_size`` cached activation rows. The floor is the time its
 forward and backward multiply-adds take at the machine's measured matrix-multiply rate: the
 FLOPs of one step counted by ``torch.utils.flop_counter.FlopCounterMode`` (matrix products,
 ``2·m·n·k`` each), divided by the FLOP/s of a square fp32 ``torch.mm`` of the measured size,
@@ -37,7 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
 from mumoe_tn.distillation.study import DEFAULT_METHODS, FrontierConfig, method_factories
-from mumoe_tn.distillation.training import normalised_mse
+from mumoe_tn.distillation.training import RECIPES, normalised_mse
 
 HERE = Path(__file__).resolve().parent
 
@@ -70,9 +71,13 @@ def _both(step) -> tuple[float, float]:
 class Step:
     """One replacement's distillation step on fixed rows (as ``distill`` trains it)."""
 
-    def __init__(self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
+    def __init__(
+        self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: str, lr: float | None
+    ) -> None:
         self.module, self.x, self.y = module.train(), x, y
-        self.optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=lr)
+        training = RECIPES[recipe]
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = training.build(parameters, training.lr if lr is None else lr)
 
     def __call__(self) -> None:
         loss = normalised_mse(self.module(self.x), self.y)
@@ -104,11 +109,12 @@ def measure(config: FrontierConfig, *, rounds: int, steps: int) -> dict:
     block = _block(config)
     budget = config.budget or transcoder_parameters(block.in_features, config.expansion * block.in_features,
                                                     block.out_features)  # fmt: skip
-    factories = method_factories(config.methods, config.l0s, budget, config.experts, top_k=config.top_k)
+    factories = method_factories(config.methods, config.l0s, budget, config.experts, top_k=config.top_k,
+                                 recipe=config.recipe)  # fmt: skip
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(config.batch_size, block.in_features, generator=generator)
     y = torch.randn(config.batch_size, block.out_features, generator=generator)
-    runs = {name: Step(factory(block), x, y, config.lr) for name, factory in factories.items()}
+    runs = {name: Step(factory(block), x, y, config.recipe, config.lr) for name, factory in factories.items()}
     flops = {name: step.flops() for name, step in runs.items()}
     rate = gemm_rate()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
@@ -136,6 +142,7 @@ def measure(config: FrontierConfig, *, rounds: int, steps: int) -> dict:
         "gemm_flops": rate,
         "gemm_flops_after": rate_after,
         "batch_size": config.batch_size,
+        "recipe": config.recipe,
         "width": config.width,
         "budget": budget,
         "rounds": rounds,
@@ -157,8 +164,8 @@ def markdown(result: dict) -> str:
         "",
         f"Training step of each replacement of the frontier (block width {result['width']}, budget "
         f"≈{result['budget']:,} parameters) on {result['batch_size']} activation rows: forward, normalised MSE, "
-        f"backward, Adam. Median of {result['rounds']} alternating rounds × {result['steps']} steps. Floor: the "
-        "step's forward and backward FLOPs (FlopCounterMode) at the measured matrix-multiply rate.",
+        f"backward, the {result.get('recipe', '?')} recipe's optimiser. Median of {result['rounds']} alternating "
+        f"rounds × {result['steps']} steps. Floor: the step's forward and backward FLOPs (FlopCounterMode) at the measured matrix-multiply rate.",
         "",
         f"Median replacement: **{median:.1%} of its floor** in CPU time (target ≥ {TARGET:.0%}: "
         f"{'met' if median >= TARGET else 'missed'}); range {ratios[0]:.1%} – {ratios[-1]:.1%}; in wall time "

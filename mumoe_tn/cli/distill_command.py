@@ -48,7 +48,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--eval-tokens", type=int, help=f"held-out evaluation tokens (default {d.eval_tokens:,})")
     parser.add_argument("--batch-size", type=int, help=f"tokens per optimiser step (default {d.batch_size})")
     parser.add_argument("--buffer-tokens", type=int, help=f"activation buffer capacity (default {d.buffer_tokens:,})")
-    parser.add_argument("--lr", type=float, help=f"Adam learning rate (default {d.lr})")
+    parser.add_argument("--recipe", choices=("mxd-paper", "plain"), help="training recipe: 'mxd-paper' (default: "
+                        "the MxD authors' init, unit-norm expert vectors, AdamW 4e-4 with warm-up) or 'plain' "
+                        "(Adam 1e-3)")  # fmt: skip
+    parser.add_argument("--lr", type=float, help="learning rate (default the recipe's)")
     parser.add_argument(
         "--pretrain-steps", type=int, help=f"training steps of the built model (default {d.pretrain_steps})"
     )
@@ -79,7 +82,8 @@ def config_from(args: argparse.Namespace) -> FrontierConfig:
     """The configuration the parsed arguments ask for."""
     config = FrontierConfig.quick() if args.quick else FrontierConfig()
     names = ("model_dir", "mlps", "methods", "l0s", "experts", "expansion", "budget", "tokens", "eval_tokens",
-             "batch_size", "buffer_tokens", "lr", "pretrain_steps", "width", "depth", "seed", "top_k")  # fmt: skip
+             "batch_size", "buffer_tokens", "recipe", "lr", "pretrain_steps", "width", "depth", "seed",
+             "top_k")  # fmt: skip
     changes = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     for name in ("methods", "l0s"):
         if name in changes:

@@ -76,8 +76,12 @@ class FrontierConfig:
         Parameters per replacement.
     tokens, batch_size, buffer_tokens : int
         Distillation tokens, tokens per step, activation buffer.
-    lr : float
-        Adam's learning rate for every replacement.
+    recipe : {"mxd-paper", "plain"}
+        The training recipe of every replacement (see
+        [`RECIPES`][mumoe_tn.distillation.training.RECIPES]); a Mixture of Decoders is also
+        initialised by its authors' recipe with ``"mxd-paper"``.
+    lr : float or None
+        The learning rate for every replacement (default the recipe's).
     eval_tokens : int
         Held-out tokens for the evaluation.
     seed : int
@@ -104,7 +108,8 @@ class FrontierConfig:
     tokens: int = 200_000
     batch_size: int = 256
     buffer_tokens: int = 16_384
-    lr: float = 1e-3
+    recipe: str = "mxd-paper"
+    lr: float | None = None
     eval_tokens: int = 16_384
     seed: int = 0
     top_k: str = "auto"
@@ -150,7 +155,13 @@ def _check_l0s(methods: Sequence[str], l0s: Sequence[int], experts: int) -> None
 
 
 def method_factories(
-    methods: Sequence[str], l0s: Sequence[int], budget: int | float, experts: int, *, top_k: str = "auto"
+    methods: Sequence[str],
+    l0s: Sequence[int],
+    budget: int | float,
+    experts: int,
+    *,
+    top_k: str = "auto",
+    recipe: str = "mxd-paper",
 ) -> dict[str, Factory]:
     """The factories of a frontier, named ``"<method>@<L0>"`` (a μMoE with ``top_k`` set: ``"<method>:<top_k>@<L0>"``).
 
@@ -166,6 +177,8 @@ def method_factories(
         Experts of a μMoE block (``-hier``: split into two modes).
     top_k : str, optional
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
+    recipe : {"mxd-paper", "plain"}, optional
+        ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors'.
 
     Returns
     -------
@@ -180,11 +193,12 @@ def method_factories(
                 factories[f"{method}@{l0}"] = transcoder_factory(l0, budget, skip=method == "skip-transcoder")
                 continue
             name = f"{method}@{l0}" if top_k == "auto" else f"{method}:{top_k}@{l0}"
+            initial = "plain" if recipe == "plain" else None  # None: the authors' init for a Mixture of Decoders
             if method.endswith(_HIER):
                 dims: int | tuple[int, ...] = mode_split(experts, 2)
-                factories[name] = mumoe_factory(method[: -len(_HIER)], dims, l0, budget, top_k=top_k)
+                factories[name] = mumoe_factory(method[: -len(_HIER)], dims, l0, budget, top_k=top_k, recipe=initial)
             else:
-                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k)
+                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k, recipe=initial)
     return factories
 
 
@@ -279,14 +293,17 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     first = blocks[0]
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
                                                     first.out_features)  # fmt: skip
-    factories = method_factories(config.methods, config.l0s, budget, config.experts, top_k=config.top_k)
+    factories = method_factories(
+        config.methods, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe
+    )
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
     result = distill(
         model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
-        buffer_tokens=config.buffer_tokens, lr=config.lr, seed=config.seed, checkpoint=checkpoint, resume=resume,
-        run_config={"model": description, **dataclasses.asdict(config)}, progress=progress,
+        buffer_tokens=config.buffer_tokens, recipe=config.recipe, lr=config.lr, seed=config.seed,
+        checkpoint=checkpoint, resume=resume, run_config={"model": description, **dataclasses.asdict(config)},
+        progress=progress,
     )  # fmt: skip
     trained = time.perf_counter() - start
     eval_windows = 8
