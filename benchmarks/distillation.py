@@ -165,7 +165,8 @@ def markdown(result: dict) -> str:
         f"Training step of each replacement of the frontier (block width {result['width']}, budget "
         f"≈{result['budget']:,} parameters) on {result['batch_size']} activation rows: forward, normalised MSE, "
         f"backward, the {result.get('recipe', '?')} recipe's optimiser. Median of {result['rounds']} alternating "
-        f"rounds × {result['steps']} steps. Floor: the step's forward and backward FLOPs (FlopCounterMode) at the measured matrix-multiply rate.",
+        f"rounds × {result['steps']} steps. Floor: the step's forward and backward FLOPs (FlopCounterMode) at the "
+        "measured matrix-multiply rate.",
         "",
         f"Median replacement: **{median:.1%} of its floor** in CPU time (target ≥ {TARGET:.0%}: "
         f"{'met' if median >= TARGET else 'missed'}); range {ratios[0]:.1%} – {ratios[-1]:.1%}; in wall time "
