@@ -496,9 +496,9 @@ def distill(
         Steps between checkpoints (default 100).
     resume : bool, optional
         Continue from ``checkpoint`` if it exists. Its configuration must match this call's — the
-        blocks, methods, ``tokens``, ``batch_size``, ``buffer_tokens``, ``seed``, ``lr``, ``l1``,
-        ``run_config`` and the shapes of every replacement's tensors — or a ValueError names the
-        fields that differ.
+        blocks, methods, ``tokens``, ``batch_size``, ``buffer_tokens``, ``seed``, ``recipe``,
+        ``lr``, the loss terms, ``run_config`` and the shapes of every replacement's tensors — or a
+        ValueError names the fields that differ.
     run_config : Mapping, optional
         Plain data (JSON-like) on what else the run depends on — the model, the factories'
         settings — stored in the checkpoint and compared on resume.
