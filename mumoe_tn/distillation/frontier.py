@@ -56,11 +56,11 @@ __all__ = [
     "plot_frontier",
 ]
 
-#: A row is flagged when more than this fraction of its units never fired.
 DEAD_FRACTION = 0.1
+"""A row is flagged when more than this fraction of its units never fired."""
 
-#: A row is flagged when its L0 is below ``(1 − L0_TOLERANCE) × k`` for the requested ``k``.
 L0_TOLERANCE = 0.01
+"""A row is flagged when its L0 is below ``(1 − L0_TOLERANCE) × k`` for the requested ``k``."""
 
 
 def ce_loss_score(ce_clean: float, ce_spliced: float, ce_zero: float) -> float:
