@@ -69,14 +69,7 @@ def next_token_loss(output: Any, input_ids: torch.Tensor, mask: torch.Tensor | N
     -------
     tuple of (float, int)
     """
-    logits = getattr(output, "logits", None)
-    if logits is None:
-        logits = output[0] if isinstance(output, (tuple, list)) else output
-    if not isinstance(logits, torch.Tensor) or logits.ndim != 3 or logits.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"the model must return next-token logits of shape (B, T, vocab) for input ids {tuple(input_ids.shape)}, "
-            f"got {getattr(logits, 'shape', type(logits).__name__)}"
-        )
+    logits = _logits(output, input_ids)
     losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="none")
     if mask is None:
         return float(losses.sum()), losses.numel()
