@@ -466,12 +466,6 @@ def distill(
     optimizer : Callable, optional
         ``optimizer(parameters)`` builds the optimiser of each replacement (default the recipe's
         with ``lr``); the recipe's warm-up still applies.
-
-    Unit-norm parameters: a replacement may declare parameters whose slices along a dim keep norm 1
-    in a ``unit_norm`` attribute (see
-    [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]): they are
-    renormalised when built and after every step, and the gradient component parallel to each
-    slice is removed before every step (the Mixture of Decoders' expert vectors).
     seed : int, optional
         Seeds the replacements' initialisation (each from the seed and its block and method
         names) and the buffer's shuffling; the global RNG is left as it was.
@@ -489,6 +483,14 @@ def distill(
     Returns
     -------
     Distillation
+
+    Notes
+    -----
+    Unit-norm parameters: a replacement may declare parameters whose slices along a dim keep norm 1
+    in a ``unit_norm`` attribute (see
+    [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]): they are
+    renormalised when built and after every step, and the gradient component parallel to each
+    slice is removed before every optimiser step (the Mixture of Decoders' expert vectors).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
