@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ExpertGate": "mumoe_tn.gates.modules",
     "FactorizedExperts": "mumoe_tn.layers",
+    "LayerOptions": "mumoe_tn.layers.options",
     "MuMoE": "mumoe_tn.layers",
     "MuMoEMLP": "mumoe_tn.layers",
     "MuMoEGatedMLP": "mumoe_tn.layers.mlp",

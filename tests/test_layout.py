@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mumoe_tn"
 #: two import torch on use only. ``plugins`` registers conversion with other libraries when they load.
 FLOORS = {
     "validation": 0,
+    "registry": 0,
     "caching": 0,
     "deprecation": 0,
     "network": 1,
@@ -149,3 +150,38 @@ def test_old_paths_still_import_with_a_deprecation_warning(old):
     with pytest.warns(DeprecationWarning, match=rf"moved to {re.escape(MOVED[old])}\.{name}"):
         value = getattr(importlib.import_module(module_name), name)
     assert value is getattr(new, name)
+
+
+#: Where formats and gates are defined and registered: the only code that may compare their names.
+REGISTRIES = ("mumoe_tn/decompositions/", "mumoe_tn/gates/")
+
+
+def _registered_names():
+    from mumoe_tn.decompositions import available, get_format
+    from mumoe_tn.gates.registry import top_k_gates
+
+    names = set(available()) | set(top_k_gates())
+    names |= {getattr(get_format(name), "mlp_block", None) for name in available()} - {None}
+    return {name for name in names if isinstance(name, str)}
+
+
+def _compared_strings(node):
+    for operand in (node.left, *node.comparators):
+        if isinstance(operand, ast.Constant) and isinstance(operand.value, str):
+            yield operand.value
+        elif isinstance(operand, (ast.Tuple, ast.List, ast.Set)):
+            yield from (e.value for e in operand.elts if isinstance(e, ast.Constant) and isinstance(e.value, str))
+
+
+def test_no_code_outside_the_registries_compares_a_format_or_gate_name():
+    names = _registered_names()
+    assert {"cp", "tr", "mxd", "softmax", "relu"} <= names
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT.parent).as_posix()
+        if relative.startswith(REGISTRIES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(value in names for value in _compared_strings(node)):
+                found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "ask the format or gate instead of testing its name:\n" + "\n".join(found)

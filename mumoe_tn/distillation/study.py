@@ -37,7 +37,7 @@ from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.decompositions.registry import available
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable, plot_frontier
-from mumoe_tn.distillation.replacements import TOP_K_GATES, mode_split, mumoe_factory, transcoder_factory
+from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, top_k_gate_names, transcoder_factory
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
 from mumoe_tn.distillation.training import Factory, distill
 
@@ -87,9 +87,9 @@ class FrontierConfig:
         Held-out tokens for the evaluation.
     seed : int
         Seeds the model, the data windows and the replacements.
-    top_k : {"auto", "softmax", "relu"}
-        The μMoE blocks' top-k gate: by block (ReLU for a Mixture of Decoders, the authors' gate;
-        softmax otherwise), or one kind for all.
+    top_k : str
+        The μMoE blocks' top-k gate: ``"auto"``, by format (ReLU for a Mixture of Decoders, the
+        authors' gate; softmax otherwise), or any registered top-k gate's short name for all.
     """
 
     width: int = 64
@@ -156,7 +156,7 @@ def method_factories(
         Parameters per replacement, or a multiple of the block's.
     experts : int
         Experts of a μMoE block (``-hier``: split into two modes).
-    top_k : {"auto", "softmax", "relu"}, optional
+    top_k : str, optional
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
     recipe : {"mxd-paper", "plain"}, optional
         ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors'.
@@ -323,8 +323,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--width", type=int, help=f"width of the built model (default {d.width})")
     parser.add_argument("--depth", type=int, help=f"layers of the built model (default {d.depth})")
     parser.add_argument("--seed", type=int, help=f"seed (default {d.seed})")
-    parser.add_argument("--top-k", choices=TOP_K_GATES, help="the μMoE blocks' top-k gate: 'auto' (default: ReLU for "
-                        "MxD, the authors' gate; softmax for the others), 'softmax' or 'relu'")  # fmt: skip
+    parser.add_argument("--top-k", choices=top_k_gate_names(), help="the μMoE blocks' top-k gate: 'auto' (default: "
+                        "the format's, ReLU for MxD as its authors gate; softmax for the others) or any registered "
+                        "top-k gate")  # fmt: skip
     parser.add_argument("--checkpoint", metavar="FILE", help="save the distillation's state here (and resume from it "
                         "with --resume)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
