@@ -447,7 +447,7 @@ def distill(
     buffer_tokens : int, optional
         Capacity of the activation buffer in tokens (default 16,384); must hold one batch.
     recipe : {"mxd-paper", "plain"}, optional
-        How every replacement is optimised (see [`RECIPES`][mumoe_tn.distillation.training.RECIPES]):
+        How every replacement is optimised (see [`RECIPES`][mumoe_tn.distillation.training]):
         ``"mxd-paper"`` (default), the Mixture of Decoders authors' — AdamW without weight decay at
         4e-4, constant after a linear warm-up over the first 4.27 % of the steps (their 5,000 of
         117,188) — or ``"plain"``, Adam at 1e-3 without warm-up. The replacements' own
