@@ -39,11 +39,13 @@ import torch
 from torch import nn
 
 from mumoe_tn.distillation.codes import substituted_code, unit_parameters
+from mumoe_tn.registry import Registry
 from mumoe_tn.validation import check_positive_float, check_size
 
 __all__ = [
     "FVU",
     "L1",
+    "LOSSES",
     "AuxK",
     "Loss",
     "LossInputs",
@@ -55,8 +57,6 @@ __all__ = [
     "resolve_losses",
     "unregister_loss",
 ]
-
-_LOSSES: dict[str, type[Loss]] = {}
 
 _Class = TypeVar("_Class", bound=type)
 
@@ -156,6 +156,17 @@ class Loss:
         return f"{type(self).__name__}({options})"
 
 
+def _check_loss(name: str, cls: object) -> None:
+    if not isinstance(cls, type) or not issubclass(cls, Loss):
+        raise TypeError(f"register_loss() takes a subclass of Loss, got {cls!r}")
+    if not name.strip():
+        raise ValueError("a loss needs a non-empty name")
+
+
+#: The registered loss classes by lower-case name (a [`Registry`][mumoe_tn.registry.Registry]).
+LOSSES: Registry[str, type[Loss]] = Registry("loss", normalize=str.lower, check=_check_loss)
+
+
 def register_loss(cls: _Class, *, name: str | None = None, replace: bool = False) -> _Class:
     """Register a [`Loss`][mumoe_tn.distillation.losses.Loss] subclass under ``name`` (default its ``name``).
 
@@ -182,37 +193,31 @@ def register_loss(cls: _Class, *, name: str | None = None, replace: bool = False
     ValueError
         If the name is empty, or taken and ``replace`` is False.
     """
-    if not isinstance(cls, type) or not issubclass(cls, Loss):
-        raise TypeError(f"register_loss() takes a subclass of Loss, got {cls!r}")
-    given = cls.name if name is None else name
+    given = getattr(cls, "name", None) if name is None else name
     if not isinstance(given, str) or not given.strip():
+        if not isinstance(cls, type) or not issubclass(cls, Loss):
+            raise TypeError(f"register_loss() takes a subclass of Loss, got {cls!r}")
         raise ValueError(f"a loss needs a non-empty name, got {given!r}")
-    key = given.lower()
-    if key in _LOSSES and _LOSSES[key] is not cls and not replace:
-        raise ValueError(f"a loss named {key!r} is already registered ({_LOSSES[key].__qualname__}); pass replace=True")
-    cls.name = key
-    _LOSSES[key] = cls
+    LOSSES.register(given, cls, replace=replace)
+    cls.name = given.lower()
     return cls
 
 
 def unregister_loss(name: str) -> None:
-    """Remove the loss registered under ``name`` (e.g. at the end of a test)."""
-    _LOSSES.pop(get_loss_class(name).name, None)
+    """Remove the loss registered under ``name`` (e.g. at the end of a test); an unknown name is ignored."""
+    LOSSES.unregister(name)
 
 
 def available_losses() -> list[str]:
     """Sorted names of the registered losses."""
-    return sorted(_LOSSES)
+    return LOSSES.names()
 
 
 def get_loss_class(name: str) -> type[Loss]:
     """The loss class registered under ``name`` (case-insensitive); ValueError listing the registered ones."""
     if not isinstance(name, str):
         raise TypeError(f"a loss name must be a string, got {name!r} ({type(name).__name__})")
-    try:
-        return _LOSSES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown loss {name!r}; registered: {available_losses()}") from None
+    return LOSSES.lookup(name)
 
 
 def get_loss(name: str, **options: Any) -> Loss:

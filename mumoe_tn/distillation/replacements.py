@@ -23,8 +23,8 @@ authors size theirs (≈ 21.5 k experts for GPT-2 small).
 
 A Mixture of Decoders is built with its authors' recipe by default
 ([`mxd_paper_init`][mumoe_tn.distillation.replacements.mxd_paper_init]: unit-norm expert vectors,
-zero decoder); a μMoE block with a softmax top-k gate trains with the auxiliary-k loss on dead
-experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK]) by default.
+zero decoder); every other μMoE block trains with the auxiliary-k loss on dead experts
+([`AuxK`][mumoe_tn.distillation.losses.AuxK]) by default.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from mumoe_tn.distillation.streaming import BlockInfo
 from mumoe_tn.distillation.training import Factory
 from mumoe_tn.distillation.transcoders import Transcoder
 from mumoe_tn.gates.registry import top_k_gates
-from mumoe_tn.gates.specs import ReLUTopKGate
 from mumoe_tn.layers.decoders import MixtureOfDecoders
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
 from mumoe_tn.validation import check_size
@@ -214,9 +213,9 @@ def mumoe_factory(
     aux_k : bool or AuxK, optional
         Train with the auxiliary-k loss on dead experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK],
         attached as the block's ``distillation_losses``): True for its defaults, an ``AuxK`` for
-        others, False for none. Default: on for a softmax top-k gate, where it leaves fewer experts
-        dead at about the same error; off for the ReLU top-k gate of a Mixture of Decoders, whose
-        error it raised (measured in the distillation guide) and whose authors train without it.
+        others, False for none. Default: on, except for a Mixture of Decoders built with its
+        authors' recipe, who train without it (with their ReLU top-k gate it raised the error,
+        as measured in the distillation guide).
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
@@ -230,16 +229,6 @@ def mumoe_factory(
 
     fmt = format_of(decomposition)
     decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
-    gates = top_k_gates()
-    if not isinstance(top_k, str) or top_k not in ("auto", *gates):
-        raise ValueError(f"top_k must be one of {list(top_k_gate_names())}, got {top_k!r}")
-    chosen = (fmt.top_k_gate if fmt is not None else "softmax") if top_k == "auto" else top_k
-    if chosen not in gates:
-        raise ValueError(
-            f"format {fmt.name!r} names the top-k gate {chosen!r}, which is not registered; "
-            f"registered top-k gates: {sorted(gates)}"
-        )
-    gate = options.pop("gate", None) or gates[chosen](k=k)
     if recipe is not None and recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
     if recipe == "mxd-paper" and not decoders:
@@ -253,10 +242,16 @@ def mumoe_factory(
         )
     if aux_k is not None and not isinstance(aux_k, (bool, AuxK)):
         raise TypeError(f"aux_k must be a bool or an AuxK term, got {aux_k!r:.80}")
-    relu = issubclass(gates[chosen], ReLUTopKGate)  # a ReLU top-k keeps fewer where logits are negative
-    if aux_k is None:
-        aux_k = not relu
-    term = aux_k if isinstance(aux_k, AuxK) else AuxK() if aux_k else None
+    gates = top_k_gates()
+    if not isinstance(top_k, str) or top_k not in ("auto", *gates):
+        raise ValueError(f"top_k must be one of {list(top_k_gate_names())}, got {top_k!r}")
+    chosen = (fmt.top_k_gate if fmt is not None else "softmax") if top_k == "auto" else top_k
+    if chosen not in gates:
+        raise ValueError(
+            f"format {fmt.name!r} names the top-k gate {chosen!r}, which is not registered; "
+            f"registered top-k gates: {sorted(gates)}"
+        )
+    gate = options.pop("gate", None) or gates[chosen](k=k)
 
     def build(block: BlockInfo) -> nn.Module:
         activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)
@@ -272,10 +267,12 @@ def mumoe_factory(
             match=target, gate=gate, bias=block.bias, hidden_activation=activation,
             device=block.device, dtype=block.dtype, **extra,
         )  # fmt: skip
-        if decoders and (recipe == "mxd-paper" or (recipe is None and module.expert_vectors())):
+        paper = decoders and (recipe == "mxd-paper" or (recipe is None and bool(module.expert_vectors())))
+        if paper:
             mxd_paper_init(module)
-        if term is not None:
-            module.distillation_losses = (term,)
+        use = not paper if aux_k is None else aux_k
+        if use is not False:
+            module.distillation_losses = (use if isinstance(use, AuxK) else AuxK(),)
         return module
 
     return build

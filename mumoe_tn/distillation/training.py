@@ -460,7 +460,7 @@ def distill(
     buffer_tokens : int, optional
         Capacity of the activation buffer in tokens (default 16,384); must hold one batch.
     recipe : {"mxd-paper", "plain"}, optional
-        How every replacement is optimised (see [`RECIPES`][mumoe_tn.distillation.training.RECIPES]):
+        How every replacement is optimised (see [`RECIPES`][mumoe_tn.distillation.training]):
         ``"mxd-paper"`` (default), the Mixture of Decoders authors' — AdamW without weight decay at
         4e-4, constant after a linear warm-up over the first 4.27 % of the steps (their 5,000 of
         117,188) — or ``"plain"``, Adam at 1e-3 without warm-up. The replacements' own
@@ -479,12 +479,6 @@ def distill(
     optimizer : Callable, optional
         ``optimizer(parameters)`` builds the optimiser of each replacement (default the recipe's
         with ``lr``); the recipe's warm-up still applies.
-
-    Unit-norm parameters: a replacement may declare parameters whose slices along a dim keep norm 1
-    in a ``unit_norm`` attribute (see
-    [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]): they are
-    renormalised when built and after every step, and the gradient component parallel to each
-    slice is removed before every step (the Mixture of Decoders' expert vectors).
     seed : int, optional
         Seeds the replacements' initialisation (each from the seed and its block and method
         names) and the buffer's shuffling; the global RNG is left as it was.
@@ -508,6 +502,14 @@ def distill(
     Returns
     -------
     Distillation
+
+    Notes
+    -----
+    Unit-norm parameters: a replacement may declare parameters whose slices along a dim keep norm 1
+    in a ``unit_norm`` attribute (see
+    [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]): they are
+    renormalised when built and after every step, and the gradient component parallel to each
+    slice is removed before every optimiser step (the Mixture of Decoders' expert vectors).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -81,7 +81,7 @@ def test_a_loss_registered_in_a_test_trains():
 
     try:
         assert "test-cosine" in available_losses()
-        with pytest.raises(ValueError, match="a loss named 'test-cosine' is already registered"):
+        with pytest.raises(ValueError, match="a loss is already registered as 'test-cosine'"):
 
             class Other(Loss, name="test-cosine"):
                 pass
