@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.decompositions import Format, normalize_ranks, unregister
+from mumoe_tn.decompositions import Format, normalise_ranks, unregister
 from mumoe_tn.design import families, search_space
 from mumoe_tn.design.space import searched_formats
 from mumoe_tn.distillation.replacements import mumoe_factory, top_k_gate_names
@@ -22,7 +22,7 @@ def toy_format():
         """``n1`` meets ``i`` through one core: ``A: n1 i a, B: a o`` — a rank-``a`` bridge."""
 
         def network(self, expert_dims, in_features, out_features, rank, **options):
-            (a,) = normalize_ranks(self.name, rank, 1)
+            (a,) = normalise_ranks(self.name, rank, 1)
             sizes = physical_sizes(expert_dims, in_features, out_features)
             return ExpertNetwork({"A": "n1 i a", "B": "a o"}, {**sizes, "a": a})
 
@@ -39,7 +39,7 @@ def hidden_format():
         in_search = False
 
         def network(self, expert_dims, in_features, out_features, rank, **options):
-            (a,) = normalize_ranks(self.name, rank, 1)
+            (a,) = normalise_ranks(self.name, rank, 1)
             sizes = physical_sizes(expert_dims, in_features, out_features)
             return ExpertNetwork({"A": "n1 a", "B": "a i o"}, {**sizes, "a": a})
 
@@ -119,7 +119,7 @@ def test_a_registry_registers_looks_up_and_refuses_clearly():
     from mumoe_tn.registry import Registry
 
     seen = []
-    registry = Registry("widget", normalize=str.lower, check=lambda key, value: seen.append((key, value)))
+    registry = Registry("widget", normalise=str.lower, check=lambda key, value: seen.append((key, value)))
     assert registry.register("Spoke", 1) == 1
     assert registry["spoke"] == 1 and "SPOKE" in registry and 3 not in registry
     assert seen == [("spoke", 1)]

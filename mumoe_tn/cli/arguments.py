@@ -21,6 +21,8 @@ from mumoe_tn.decompositions.registry import available
 
 __all__ = [
     "UsageError",
+    "add_layer_shape",
+    "add_output_formats",
     "budget",
     "by_bond",
     "check_names",
@@ -117,6 +119,42 @@ def budget(text: str) -> str | int | float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(message)
     return int(value) if value == int(value) and value >= 1 else value
+
+
+def add_layer_shape(parser: argparse.ArgumentParser, *, experts_help: str) -> None:
+    """Add ``--in``, ``--out`` and ``--experts``: the layer's shape, the paper's GPT-2 layer by default.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        A command's parser.
+    experts_help : str
+        What ``--experts`` means to the command.
+    """
+    parser.add_argument("--in", dest="in_features", type=positive, default=768, help="input features (default 768)")
+    parser.add_argument(
+        "--out", dest="out_features", type=positive, default=3072, help="output features (default 3072)"
+    )
+    parser.add_argument("--experts", type=positive, nargs="+", default=[256], help=experts_help)
+
+
+def add_output_formats(
+    parser: argparse.ArgumentParser,
+    *,
+    json: str = "print JSON",
+    markdown: str = "print a Markdown table",
+    csv: str | None = "print CSV",
+) -> None:
+    """Add ``--json``, ``--markdown`` and ``--csv`` (at most one of them), each with its help text.
+
+    Without any of them a command prints a rich table sized to the terminal; ``csv=None`` leaves
+    ``--csv`` out.
+    """
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help=json)
+    output.add_argument("--markdown", action="store_true", help=markdown)
+    if csv is not None:
+        output.add_argument("--csv", action="store_true", help=csv)
 
 
 def check_plot(path: str | None, extra: str) -> None:

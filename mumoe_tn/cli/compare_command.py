@@ -7,7 +7,15 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-from mumoe_tn.cli.arguments import budget, check_names, check_plot, named_rank, positive
+from mumoe_tn.cli.arguments import (
+    add_layer_shape,
+    add_output_formats,
+    budget,
+    check_names,
+    check_plot,
+    named_rank,
+    positive,
+)
 from mumoe_tn.costs.display import DTYPE_BYTES, FOOTNOTE_MARKS, print_tables, rich_table, rich_tables
 from mumoe_tn.costs.matching import TOLERANCE, MatchingWarning
 from mumoe_tn.costs.table import CostTable, compare
@@ -26,13 +34,7 @@ DESCRIPTION = (
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the command's arguments to ``parser``; returns it."""
-    parser.add_argument("--in", dest="in_features", type=positive, default=768, help="input features (default 768)")
-    parser.add_argument(
-        "--out", dest="out_features", type=positive, default=3072, help="output features (default 3072)"
-    )
-    parser.add_argument(
-        "--experts", type=positive, nargs="+", default=[256], help="experts per mode, e.g. 256 or 32 32 32 32"
-    )
+    add_layer_shape(parser, experts_help="experts per mode, e.g. 256 or 32 32 32 32")
     parser.add_argument(
         "--decompositions", nargs="+", default=["cp", "tr"], help=f"any of {available()} (default cp tr)"
     )
@@ -85,10 +87,7 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="show every column: in several tables of the same rows where the terminal is too narrow for one",
     )
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print JSON")
-    output.add_argument("--markdown", action="store_true", help="print a Markdown table (every column)")
-    output.add_argument("--csv", action="store_true", help="print CSV")
+    add_output_formats(parser, markdown="print a Markdown table (every column)")
     parser.add_argument("--plot", metavar="FILE.png", help="also save parameters vs number of experts (2 to 16,384)")
     return parser
 

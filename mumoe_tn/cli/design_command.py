@@ -6,10 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from mumoe_tn.cli.arguments import budget, check_plot, positive
+from mumoe_tn.cli.arguments import add_layer_shape, add_output_formats, budget, check_plot, positive
 from mumoe_tn.costs.display import DTYPE_BYTES
-from mumoe_tn.design.search import design
 from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, HADAMARD_LEGS, families
+from mumoe_tn.design.structure_search import design
 
 __all__ = ["DESCRIPTION", "HELP", "configure", "run"]
 
@@ -24,16 +24,10 @@ DESCRIPTION = (
 
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the command's arguments to ``parser``; returns it."""
-    parser.add_argument("--in", dest="in_features", type=positive, default=768, help="input features (default 768)")
-    parser.add_argument(
-        "--out", dest="out_features", type=positive, default=3072, help="output features (default 3072)"
-    )
-    parser.add_argument(
-        "--experts",
-        type=positive,
-        nargs="+",
-        default=[256],
-        help="the number of experts, factored into 1 … --max-modes modes (default 256), or fixed dims such as 16 16",
+    add_layer_shape(
+        parser,
+        experts_help="the number of experts, factored into 1 … --max-modes modes (default 256), or fixed dims such as "
+        "16 16",
     )
     parser.add_argument(
         "--budget",
@@ -87,10 +81,7 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype", choices=sorted(DTYPE_BYTES), default="float32", help="dtype of the memory column (default float32)"
     )
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print JSON")
-    output.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    output.add_argument("--csv", action="store_true", help="print CSV")
+    add_output_formats(parser)
     parser.add_argument("--plot", metavar="FILE.png", help="also save FMAs per token against the rank bound")
     return parser
 

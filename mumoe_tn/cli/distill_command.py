@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mumoe_tn.cli.arguments import UsageError, check_plot
+from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
 from mumoe_tn.distillation.replacements import top_k_gate_names
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 
@@ -65,11 +65,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "with --resume)")  # fmt: skip
     parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print the table as JSON")
-    output.add_argument("--markdown", action="store_true", help="print the table as Markdown (the default when "
-                        "stdout is not a terminal; a rich table when it is)")  # fmt: skip
-    output.add_argument("--csv", action="store_true", help="print the table as CSV")
+    add_output_formats(
+        parser, json="print the table as JSON", csv="print the table as CSV",
+        markdown="print the table as Markdown (the default when stdout is not a terminal; a rich table when it is)",
+    )  # fmt: skip
     parser.add_argument("--save", metavar="DIR", help="write the run into this new or empty directory: the table "
                         "(frontier.json), the trained replacements (replacements.safetensors) and the built model "
                         "(model/), reloadable with mumoe_tn.distillation.study.load_frontier")  # fmt: skip

@@ -25,8 +25,8 @@ from mumoe_tn.cli.arguments import UsageError, closest
 
 __all__ = ["COMMANDS", "FORMATS_ENTRY_POINTS", "build_parser", "command_module", "main"]
 
-#: The commands, in ``--help`` order; command ``NAME`` is the module ``mumoe_tn.cli.NAME_command``.
 COMMANDS = ("compare", "plan", "demo", "specialisation", "design", "explore", "distill")
+"""The commands, in ``--help`` order; command ``NAME`` is the module ``mumoe_tn.cli.NAME_command``."""
 
 #: The entry-point group under which a package declares the module that registers its formats.
 FORMATS_ENTRY_POINTS = "mumoe_tn.formats"

@@ -7,7 +7,7 @@ import shutil
 import textwrap
 from collections.abc import Sequence
 
-from mumoe_tn.cli.arguments import UsageError, by_bond, check_names, memory_limit, positive, ranks
+from mumoe_tn.cli.arguments import UsageError, add_layer_shape, by_bond, check_names, memory_limit, positive, ranks
 from mumoe_tn.decompositions.registry import available
 
 __all__ = ["DEFAULT_RANK", "DESCRIPTION", "HELP", "configure", "run"]
@@ -22,13 +22,7 @@ DEFAULT_RANK = 64
 def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the command's arguments to ``parser``; returns it."""
     parser.add_argument("network", help=f"a registered name {available()} or a spec such as 'n1 a b, a i c, b c o'")
-    parser.add_argument("--in", dest="in_features", type=positive, default=768, help="input features (default 768)")
-    parser.add_argument(
-        "--out", dest="out_features", type=positive, default=3072, help="output features (default 3072)"
-    )
-    parser.add_argument(
-        "--experts", type=positive, nargs="+", default=[256], help="experts per mode, e.g. 256 or 32 32 (default 256)"
-    )
+    add_layer_shape(parser, experts_help="experts per mode, e.g. 256 or 32 32 (default 256)")
     parser.add_argument(
         "--rank",
         type=_rank_word_type,

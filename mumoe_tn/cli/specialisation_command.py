@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.analysis.polysemanticity import Polysemanticity, class_accuracies
+from mumoe_tn.cli.arguments import add_output_formats
 from mumoe_tn.layers import MuMoE
 
 __all__ = [
@@ -590,9 +591,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, help=f"training epochs (default {defaults.epochs})")
     parser.add_argument("--rank", type=int, help=f"CP rank of the head (default {defaults.rank})")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: fastest on a shared machine)")
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print the result as JSON (table, runs, config)")
-    output.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    add_output_formats(
+        parser, json="print the result as JSON (table, runs, config)", markdown="print the table as Markdown", csv=None
+    )
     parser.add_argument("--plot", metavar="FILE.png", default="", help="save the figure here (default: no plot)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return parser

@@ -20,7 +20,7 @@ scales, and the sizes of the bonds it keeps fixed. The space holds
 
 The design fixes the number of experts, so matching scales only bonds: the expert legs a format
 would scale (MxD's) stay at the factorization's sizes. A shape with no bond at all is evaluated
-at its fixed size (see [`evaluate`][mumoe_tn.design.search.evaluate]).
+at its fixed size (see [`evaluate`][mumoe_tn.design.structure_search.evaluate]).
 
 Shapes that are the same network up to relabelling (core and bond names, expert modes of equal
 size) are kept once (networkx isomorphism on a graph of cores, bonds and physical legs, where a

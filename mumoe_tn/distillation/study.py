@@ -388,7 +388,7 @@ def load_frontier(directory: str | Path) -> tuple[nn.Module, dict[str, dict[str,
     source = directory / MODEL_DIRECTORY if config.model_dir is None else Path(config.model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()
     factories = method_factories(config.methods, config.l0s, table.config["budget"], config.experts,
-                                 top_k=config.top_k)  # fmt: skip
+                                 top_k=config.top_k, recipe=config.recipe)  # fmt: skip
     built = {block.name: {method: factory(block) for method, factory in factories.items()}
              for block in select_blocks(model, config.mlps)}  # fmt: skip
     return model, load_replacements(built, directory / REPLACEMENTS_FILE), table

@@ -333,12 +333,12 @@ def test_the_cli_page_names_every_command(capsys):
 
 FORMAT_MODULE = """
 from mumoe_tn import ExpertNetwork, Format
-from mumoe_tn.decompositions import normalize_ranks
+from mumoe_tn.decompositions import normalise_ranks
 
 
 class {cls}(Format, name="{name}"):
     def network(self, expert_dims, in_features, out_features, rank, **options):
-        a, b = normalize_ranks(self.name, rank, 2)
+        a, b = normalise_ranks(self.name, rank, 2)
         return ExpertNetwork.from_spec(
             "E: n1 a, I: i a b, O: b o", expert_dims=expert_dims, in_features=in_features,
             out_features=out_features, ranks={{"a": a, "b": b}},
