@@ -34,6 +34,27 @@ def toy_format():
 
 
 @pytest.fixture
+def two_mode_format():
+    class TwoModes(Format, name="toy_two_modes"):
+        """Written for exactly two expert modes: ``A: n1 n2 a, B: a i o``."""
+
+        def network(self, expert_dims, in_features, out_features, rank, **options):
+            (a,) = normalise_ranks(self.name, rank, 1)
+            sizes = physical_sizes(expert_dims, in_features, out_features)
+            return ExpertNetwork({"A": "n1 n2 a", "B": "a i o"}, {**sizes, "a": a})
+
+    yield TwoModes.get()
+    unregister("toy_two_modes")
+
+
+def test_a_format_joins_the_search_where_it_builds(two_mode_format):
+    shapes = search_space(8, max_modes=3, families=["toy_two_modes", "cp"])
+    modes = {len(s.expert_dims) for s in shapes if s.family == "toy_two_modes"}
+    assert modes == {2}
+    assert {len(s.expert_dims) for s in shapes if s.family == "cp"} == {1, 2, 3}
+
+
+@pytest.fixture
 def hidden_format():
     class Hidden(Format, name="toy_hidden"):
         in_search = False

@@ -147,12 +147,20 @@ def named_shapes(
     expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
     formats: Sequence[str] | None = None,
 ) -> list[Shape]:
-    """The structures every searched format names over ``expert_dims`` (default: `searched_formats`)."""
+    """The structures every searched format names over ``expert_dims`` (default: `searched_formats`).
+
+    A structure the format cannot build over these expert dims (a format written for two expert
+    modes, asked for one) is not part of the space: its builder's ``ValueError`` or ``TypeError``
+    leaves it out, so a user's format joins the search wherever it fits.
+    """
     shapes = []
     for name in searched_formats() if formats is None else formats:
         fmt = get_format(name)
         for description, rank in fmt.search_structures(tuple(expert_dims), expert_ranks):
-            shapes.append(_named_shape(name, expert_dims, description, rank))
+            try:
+                shapes.append(_named_shape(name, expert_dims, description, rank))
+            except (ValueError, TypeError):
+                continue
     return shapes
 
 
