@@ -59,7 +59,7 @@ def test_mixer_digits_mumoe_learns_like_the_mlp(examples):
 
 def test_demo_smoke(tmp_path):
     pytest.importorskip("sklearn")
-    from mumoe_tn.experiments.demo import format_rows, run_demo
+    from mumoe_tn.cli.demo_command import format_rows, run_demo
 
     rows = run_demo((4, 8), epochs=1, rank=4, plot=tmp_path / "p.png", progress=False)
     assert [r["experts"] for r in rows] == [4, 8] and (tmp_path / "p.png").exists()

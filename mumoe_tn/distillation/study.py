@@ -1,4 +1,4 @@
-"""``mumoe-tn distill``: the sparsity–accuracy frontier of a model's MLP blocks, μMoE against transcoders.
+"""The sparsity–accuracy frontier of a model's MLP blocks, μMoE against transcoders.
 
 Every chosen MLP block of a causal language model is distilled (see
 [`mumoe_tn.distillation.training`][mumoe_tn.distillation.training]) into each method at each sparsity
@@ -6,25 +6,24 @@ L0, all at one parameter budget and on the same tokens with the same optimiser, 
 on held-out text (see [`mumoe_tn.distillation.faithfulness`][mumoe_tn.distillation.faithfulness]).
 
 Methods, by name: ``transcoder`` (TopK) and ``skip-transcoder``; any registered format name
-(``mxd``, ``cp``, ``tr``, ``tt``, ``tucker``, …) for a flat μMoE block of ``--experts`` experts —
+(``mxd``, ``cp``, ``tr``, ``tt``, ``tucker``, …) for a flat μMoE block of ``experts`` experts —
 the block the format converts an MLP to, a Mixture of Decoders for ``mxd`` — and
 ``<format>-hier`` for the same number of experts in two modes (``256`` → ``16×16``), top-k per
 mode with ``∏ k_e = L0``. The budget is the parameter count of a transcoder with
 ``expansion × I`` latents (the Mixture of Decoders paper matches a 32× transcoder; 8× here by
-default), or ``--budget`` parameters.
+default), or ``budget`` parameters.
 
-Without ``--model`` a GPT-2-shaped model (byte tokens) is built from a small config and first
-trained on Python's own ``pydoc_data`` text — nothing is downloaded; with ``--model DIR`` a local
-Hugging Face causal LM (and its tokenizer, if saved) is loaded from ``DIR``. Needs the ``hf``
-extra (transformers).
+Without ``model_dir`` a GPT-2-shaped model (byte tokens) is built from a small config and first
+trained on Python's own ``pydoc_data`` text — nothing is downloaded; with ``model_dir`` a local
+Hugging Face causal LM (and its tokenizer, if saved) is loaded from it. Needs the ``hf``
+extra (transformers). The ``mumoe-tn distill`` command
+([`mumoe_tn.cli.distill_command`][mumoe_tn.cli.distill_command]) runs it from the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,12 +35,12 @@ from torch import nn
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.decompositions.registry import available
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
-from mumoe_tn.distillation.frontier import FrontierTable, plot_frontier
-from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, top_k_gate_names, transcoder_factory
+from mumoe_tn.distillation.frontier import FrontierTable
+from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
 from mumoe_tn.distillation.training import Factory, distill
 
-__all__ = ["FrontierConfig", "configure_parser", "method_factories", "run", "run_frontier"]
+__all__ = ["FrontierConfig", "method_factories", "run_frontier"]
 
 #: The methods of the default frontier.
 DEFAULT_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp", "cp-hier", "tr", "tr-hier")
@@ -293,96 +292,3 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)
     return FrontierTable(table.rows, {**table.config, "seconds": seconds})
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the command's options to ``parser`` (used by ``mumoe-tn distill``)."""
-    d = FrontierConfig()
-    parser.add_argument("--quick", action="store_true", help="a tiny run of well under a minute")
-    parser.add_argument("--model", dest="model_dir", metavar="DIR", help="a local Hugging Face causal LM (default: "
-                        "build a GPT-2-shaped model and train it on pydoc_data)")  # fmt: skip
-    parser.add_argument("--mlps", help=f"regex of the MLP blocks to distil (default {d.mlps!r})")
-    parser.add_argument("--methods", nargs="+", help=f"methods (default {' '.join(d.methods)})")
-    parser.add_argument("--l0", dest="l0s", type=int, nargs="+", help=f"sparsities (default {list(d.l0s)})")
-    parser.add_argument("--experts", type=int, help=f"experts of every μMoE block (default {d.experts})")
-    parser.add_argument(
-        "--expansion", type=int, help=f"budget: a transcoder of expansion×I latents (default {d.expansion})"
-    )
-    parser.add_argument("--budget", type=int, help="budget: parameters per replacement (instead of --expansion)")
-    parser.add_argument("--tokens", type=int, help=f"distillation tokens (default {d.tokens:,})")
-    parser.add_argument("--eval-tokens", type=int, help=f"held-out evaluation tokens (default {d.eval_tokens:,})")
-    parser.add_argument("--batch-size", type=int, help=f"tokens per optimiser step (default {d.batch_size})")
-    parser.add_argument("--buffer-tokens", type=int, help=f"activation buffer capacity (default {d.buffer_tokens:,})")
-    parser.add_argument("--recipe", choices=("mxd-paper", "plain"), help="training recipe: 'mxd-paper' (default: "
-                        "the MxD authors' init, unit-norm expert vectors, AdamW 4e-4 with warm-up) or 'plain' "
-                        "(Adam 1e-3)")  # fmt: skip
-    parser.add_argument("--lr", type=float, help="learning rate (default the recipe's)")
-    parser.add_argument(
-        "--pretrain-steps", type=int, help=f"training steps of the built model (default {d.pretrain_steps})"
-    )
-    parser.add_argument("--width", type=int, help=f"width of the built model (default {d.width})")
-    parser.add_argument("--depth", type=int, help=f"layers of the built model (default {d.depth})")
-    parser.add_argument("--seed", type=int, help=f"seed (default {d.seed})")
-    parser.add_argument("--top-k", choices=top_k_gate_names(), help="the μMoE blocks' top-k gate: 'auto' (default: "
-                        "the format's, ReLU for MxD as its authors gate; softmax for the others) or any registered "
-                        "top-k gate")  # fmt: skip
-    parser.add_argument("--checkpoint", metavar="FILE", help="save the distillation's state here (and resume from it "
-                        "with --resume)")  # fmt: skip
-    parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print the table as JSON")
-    output.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    output.add_argument("--csv", action="store_true", help="print the table as CSV")
-    parser.add_argument("--save", metavar="FILE.json", help="also write the table as JSON to this file")
-    parser.add_argument("--plot", metavar="FILE.png", help="save the frontier plot (CE-loss score against L0)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    return parser
-
-
-def config_from(args: argparse.Namespace) -> FrontierConfig:
-    """The configuration the parsed arguments ask for."""
-    config = FrontierConfig.quick() if args.quick else FrontierConfig()
-    names = ("model_dir", "mlps", "methods", "l0s", "experts", "expansion", "budget", "tokens", "eval_tokens",
-             "batch_size", "buffer_tokens", "recipe", "lr", "pretrain_steps", "width", "depth", "seed",
-             "top_k")  # fmt: skip
-    changes = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    for name in ("methods", "l0s"):
-        if name in changes:
-            changes[name] = tuple(changes[name])
-    for name in ("experts", "expansion", "budget", "tokens", "eval_tokens", "batch_size", "buffer_tokens",
-                 "pretrain_steps", "width", "depth"):  # fmt: skip
-        if name in changes and changes[name] <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {changes[name]}")
-    if any(l0 <= 0 for l0 in changes.get("l0s", ())):
-        raise ValueError(f"--l0 values must be positive ints, got {list(changes['l0s'])}")
-    return dataclasses.replace(config, **changes)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the frontier, print the table, and save the plot."""
-    config = config_from(args)
-    _check_methods(config.methods)
-    if args.resume and not args.checkpoint:
-        raise ValueError("--resume needs --checkpoint FILE")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, args.threads))
-    try:
-        table = run_frontier(config, progress=args.progress, checkpoint=args.checkpoint, resume=args.resume)
-    finally:
-        torch.set_num_threads(threads)
-    if args.save:
-        Path(args.save).write_text(table.to_json() + "\n")
-    if args.plot:
-        plot_frontier(table, args.plot)
-    if args.json:
-        print(table.to_json())
-    elif args.markdown:
-        print(table.title() + "\n\n" + table.to_markdown())
-    elif args.csv:
-        sys.stdout.write(table.to_csv())
-    else:
-        from rich.console import Console
-
-        Console().print(table.to_rich())
-    return 0
