@@ -164,7 +164,7 @@ def _check_loss(name: str, cls: object) -> None:
 
 
 #: The registered loss classes by lower-case name (a [`Registry`][mumoe_tn.registry.Registry]).
-LOSSES: Registry[str, type[Loss]] = Registry("loss", normalize=str.lower, check=_check_loss)
+LOSSES: Registry[str, type[Loss]] = Registry("loss", normalise=str.lower, check=_check_loss)
 
 
 def register_loss(cls: _Class, *, name: str | None = None, replace: bool = False) -> _Class:
