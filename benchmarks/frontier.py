@@ -63,7 +63,7 @@ def _machine() -> dict:
 
 
 def _family_summary(table: FrontierTable) -> list[str]:
-    """Mean CE-loss score and normalised MSE per method over blocks, by L0."""
+    """Mean CE-loss score (over the blocks where it is meaningful) and normalised MSE per method, by L0."""
     families = list(dict.fromkeys(row.family for row in table.rows))
     l0s = sorted({row.method.split("@")[1] for row in table.rows if "@" in row.method}, key=int)
     lines = ["| method | " + " | ".join(f"score @ L0={l0}" for l0 in l0s) + " | mean nMSE |",
@@ -71,7 +71,7 @@ def _family_summary(table: FrontierTable) -> list[str]:
     for family in families:
         cells = []
         for l0 in l0s:
-            rows = [row for row in table.rows if row.method == f"{family}@{l0}"]
+            rows = [row for row in table.rows if row.method == f"{family}@{l0}" and row.meaningful]
             cells.append(f"{sum(r.score for r in rows) / len(rows):.3f}" if rows else "")
         rows = [row for row in table.rows if row.family == family]
         cells.append(f"{sum(r.nmse for r in rows) / len(rows):.4f}")

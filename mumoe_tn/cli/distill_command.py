@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
-from mumoe_tn.distillation.frontier import plot_frontier
 from mumoe_tn.distillation.replacements import top_k_gate_names
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 
@@ -67,9 +66,12 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_output_formats(
-        parser, json="print the table as JSON", markdown="print the table as Markdown", csv="print the table as CSV"
-    )
-    parser.add_argument("--save", metavar="FILE.json", help="also write the table as JSON to this file")
+        parser, json="print the table as JSON", csv="print the table as CSV",
+        markdown="print the table as Markdown (the default when stdout is not a terminal; a rich table when it is)",
+    )  # fmt: skip
+    parser.add_argument("--save", metavar="DIR", help="write the run into this new or empty directory: the table "
+                        "(frontier.json), the trained replacements (replacements.safetensors) and the built model "
+                        "(model/), reloadable with mumoe_tn.distillation.study.load_frontier")  # fmt: skip
     parser.add_argument("--plot", metavar="FILE.png", help="save the frontier plot (CE-loss score against L0)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     return parser
@@ -100,18 +102,19 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("transformers") is None:
         raise UsageError("distill needs transformers: pip install 'mumoe_tn[hf]'")
     config = config_from(args)
+    if args.save and Path(args.save).exists() and (not Path(args.save).is_dir() or any(Path(args.save).iterdir())):
+        raise UsageError(f"--save must name a new or empty directory, got {args.save!r}")
     if args.resume and not args.checkpoint:
         raise ValueError("--resume needs --checkpoint FILE")
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, args.threads))
     try:
-        table = run_frontier(config, progress=args.progress, checkpoint=args.checkpoint, resume=args.resume)
+        table = run_frontier(config, progress=args.progress, checkpoint=args.checkpoint, resume=args.resume,
+                             save=args.save)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
-    if args.save:
-        Path(args.save).write_text(table.to_json() + "\n")
     if args.plot:
-        plot_frontier(table, args.plot)
+        table.plot(args.plot)
     if args.json:
         print(table.to_json())
     elif args.markdown:
@@ -119,7 +122,5 @@ def run(args: argparse.Namespace) -> int:
     elif args.csv:
         sys.stdout.write(table.to_csv())
     else:
-        from rich.console import Console
-
-        Console().print(table.to_rich())
+        table.show()
     return 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +38,9 @@ from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
-from mumoe_tn.distillation.training import Factory, distill
+from mumoe_tn.distillation.training import Factory, distill, load_replacements, save_replacements
 
-__all__ = ["FrontierConfig", "method_factories", "run_frontier"]
+__all__ = ["FrontierConfig", "load_frontier", "method_factories", "run_frontier", "save_frontier"]
 
 #: The methods of the default frontier.
 DEFAULT_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp", "cp-hier", "tr", "tr-hier")
@@ -134,6 +134,26 @@ def _check_methods(methods: Sequence[str]) -> None:
             )
 
 
+def _check_l0s(methods: Sequence[str], l0s: Sequence[int], experts: int) -> None:
+    """Refuse an L0 that a μMoE block of ``experts`` experts cannot have active (naming ``--experts``)."""
+    for method in methods:
+        if method in ("transcoder", "skip-transcoder"):
+            continue
+        for l0 in l0s:
+            if method.endswith(_HIER):
+                ks, dims = mode_split(l0, 2), mode_split(experts, 2)
+                if any(k > n for k, n in zip(ks, dims, strict=True)):
+                    raise ValueError(
+                        f"L0 {l0} is out of reach of {method!r} with {experts} experts: it keeps {ks[0]}×{ks[1]} of "
+                        f"{dims[0]}×{dims[1]} experts per mode; raise --experts (experts=; --quick uses 16)"
+                    )
+            elif l0 > experts:
+                raise ValueError(
+                    f"L0 {l0} is more than the {experts} experts of {method!r}: raise --experts (experts=; --quick "
+                    f"uses 16) to at least {l0}"
+                )
+
+
 def method_factories(
     methods: Sequence[str],
     l0s: Sequence[int],
@@ -165,6 +185,7 @@ def method_factories(
     dict of str to Factory
     """
     _check_methods(methods)
+    _check_l0s(methods, l0s, experts)
     factories: dict[str, Factory] = {}
     for method in methods:
         for l0 in l0s:
@@ -237,7 +258,7 @@ def pretrain(model: nn.Module, tokens: torch.Tensor, config: FrontierConfig, *, 
 
 
 def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: str | None = None,
-                 resume: bool = False) -> FrontierTable:  # fmt: skip
+                 resume: bool = False, save: str | Path | None = None) -> FrontierTable:  # fmt: skip
     """Build (or load) the model, distil every block into every method and L0, and measure them.
 
     Parameters
@@ -249,12 +270,17 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
         The distillation's checkpoint file.
     resume : bool, optional
         Resume the distillation from ``checkpoint``.
+    save : str or Path, optional
+        A new or empty directory to write the run into (see
+        [`save_frontier`][mumoe_tn.distillation.study.save_frontier]).
 
     Returns
     -------
     FrontierTable
     """
     _check_methods(config.methods)
+    _check_l0s(config.methods, config.l0s, config.experts)
+    directory = None if save is None else _save_directory(save)
     start = time.perf_counter()
     model, tokens, description = load_model(config)
     split = int(0.9 * tokens.numel())
@@ -276,7 +302,7 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     result = distill(
         model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
         buffer_tokens=config.buffer_tokens, recipe=config.recipe, lr=config.lr, seed=config.seed,
-        checkpoint=checkpoint, resume=resume,
+        checkpoint=checkpoint, resume=resume, run_config={"model": description, **dataclasses.asdict(config)},
         progress=progress,
     )  # fmt: skip
     trained = time.perf_counter() - start
@@ -291,4 +317,78 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     }  # fmt: skip
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)
-    return FrontierTable(table.rows, {**table.config, "seconds": seconds})
+    table = FrontierTable(table.rows, {**table.config, "seconds": seconds})
+    if directory is not None:
+        save_frontier(directory, table, result.replacements, model if config.model_dir is None else None)
+    return table
+
+
+#: The files of a saved frontier run, in its directory.
+TABLE_FILE, REPLACEMENTS_FILE, MODEL_DIRECTORY = "frontier.json", "replacements.safetensors", "model"
+
+
+def _save_directory(path: str | Path) -> Path:
+    """``path`` as a directory to write a run into: new or empty, checked before any work."""
+    directory = Path(path)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise ValueError(f"save= must be a new or empty directory, got {str(directory)!r}")
+    return directory
+
+
+def save_frontier(
+    directory: str | Path,
+    table: FrontierTable,
+    replacements: Mapping[str, Mapping[str, nn.Module]],
+    model: nn.Module | None = None,
+) -> Path:
+    """Write a frontier run to ``directory``: its table, its trained replacements and, if given, the model.
+
+    ``frontier.json`` holds the table and the run's configuration,
+    ``replacements.safetensors`` every replacement (see
+    [`save_replacements`][mumoe_tn.distillation.training.save_replacements]) and ``model/`` the
+    model the run built and trained (``save_pretrained``), so
+    [`load_frontier`][mumoe_tn.distillation.study.load_frontier] can splice them back.
+
+    Returns
+    -------
+    Path
+        The directory.
+    """
+    directory = _save_directory(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / TABLE_FILE).write_text(table.to_json() + "\n")
+    save_replacements(replacements, directory / REPLACEMENTS_FILE)
+    if model is not None:
+        model.save_pretrained(directory / MODEL_DIRECTORY)
+    return directory
+
+
+def load_frontier(directory: str | Path) -> tuple[nn.Module, dict[str, dict[str, nn.Module]], FrontierTable]:
+    """The model, the trained replacements (``block -> method -> module``) and the table of a saved run.
+
+    The replacements are rebuilt by the run's factories (from the configuration in its table) and
+    loaded from ``replacements.safetensors``; splice one in with
+    [`splice`][mumoe_tn.distillation.training.splice]. The model is the one saved with the run, or
+    the ``--model`` directory it named.
+
+    Raises
+    ------
+    ValueError
+        A directory without a saved run, or files that do not fit each other.
+    """
+    import transformers
+
+    directory = Path(directory)
+    if not (directory / TABLE_FILE).is_file():
+        raise ValueError(f"{str(directory)!r} holds no saved frontier run (no {TABLE_FILE})")
+    table = FrontierTable.from_json((directory / TABLE_FILE).read_text())
+    names = {f.name for f in dataclasses.fields(FrontierConfig)}
+    settings = {key: value for key, value in table.config.items() if key in names}
+    config = FrontierConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+    source = directory / MODEL_DIRECTORY if config.model_dir is None else Path(config.model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()
+    factories = method_factories(config.methods, config.l0s, table.config["budget"], config.experts,
+                                 top_k=config.top_k, recipe=config.recipe)  # fmt: skip
+    built = {block.name: {method: factory(block) for method, factory in factories.items()}
+             for block in select_blocks(model, config.mlps)}  # fmt: skip
+    return model, load_replacements(built, directory / REPLACEMENTS_FILE), table

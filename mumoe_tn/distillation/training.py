@@ -68,10 +68,12 @@ __all__ = [
     "Recipe",
     "code_module",
     "distill",
+    "load_replacements",
     "normalised_mse",
     "project_column_gradients",
     "recording_code",
     "renormalise_columns",
+    "save_replacements",
     "splice",
     "spliced",
     "unit_norm_parameters",
@@ -296,11 +298,21 @@ class _Run:
             "draining": -1 if self.draining is None else self.draining,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
         for block, methods in self.modules.items():
             for method, module in methods.items():
                 key = f"{block}/{method}"
-                module.load_state_dict(state["modules"][key])
+                saved = state["modules"][key]
+                for name, tensor in module.state_dict().items():
+                    old = saved.get(name)
+                    if old is None or old.shape != tensor.shape:
+                        found = "no such tensor" if old is None else f"shape {tuple(old.shape)}"
+                        raise ValueError(
+                            f"the checkpoint {path} was written by a different distillation: the replacement "
+                            f"{method!r} of {block!r} has {name} of shape {tuple(tensor.shape)} now, {found} in the "
+                            "checkpoint"
+                        )
+                module.load_state_dict(saved)
                 self.optimizers[block][method].load_state_dict(state["optimizers"][key])
                 self.schedules[block][method].load_state_dict(state["schedules"][key])
                 self.loss_state[block, method] = {name: dict(values) for name, values in state["losses"][key].items()}
@@ -328,9 +340,9 @@ class _Run:
                 values.append(term(inputs))
         return torch.stack(values).sum() if len(values) > 1 else values[0]
 
-    def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """One optimiser step of every replacement on ``rows``; returns the mean loss."""
-        losses = []
+    def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        """One optimiser step of every replacement on ``rows``; returns each method's loss (mean over blocks)."""
+        losses: dict[str, list[float]] = {}
         for block, methods in self.modules.items():
             x, y = rows[block]
             for method in methods:
@@ -353,9 +365,9 @@ class _Run:
                 recent = self.recent.setdefault((block, method), [])
                 recent.append(value)
                 del recent[:-50]
-                losses.append(value)
+                losses.setdefault(method, []).append(value)
         self.steps += 1
-        return sum(losses) / len(losses)
+        return {method: sum(values) / len(values) for method, values in losses.items()}
 
 
 def _terms_of(module: nn.Module, losses: tuple[Loss, ...], method: str) -> tuple[Loss, ...]:
@@ -421,6 +433,7 @@ def distill(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 100,
     resume: bool = False,
+    run_config: Mapping[str, Any] | None = None,
     progress: bool = True,
 ) -> Distillation:
     """Train a replacement of each chosen MLP block of ``model`` on the block's streamed activations.
@@ -476,9 +489,15 @@ def distill(
     checkpoint_every : int, optional
         Steps between checkpoints (default 100).
     resume : bool, optional
-        Continue from ``checkpoint`` if it exists (its configuration must match this call's).
+        Continue from ``checkpoint`` if it exists. Its configuration must match this call's — the
+        blocks, methods, ``tokens``, ``batch_size``, ``buffer_tokens``, ``seed``, ``recipe``,
+        ``lr``, the loss terms, ``run_config`` and the shapes of every replacement's tensors — or a
+        ValueError names the fields that differ.
+    run_config : Mapping, optional
+        Plain data (JSON-like) on what else the run depends on — the model, the factories'
+        settings — stored in the checkpoint and compared on resume.
     progress : bool, optional
-        Show a tqdm bar of trained tokens with tokens/s and the mean loss.
+        Show a tqdm bar of trained tokens with tokens/s and each method's loss (mean over blocks).
 
     Returns
     -------
@@ -522,13 +541,14 @@ def distill(
     blocks = select_blocks(model, mlps)
     names = [block.name for block in blocks]
     config = {
-        "blocks": names, "methods": sorted(methods), "batch_size": batch_size, "buffer_tokens": capacity,
-        "seed": seed, "recipe": recipe, "lr": lr, "loss": [term.config() for term in terms],
+        **dict(run_config or {}), "blocks": names, "methods": sorted(methods), "tokens": tokens,
+        "batch_size": batch_size, "buffer_tokens": capacity, "seed": seed, "recipe": recipe, "lr": lr,
+        "loss": [term.config() for term in terms],
     }  # fmt: skip
     run = _Run(blocks, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
                optimizer=optimizer, capacity=capacity)  # fmt: skip
     if resume and path is not None and path.exists():
-        run.load_state_dict(_load(path, config))
+        run.load_state_dict(_load(path, config), path)
     was_training = model.training
     model.eval()
     bar = tqdm(total=tokens, initial=min(run.trained, tokens), unit="tok", unit_scale=True, desc="distilling",
@@ -544,7 +564,7 @@ def distill(
                 loss = run.step(run.buffer.take(batch_size))
             run.trained += batch_size
             bar.update(batch_size)
-            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+            bar.set_postfix({method: f"{value:.3g}" for method, value in loss.items()}, refresh=False)
             if path is not None and run.steps % checkpoint_every == 0:
                 _save(run.state_dict(config), path)
         run.draining = None
@@ -660,3 +680,93 @@ def spliced(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator
         yield model
     finally:
         splice(model, old)
+
+
+def save_replacements(
+    replacements: Mapping[str, Mapping[str, nn.Module]],
+    path: str | os.PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write trained replacements to one ``.safetensors`` file: key ``"<block>/<method>/<tensor>"``.
+
+    Parameters
+    ----------
+    replacements : Mapping
+        ``block name -> method -> module`` (``Distillation.replacements``).
+    path : str or PathLike
+        The file.
+    metadata : Mapping[str, str], optional
+        Strings stored in the file's header (e.g. the run's configuration as JSON).
+
+    Returns
+    -------
+    Path
+    """
+    from safetensors.torch import save_file
+
+    tensors = {
+        f"{block}/{method}/{key}": tensor.detach().cpu().contiguous().clone()
+        for block, methods in replacements.items()
+        for method, module in methods.items()
+        for key, tensor in module.state_dict().items()
+    }
+    path = Path(path)
+    save_file(tensors, str(path), metadata={"format": "mumoe_tn.replacements/1", **dict(metadata or {})})
+    return path
+
+
+def load_replacements(
+    replacements: Mapping[str, Mapping[str, nn.Module]], path: str | os.PathLike
+) -> dict[str, dict[str, nn.Module]]:
+    """Load what [`save_replacements`][mumoe_tn.distillation.training.save_replacements] wrote into built modules.
+
+    Every key and shape is checked against the file's header before any weight is read; the
+    modules are changed only when all fit.
+
+    Parameters
+    ----------
+    replacements : Mapping
+        ``block name -> method -> module`` built as the saved ones were (the same factories).
+    path : str or PathLike
+
+    Returns
+    -------
+    dict
+        The same modules, holding the saved weights, in eval mode.
+
+    Raises
+    ------
+    ValueError
+        A file that is not saved replacements, or a key or shape that differs (named).
+    """
+    from safetensors.torch import load_file
+
+    from mumoe_tn.conversion.files import read_headers, regular_file
+
+    path = regular_file(Path(path), "replacements file")
+    headers, metadata = read_headers(path)
+    if metadata.get("format") != "mumoe_tn.replacements/1":
+        raise ValueError(f"{str(path)!r} holds no saved replacements (format {metadata.get('format')!r})")
+    expected = {
+        f"{block}/{method}/{key}": tuple(tensor.shape)
+        for block, methods in replacements.items()
+        for method, module in methods.items()
+        for key, tensor in module.state_dict().items()
+    }
+    saved = {key: shape for key, (shape, _) in headers.items()}
+    if set(saved) != set(expected):
+        missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+        raise ValueError(f"{str(path)!r} does not hold these replacements: missing {missing[:5]}, extra {extra[:5]}")
+    wrong = [f"{key}: {saved[key]} saved, {shape} built" for key, shape in expected.items() if saved[key] != shape]
+    if wrong:
+        raise ValueError(f"{str(path)!r} holds replacements of other shapes: {'; '.join(wrong[:5])}")
+    tensors = load_file(str(path))
+    out: dict[str, dict[str, nn.Module]] = {}
+    for block, methods in replacements.items():
+        out[block] = {}
+        for method, module in methods.items():
+            prefix = f"{block}/{method}/"
+            module.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+            out[block][method] = module.eval()
+    return out

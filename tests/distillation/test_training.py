@@ -189,6 +189,17 @@ def test_resume_refuses_a_different_run(tmp_path):
     with pytest.raises(ValueError, match="batch_size: checkpoint 32, now 16"):
         distill(ToyLM(), _batches(), _tc(), tokens=64, batch_size=16, buffer_tokens=64, checkpoint=path, resume=True,
                 progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="tokens: checkpoint 64, now 96"):
+        distill(ToyLM(), _batches(), _tc(), tokens=96, batch_size=32, buffer_tokens=64, checkpoint=path, resume=True,
+                progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"'tc' of 'mlp' has encoder.weight of shape \(48, 8\) now, shape \(32, 8\)"):
+        distill(ToyLM(), _batches(), _tc(latents=48), tokens=64, batch_size=32, buffer_tokens=64, checkpoint=path,
+                resume=True, progress=False)  # fmt: skip
+    distill(ToyLM(), _batches(), _tc(), tokens=64, batch_size=32, buffer_tokens=64, checkpoint=path,
+            run_config={"model": "toy", "experts": 16}, progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="experts: checkpoint 16, now 32"):
+        distill(ToyLM(), _batches(), _tc(), tokens=64, batch_size=32, buffer_tokens=64, checkpoint=path,
+                run_config={"model": "toy", "experts": 32}, resume=True, progress=False)  # fmt: skip
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable distillation checkpoint"):
         distill(ToyLM(), _batches(), _tc(), tokens=64, batch_size=32, buffer_tokens=64, checkpoint=path, resume=True,
