@@ -88,6 +88,21 @@ class HardTopKGate(TopKGate):
     short_name = "hard"
 
 
+@dataclass(frozen=True)
+class WideTopKGate(TopKGate):
+    """A subclass that names itself nothing: it must not take the softmax gate's short name."""
+
+
+def test_a_subclass_does_not_inherit_a_short_name():
+    register_gate(WideTopKGate)
+    try:
+        gates = top_k_gates()
+        assert gates["softmax"] is TopKGate
+        assert gates["widetopkgate"] is WideTopKGate
+    finally:
+        unregister_gate(WideTopKGate)
+
+
 @pytest.fixture
 def hard_gate():
     register_gate(HardTopKGate)
