@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mumoe_tn.conversion.configs import check_config
 from mumoe_tn.conversion.files import (
     Headers,
     header_shapes,
@@ -213,7 +214,8 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
             f"the checkpoint {str(path)!r} holds no mumoe_tn conversion record in its config.json: it was not saved "
             f"from a converted model; load it with {cls.__name__}.from_pretrained"
         )
-    read_all_headers(weight_files(path))  # every path and header checked before transformers opens a file
+    headers = read_all_headers(weight_files(path))  # every path and header checked before transformers opens a file
+    check_config(config, headers)  # the config's sizes against the weights, before transformers builds the model
     from mumoe_tn.conversion.quantizer import MuMoEConfig, register_with_transformers
 
     register_with_transformers()
