@@ -26,8 +26,7 @@ from test_hostile_checkpoints import (
 from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
 from mumoe_tn.conversion.record import MAX_MESSAGE_CHARS
-from mumoe_tn.layers import MuMoE, MuMoEMLP
-from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.layers import MuMoEMLP
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -174,17 +173,6 @@ def test_a_network_beyond_the_work_budget_is_refused_before_it_is_built(saved):
     )
 
 
-def test_a_network_with_one_wide_hyperedge_is_checked_in_linear_time():
-    width = 3000  # a graph of every pair of its cores would have 4.5 million edges
-    cores = {"A": "n1 i o h", **{f"C{k}": "h" for k in range(width)}}
-    start = time.perf_counter()
-    network = ExpertNetwork(cores, {"n1": 2, "i": 3, "o": 4, "h": 2})
-    assert time.perf_counter() - start < 1.0
-    assert network.bonds == ("h",)
-    with pytest.raises(ValueError, match="the network is disconnected"):
-        ExpertNetwork({**cores, "Z": "z", "Y": "z"}, {"n1": 2, "i": 3, "o": 4, "h": 2, "z": 2})
-
-
 def _renamed_core(record):
     network = record["modules"][1]["networks"][0][1]
     network.update(format=None, cores=[["Q", ["n1", "r"]], *network["cores"][1:]])
@@ -305,10 +293,3 @@ def test_stock_from_pretrained_refuses_a_record_under_another_quantization_confi
         r"quantization_config = .* is invalid",
         size=_size(folder),
     )
-
-
-# ----------------------------------------------------------------------------- matching
-def test_a_match_that_skips_a_collapsing_rank_says_so():
-    with pytest.warns(UserWarning, match=r"r=1 gives 16 parameters but collapses expert mode\(s\) \['n1'\]"):
-        layer = MuMoE(2, 8, 2, "cp", match="linear", bias=False)
-    assert layer.experts.network.sizes["r"] == 2  # rank 1 makes both experts multiples of one matrix
