@@ -187,14 +187,14 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
     found = getattr(config, "quantization_config", None)
     if found is None:
         config.quantization_config = {"quant_method": METHOD}
-        return
-    method = found.get("quant_method") if isinstance(found, Mapping) else getattr(found, "quant_method", None)
-    if method != METHOD:
-        raise ValueError(
-            f"config.json: quantization_config = {found!r:.120} is invalid: the config carries a mumoe_tn conversion "
-            f"record, whose checkpoint has {{'quant_method': {METHOD!r}}} (a dense load would leave its MLP weights "
-            "random)"
-        )
+    else:
+        method = found.get("quant_method") if isinstance(found, Mapping) else getattr(found, "quant_method", None)
+        if method != METHOD:
+            raise ValueError(
+                f"config.json: quantization_config = {found!r:.120} is invalid: the config carries a mumoe_tn "
+                f"conversion record, whose checkpoint has {{'quant_method': {METHOD!r}}} (a dense load would leave its "
+                "MLP weights random)"
+            )
 
 
 def convert_skeleton(model: Any, checkpoint_files: Sequence[str | os.PathLike] | None) -> None:
