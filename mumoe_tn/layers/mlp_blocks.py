@@ -56,22 +56,17 @@ class MLPBlockKind:
     dense_encoder : bool
         The block keeps its encoder dense and upcycling copies it, so an upcycled block keeps the
         MLP's hidden width.
-    top_k : {"softmax", "relu"}
-        The top-k gate distillation gives the block by default.
     """
 
     key: str
     build: Callable[..., nn.Module]
     dense_encoder: bool = False
-    top_k: str = "softmax"
 
 
 _KINDS: dict[str, MLPBlockKind] = {}
 
 
-def register_mlp_block(
-    key: str, build: Callable[..., nn.Module], *, dense_encoder: bool = False, top_k: str = "softmax"
-) -> MLPBlockKind:
+def register_mlp_block(key: str, build: Callable[..., nn.Module], *, dense_encoder: bool = False) -> MLPBlockKind:
     """Register the builder of an MLP block kind under ``key`` (what a format's ``mlp_block`` names).
 
     Parameters
@@ -82,8 +77,6 @@ def register_mlp_block(
         See [`MLPBlockKind`][mumoe_tn.layers.mlp_blocks.MLPBlockKind].
     dense_encoder : bool, optional
         Whether the block's encoder stays dense (upcycling copies it).
-    top_k : {"softmax", "relu"}, optional
-        Its default top-k gate in distillation.
 
     Returns
     -------
@@ -93,9 +86,7 @@ def register_mlp_block(
         raise ValueError(f"an MLP block kind needs a non-empty string key, got {key!r}")
     if not callable(build):
         raise TypeError(f"build must be callable, got {build!r}")
-    if top_k not in ("softmax", "relu"):
-        raise ValueError(f"top_k must be 'softmax' or 'relu', got {top_k!r}")
-    kind = MLPBlockKind(key, build, dense_encoder=bool(dense_encoder), top_k=top_k)
+    kind = MLPBlockKind(key, build, dense_encoder=bool(dense_encoder))
     _KINDS[key] = kind
     return kind
 
@@ -149,4 +140,4 @@ def mumoe_mlp(
 
 
 register_mlp_block("mumoe", mumoe_mlp)
-register_mlp_block("decoders", MixtureOfDecoders, dense_encoder=True, top_k="relu")
+register_mlp_block("decoders", MixtureOfDecoders, dense_encoder=True)
