@@ -16,6 +16,7 @@ package that owns it:
 | logit norms | `mumoe_tn.gates.modules.GATE_NORMS` | ``GATE_NORMS.register(name, factory)`` |
 | layer adapters | `mumoe_tn.conversion.adapters.ADAPTERS` | `register_adapter` |
 | gated-MLP child names | `mumoe_tn.conversion.blocks.GATED_LAYOUTS` | `register_gated_names` |
+| MLP block kinds (a format's ``mlp_block``) | `mumoe_tn.layers.mlp_blocks.MLP_BLOCKS` | `register_mlp_block` |
 
 Examples
 --------

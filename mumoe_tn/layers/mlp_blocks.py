@@ -28,8 +28,10 @@ from torch import nn
 from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.layers.decoders import MixtureOfDecoders
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
+from mumoe_tn.registry import Registry
 
 __all__ = [
+    "MLP_BLOCKS",
     "MLPBlockKind",
     "mlp_block_for",
     "mumoe_mlp",
@@ -63,7 +65,8 @@ class MLPBlockKind:
     dense_encoder: bool = False
 
 
-_KINDS: dict[str, MLPBlockKind] = {}
+#: The registered MLP block kinds, by key.
+MLP_BLOCKS: Registry[str, MLPBlockKind] = Registry("MLP block kind")
 
 
 def register_mlp_block(key: str, build: Callable[..., nn.Module], *, dense_encoder: bool = False) -> MLPBlockKind:
@@ -86,19 +89,17 @@ def register_mlp_block(key: str, build: Callable[..., nn.Module], *, dense_encod
         raise ValueError(f"an MLP block kind needs a non-empty string key, got {key!r}")
     if not callable(build):
         raise TypeError(f"build must be callable, got {build!r}")
-    kind = MLPBlockKind(key, build, dense_encoder=bool(dense_encoder))
-    _KINDS[key] = kind
-    return kind
+    return MLP_BLOCKS.register(key, MLPBlockKind(key, build, dense_encoder=bool(dense_encoder)), replace=True)
 
 
 def unregister_mlp_block(key: str) -> None:
     """Remove the MLP block kind registered under ``key`` (e.g. at the end of a test)."""
-    _KINDS.pop(key, None)
+    MLP_BLOCKS.unregister(key)
 
 
 def registered_mlp_blocks() -> list[str]:
     """Sorted keys of the registered MLP block kinds."""
-    return sorted(_KINDS)
+    return MLP_BLOCKS.names()
 
 
 def mlp_block_for(decomposition: Decomposition) -> MLPBlockKind:
@@ -111,7 +112,7 @@ def mlp_block_for(decomposition: Decomposition) -> MLPBlockKind:
     """
     fmt = format_of(decomposition)
     key = DEFAULT_KIND if fmt is None else fmt.mlp_block
-    kind = _KINDS.get(key)
+    kind = MLP_BLOCKS.get(key)
     if kind is None:
         raise ValueError(
             f"the format {fmt.name!r} builds MLP blocks of the kind {key!r}, which is not registered: register its "
