@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.registry import register_gate, registered_gates, unregister_gate
 from mumoe_tn.gates.specs import DEFAULT_GATE, CausalityWarning, Gate, GateSpec, ReLUTopKGate, TopKGate
 

@@ -52,11 +52,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.caching import DerivedCache
+from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.entmax import entmax15, sparsemax
-from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.replicas import warn_unsynchronised
-from mumoe_tn.network import expert_leg, normalize_expert_dims
+from mumoe_tn.network import expert_leg, normalise_expert_dims
 from mumoe_tn.registry import Registry
 
 __all__ = [
@@ -264,7 +264,7 @@ class ExpertGate(PerThreadRecords):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.in_features = in_features
-        self.expert_dims = normalize_expert_dims(expert_dims)
+        self.expert_dims = normalise_expert_dims(expert_dims)
         self.activation = activation
         self._phi = resolve_activation(activation)
         self.norm = norm
@@ -625,7 +625,7 @@ class ReLUTopKRouter(ExpertGate):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.k = _per_mode_k(k, normalize_expert_dims(expert_dims))
+        self.k = _per_mode_k(k, normalise_expert_dims(expert_dims))
         if init == "zeros" and bias is False:
             raise ValueError(
                 "init='zeros' needs bias=True for a ReLU top-k gate: with zero projections and no bias every "

@@ -1,6 +1,6 @@
 """Kernels per call of every format's layer: a change that adds one fails here.
 
-Counted by ``benchmarks.launches.AtenCalls`` (ATen operators that compute, forward and backward;
+Counted by ``torch_calls.AtenCalls`` (ATen operators that compute, forward and backward;
 views, allocations and metadata left out), as the benchmarks' ``host`` section reports them, at
 its sizes: I = O = 64, 16 experts (4×4 hierarchical), parameter-matched; one eval call on one
 token under ``no_grad`` and one fwd+bwd on 64 tokens that require grad.
@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch_calls import count_call
 
-from benchmarks.launches import count_call
 from mumoe_tn import MuMoE
 from mumoe_tn.gates import ReLUTopKGate, TopKGate
 
