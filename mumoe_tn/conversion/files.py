@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from mumoe_tn.conversion.record import parse_json
+from mumoe_tn.conversion.storage import check_file_holds
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -132,6 +133,7 @@ def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
         ):
             raise ValueError(f"{str(file)!r} is not a state dict of tensors")
+        check_file_holds(state, file.stat().st_size, repr(str(file)))
         return {key: (tuple(value.shape), value.dtype) for key, value in state.items()}, {}
     from safetensors import safe_open
 
