@@ -16,8 +16,8 @@ bonds,
 
 both planned once, like any other contraction; then ``core[P, B] = R[P, :] · G⁺``, the
 pseudo-inverse (eigenvalues below ``|B|·ε`` of the largest dropped), so an underdetermined core
-gets its minimum-norm solution and an exact fit is exact to rounding. One sweep updates every core in turn; sweeps stop
-when the relative error falls below ``tol`` or stops improving.
+gets its minimum-norm solution and an exact fit is exact to rounding. One sweep updates every
+core in turn; sweeps stop when the relative error falls below ``tol`` or stops improving.
 """
 
 from __future__ import annotations
