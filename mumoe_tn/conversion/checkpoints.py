@@ -58,6 +58,37 @@ def _is_hf_class(model: object) -> bool:
     return isinstance(model, type) and issubclass(model, nn.Module) and hasattr(model, "config_class")
 
 
+def _is_auto_class(model: object) -> bool:
+    """A transformers auto class (``AutoModelForCausalLM``, ...): it maps config classes to model classes."""
+    return isinstance(model, type) and hasattr(model, "_model_mapping") and callable(getattr(model, "from_pretrained", None))
+
+
+def _model_class(cls: type, config: Mapping[str, Any]) -> type:
+    """The model class that loads ``config``: ``cls`` itself, or what the auto class ``cls`` maps its type to."""
+    model_type = config.get("model_type")
+    if _is_auto_class(cls):
+        from transformers import CONFIG_MAPPING
+
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            raise ValueError(
+                f"config.json: model_type = {model_type!r:.80} is invalid: it names no model type transformers knows"
+            )
+        try:
+            return cls._model_mapping[CONFIG_MAPPING[model_type]]
+        except KeyError:
+            raise ValueError(
+                f"config.json: model_type = {model_type!r:.80} is invalid for {cls.__name__}, which has no model "
+                f"class for it: load it with the class of its own model type"
+            ) from None
+    expected = getattr(cls.config_class, "model_type", "") or None
+    if expected is not None and model_type != expected:
+        raise ValueError(
+            f"config.json: model_type = {model_type!r:.80} is invalid for {cls.__name__}, which loads "
+            f"{expected!r} checkpoints: load it with the class of its own model type (or AutoModelForCausalLM)"
+        )
+    return cls
+
+
 def save_converted(model: nn.Module, path: str | os.PathLike, **save_options: Any) -> None:
     """Save a converted model with its conversion record.
 
@@ -104,9 +135,10 @@ def load_converted(
     Parameters
     ----------
     model : type or nn.Module
-        A Hugging Face model class (``GPT2LMHeadModel``, ``LlamaForCausalLM``, …) with a checkpoint
-        directory, or a freshly built, unconverted instance of the original model with a
-        ``.safetensors`` file.
+        A Hugging Face model class (``GPT2LMHeadModel``, ``LlamaForCausalLM``, …) or auto class
+        (``AutoModelForCausalLM``, which picks the class of the config's ``model_type``) with a
+        checkpoint directory, or a freshly built, unconverted instance of the original model with
+        a ``.safetensors`` file.
     path : str or PathLike
         The checkpoint directory or file.
     dtype : torch.dtype, optional
@@ -132,11 +164,12 @@ def load_converted(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
     path = Path(path)
-    if _is_hf_class(model):
+    if _is_hf_class(model) or _is_auto_class(model):
         return _load_hf(model, path, dtype=dtype, strict=strict)
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"model must be a Hugging Face model class or a freshly built nn.Module, got {type(model).__name__}"
+            "model must be a Hugging Face model class (or auto class) or a freshly built nn.Module, got "
+            f"{getattr(model, '__name__', type(model).__name__)}"
         )
     file = regular_file(path, "the checkpoint file")
     headers, metadata = read_headers(file)
@@ -197,12 +230,7 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
     config = read_json(member_file(path, "config.json", "config.json"), "config.json")
     if not isinstance(config, Mapping):
         raise ValueError(f"config.json = {config!r:.120} is invalid: it must be a JSON object")
-    expected = getattr(cls.config_class, "model_type", "") or None
-    if expected is not None and config.get("model_type") != expected:
-        raise ValueError(
-            f"config.json: model_type = {config.get('model_type')!r:.80} is invalid for {cls.__name__}, which loads "
-            f"{expected!r} checkpoints: load it with the class of its own model type (or AutoModelForCausalLM)"
-        )
+    cls = _model_class(cls, config)
     data = config.get(RECORD_KEY)
     if data is None:
         raise ValueError(
