@@ -60,7 +60,8 @@ def _is_hf_class(model: object) -> bool:
 
 def _is_auto_class(model: object) -> bool:
     """A transformers auto class (``AutoModelForCausalLM``, ...): it maps config classes to model classes."""
-    return isinstance(model, type) and hasattr(model, "_model_mapping") and callable(getattr(model, "from_pretrained", None))
+    loads = callable(getattr(model, "from_pretrained", None))
+    return isinstance(model, type) and hasattr(model, "_model_mapping") and loads
 
 
 def _model_class(cls: type, config: Mapping[str, Any]) -> type:
