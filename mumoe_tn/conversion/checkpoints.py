@@ -4,7 +4,7 @@ A converted model carries its [`ConversionRecord`][mumoe_tn.conversion.record.Co
 the record next to the weights — in ``config.json`` for a Hugging Face model (``save_pretrained``
 does it: the record lives in ``model.config``), in the file's metadata for a safetensors file —
 and loading builds the original model, replays the record with
-[`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion] and loads the weights, checking every key
+[`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] and loads the weights, checking every key
 and shape first:
 
 ```python
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.convert import commit_conversion, conversion_record, replay_conversion
 from mumoe_tn.conversion.files import (
     Headers,
     header_shapes,
@@ -49,7 +48,13 @@ from mumoe_tn.conversion.files import (
     regular_file,
     weight_files,
 )
-from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, ConversionRecord
+from mumoe_tn.conversion.record import (
+    RECORD_KEY,
+    commit_conversion,
+    conversion_record,
+    record_in_config,
+    replay_conversion,
+)
 
 __all__ = ["load_converted", "save_converted"]
 
@@ -232,25 +237,17 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
     if not isinstance(config, Mapping):
         raise ValueError(f"config.json = {config!r:.120} is invalid: it must be a JSON object")
     cls = _model_class(cls, config)
-    data = config.get(RECORD_KEY)
-    if data is None:
+    if record_in_config(config) is None:  # every field checked before transformers reads anything else
         raise ValueError(
             f"the checkpoint {str(path)!r} holds no mumoe_tn conversion record in its config.json: it was not saved "
             f"from a converted model; load it with {cls.__name__}.from_pretrained"
-        )
-    ConversionRecord.from_dict(data)  # every field checked before transformers reads anything else
-    quantization = config.get("quantization_config")
-    if quantization is not None and quantization != {"quant_method": QUANT_METHOD}:
-        raise ValueError(
-            f"config.json: quantization_config = {quantization!r:.120} is invalid: a converted checkpoint has "
-            f"{{'quant_method': {QUANT_METHOD!r}}}"
         )
     read_all_headers(weight_files(path))  # every path and header checked before transformers opens a file
     from mumoe_tn.conversion.quantizer import MuMoEConfig, register_with_transformers
 
     register_with_transformers()
     options: dict[str, Any] = {"dtype": "auto", "output_loading_info": True}
-    if quantization is None:  # saved before the record selected the hook itself
+    if config.get("quantization_config") is None:  # saved before the record selected the hook itself
         options["quantization_config"] = MuMoEConfig()
     model, info = cls.from_pretrained(path, **options)
     problems = {name: info.get(name) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}

@@ -12,7 +12,7 @@ model = AutoModelForCausalLM.from_pretrained("converted")  # the converted model
 ```
 
 The hook replays the record with
-[`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion] on the skeleton, checking
+[`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
 model casts, trains and saves like any other. Nothing is quantized.
@@ -41,9 +41,8 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from mumoe_tn.conversion.convert import commit_conversion, replay_conversion
 from mumoe_tn.conversion.files import header_shapes, member_file, read_all_headers, regular_file
-from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY
+from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, commit_conversion, replay_conversion
 
 __all__ = ["METHOD", "MuMoEConfig", "MuMoEQuantizer", "convert_skeleton", "register_with_transformers"]
 

@@ -30,10 +30,9 @@ from mumoe_tn.conversion.distill import Factory
 from mumoe_tn.conversion.streaming import BlockInfo
 from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.costs.transcoders import match_transcoder
-from mumoe_tn.decompositions.resolve import Decomposition, format_of
+from mumoe_tn.decompositions.resolve import Decomposition
 from mumoe_tn.gates.specs import ReLUTopKGate, TopKGate
-from mumoe_tn.layers.decoders import MixtureOfDecoders
-from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
+from mumoe_tn.layers.mlp_blocks import mlp_block_for
 from mumoe_tn.layers.transcoders import Transcoder
 from mumoe_tn.validation import check_size
 
@@ -109,7 +108,8 @@ def mumoe_factory(
     layer : type, optional
         The block class, called as ``layer(I, H, O, expert_dims, decomposition, match=…, gate=…,
         bias=…, hidden_activation=…, device=…, dtype=…, **options)``: any μMoE block class with
-        that constructor. By default the block the format names for an MLP (its ``mlp_block``):
+        that constructor. By default the block the format names for an MLP (its ``mlp_block``, see
+        [`mumoe_tn.layers.mlp_blocks`][mumoe_tn.layers.mlp_blocks]):
         [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] for a plain block,
         [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one,
         [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] (``gated=`` for a gated
@@ -128,21 +128,19 @@ def mumoe_factory(
     if isinstance(k, int) and len(dims) > 1:
         k = mode_split(k, len(dims))
 
-    fmt = format_of(decomposition)
-    decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
+    kind = mlp_block_for(decomposition) if layer is None else None
     if top_k not in TOP_K_GATES:
         raise ValueError(f"top_k must be one of {list(TOP_K_GATES)}, got {top_k!r}")
-    relu = top_k == "relu" or (top_k == "auto" and decoders)
+    relu = top_k == "relu" or (top_k == "auto" and kind is not None and kind.top_k == "relu")
     gate = options.pop("gate", None) or (ReLUTopKGate(k=k) if relu else TopKGate(k=k))
 
     def build(block: BlockInfo) -> nn.Module:
         activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)
         extra = dict(options)
-        if decoders:
-            cls: type[nn.Module] = MixtureOfDecoders
-            extra["gated"] = block.kind == "gated"
+        if kind is None:
+            cls = layer
         else:
-            cls = layer or (MuMoEGatedMLP if block.kind == "gated" else MuMoEMLP)
+            cls, extra["gated"] = kind.build, block.kind == "gated"
         return cls(
             block.in_features, block.hidden_features, block.out_features, expert_dims, decomposition,
             match=_budget(budget, block), gate=gate, bias=block.bias, hidden_activation=activation,
