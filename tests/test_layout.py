@@ -100,3 +100,25 @@ def test_at_most_seven_top_level_modules_and_every_part_has_a_floor():
     assert len(top) <= 7, top
     parts = {name.split(".")[1] for name in modules if name != "mumoe_tn"}
     assert parts <= set(FLOORS), sorted(parts - set(FLOORS))
+
+
+def _compared_strings(node):
+    for operand in [node.left, *node.comparators]:
+        items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        yield from (item.value for item in items if isinstance(item, ast.Constant) and isinstance(item.value, str))
+
+
+def test_no_code_outside_the_registries_compares_with_a_format_or_block_kind_name():
+    from mumoe_tn.decompositions import available
+    from mumoe_tn.layers.mlp_blocks import registered_mlp_blocks
+
+    names = set(available()) | set(registered_mlp_blocks())
+    registries = {ROOT / "decompositions", ROOT / "layers" / "mlp_blocks.py"}
+    found = []
+    for path in ROOT.rglob("*.py"):
+        if any(path == place or place in path.parents for place in registries):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            compared = set(_compared_strings(node)) if isinstance(node, ast.Compare) else set()
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} compares with {name!r}" for name in compared & names]
+    assert found == []

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mumoe_tn.conversion.configs import check_config
 from mumoe_tn.conversion.files import (
     FileBytes,
     Headers,
@@ -266,6 +267,7 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
             state[key] = tensor.clone()  # own memory: the parsed tensors view the read's bytes
         del found
     check_unchanged(reads, str(path))  # every file read was, at one instant, the version read
+    check_config(config, headers)  # the config's sizes against the weights, before transformers builds the model
     return _build_hf(cls, path, config, generation, state, headers, dtype=dtype, strict=strict)
 
 

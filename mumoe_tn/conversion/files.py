@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mumoe_tn.conversion.record import parse_json
+from mumoe_tn.conversion.storage import check_file_holds
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -262,6 +263,7 @@ def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
         ):
             raise ValueError(f"{str(file)!r} is not a state dict of tensors")
+        check_file_holds(state, file.stat().st_size, repr(str(file)))
         return {key: (tuple(value.shape), value.dtype) for key, value in state.items()}, {}
     from safetensors import safe_open
 
@@ -292,14 +294,16 @@ def read_weights(read: FileBytes) -> tuple[dict[str, torch.Tensor], Headers, dic
     """
     file = read.path
     if file.suffix == ".bin":
-        try:
-            state = torch.load(io.BytesIO(read.data), map_location="cpu", weights_only=True)
-        except Exception as error:  # torch raises many kinds for a malformed pickle
-            raise ValueError(f"{str(file)!r} is not a valid weight file ({type(error).__name__})") from None
-        if not isinstance(state, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-        ):
-            raise ValueError(f"{str(file)!r} is not a state dict of tensors")
+        for location in ("meta", "cpu"):  # declared sizes checked on the meta device before any is allocated
+            try:
+                state = torch.load(io.BytesIO(read.data), map_location=location, weights_only=True)
+            except Exception as error:  # torch raises many kinds for a malformed pickle
+                raise ValueError(f"{str(file)!r} is not a valid weight file ({type(error).__name__})") from None
+            if not isinstance(state, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+            ):
+                raise ValueError(f"{str(file)!r} is not a state dict of tensors")
+            check_file_holds(state, len(read.data), repr(str(file)))
         metadata: dict[str, str] = {}
     else:
         from safetensors.torch import load

@@ -17,6 +17,12 @@ every tensor the record implies against the checkpoint's own headers first (noth
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
 model casts, trains and saves like any other. Nothing is quantized.
 
+With mumoe_tn imported, a config that carries a conversion record is never loaded as a dense model:
+a config without ``quantization_config`` (saved before the record selected the hook itself, or
+edited) is rebuilt from its record as if it had the method's config, and a ``quantization_config``
+of another method or malformed, or another method asked for at load, is refused with a
+``ValueError`` (see [`check_stock_config`][mumoe_tn.conversion.quantizer.check_stock_config]).
+
 Without mumoe_tn imported, transformers does not know the method: it logs
 ``Unknown quantization type, got mumoe_tn … we will skip the quantization`` and its load report
 lists the μMoE tensors as unexpected and the dense blocks' weights as newly initialised — the
@@ -27,11 +33,14 @@ unknown method; import mumoe_tn (or use
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import transformers.quantizers.auto as quantizers_auto
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -53,7 +62,14 @@ from mumoe_tn.conversion.files import (
 )
 from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, commit_conversion, replay_conversion
 
-__all__ = ["METHOD", "MuMoEConfig", "MuMoEQuantizer", "convert_skeleton", "register_with_transformers"]
+__all__ = [
+    "METHOD",
+    "MuMoEConfig",
+    "MuMoEQuantizer",
+    "check_stock_config",
+    "convert_skeleton",
+    "register_with_transformers",
+]
 
 #: The ``quant_method`` that selects the hook.
 METHOD = QUANT_METHOD
@@ -124,13 +140,75 @@ class MuMoEQuantizer(HfQuantizer):
 
 
 def register_with_transformers() -> None:
-    """Register the ``"mumoe_tn"`` method with transformers (done for you by ``import mumoe_tn``); idempotent."""
+    """Register the ``"mumoe_tn"`` method with transformers (done for you by ``import mumoe_tn``); idempotent.
+
+    Besides the method, transformers' choice of a quantizer is guarded by
+    [`check_stock_config`][mumoe_tn.conversion.quantizer.check_stock_config], so a config carrying a
+    conversion record never loads as a dense model.
+    """
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(METHOD) is not MuMoEConfig:
         AUTO_QUANTIZATION_CONFIG_MAPPING.pop(METHOD, None)
         register_quantization_config(METHOD)(MuMoEConfig)
     if AUTO_QUANTIZER_MAPPING.get(METHOD) is not MuMoEQuantizer:
         AUTO_QUANTIZER_MAPPING.pop(METHOD, None)
         register_quantizer(METHOD)(MuMoEQuantizer)
+    # modeling_utils binds the function when it loads, which is right after this module's registration runs
+    # (or earlier, if transformers was loaded before mumoe_tn): guard both names.
+    for module in (quantizers_auto, sys.modules.get("transformers.modeling_utils")):
+        original = getattr(module, "get_hf_quantizer", None)
+        if original is not None and not getattr(original, "checks_conversion_records", False):
+            module.get_hf_quantizer = _guarded(original)
+
+
+def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_hf_quantizer(config: Any, quantization_config: Any, *args: Any, **kwargs: Any) -> Any:
+        check_stock_config(config, quantization_config)
+        return original(config, quantization_config, *args, **kwargs)
+
+    get_hf_quantizer.checks_conversion_records = True
+    return get_hf_quantizer
+
+
+def check_stock_config(config: Any, quantization_config: Any = None) -> None:
+    """What stock ``from_pretrained`` does with a config that carries a conversion record.
+
+    Nothing for a config without a record. With one: a config with no ``quantization_config``
+    is given the method's (``{"quant_method": "mumoe_tn"}``), so the record is replayed and the
+    converted model loads; a ``quantization_config`` that is not the method's, or another
+    method's config asked for at load, is refused.
+
+    Parameters
+    ----------
+    config : PretrainedConfig
+        The config transformers read.
+    quantization_config : optional
+        The ``quantization_config=`` given to ``from_pretrained``.
+
+    Raises
+    ------
+    ValueError
+        If the record's model would otherwise load as a dense model or be quantized by another method.
+    """
+    if getattr(config, RECORD_KEY, None) is None:
+        return
+    if quantization_config is not None and not isinstance(quantization_config, MuMoEConfig):
+        raise ValueError(
+            f"from_pretrained(quantization_config={quantization_config!r:.120}): this checkpoint carries a mumoe_tn "
+            "conversion record, so it loads only through the mumoe_tn method; load it without quantization_config"
+        )
+    found = getattr(config, "quantization_config", None)
+    if found is None:
+        if quantization_config is None:  # a MuMoEConfig given at load (load_converted hands one over) is used
+            config.quantization_config = {"quant_method": METHOD}
+    else:
+        method = found.get("quant_method") if isinstance(found, Mapping) else getattr(found, "quant_method", None)
+        if method != METHOD:
+            raise ValueError(
+                f"config.json: quantization_config = {found!r:.120} is invalid: the config carries a mumoe_tn "
+                f"conversion record, whose checkpoint has {{'quant_method': {METHOD!r}}} (a dense load would leave its "
+                "MLP weights random)"
+            )
 
 
 def convert_skeleton(

@@ -40,6 +40,7 @@ from mumoe_tn.contractions.plan import OPTIMIZERS
 from mumoe_tn.conversion.adapters import linear_view
 from mumoe_tn.conversion.blocks import mlp_parts
 from mumoe_tn.conversion.building import Choice, build_block, install, join_path, uninstall
+from mumoe_tn.conversion.storage import check_stored
 from mumoe_tn.decompositions import available, get_format
 from mumoe_tn.gates.registry import gate_class, gate_class_name, registered_gates
 from mumoe_tn.layers import FactorizedExperts
@@ -85,6 +86,20 @@ MAX_RECORD_CORES = 256
 MAX_RECORD_SIZE = 1 << 40
 #: Most values a list field of a recorded gate descriptor may hold.
 MAX_GATE_LIST = 64
+#: Longest string a recorded gate field may hold.
+MAX_GATE_STRING = 256
+#: Longest name a record may give a core, a label, a module path or the mask argument.
+MAX_NAME_CHARS = 1024
+#: Most work one recorded network may ask of the checks and the planner: its cores × its labels ×
+#: the most cores one label joins (a 256-core chain is 2¹⁷; a CP network of ten modes about 2⁹).
+MAX_NETWORK_WORK = 1 << 19
+#: Most elements one recorded core may hold (2⁶² bytes in float64: beyond any device, short of
+#: torch's storage-size overflow).
+MAX_CORE_ELEMENTS = 1 << 59
+#: Largest ``pad_bonds`` a record may give (bonds are padded to a multiple of it; the library's default is 16).
+MAX_RECORD_PAD = 1024
+#: Longest message of a record's error (a field's value is quoted shortened; so is anything it quotes).
+MAX_MESSAGE_CHARS = 2000
 
 #: The roles of a recorded module's networks, by kind, in the block's order.
 ROLES = {"linear": ("layer",), "mlp": ("up", "down"), "split": ("up", "down"), "gated": ("gate", "up", "down")}
@@ -102,9 +117,20 @@ def _quote(value: object) -> str:
     return _short.repr(value)
 
 
+def shorten(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text``, its middle elided when it is longer than ``limit`` characters."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]} ... {text[-half:]}"
+
+
 def invalid(field: str, value: object, rule: str) -> ValueError:
-    """The error for a record field that breaks its rule: names the field, quotes the value, states the rule."""
-    return ValueError(f"conversion record: {field} = {_quote(value)} is invalid: {rule}")
+    """The error for a record field that breaks its rule: names the field, quotes the value, states the rule.
+
+    The message is at most [`MAX_MESSAGE_CHARS`][mumoe_tn.conversion.record] long, whatever the record holds.
+    """
+    return ValueError(shorten(f"conversion record: {shorten(field, 200)} = {_quote(value)} is invalid: {rule}"))
 
 
 def _mapping(
@@ -137,6 +163,8 @@ def _list(field: str, value: object, *, length: int | None = None, limit: int | 
 def _name(field: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise invalid(field, value, "it must be a non-empty string")
+    if len(value) > MAX_NAME_CHARS:
+        raise invalid(field, value, f"a name may have at most {MAX_NAME_CHARS} characters")
     return value
 
 
@@ -210,11 +238,39 @@ def network_from_data(data: Mapping[str, Any], field: str = "network") -> Expert
     if len(sizes) > sum(len(labels) for labels in parsed.values()):
         raise invalid(f"{field}.sizes", f"<{len(sizes)} labels>", "it gives sizes for labels no core has")
     for label, size in sizes.items():
-        _int(f"{field}.sizes[{label!r}]", size, high=MAX_RECORD_SIZE)
+        _int(f"{field}.sizes[{_quote(label)}]", size, high=MAX_RECORD_SIZE)
+    _check_network_work(field, parsed)
+    for number, (core, labels) in enumerate(parsed.items()):
+        elements = 1
+        for label in labels:
+            elements *= sizes.get(label, 1)
+            if elements > MAX_CORE_ELEMENTS:
+                raise invalid(
+                    f"{field}.cores[{number}]",
+                    [core, list(labels)],
+                    f"its sizes give it more than {MAX_CORE_ELEMENTS:,} elements (2**59), more than any device holds",
+                )
     try:
         return ExpertNetwork(parsed, dict(sizes), name=name, format=None if fmt is None else get_format(fmt))
     except (TypeError, ValueError) as error:
-        raise invalid(field, data, f"it is not a valid expert network ({error})") from None
+        raise invalid(field, data, f"it is not a valid expert network ({shorten(str(error), 400)})") from None
+
+
+def _check_network_work(field: str, cores: Mapping[str, tuple[str, ...]]) -> None:
+    """A recorded network's cores × labels × largest hyperedge degree must be within ``MAX_NETWORK_WORK``."""
+    owners: dict[str, int] = {}
+    for labels in cores.values():
+        for label in set(labels):
+            owners[label] = owners.get(label, 0) + 1
+    degree = max(owners.values(), default=0)
+    work = len(cores) * len(owners) * degree
+    if work > MAX_NETWORK_WORK:
+        raise invalid(
+            f"{field}.cores",
+            f"<{len(cores)} cores, {len(owners)} labels, a label joining {degree} cores>",
+            f"cores × labels × the most cores a label joins is {work:,}, above the bound {MAX_NETWORK_WORK:,} (2**19) "
+            "a checkpoint's network may ask of the checks and the planner",
+        )
 
 
 def gate_to_data(spec: object) -> dict[str, Any]:
@@ -249,6 +305,8 @@ def gate_to_data(spec: object) -> dict[str, Any]:
 
 def _gate_value(field: str, value: object, *, nested: bool = False) -> object:
     """A JSON scalar, or a short list of them (as a tuple)."""
+    if isinstance(value, str) and len(value) > MAX_GATE_STRING:
+        raise invalid(field, value, f"a gate field's string has at most {MAX_GATE_STRING} characters")
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -290,7 +348,7 @@ def gate_from_data(data: Mapping[str, Any], field: str = "gate") -> object:
     try:
         return cls(**values)
     except (TypeError, ValueError) as error:
-        raise invalid(f"{field}.fields", dict(fields), f"{name} refuses them ({error})") from None
+        raise invalid(f"{field}.fields", dict(fields), f"{name} refuses them ({shorten(str(error), 400)})") from None
 
 
 def execution_from_data(data: Mapping[str, Any], field: str = "execution") -> dict[str, Any]:
@@ -313,7 +371,9 @@ def execution_from_data(data: Mapping[str, Any], field: str = "execution") -> di
                 raise invalid(where, value, "it must be true or false")
         elif option == "max_plans":
             _int(where, value, high=1 << 20)
-        elif value is not None:  # chunk_size, pad_bonds
+        elif option == "pad_bonds" and value is not None:
+            _int(where, value, high=MAX_RECORD_PAD)
+        elif value is not None:  # chunk_size: rows per chunk, any number
             _int(where, value, high=MAX_RECORD_SIZE)
         checked[option] = value
     return checked
@@ -373,6 +433,7 @@ class ConvertedModule:
             where = f"{field}.paths[{number}]"
             if not isinstance(path, str) or not path or not all(path.split(".")):
                 raise invalid(where, path, "a path is a module's qualified name: non-empty parts joined by '.'")
+            _name(where, path)
         if len(set(paths)) != len(paths):
             raise invalid(f"{field}.paths", paths, "a path may appear once")
         kind = data["kind"]
@@ -459,7 +520,9 @@ class ConversionRecord:
                 f"{RECORD_VERSION}: upgrade mumoe_tn"
             )
         mask_argument = data.get("mask_argument")
-        if mask_argument is not None and (not isinstance(mask_argument, str) or not mask_argument.isidentifier()):
+        if mask_argument is not None and (
+            not isinstance(mask_argument, str) or not mask_argument.isidentifier() or len(mask_argument) > 256
+        ):
             raise invalid("record.mask_argument", mask_argument, "it is the name of an argument of forward, or null")
         modules = _list("record.modules", data["modules"], limit=1 << 16)
         parsed = []
@@ -498,7 +561,7 @@ def record_in_config(config: Mapping[str, Any]) -> ConversionRecord | None:
     quantization = config.get("quantization_config")
     if quantization is not None and quantization != {"quant_method": QUANT_METHOD}:
         raise ValueError(
-            f"config.json: quantization_config = {_quote(quantization)} is invalid: a converted checkpoint has "
+            f"config.json: quantization_config = {quantization!r:.120} is invalid: a converted checkpoint has "
             f"{{'quant_method': {QUANT_METHOD!r}}}"
         )
     return record
@@ -663,7 +726,11 @@ def replay_conversion(
     modules = dict(model.named_modules(remove_duplicate=False))
     choices = [_rebuild_choice(model, modules, entry, number) for number, entry in enumerate(record.modules)]
     if shapes is not None:
+        for key, value in shapes.items():
+            if isinstance(value, torch.Tensor):
+                check_stored(str(key), value, "shapes")
         sized = {key: _shape(value) for key, value in shapes.items()}
+        _check_cores_held(record, sized)  # cheap, before any module is built on the meta device
         meta = torch.device("meta")
         for number, (choice, entry) in enumerate(zip(choices, record.modules, strict=True)):
             new, _ = _rebuild(choice, entry, device=meta)
@@ -709,6 +776,46 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(int(size) for size in shape)
 
 
+def _check_cores_held(record: ConversionRecord, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Every recorded core must be a tensor of the checkpoint, under one of its module's paths, with the core's shape.
+
+    Linear in the checkpoint's keys and the record's cores: a record that does not fit the weights
+    is refused before any module is built or planned.
+    """
+    layers: dict[str, dict[str, dict[str, tuple[int, ...]]]] = {}  # module prefix -> layer prefix -> core -> shape
+    for key, shape in shapes.items():
+        layer, _, core = str(key).rpartition(".")
+        parts = layer.split(".")
+        for depth in (1, 2):  # a layer sits in the block (``mlp.experts1``) or in its target (``output.decoder``)
+            if len(parts) > depth:
+                owner = ".".join(parts[:-depth])
+                layers.setdefault(owner, {}).setdefault(layer, {})[core] = shape
+    for number, entry in enumerate(record.modules):
+        for role, data in entry.networks:
+            sizes = data["sizes"]
+            cores = {core: tuple(sizes[label] for label in labels) for core, labels in data["cores"]}
+            candidates = [found for path in entry.paths for found in layers.get(path, {}).items()]
+            if any(all(held.get(core) == shape for core, shape in cores.items()) for _, held in candidates):
+                continue
+            best = max(candidates, key=lambda item: sum(core in item[1] for core in cores), default=None)
+            for core, shape in cores.items():
+                if best is None or core not in best[1]:
+                    raise ValueError(
+                        shorten(
+                            f"conversion record: record.modules[{number}] implies a {role!r} core {core!r} of shape "
+                            f"{shape} under {entry.paths[0]!r}, which the checkpoint does not hold: the record does "
+                            "not fit its weights"
+                        )
+                    )
+                if best[1][core] != shape:
+                    raise ValueError(
+                        shorten(
+                            f"conversion record: record.modules[{number}] implies {best[0] + '.' + core!r} of shape "
+                            f"{shape}, the checkpoint holds {best[1][core]}: the record does not fit its weights"
+                        )
+                    )
+
+
 def _check_shapes(choice: Choice, new: nn.Module, shapes: Mapping[str, tuple[int, ...]], number: int) -> None:
     """Every tensor of ``new`` must be in ``shapes`` (at one path of the module at least) with its shape."""
     target = "" if choice.parts is None else choice.parts.target
@@ -741,7 +848,9 @@ def _rebuild_choice(model: nn.Module, modules: Mapping[str, nn.Module], entry: C
         found.append(module)
     module = found[0]
     if any(other is not module for other in found[1:]):
-        raise ValueError(f"the conversion record has one module at {list(entry.paths)}; this model has several")
+        raise ValueError(
+            shorten(f"the conversion record has one module at {list(entry.paths)}; this model has several")
+        )
     if entry.kind == "linear":
         view = linear_view(module)
         parts, layers = None, None if view is None else {"layer": view}
@@ -772,14 +881,16 @@ def _rebuild(
         first = next(iter(networks.values()))
         new, layers = build_block(choice, first.expert_dims, first, None, options, device=device)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"the conversion record does not fit the model at {path!r}: {error}") from error
+        raise ValueError(shorten(f"the conversion record does not fit the model at {path!r}: {error}")) from error
     for role, network in networks.items():
         built = layers.get(role)
         if built is None or built.network != network:
             found = None if built is None else built.network
             raise ValueError(
-                f"the conversion record does not fit the model at {path!r}: its {role!r} layer is recorded as "
-                f"{network!r}, the model gives {found!r}"
+                shorten(
+                    f"the conversion record does not fit the model at {path!r}: its {role!r} layer is recorded as "
+                    f"{network!r}, the model gives {found!r}"
+                )
             )
     execution = execution_from_data(entry.execution)
     for experts in layers.values():
