@@ -177,7 +177,7 @@ def _versions(folder):
     states = {}
     for version in ("a", "b"):
         model = _plain()
-        convert(model, expert_dims=(3, 4), mlps=r"^0$", linears=r"^1$", rank=3)
+        convert(model, expert_dims=(3, 4), linears=r"^1$", rank=3)  # one layer: quick loads
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(1.0 if version == "a" else -1.0)
@@ -217,6 +217,7 @@ class Replacer(threading.Thread):
                 shutil.copyfile(source, temporary)
             os.replace(temporary, self.target)
             self.replaced += 1
+            time.sleep(0.002)  # let the loads run: the writer would otherwise hold the interpreter
 
 
 def test_a_file_replaced_during_loads_gives_one_whole_version_or_the_library_error(tmp_path):
@@ -243,7 +244,7 @@ def test_a_file_replaced_during_loads_gives_one_whole_version_or_the_library_err
     finally:
         writer.stop.set()
         writer.join()
-    assert writer.replaced > 30 and len(outcomes) == 30
+    assert writer.replaced > 30 and len(outcomes) == 30 and {"a", "b"} & set(outcomes)
 
 
 def test_a_load_opens_the_checkpoint_file_once(tmp_path, monkeypatch):
