@@ -291,11 +291,17 @@ def _build_hf(
     handover = MuMoEConfig()
     handover.checkpoint_shapes = header_shapes(headers)  # the hook checks the record against these
     settings = {key: value for key, value in config.items() if key != "quantization_config"}
+    malformed = (TypeError, ValueError, KeyError, AttributeError)
     try:
         model_config = cls.config_class.from_dict(settings)
+    except malformed as error:
+        raise ValueError(f"config.json of {str(path)!r} is invalid ({type(error).__name__}: {error!s:.200})") from None
+    if generation is not None and not isinstance(generation, Mapping):
+        raise ValueError(f"{GENERATION_CONFIG} = {generation!r:.120} is invalid: it must be a JSON object")
+    try:
         generation_config = None if generation is None else GenerationConfig.from_dict(generation)
-    except (TypeError, ValueError, KeyError, AttributeError) as error:
-        raise ValueError(f"config.json or {GENERATION_CONFIG} of {str(path)!r} is invalid ({error!s:.200})") from None
+    except malformed as error:
+        raise ValueError(f"{GENERATION_CONFIG} is invalid ({type(error).__name__}: {error!s:.200})") from None
     model, info = cls.from_pretrained(
         None,
         config=model_config,

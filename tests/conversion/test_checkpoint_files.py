@@ -157,6 +157,13 @@ def test_json_files_that_are_fifos_or_too_large_are_refused(loader, hf_dir, tmp_
         LOADERS[loader](folder)
 
 
+def test_a_generation_config_that_is_not_an_object_gets_the_library_error(hf_dir, tmp_path):
+    folder = _copy(hf_dir, tmp_path / "list")
+    (folder / "generation_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"generation_config\.json = \[1\] is invalid: it must be a JSON object"):
+        load_converted(transformers.GPT2LMHeadModel, folder)
+
+
 # ----------------------------------------------------------------------------- all or nothing, read once
 class Block(nn.Module):
     def __init__(self, width=12):
