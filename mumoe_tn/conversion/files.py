@@ -30,6 +30,7 @@ from mumoe_tn.conversion.record import parse_json
 from mumoe_tn.conversion.storage import check_file_holds
 
 __all__ = [
+    "JSON_FILES",
     "MAX_JSON_BYTES",
     "FileBytes",
     "Headers",
