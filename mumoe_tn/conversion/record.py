@@ -797,7 +797,7 @@ def _check_cores_held(record: ConversionRecord, shapes: Mapping[str, tuple[int, 
             candidates = [found for path in entry.paths for found in layers.get(path, {}).items()]
             if any(all(held.get(core) == shape for core, shape in cores.items()) for _, held in candidates):
                 continue
-            best = max(candidates, key=lambda item: sum(core in item[1] for core in cores), default=None)
+            best = max(candidates, key=lambda item: _closeness(cores, item[1]), default=None)
             for core, shape in cores.items():
                 if best is None or core not in best[1]:
                     raise ValueError(
@@ -814,6 +814,13 @@ def _check_cores_held(record: ConversionRecord, shapes: Mapping[str, tuple[int, 
                             f"{shape}, the checkpoint holds {best[1][core]}: the record does not fit its weights"
                         )
                     )
+
+
+def _closeness(cores: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[int, ...]]) -> tuple[int, int, int]:
+    """How near the tensors ``held`` by one layer come to a recorded network's ``cores``: names, then equal sizes."""
+    found = [(shape, held[core]) for core, shape in cores.items() if core in held]
+    equal = sum(a == b for shape, stored in found for a, b in zip(shape, stored, strict=False))
+    return len(found), sum(shape == stored for shape, stored in found), equal
 
 
 def _check_shapes(choice: Choice, new: nn.Module, shapes: Mapping[str, tuple[int, ...]], number: int) -> None:

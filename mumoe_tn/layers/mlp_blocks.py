@@ -28,8 +28,10 @@ from torch import nn
 from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.layers.decoders import MixtureOfDecoders
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
+from mumoe_tn.registry import Registry
 
 __all__ = [
+    "MLP_BLOCKS",
     "MLPBlockKind",
     "mlp_block_for",
     "mumoe_mlp",
@@ -56,22 +58,18 @@ class MLPBlockKind:
     dense_encoder : bool
         The block keeps its encoder dense and upcycling copies it, so an upcycled block keeps the
         MLP's hidden width.
-    top_k : {"softmax", "relu"}
-        The top-k gate distillation gives the block by default.
     """
 
     key: str
     build: Callable[..., nn.Module]
     dense_encoder: bool = False
-    top_k: str = "softmax"
 
 
-_KINDS: dict[str, MLPBlockKind] = {}
+#: The registered MLP block kinds, by key.
+MLP_BLOCKS: Registry[str, MLPBlockKind] = Registry("MLP block kind")
 
 
-def register_mlp_block(
-    key: str, build: Callable[..., nn.Module], *, dense_encoder: bool = False, top_k: str = "softmax"
-) -> MLPBlockKind:
+def register_mlp_block(key: str, build: Callable[..., nn.Module], *, dense_encoder: bool = False) -> MLPBlockKind:
     """Register the builder of an MLP block kind under ``key`` (what a format's ``mlp_block`` names).
 
     Parameters
@@ -82,8 +80,6 @@ def register_mlp_block(
         See [`MLPBlockKind`][mumoe_tn.layers.mlp_blocks.MLPBlockKind].
     dense_encoder : bool, optional
         Whether the block's encoder stays dense (upcycling copies it).
-    top_k : {"softmax", "relu"}, optional
-        Its default top-k gate in distillation.
 
     Returns
     -------
@@ -93,21 +89,17 @@ def register_mlp_block(
         raise ValueError(f"an MLP block kind needs a non-empty string key, got {key!r}")
     if not callable(build):
         raise TypeError(f"build must be callable, got {build!r}")
-    if top_k not in ("softmax", "relu"):
-        raise ValueError(f"top_k must be 'softmax' or 'relu', got {top_k!r}")
-    kind = MLPBlockKind(key, build, dense_encoder=bool(dense_encoder), top_k=top_k)
-    _KINDS[key] = kind
-    return kind
+    return MLP_BLOCKS.register(key, MLPBlockKind(key, build, dense_encoder=bool(dense_encoder)), replace=True)
 
 
 def unregister_mlp_block(key: str) -> None:
     """Remove the MLP block kind registered under ``key`` (e.g. at the end of a test)."""
-    _KINDS.pop(key, None)
+    MLP_BLOCKS.unregister(key)
 
 
 def registered_mlp_blocks() -> list[str]:
     """Sorted keys of the registered MLP block kinds."""
-    return sorted(_KINDS)
+    return MLP_BLOCKS.names()
 
 
 def mlp_block_for(decomposition: Decomposition) -> MLPBlockKind:
@@ -120,7 +112,7 @@ def mlp_block_for(decomposition: Decomposition) -> MLPBlockKind:
     """
     fmt = format_of(decomposition)
     key = DEFAULT_KIND if fmt is None else fmt.mlp_block
-    kind = _KINDS.get(key)
+    kind = MLP_BLOCKS.get(key)
     if kind is None:
         raise ValueError(
             f"the format {fmt.name!r} builds MLP blocks of the kind {key!r}, which is not registered: register its "
@@ -149,4 +141,4 @@ def mumoe_mlp(
 
 
 register_mlp_block("mumoe", mumoe_mlp)
-register_mlp_block("decoders", MixtureOfDecoders, dense_encoder=True, top_k="relu")
+register_mlp_block("decoders", MixtureOfDecoders, dense_encoder=True)

@@ -214,6 +214,10 @@ def test_weights_that_do_not_fit_the_record_are_refused_before_loading(tmp_path)
     down["sizes"]["r"] += 1  # the record's layers no longer agree with each other
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"does not fit the model at 'transformer\.h\.0\.mlp': its 'down' layer"):
+        apply_conversion(_gpt2(), config["mumoe_conversion"])  # no weights to hold it against
+    with pytest.raises(  # with the weights, the cheap check against them comes first
+        ValueError, match=r"record\.modules\[1\] implies 'transformer\.h\.0\.mlp\.experts2\.\w+' of shape"
+    ):
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
     up["sizes"]["r"] += 1  # they agree, but not with the saved cores
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -9,10 +9,10 @@ from torch import nn
 
 from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import convert
-from mumoe_tn.conversion.replacements import mumoe_factory
-from mumoe_tn.conversion.streaming import BlockInfo
 from mumoe_tn.decompositions import unregister
 from mumoe_tn.decompositions.cp import CPFormat
+from mumoe_tn.distillation.replacements import mumoe_factory
+from mumoe_tn.distillation.streaming import BlockInfo
 from mumoe_tn.layers import MixtureOfDecoders, MuMoEGatedMLP, MuMoEMLP
 from mumoe_tn.layers.mlp_blocks import mlp_block_for, register_mlp_block, unregister_mlp_block
 
