@@ -281,6 +281,24 @@ def test_a_shard_or_index_replaced_after_it_was_read_fails_the_load(hf_dir, tmp_
             load_converted(transformers.GPT2LMHeadModel, folder)
 
 
+def test_stock_from_pretrained_fails_when_a_shard_is_replaced_after_the_hook_checked_it(hf_dir, tmp_path, monkeypatch):
+    from mumoe_tn.conversion.quantizer import MuMoEQuantizer
+
+    folder = _copy(hf_dir, tmp_path / "stock")
+    shard = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))[0]
+    original = MuMoEQuantizer._process_model_before_weight_loading
+
+    def check_then_replace(self, model, **kwargs):
+        result = original(self, model, **kwargs)
+        shutil.copyfile(folder / shard, folder / f".{shard}")
+        os.replace(folder / f".{shard}", folder / shard)  # the same bytes, another file
+        return result
+
+    monkeypatch.setattr(MuMoEQuantizer, "_process_model_before_weight_loading", check_then_replace)
+    with pytest.raises(ValueError, match=rf"from_pretrained: '[\w/.-]+{re.escape(shard)}' was replaced or changed"):
+        transformers.GPT2LMHeadModel.from_pretrained(folder)
+
+
 def test_a_directory_swapped_during_loads_gives_one_whole_version(hf_dir, tmp_path):
     versions = {}
     for name, shift in (("one", 0.0), ("two", 1.0)):
