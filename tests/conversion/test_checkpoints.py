@@ -364,5 +364,7 @@ def test_a_directory_saved_before_the_record_selected_the_hook_still_loads(tmp_p
     tokens = _tokens()
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
-    dense = transformers.LlamaForCausalLM.from_pretrained(tmp_path)  # nothing selects the hook: dense
-    assert not any(isinstance(m, MuMoEGatedMLP) for m in dense.modules())
+    stock = transformers.LlamaForCausalLM.from_pretrained(tmp_path)  # the record selects the hook by itself
+    assert any(isinstance(m, MuMoEGatedMLP) for m in stock.modules())
+    with torch.no_grad():
+        assert torch.equal(stock.eval()(tokens).logits, model(tokens).logits)
