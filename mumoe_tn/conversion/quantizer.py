@@ -50,7 +50,16 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from mumoe_tn.conversion.files import header_shapes, member_file, read_all_headers, regular_file
+from mumoe_tn.conversion.files import (
+    FileBytes,
+    check_json_files,
+    check_unchanged,
+    file_identity,
+    header_shapes,
+    member_file,
+    read_all_headers,
+    regular_file,
+)
 from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, commit_conversion, replay_conversion
 
 __all__ = [
@@ -102,10 +111,14 @@ class MuMoEQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
 
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: Any = None, **kwargs: Any) -> Any:
-        convert_skeleton(model, checkpoint_files)
+        shapes = getattr(self.quantization_config, "checkpoint_shapes", None)  # handed over by load_converted
+        self.checked_files = convert_skeleton(model, checkpoint_files, shapes=shapes)
         return model
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        # The weights transformers loaded are those whose headers were checked, or the load fails.
+        check_unchanged(getattr(self, "checked_files", ()), "from_pretrained")
+        vars(self.quantization_config).pop("checkpoint_shapes", None)
         # Nothing is quantized: drop transformers' marks so the model casts (.half(), .to(dtype)) and trains as usual.
         model.hf_quantizer = None
         model.is_quantized = False
@@ -186,7 +199,8 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
         )
     found = getattr(config, "quantization_config", None)
     if found is None:
-        config.quantization_config = {"quant_method": METHOD}
+        if quantization_config is None:  # a MuMoEConfig given at load (load_converted hands one over) is used
+            config.quantization_config = {"quant_method": METHOD}
     else:
         method = found.get("quant_method") if isinstance(found, Mapping) else getattr(found, "quant_method", None)
         if method != METHOD:
@@ -197,12 +211,37 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
             )
 
 
-def convert_skeleton(model: Any, checkpoint_files: Sequence[str | os.PathLike] | None) -> None:
+def convert_skeleton(
+    model: Any,
+    checkpoint_files: Sequence[str | os.PathLike] | None,
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> list[FileBytes]:
     """Replay a checkpoint's record on the model transformers built for it, checked against its weight files.
 
     Called by the ``from_pretrained`` hook (see [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer])
     on the meta-device skeleton: every weight file must be a regular file inside the checkpoint
-    directory, and every tensor the record implies must be in their headers with its shape.
+    directory, and every tensor the record implies must be in their headers with its shape. The
+    JSON files transformers reads on its own (``config.json``, ``generation_config.json``, a shard
+    index) must be regular files inside the directory of at most
+    [`MAX_JSON_BYTES`][mumoe_tn.conversion.files] (``generation_config.json`` is checked before
+    transformers reads it; ``config.json`` and the index have been read, and the load is refused).
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        The skeleton, with the checkpoint's config.
+    checkpoint_files : sequence of path-like, optional
+        The weight files transformers found.
+    shapes : Mapping, optional
+        The checkpoint's tensor shapes, when the caller read the files itself
+        ([`load_converted`][mumoe_tn.conversion.checkpoints.load_converted] does): no file is read.
+
+    Returns
+    -------
+    list of FileBytes
+        The identities of the weight files checked (empty with ``shapes``), for
+        [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged] once the weights are loaded.
 
     Raises
     ------
@@ -217,19 +256,27 @@ def convert_skeleton(model: Any, checkpoint_files: Sequence[str | os.PathLike] |
             f"config.json: quantization_config selects mumoe_tn, but the config has no {RECORD_KEY!r} record to "
             "replay: the checkpoint is incomplete"
         )
-    files = [Path(file) for file in checkpoint_files or ()]
-    if not files:
-        raise ValueError("a converted checkpoint needs its weight files; transformers found none")
-    root = Path(str(getattr(config, "name_or_path", "") or ""))
-    if root.is_dir():
-        files = [member_file(root, os.path.relpath(file.resolve(), root.resolve()), "weight file") for file in files]
-    else:
-        files = [regular_file(file, "weight file") for file in files]
-    headers = read_all_headers(files)
+    checked: list[FileBytes] = []
+    if shapes is None:
+        files = [Path(file) for file in checkpoint_files or ()]
+        if not files:
+            raise ValueError("a converted checkpoint needs its weight files; transformers found none")
+        root = Path(str(getattr(config, "name_or_path", "") or ""))
+        if root.is_dir():
+            check_json_files(root)
+            files = [
+                member_file(root, os.path.relpath(file.resolve(), root.resolve()), "weight file") for file in files
+            ]
+        else:
+            files = [regular_file(file, "weight file") for file in files]
+        checked = [file_identity(file) for file in files]
+        shapes = header_shapes(read_all_headers(files))
+        check_unchanged(checked, "from_pretrained")  # the headers read are those of the files checked
     delattr(config, RECORD_KEY)  # the replay writes it back
     try:
-        rebuilt, record = replay_conversion(model, data, shapes=header_shapes(headers))
+        rebuilt, record = replay_conversion(model, data, shapes=shapes)
         commit_conversion(model, rebuilt, record)
     except BaseException:
         setattr(config, RECORD_KEY, data)
         raise
+    return checked

@@ -89,6 +89,7 @@ def test_stock_from_pretrained_and_load_converted_give_bitwise_equal_logits_and_
         "AutoModelForCausalLM.from_pretrained": transformers.AutoModelForCausalLM.from_pretrained,
         f"{cls.__name__}.from_pretrained": cls.from_pretrained,
         "load_converted": lambda path: load_converted(cls, path),
+        "load_converted(AutoModelForCausalLM)": lambda path: load_converted(transformers.AutoModelForCausalLM, path),
     }
     for name, load in loaders.items():
         loaded = load(tmp_path)
@@ -173,6 +174,23 @@ def test_load_converted_refuses_a_checkpoint_without_a_record(tmp_path):
     _gpt2().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"no mumoe_tn conversion record.*GPT2LMHeadModel\.from_pretrained"):
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
+
+
+def test_load_converted_takes_auto_classes_and_refuses_a_model_type_they_cannot_load(tmp_path):
+    model = _converted("gpt2")
+    model.save_pretrained(tmp_path)
+    loaded = load_converted(transformers.AutoModelForCausalLM, tmp_path)
+    assert type(loaded) is transformers.GPT2LMHeadModel
+    assert conversion_record(loaded) == conversion_record(model)
+    with pytest.raises(ValueError, match=r"model_type = 'gpt2' is invalid for AutoModelForImageClassification"):
+        load_converted(transformers.AutoModelForImageClassification, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for model_type, named in (("no-such-model", "'no-such-model'"), (["gpt2"], r"\['gpt2'\]"), (None, "None")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+        with pytest.raises(ValueError, match=rf"config\.json: model_type = {named} is invalid: it names no model"):
+            load_converted(transformers.AutoModelForCausalLM, tmp_path)
+    with pytest.raises(TypeError, match=r"a Hugging Face model class \(or auto class\) or a freshly built nn\.Module"):
+        load_converted(transformers.GPT2Config, tmp_path)
 
 
 def test_a_record_from_another_configuration_changes_nothing(tmp_path):
