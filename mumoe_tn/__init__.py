@@ -19,7 +19,7 @@ from mumoe_tn.deprecation import moved_names as _moved_names
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.plugins import install_transformers_hook as _install_transformers_hook
 
-__version__ = "0.1.0"
+__version__ = "0.3.0.dev0"
 
 _LAZY = {
     "ExpertGate": "mumoe_tn.gates.modules",
