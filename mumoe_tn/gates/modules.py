@@ -281,7 +281,7 @@ class ExpertGate(PerThreadRecords):
         self.norms = nn.ModuleDict(
             {leg: GATE_NORMS[norm](n, factory) for leg, n in zip(legs, self.expert_dims, strict=True)}
         )
-        self._inference_weights: DerivedCache[tuple[torch.Tensor, torch.Tensor | None, bool]] = DerivedCache()
+        self._inference_weights: DerivedCache[tuple[torch.Tensor, torch.Tensor | None, bool, tuple]] = DerivedCache()
         self.reset_parameters()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -335,7 +335,9 @@ class ExpertGate(PerThreadRecords):
             sources += [t for t in norm._parameters.values() if t is not None]
             sources += [t for t in norm._buffers.values() if t is not None]
 
-        def make() -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        modes = tuple(norm.training for norm in norms)  # a norm folds only in eval mode
+
+        def make() -> tuple[torch.Tensor, torch.Tensor | None, bool, tuple]:
             affine = [None if isinstance(norm, nn.Identity) else _eval_affine(norm) for norm in norms]
             foldable = all(
                 isinstance(norm, nn.Identity) or map_ is not None for norm, map_ in zip(norms, affine, strict=True)
@@ -353,9 +355,13 @@ class ExpertGate(PerThreadRecords):
                     biases.append(offset)
             has_bias = any(b is not None for b in offsets) or (foldable and any(map_ is not None for map_ in affine))
             stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
-            return stacked.contiguous(), torch.cat(biases) if has_bias else None, foldable
+            return stacked.contiguous(), torch.cat(biases) if has_bias else None, foldable, modes
 
-        return self._inference_weights.get(sources, make)
+        made = self._inference_weights.get(sources, make)
+        if made[3] != modes:  # a norm went to or from training mode since: its statistics fold differently
+            self._inference_weights.clear()
+            made = self._inference_weights.get(sources, make)
+        return made[:3]
 
     def clear_inference_cache(self) -> None:
         """Forget the folded projections (needed only after in-place edits through ``.data``)."""
