@@ -100,14 +100,25 @@ def _mlp(in_features: int, hidden_features: int) -> nn.Module:
     return nn.Sequential(nn.Linear(in_features, hidden_features), nn.GELU(), nn.Linear(hidden_features, in_features))
 
 
-def _mumoe(*, precontract: bool = True, **options: Any) -> nn.Module:
-    layer = MuMoE(**options)
+def _router(topk: int | None, relu_topk: int | None) -> dict[str, Any]:
+    """``gate=``: a softmax top-k router (``topk``) or the MxD gate (``relu_topk``); none: the default gate."""
+    from mumoe_tn.gates import ReLUTopKGate, TopKGate
+
+    if topk is not None:
+        return {"gate": TopKGate(k=topk)}
+    return {} if relu_topk is None else {"gate": ReLUTopKGate(k=relu_topk)}
+
+
+def _mumoe(
+    *, precontract: bool = True, topk: int | None = None, relu_topk: int | None = None, **options: Any
+) -> nn.Module:
+    layer = MuMoE(**options, **_router(topk, relu_topk))
     layer.experts.precontract = precontract
     return layer
 
 
-def _mumoe_mlp(**options: Any) -> nn.Module:
-    return MuMoEMLP(**options)
+def _mumoe_mlp(*, topk: int | None = None, relu_topk: int | None = None, **options: Any) -> nn.Module:
+    return MuMoEMLP(**options, **_router(topk, relu_topk))
 
 
 class PlannedContraction(nn.Module):

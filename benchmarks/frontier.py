@@ -8,7 +8,7 @@ Run from the repository root::
     python -m benchmarks.frontier --report-only   # rewrite the Markdown and the plot from the JSON
     python -m benchmarks.frontier --merge FILE.json   # add the rows of another run of the same configuration
 
-It runs [`mumoe_tn.experiments.frontier.run_frontier`][mumoe_tn.experiments.frontier.run_frontier] at its
+It runs [`mumoe_tn.distillation.study.run_frontier`][mumoe_tn.distillation.study.run_frontier] at its
 defaults (the configuration ``mumoe-tn distill`` runs), one torch thread, and records the machine,
 the load average and the wall time next to the table. Needs the ``hf`` extra (transformers) and
 matplotlib.
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from mumoe_tn.costs.frontier import FrontierTable, plot_frontier
-from mumoe_tn.experiments.frontier import FrontierConfig, run_frontier
+from mumoe_tn.distillation.frontier import FrontierTable, plot_frontier
+from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 
 HERE = Path(__file__).resolve().parent
 DOCS_IMAGE = HERE.parent / "docs" / "img" / "frontier-cpu.png"

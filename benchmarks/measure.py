@@ -27,7 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from benchmarks.baselines import Case, build_module, make_inputs
+from benchmarks.baselines import Case, build_module, input_width, make_inputs
+from benchmarks.launches import count_call
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,6 +88,64 @@ class Runner:
         step()
         synchronize(self.device)
         return time.perf_counter() - start
+
+
+class HostRunner(Runner):
+    """A case timed for what its calls cost the host: eval at a few tokens, fwd+bwd at the case's tokens.
+
+    The forward (eval mode, ``torch.no_grad()``) runs on ``eval_tokens`` tokens without grad, the
+    forward+backward (train mode) on ``case.batch · case.seq`` tokens that require grad, both
+    2-D ``(tokens, features)``. A sample is the time until the call returns: the device is
+    synchronised before it, not after, so on an accelerator it is the host's time to queue the
+    call's kernels (on the CPU, the call's time). [`launches`][benchmarks.measure.HostRunner.launches]
+    counts the kernels and host reads of one call of each.
+    """
+
+    def __init__(self, case: Case, device: torch.device, *, eval_tokens: int = 1) -> None:
+        self.case, self.device = case, device
+        self.module = build_module(case, device)
+        generator = torch.Generator().manual_seed(1)
+        width = input_width(case)
+        x = torch.randn(case.batch * case.seq, width, generator=generator).to(device).requires_grad_()
+        self.leaves, self.args = [x], (x,)
+        self.eval_args = (torch.randn(eval_tokens, width, generator=generator).to(device),)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.module.train()
+        with torch.no_grad():
+            shape = self.module(x).shape
+        self.grad = torch.randn(shape, generator=generator).to(device)
+
+    def infer_step(self) -> None:
+        """One inference forward pass at ``eval_tokens`` tokens."""
+        with torch.no_grad():
+            self.module(*self.eval_args)
+
+    def time(self, step: Callable[[], None], *, train: bool) -> float:
+        """Seconds until one ``step`` call returns, the device synchronised before it only."""
+        self.module.train(train)
+        if train:
+            self._clear()
+        if self.case.threads is not None and torch.get_num_threads() != self.case.threads:
+            torch.set_num_threads(self.case.threads)
+        synchronize(self.device)
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
+
+    def launches(self) -> dict[str, object]:
+        """Kernels and host reads of one eval call and one fwd+bwd, after a warm-up call of each."""
+        counts: dict[str, object] = {}
+        for name, step, train in (("eval", self.infer_step, False), ("train", self.train_step, True)):
+            self.module.train(train)
+            self._clear()
+            step()
+            self._clear()
+            found = count_call(step)
+            counts[f"{name}_kernels"], counts[f"{name}_host_reads"] = found.kernels, found.host_reads
+            counts[f"{name}_kernel_names"], counts[f"{name}_read_names"] = found.by_name, found.reads_by_name
+        self._clear()
+        synchronize(self.device)
+        return counts
 
 
 @dataclass

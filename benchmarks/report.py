@@ -73,6 +73,14 @@ def ratio(row: dict, reference: dict | None, metric: str) -> float | None:
     return row[metric] / reference[metric]
 
 
+#: Counts per call a row may hold (the host section): key, column title.
+COUNTS = (
+    ("eval_kernels", "kernels, fwd"),
+    ("train_kernels", "kernels, fwd+bwd"),
+    ("eval_host_reads", "host reads, fwd"),
+    ("train_host_reads", "host reads, fwd+bwd"),
+)
+
 #: Where a row keeps the samples behind each timed metric (seconds, in the order taken).
 SAMPLES = {"train_s": "train_samples", "infer_s": "infer_samples"}
 
@@ -103,16 +111,19 @@ def target_line(target: dict) -> str:
 
     The verdict says *within noise* when the limit lies between the lower and the upper of the
     quartiles of the paired ratios and the measured ratio (the ratio of medians can fall outside
-    the quartiles: then the two estimates disagree on the verdict).
+    the quartiles: then the two estimates disagree on the verdict). A target with ``"unit": ""`` is a
+    count (kernels per call): shown as a whole number, without quartiles.
     """
     value, limit, spread = target["value"], target["limit"], target.get("spread")
+    unit = target.get("unit", "×")
     if value is None:
-        return f"| {target['name']} | not measured |  | ≤ {limit}× | — |"
+        return f"| {target['name']} | not measured |  | ≤ {limit}{unit} | — |"
     verdict = "met" if is_met(target) else "**missed**"
     if spread is not None and min(spread[0], value) <= limit <= max(spread[1], value):
         verdict += " (within noise)"
     quartiles = "" if spread is None else f"{spread[0]:.2f}–{spread[1]:.2f}×"
-    return f"| {target['name']} | {value:.2f}× | {quartiles} | ≤ {limit}× | {verdict} |"
+    shown = f"{value:.2f}×" if unit else f"{value:,}"
+    return f"| {target['name']} | {shown} | {quartiles} | ≤ {limit}{unit} | {verdict} |"
 
 
 def targets_header(first: str = "target") -> list[str]:
@@ -148,10 +159,13 @@ def section_markdown(section: dict, level: str = "##") -> list[str]:
     shown = [entry for entry in METRICS if any(row.get(entry[0]) is not None for row in section["rows"])] or METRICS
     titles = {"train_s": "fwd+bwd (ms)", "infer_s": "fwd (ms)", "peak_bytes": "peak fwd+bwd (MiB)"}
     titles["rss_bytes"] = "RSS peak (MiB)"
-    header = "| case | params | " + " | ".join(f"{titles[metric]} | ×" for metric, _, _ in shown) + " | note |"
-    lines += ["", header, "|---|---:|" + "---:|---:|" * len(shown) + "---|"]
+    counts = [(key, title) for key, title in COUNTS if any(row.get(key) is not None for row in section["rows"])]
+    header = "| case | params | " + "".join(f"{title} | " for _, title in counts)
+    header += " | ".join(f"{titles[metric]} | ×" for metric, _, _ in shown) + " | note |"
+    lines += ["", header, "|---|---:|" + "---:|" * len(counts) + "---:|---:|" * len(shown) + "---|"]
     for row in section["rows"]:
         cells = [row["label"], f"{row['params']:,}" if row.get("params") is not None else ""]
+        cells += ["" if row.get(key) is None else str(row[key]) for key, _ in counts]
         for metric, _, scale in shown:
             cells += [fmt_value(row, metric, scale), fmt_ratio(row.get("ratios", {}).get(metric))]
         cells.append(row.get("note", ""))
@@ -410,7 +424,7 @@ def plot_latency(store: dict, path: Path) -> Path | None:
 #: Sections shown in the inference block of the results page rather than the benchmarks block.
 INFERENCE = ("inference", "latency", "generation")
 #: Sections with a part of their own on the results page (written by hand from the report).
-OWN_PART = ("scale",)
+OWN_PART = ("scale", "host")
 
 
 def update_inference_docs(store: dict, device: str, image: str, page: Path) -> bool:

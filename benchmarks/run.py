@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from benchmarks import quality, report
 from benchmarks.baselines import PEER_MODULES, PEER_PACKAGES, Case, count_params, fp32_bytes, missing_package
-from benchmarks.measure import MemoryProbe, Runner, Timing, alternate
+from benchmarks.measure import HostRunner, MemoryProbe, Runner, Timing, alternate
 from benchmarks.scale import extras as scale_extras
 from benchmarks.sections import FULL, QUICK, SECTIONS, Section, Sizes, make_sections
 
@@ -57,6 +57,9 @@ def _row_line(row: dict) -> str:
     parts = [f"  {row['label']:<52}", f"{row['params']:>14,}" if row.get("params") is not None else " " * 14]
     if row.get("train_s") is None and row.get("infer_s") is None:
         return "".join(parts) + f"  {row.get('note', '')}"
+    for metric, name in report.COUNTS:
+        if row.get(metric) is not None:
+            parts.append(f"  {name} {row[metric]:>4}")
     for metric, name, scale in report.METRICS:
         value = report.fmt_value(row, metric, scale)
         if value:
@@ -116,13 +119,18 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
     for case in runnable:
         progress.set_postfix_str(f"building: {case.label}")
         try:
-            runners[case.label] = Runner(case, device, train=section.train)
+            if section.eval_tokens is not None:
+                runners[case.label] = HostRunner(case, device, eval_tokens=section.eval_tokens)
+            else:
+                runners[case.label] = Runner(case, device, train=section.train)
         except Exception as error:  # a peer that fails at this size is reported, not hidden
             rows[case.label]["note"] = f"failed: {type(error).__name__}: {error}"[:160]
             tqdm.write(_row_line(rows[case.label]))
         progress.update()
     for label, runner in runners.items():
         rows[label]["params"] = sum(p.numel() for p in runner.module.parameters())
+        if isinstance(runner, HostRunner):  # counted once, before the timing: counts do not vary
+            rows[label] |= runner.launches()
 
     def done(label: str, timing: Timing) -> None:
         row = rows[label]
@@ -144,7 +152,12 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
 
     targets = []
     for target in section.targets:
-        numerator, denominator = rows[target.numerator], rows[target.denominator]
+        numerator = rows[target.numerator]
+        if target.denominator is None:  # a count, not a ratio
+            entry = {"name": target.name, "value": numerator.get(target.metric), "limit": target.limit}
+            targets.append(entry | {"spread": None, "unit": ""})
+            continue
+        denominator = rows[target.denominator]
         value = report.ratio(numerator, denominator, target.metric)
         key = report.SAMPLES.get(target.metric)
         spread = None if key is None else report.paired_spread(numerator.get(key), denominator.get(key))
@@ -244,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     if summary:
         print("\nTargets" + (" (they apply to the full sizes; --quick only checks that it runs)" if args.quick else ""))
         for target in summary:
-            value = target["value"]
+            value, unit = target["value"], target.get("unit", "×")
             verdict = {None: "not measured", True: "met", False: "MISSED"}[report.is_met(target)]
-            shown = "" if value is None else f"{value:6.2f}×"
+            shown = "" if value is None else f"{value:6.2f}×" if unit else f"{value:6d}"
             spread = target.get("spread")
             paired = "" if spread is None else f" (paired quartiles {spread[0]:.2f}–{spread[1]:.2f}×)"
-            print(f"  {target['name']:<72} {shown:>8} (limit {target['limit']}×) {verdict}{paired}")
+            print(f"  {target['name']:<72} {shown:>8} (limit {target['limit']}{unit}) {verdict}{paired}")
     print(f"\nwrote {stem}.md, {stem}.json" + "".join(f", {path}" for path in (image, latency) if path))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from benchmarks.baselines import Case
 from mumoe_tn import MuMoE
@@ -35,24 +36,30 @@ class Sizes:
     generate_batches: tuple[int, ...] = (1, 8)
     decode_reps: int = 30  # samples per case and round of the inference section
     mxd_hierarchy: tuple[int, int] = (1024, 1024)  # the hierarchical MxD block: 2^20 experts
+    host_width: int = 64  # I = O of the host section's layers (blocks I → 4I → I): arithmetic is nothing
+    host_experts: int = 16
+    host_hierarchy: tuple[int, int] = (4, 4)
+    host_train_tokens: int = 64  # tokens of its fwd+bwd
+    host_eval_tokens: int = 1  # tokens of its eval call
+    host_reps: int = 40  # samples per case and round (calls of tens of microseconds)
 
 
 FULL = Sizes(768, 8, 512, 256, (32, 32, 32, 32), 16, 128, 64, 64, 32, 64, rank_multiple=16)
 QUICK = Sizes(
     32, 2, 16, 16, (4, 4, 4), 4, 16, 16, 8, 2, 16, peer_heads=2, peer_topk=4,
     decode_tokens=(1, 8), sweep_tokens=16, gpt2=(2, 2, 64, 64), prompt=4, new_tokens=4,
-    generate_batches=(1, 2), decode_reps=10, mxd_hierarchy=(8, 8),
+    generate_batches=(1, 2), decode_reps=10, mxd_hierarchy=(8, 8), host_reps=4,
 )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Target:
-    """``numerator ÷ denominator`` of ``metric`` must be ≤ ``limit``."""
+    """``numerator ÷ denominator`` of ``metric`` must be ≤ ``limit``; without a denominator, ``numerator``'s own."""
 
     name: str
     numerator: str
-    denominator: str
-    metric: str  # "train_s", "infer_s" or "peak_bytes"
+    denominator: str | None  # None: a count of the numerator row (e.g. kernels per call), not a ratio
+    metric: str  # "train_s", "infer_s", "peak_bytes", or a count ("eval_kernels", "train_kernels")
     limit: float
 
 
@@ -74,6 +81,7 @@ class Section:
     order: tuple[str, ...] = ()  # row order of the table when not cases, not_run, borrowed
     reference_text: str = ""  # what the × column divides by, when not the reference row alone
     train: bool = True  # time fwd+bwd too; False: only the forward (eval, no grad, inputs without grad)
+    eval_tokens: int | None = None  # host cost: eval at this many tokens, kernels and host reads counted
 
     def labels(self) -> list[str]:
         """Row labels in table order."""
@@ -654,9 +662,103 @@ def scale_section(s: Sizes, extra: dict) -> Section:
     )
 
 
+#: Limits of the host section: kernels of the CP layer per call, the other layers' counts ÷ CP's,
+#: and host time ÷ nn.Linear's (eval, fwd+bwd).
+HOST_KERNELS = {"eval_kernels": 8, "train_kernels": 30}
+HOST_KERNELS_VS_CP = 1.5
+HOST_TIME = {"infer_s": 3.0, "train_s": 4.0}
+#: Experts the top-k gates of the host section keep per token.
+HOST_TOP_K = 2
+
+
+def host_section(s: Sizes, extra: dict) -> Section:
+    """What a call costs the host at sizes where the arithmetic is nothing: kernels, host reads, time."""
+    i, n, tokens = s.host_width, s.host_experts, (s.host_train_tokens, 1)
+    hier = list(s.host_hierarchy)
+    layer = {"in_features": i, "out_features": i, **extra}
+    block = {"in_features": i, "hidden_features": 4 * i, "out_features": i, **extra}
+    linear = Case("nn.Linear", "linear", {"in_features": i, "out_features": i}, *tokens)
+    mlp = Case("dense MLP", "mlp", {"in_features": i, "hidden_features": 4 * i}, *tokens)
+
+    def matched(label: str, dims: int | list[int], name: str, **options: Any) -> Case:
+        return Case(label, "mumoe", {**layer, "expert_dims": dims, "decomposition": name, "match": "linear", **options},
+                    *tokens)  # fmt: skip
+
+    layers = {  # entmax15 + BatchNorm gate, the default
+        "CP": matched(f"CP layer, {n} experts", n, "cp"),
+        "TR": matched(f"TR layer, {n} experts", n, "tr"),
+        "TT": matched(f"TT layer, {n} experts", n, "tt"),
+        "Tucker": matched(f"Tucker layer, {n} experts", n, "tucker"),
+        "MxD": Case(f"MxD layer, {n} experts", "mumoe", {**layer, "expert_dims": n, "decomposition": "mxd"}, *tokens),
+        "hierarchical CP": matched(f"CP layer, {_dims(tuple(hier))} experts", hier, "cp"),
+    }
+    gates = [
+        matched(f"CP layer, {n} experts, sparsemax gate", n, "cp", activation="sparsemax"),
+        matched(f"CP layer, {n} experts, top-{HOST_TOP_K} softmax gate", n, "cp", topk=HOST_TOP_K),
+        Case(f"MxD layer, {n} experts, ReLU top-{HOST_TOP_K} gate", "mumoe",
+             {**layer, "expert_dims": n, "decomposition": "mxd", "relu_topk": HOST_TOP_K}, *tokens),
+    ]  # fmt: skip
+    blocks = [
+        Case(f"{name} block, {label} experts", "mumoe_mlp", {**block, "expert_dims": dims, "decomposition": fmt,
+             "match": "mlp"}, *tokens)
+        for name, fmt, dims, label in (
+            ("CP", "cp", n, n), ("TR", "tr", n, n), ("TT", "tt", n, n), ("Tucker", "tucker", n, n),
+            ("CP", "cp", hier, _dims(tuple(hier))),
+        )
+    ]  # fmt: skip
+    blocks.append(
+        Case(f"MxD block, {n} experts, ReLU top-{HOST_TOP_K} gate", "mxd_block",
+             {"in_features": i, "hidden_features": 4 * i, "expert_dims": n, "gate_k": HOST_TOP_K, "match": "mlp",
+              **extra}, *tokens)
+    )  # fmt: skip
+    cp = layers["CP"].label
+    targets = [
+        Target(f"{cp}: kernels per eval call (B = {s.host_eval_tokens})", cp, None, "eval_kernels",
+               HOST_KERNELS["eval_kernels"]),
+        Target(f"{cp}: kernels per fwd+bwd (B = {s.host_train_tokens})", cp, None, "train_kernels",
+               HOST_KERNELS["train_kernels"]),
+    ]  # fmt: skip
+    for name, case in layers.items():
+        if name != "CP":
+            for metric, call in (("eval_kernels", "eval call"), ("train_kernels", "fwd+bwd")):
+                targets.append(Target(f"{case.label} ÷ CP layer: kernels per {call}", case.label, cp, metric,
+                                      HOST_KERNELS_VS_CP))  # fmt: skip
+    for case in layers.values():
+        targets.append(Target(f"{case.label} ÷ nn.Linear: host time, eval B = {s.host_eval_tokens}", case.label,
+                              linear.label, "infer_s", HOST_TIME["infer_s"]))  # fmt: skip
+        targets.append(Target(f"{case.label} ÷ nn.Linear: host time, fwd+bwd B = {s.host_train_tokens}",
+                              case.label, linear.label, "train_s", HOST_TIME["train_s"]))  # fmt: skip
+    cases = (linear, *layers.values(), *gates, mlp, *blocks)
+    pairs = tuple((case.label, mlp.label) for case in (mlp, *blocks))
+    return Section(
+        "host",
+        f"Host overhead: kernels, host reads and time per call at I = O = {i}, {n} experts",
+        f"Sizes at which the arithmetic is nothing, so a call costs what the host does: layers {i} → {i} "
+        f'(`MuMoE({i}, {i}, {n}, fmt, match="linear")`, entmax15 + BatchNorm gate unless named; the MxD layer '
+        f"has {n} experts unmatched, since its decoder alone holds nn.Linear's matrix) against `nn.Linear({i}, "
+        f'{i})`, and blocks {i} → {4 * i} → {i} (`MuMoEMLP(..., match="mlp")`, `MixtureOfDecoders(..., '
+        f'match="mlp")`) against the dense MLP (GELU). *fwd*: one eval call on {s.host_eval_tokens} token(s) '
+        f"under `torch.no_grad()`; *fwd+bwd*: one train-mode step on {s.host_train_tokens} tokens that require "
+        "grad, all cases alternating in one run. Times are the host's: from a synchronised device until the call "
+        "returns (on the CPU, the call's time). *kernels*: ATen operators that compute, forward and backward, on "
+        "the code path of the run's device (views, allocations and metadata left out; "
+        "`benchmarks.launches.AtenCalls`); *host reads*: values the call reads back to the host (`item`, "
+        "`nonzero`, `tolist`, `numpy`, copies to the CPU), each a wait for the device on an accelerator. On the "
+        "CPU, work handed to NumPy shows as one host read and no kernels.",
+        linear.label,
+        cases,
+        memory=False,
+        reps=s.host_reps,
+        targets=tuple(targets),
+        pairs=pairs,
+        reference_text="nn.Linear (layers) or the dense MLP (blocks)",
+        eval_tokens=s.host_eval_tokens,
+    )
+
+
 SECTIONS = (
     "layer", "handwritten", "params", "experts", "small", "autotune", "inference", "latency", "generation", "scale",
-    "mxd", "mxd-inference",
+    "mxd", "mxd-inference", "host",
 )  # fmt: skip
 
 
@@ -675,5 +777,6 @@ def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int
         "scale": lambda: scale_section(sizes, extra),
         "mxd": lambda: mxd_section(sizes, extra),
         "mxd-inference": lambda: mxd_inference_section(sizes, extra, threads),
+        "host": lambda: host_section(sizes, extra),
     }
     return [builders[name]() for name in SECTIONS if name in names]

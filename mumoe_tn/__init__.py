@@ -10,19 +10,20 @@ The torch-free parts (`mumoe_tn.network`, `mumoe_tn.decompositions`,
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from importlib import import_module as _import_module
+from typing import Any as _Any
 
 from mumoe_tn import decompositions
 from mumoe_tn.decompositions import Format, register
 from mumoe_tn.network import ExpertNetwork
-from mumoe_tn.plugins import install_transformers_hook
+from mumoe_tn.plugins import install_transformers_hook as _install_transformers_hook
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "ExpertGate": "mumoe_tn.gates.modules",
     "FactorizedExperts": "mumoe_tn.layers",
+    "LayerOptions": "mumoe_tn.layers.options",
     "MuMoE": "mumoe_tn.layers",
     "MuMoEMLP": "mumoe_tn.layers",
     "MuMoEGatedMLP": "mumoe_tn.layers.mlp",
@@ -38,6 +39,8 @@ _LAZY = {
     "load_converted": "mumoe_tn.conversion.checkpoints",
     "save_converted": "mumoe_tn.conversion.checkpoints",
     "decompose_dense": "mumoe_tn.conversion.upcycling",
+    "distill": "mumoe_tn.distillation.training",
+    "explore": "mumoe_tn.analysis.explorer.explore",
     "upcycle_linear": "mumoe_tn.conversion.upcycling",
     "dense_forward": "mumoe_tn.contractions.dense",
     "expert_matrix": "mumoe_tn.contractions.dense",
@@ -49,12 +52,18 @@ _LAZY = {
 }
 
 # Stock from_pretrained rebuilds converted models (registered when transformers' quantizer registry loads).
-install_transformers_hook()
+_install_transformers_hook()
 
 __all__ = ["ExpertNetwork", "Format", "decompositions", "register", *sorted(_LAZY)]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(_import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mumoe_tn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The public API, loaded or not, and the module's dunders; the sub-packages that have been
+    # imported are attributes too, but only `decompositions` is part of the top-level API.
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__") and name.endswith("__"))})

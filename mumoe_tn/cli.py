@@ -365,7 +365,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
         positive=_positive,
     )
-    from mumoe_tn.experiments.frontier import configure_parser as configure_distill
+    from mumoe_tn.distillation.study import configure_parser as configure_distill
 
     configure_distill(
         commands.add_parser(
@@ -598,7 +598,7 @@ def _distill(args: argparse.Namespace) -> int:
     _check_plot(args.plot, "plot")
     if importlib.util.find_spec("transformers") is None:
         raise UsageError("distill needs transformers: pip install 'mumoe_tn[hf]'")
-    from mumoe_tn.experiments.frontier import run
+    from mumoe_tn.distillation.study import run
 
     return run(args)
 

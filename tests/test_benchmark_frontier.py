@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import frontier  # noqa: E402
-from mumoe_tn.costs.frontier import FrontierRow, FrontierTable  # noqa: E402
+from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable  # noqa: E402
 
 
 def _table(methods, clean=2.0):

@@ -473,3 +473,94 @@ def test_compiled_decoding_benchmark_checks_its_options_and_needs_cuda(capsys):
     if not torch.cuda.is_available():
         assert compiled.main([]) == 2
         assert "this benchmark needs CUDA" in capsys.readouterr().err
+
+
+def test_aten_calls_count_kernels_and_host_reads_by_hand():
+    from benchmarks.launches import count_call
+
+    x = torch.randn(4, 3)
+    assert count_call(lambda: x.t().reshape(12).view(3, 4).unsqueeze(0)).by_name == {"clone": 1}  # reshape copies
+    found = count_call(lambda: x.sum().item())
+    assert (found.kernels, found.host_reads, found.reads_by_name) == (1, 1, {"_local_scalar_dense": 1})
+    found = count_call(lambda: (x > 0).nonzero())  # a kernel whose shape the host must read
+    assert (found.kernels, found.reads_by_name) == (2, {"nonzero": 1})
+    assert count_call(lambda: x.tolist()).reads_by_name == {"tolist": 1}
+    assert count_call(lambda: x.numpy()).reads_by_name == {"numpy": 1}
+    assert count_call(lambda: bool(x[0, 0] > 0)).host_reads == 1
+    linear = torch.nn.Linear(3, 5)
+    leaf = torch.randn(2, 3, requires_grad=True)
+    grad = torch.randn(2, 5)
+    with torch.no_grad():
+        assert count_call(lambda: linear(leaf)).by_name == {"addmm": 1}
+    # backward: grad of the input and of the weight (two mm), of the bias (one sum)
+    found = count_call(lambda: linear(leaf).backward(grad))
+    assert (found.kernels, found.host_reads) == (4, 0) and found.by_name == {"addmm": 1, "mm": 2, "sum": 1}
+
+
+def test_host_section_counts_every_case_and_reports_counts_against_their_limits(tmp_path, monkeypatch):
+    """A quick host run of a few cases with a fake clock: counts per row, count and ratio targets."""
+    import dataclasses
+
+    from benchmarks import sections
+
+    (full,) = make_sections(["host"], FULL, {}, 4 << 30)
+    keep = {"nn.Linear", "CP layer, 16 experts", "CP layer, 16 experts, top-2 softmax gate", "dense MLP"}
+    keep.add("CP block, 16 experts")
+    assert keep <= set(full.labels())
+    small = dataclasses.replace(
+        full,
+        cases=tuple(case for case in full.cases if case.label in keep),
+        targets=tuple(t for t in full.targets if t.numerator in keep and t.denominator in (*keep, None)),
+        pairs=tuple(pair for pair in full.pairs if pair[0] in keep),
+    )
+    monkeypatch.setattr(run, "make_sections", lambda *args, **kwargs: [small])
+    clock = iter(range(1, 100_000))
+    monkeypatch.setattr(run.HostRunner, "time", lambda self, step, *, train: float(next(clock)))
+    assert run.main(["--quick", "--only", "host", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    section = json.loads((tmp_path / "results-cpu.json").read_text())["sections"]["host"]
+    rows = {row["label"]: row for row in section["rows"]}
+    linear = rows["nn.Linear"]
+    assert (linear["eval_kernels"], linear["train_kernels"], linear["eval_host_reads"]) == (1, 4, 0)
+    assert rows["dense MLP"]["eval_kernels"] == 3  # addmm, gelu, addmm
+    assert rows["CP block, 16 experts"]["reference"] == "dense MLP" and rows["CP layer, 16 experts"]["train_s"] > 0
+    targets = {target["name"]: target for target in section["targets"]}
+    count = targets["CP layer, 16 experts: kernels per eval call (B = 1)"]
+    assert count["value"] == rows["CP layer, 16 experts"]["eval_kernels"] and count["limit"] == 8
+    assert count["unit"] == "" and count["spread"] is None
+    timed = targets["CP layer, 16 experts ÷ nn.Linear: host time, fwd+bwd B = 64"]
+    assert math.isclose(timed["value"], rows["CP layer, 16 experts"]["train_s"] / linear["train_s"])
+    assert timed["limit"] == sections.HOST_TIME["train_s"] and "unit" not in timed
+    markdown = (tmp_path / "results-cpu.md").read_text()
+    assert "| case | params | kernels, fwd | kernels, fwd+bwd | host reads, fwd | host reads, fwd+bwd | " in markdown
+    line = report.target_line(count)
+    assert line.startswith(f"| {count['name']} | {count['value']} |  | ≤ 8 | ") and "×" not in line
+
+
+def test_host_section_targets_follow_the_stated_limits():
+    (section,) = make_sections(["host"], FULL, {}, 4 << 30)
+    labels = set(section.labels())
+    for target in section.targets:
+        assert target.numerator in labels and target.denominator in (*labels, None)
+    absolute = {(t.numerator, t.metric): t.limit for t in section.targets if t.denominator is None}
+    assert absolute == {("CP layer, 16 experts", "eval_kernels"): 8, ("CP layer, 16 experts", "train_kernels"): 30}
+    versus_cp = [t for t in section.targets if t.denominator == "CP layer, 16 experts"]
+    assert len(versus_cp) == 2 * 5 and all(t.limit == 1.5 for t in versus_cp)  # TR, TT, Tucker, MxD, 4×4
+    timed = [t for t in section.targets if t.denominator == "nn.Linear"]
+    assert {t.limit for t in timed if t.metric == "infer_s"} == {3.0} and len(timed) == 2 * 6
+    assert {t.limit for t in timed if t.metric == "train_s"} == {4.0}
+    assert section.eval_tokens == 1 and all(case.batch * case.seq == 64 for case in section.cases)
+
+
+def test_gpu_check_fits_in_eight_minutes_and_stops_clearly_without_a_gpu():
+    import os
+    import re
+    import subprocess
+
+    script = ROOT / "benchmarks" / "gpu-check.sh"
+    limits = [int(limit) for limit in re.findall(r"^step \w+ (\d+) ", script.read_text(), flags=re.MULTILINE)]
+    assert len(limits) == 3 and sum(limits) < 8 * 60
+    if torch.cuda.is_available():
+        return
+    environment = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run(["bash", str(script)], env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "has no CUDA build of torch that sees a GPU" in result.stderr

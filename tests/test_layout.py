@@ -5,9 +5,12 @@ checkers excluded, since they never run).
 """
 
 import ast
+import importlib
 import pathlib
+import re
 
 import networkx as nx
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "mumoe_tn"
 
@@ -17,7 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "mumoe_tn"
 #: two import torch on use only. ``plugins`` registers conversion with other libraries when they load.
 FLOORS = {
     "validation": 0,
+    "registry": 0,
     "caching": 0,
+    "deprecation": 0,
     "network": 1,
     "decompositions": 2,
     "gates": 2,
@@ -27,6 +32,7 @@ FLOORS = {
     "layers": 5,
     "conversion": 6,
     "analysis": 6,
+    "distillation": 6,
     "design": 7,
     "experiments": 7,
     "cli": 8,
@@ -100,3 +106,82 @@ def test_at_most_seven_top_level_modules_and_every_part_has_a_floor():
     assert len(top) <= 7, top
     parts = {name.split(".")[1] for name in modules if name != "mumoe_tn"}
     assert parts <= set(FLOORS), sorted(parts - set(FLOORS))
+
+
+def test_dir_lists_the_public_api_and_dunders_only():
+    import mumoe_tn
+
+    public = set(dir(mumoe_tn)) - {name for name in dir(mumoe_tn) if name.startswith("__") and name.endswith("__")}
+    assert public == set(mumoe_tn.__all__)
+    for name in mumoe_tn.__all__:
+        assert getattr(mumoe_tn, name) is not None, name
+
+
+def test_distill_and_explore_are_reachable_from_the_top_level():
+    import mumoe_tn
+    from mumoe_tn.analysis.explorer.explore import explore
+    from mumoe_tn.distillation.training import distill
+
+    assert mumoe_tn.distill is distill
+    assert mumoe_tn.explore is explore
+
+
+#: Public names at their 0.2 paths, each with the module that holds it now.
+MOVED = {
+    "mumoe_tn.conversion.distill:distill": "mumoe_tn.distillation.training",
+    "mumoe_tn.conversion.distill:splice": "mumoe_tn.distillation.training",
+    "mumoe_tn.conversion.streaming:select_blocks": "mumoe_tn.distillation.streaming",
+    "mumoe_tn.conversion.replacements:mumoe_factory": "mumoe_tn.distillation.replacements",
+    "mumoe_tn.conversion.faithfulness:evaluate_replacements": "mumoe_tn.distillation.faithfulness",
+    "mumoe_tn.costs.frontier:FrontierTable": "mumoe_tn.distillation.frontier",
+    "mumoe_tn.costs.transcoders:transcoder_parameters": "mumoe_tn.costs.baselines",
+    "mumoe_tn.layers.transcoders:Transcoder": "mumoe_tn.distillation.transcoders",
+    "mumoe_tn.experiments.frontier:run_frontier": "mumoe_tn.distillation.study",
+    "mumoe_tn.conversion:select_blocks": "mumoe_tn.distillation.streaming",
+    "mumoe_tn.conversion:evaluate_replacements": "mumoe_tn.distillation.faithfulness",
+    "mumoe_tn.layers:Transcoder": "mumoe_tn.distillation.transcoders",
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_paths_still_import_with_a_deprecation_warning(old):
+    module_name, name = old.split(":")
+    new = importlib.import_module(MOVED[old])
+    with pytest.warns(DeprecationWarning, match=rf"moved to {re.escape(MOVED[old])}\.{name}"):
+        value = getattr(importlib.import_module(module_name), name)
+    assert value is getattr(new, name)
+
+
+#: Where formats and gates are defined and registered: the only code that may compare their names.
+REGISTRIES = ("mumoe_tn/decompositions/", "mumoe_tn/gates/")
+
+
+def _registered_names():
+    from mumoe_tn.decompositions import available, get_format
+    from mumoe_tn.gates.registry import top_k_gates
+
+    names = set(available()) | set(top_k_gates())
+    names |= {getattr(get_format(name), "mlp_block", None) for name in available()} - {None}
+    return {name for name in names if isinstance(name, str)}
+
+
+def _compared_strings(node):
+    for operand in (node.left, *node.comparators):
+        if isinstance(operand, ast.Constant) and isinstance(operand.value, str):
+            yield operand.value
+        elif isinstance(operand, (ast.Tuple, ast.List, ast.Set)):
+            yield from (e.value for e in operand.elts if isinstance(e, ast.Constant) and isinstance(e.value, str))
+
+
+def test_no_code_outside_the_registries_compares_a_format_or_gate_name():
+    names = _registered_names()
+    assert {"cp", "tr", "mxd", "softmax", "relu"} <= names
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT.parent).as_posix()
+        if relative.startswith(REGISTRIES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(value in names for value in _compared_strings(node)):
+                found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
+    assert found == [], "ask the format or gate instead of testing its name:\n" + "\n".join(found)

@@ -1,15 +1,9 @@
-"""A recorder of the torch functions a block of code calls (to check which kernels a path uses)."""
+"""Recorders of what a block of code calls, shared with the benchmarks (see ``benchmarks.launches``).
 
-import torch
+``TorchCalls`` records the names of the torch functions and tensor methods called (which path
+ran); ``AtenCalls`` counts the kernels and host reads of the ATen operators run.
+"""
 
+from benchmarks.launches import AtenCalls, TorchCalls, count_call
 
-class TorchCalls(torch.overrides.TorchFunctionMode):
-    """Records the names of the torch functions and tensor methods called inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.add(getattr(func, "__name__", repr(func)))
-        return func(*args, **(kwargs or {}))
+__all__ = ["AtenCalls", "TorchCalls", "count_call"]

@@ -18,16 +18,17 @@ from torch.utils.hooks import RemovableHandle
 from mumoe_tn.analysis.coefficients import default_forward
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
-from mumoe_tn.analysis.validation import (
+from mumoe_tn.layers import MuMoEBase
+from mumoe_tn.layers.base import A_LAYER
+from mumoe_tn.validation import (
     check_callable,
     check_inside,
+    check_instance,
     check_int,
-    check_layer,
     check_model,
     check_real,
     check_tensor,
 )
-from mumoe_tn.layers import MuMoEBase
 
 __all__ = [
     "blind_threshold",
@@ -79,7 +80,7 @@ def mean_coefficients(
         Shape ``(N_1, …, N_E)``.
     """
     model = check_model("model", model)
-    layer = check_layer("layer", layer)
+    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
     check_inside(model, layer)
     check_callable("forward", forward)
     check_progress(progress)
@@ -137,7 +138,7 @@ def rewrite(layer: MuMoEBase, head: int, mean: torch.Tensor, scale: float) -> Re
     -------
     torch.utils.hooks.RemovableHandle
     """
-    layer = check_layer("layer", layer)
+    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
     head = check_int("head", head)
     mean = check_tensor("mean", mean, kind="float", finite=True)
     scale = check_real("scale", scale)
@@ -158,7 +159,7 @@ def rewrite(layer: MuMoEBase, head: int, mean: torch.Tensor, scale: float) -> Re
 
 def blind_threshold(layer: MuMoEBase, head: int, scale: float = 2.5) -> RemovableHandle:
     """The blind-threshold baseline: ``ā`` all ones, an unconditional shift of ``head``."""
-    layer = check_layer("layer", layer)
+    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
     return rewrite(layer, head, torch.ones(layer.expert_dims), scale)
 
 

@@ -19,8 +19,9 @@ from torch import nn
 from mumoe_tn.analysis.outputs import decoder
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
-from mumoe_tn.analysis.validation import check_callable, check_inside, check_int, check_layer, check_model, check_tensor
 from mumoe_tn.layers import MuMoEBase
+from mumoe_tn.layers.base import A_LAYER
+from mumoe_tn.validation import check_callable, check_inside, check_instance, check_int, check_model, check_tensor
 
 __all__ = ["TokenCoefficients", "token_coefficients"]
 
@@ -161,7 +162,7 @@ def token_coefficients(
     TokenCoefficients
     """
     model = check_model("model", model)
-    layer = check_layer("layer", layer)
+    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
     check_inside(model, layer)
     sequences = check_tensor("sequences", sequences, ndim=2, kind="int", non_empty=True)
     batch_size = check_int("batch_size", batch_size, minimum=1)

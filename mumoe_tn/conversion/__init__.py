@@ -10,10 +10,10 @@
 - [`record`][mumoe_tn.conversion.record] and [`checkpoints`][mumoe_tn.conversion.checkpoints]: the conversion as
   plain data, saved with the weights, so a converted model reloads as itself.
 - [`interop`][mumoe_tn.conversion.interop]: tensorly-torch factorized tensors.
-- [`distill`][mumoe_tn.conversion.distill], [`streaming`][mumoe_tn.conversion.streaming],
-  [`replacements`][mumoe_tn.conversion.replacements] and [`faithfulness`][mumoe_tn.conversion.faithfulness]:
-  MLP blocks of a trained model distilled into sparse replacements (μMoE blocks, transcoders) on
-  streamed activations, spliced in and measured (L0, normalised MSE, CE-loss score).
+
+Distillation — MLP blocks of a trained model distilled into sparse replacements — lives in
+[`mumoe_tn.distillation`][mumoe_tn.distillation]; its names are still reachable here, deprecated,
+until 0.4.
 """
 
 from mumoe_tn.conversion.adapters import LayerAdapter, LinearView, linear_view, register_adapter
@@ -27,19 +27,14 @@ from mumoe_tn.conversion.convert import (
     find_mlp_blocks,
     is_causal_model,
 )
-from mumoe_tn.conversion.distill import Distillation, distill, normalised_mse, splice, spliced
-from mumoe_tn.conversion.faithfulness import evaluate_replacements
 from mumoe_tn.conversion.record import ConversionRecord, ConvertedModule
-from mumoe_tn.conversion.replacements import mumoe_factory, transcoder_factory
-from mumoe_tn.conversion.streaming import BlockInfo, select_blocks
 from mumoe_tn.conversion.upcycling import UpcycleWarning, decompose_dense, upcycle_experts, upcycle_linear
+from mumoe_tn.deprecation import moved_names
 
 __all__ = [
-    "BlockInfo",
     "ConversionRecord",
     "ConversionReport",
     "ConvertedModule",
-    "Distillation",
     "LayerAdapter",
     "LinearView",
     "Replacement",
@@ -48,20 +43,28 @@ __all__ = [
     "conversion_record",
     "convert",
     "decompose_dense",
-    "distill",
-    "evaluate_replacements",
     "find_mlp_blocks",
     "is_causal_model",
     "linear_view",
     "load_converted",
-    "mumoe_factory",
-    "normalised_mse",
     "register_adapter",
     "save_converted",
-    "select_blocks",
-    "splice",
-    "spliced",
-    "transcoder_factory",
     "upcycle_experts",
     "upcycle_linear",
 ]
+
+__getattr__ = moved_names(
+    __name__,
+    {
+        "BlockInfo": "mumoe_tn.distillation.streaming",
+        "Distillation": "mumoe_tn.distillation.training",
+        "distill": "mumoe_tn.distillation.training",
+        "evaluate_replacements": "mumoe_tn.distillation.faithfulness",
+        "mumoe_factory": "mumoe_tn.distillation.replacements",
+        "normalised_mse": "mumoe_tn.distillation.training",
+        "select_blocks": "mumoe_tn.distillation.streaming",
+        "splice": "mumoe_tn.distillation.training",
+        "spliced": "mumoe_tn.distillation.training",
+        "transcoder_factory": "mumoe_tn.distillation.replacements",
+    },
+)

@@ -23,7 +23,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["LayerAdapter", "LinearView", "adapter_for", "linear_view", "register_adapter"]
+from mumoe_tn.registry import Registry
+
+__all__ = ["ADAPTERS", "LayerAdapter", "LinearView", "adapter_for", "linear_view", "register_adapter"]
 
 Reader = str | Callable[[nn.Module], torch.Tensor | None]
 LAYOUTS = ("out_in", "in_out")
@@ -145,9 +147,20 @@ class LinearView:
         return torch.cat([weight, bias[None]], dim=0)
 
 
-_BY_TYPE: dict[type, LayerAdapter] = {nn.Linear: LayerAdapter()}
-#: Adapters for classes of optional libraries, by ``module.qualname``: never imported here.
-_BY_NAME: dict[str, LayerAdapter] = {"transformers.pytorch_utils.Conv1D": LayerAdapter(layout="in_out")}
+def _check_adapter(layer_type: object, adapter: object) -> None:
+    if not isinstance(adapter, LayerAdapter):
+        raise TypeError(f"adapter must be a LayerAdapter, got {type(adapter).__name__}")
+    if not (isinstance(layer_type, str) or (isinstance(layer_type, type) and issubclass(layer_type, nn.Module))):
+        raise TypeError(f"layer_type must be an nn.Module subclass or its qualified name, got {layer_type!r}")
+
+
+#: How each layer class is read, by class or, for classes of optional libraries that are never
+#: imported here, by ``module.qualname`` (a [`Registry`][mumoe_tn.registry.Registry]).
+ADAPTERS: Registry[type | str, LayerAdapter] = Registry(
+    "layer adapter",
+    check=_check_adapter,
+    entries={nn.Linear: LayerAdapter(), "transformers.pytorch_utils.Conv1D": LayerAdapter(layout="in_out")},
+)
 
 
 def register_adapter(layer_type: type | str, adapter: LayerAdapter) -> None:
@@ -161,20 +174,13 @@ def register_adapter(layer_type: type | str, adapter: LayerAdapter) -> None:
     adapter : LayerAdapter
         How to read it.
     """
-    if not isinstance(adapter, LayerAdapter):
-        raise TypeError(f"adapter must be a LayerAdapter, got {type(adapter).__name__}")
-    if isinstance(layer_type, str):
-        _BY_NAME[layer_type] = adapter
-    elif isinstance(layer_type, type) and issubclass(layer_type, nn.Module):
-        _BY_TYPE[layer_type] = adapter
-    else:
-        raise TypeError(f"layer_type must be an nn.Module subclass or its qualified name, got {layer_type!r}")
+    ADAPTERS.register(layer_type, adapter, replace=True)
 
 
 def adapter_for(module: nn.Module) -> LayerAdapter | None:
     """The adapter registered for ``module``'s class or its nearest base class, else None."""
     for cls in type(module).__mro__:
-        adapter = _BY_TYPE.get(cls) or _BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+        adapter = ADAPTERS.get(cls) or ADAPTERS.get(f"{cls.__module__}.{cls.__qualname__}")
         if adapter is not None:
             return adapter
     return None

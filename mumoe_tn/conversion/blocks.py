@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from mumoe_tn.conversion.adapters import LinearView, linear_view
+from mumoe_tn.registry import Registry
 
-__all__ = ["GatedNames", "MLPParts", "mlp_parts", "register_gated_names"]
+__all__ = ["GATED_LAYOUTS", "PACKED_GATED_CLASSES", "GatedNames", "MLPParts", "mlp_parts", "register_gated_names"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,32 @@ class GatedNames:
     gate_first: bool = True
 
 
-_GATED: list[GatedNames] = [
-    GatedNames("gate_proj", "up_proj", "down_proj", "act_fn"),  # Llama, Mistral, Qwen, Gemma
-    GatedNames("fc1_g", "fc1_x", "fc2", "act"),  # timm SwiGLU
-    GatedNames("gate_up_proj", None, "down_proj", "activation_fn"),  # Phi-3 (packed, gate first)
-]
-#: timm's GluMlp computes ``x1 * act(x2)`` when ``gate_last`` (the default), from chunks of ``fc1``.
-_PACKED_CLASSES = {"timm.layers.mlp.GluMlp": GatedNames("fc1", None, "fc2", "act", gate_first=False)}
+def _check_layout(key: object, names: object) -> None:
+    if not isinstance(names, GatedNames):
+        raise TypeError(f"names must be a GatedNames, got {type(names).__name__}")
+
+
+#: Gated MLP layouts recognised by their child names, tried newest first (a
+#: [`Registry`][mumoe_tn.registry.Registry] keyed by the layout itself).
+GATED_LAYOUTS: Registry[GatedNames, GatedNames] = Registry(
+    "gated MLP layout",
+    check=_check_layout,
+    entries={
+        names: names
+        for names in (
+            GatedNames("gate_up_proj", None, "down_proj", "activation_fn"),  # Phi-3 (packed, gate first)
+            GatedNames("fc1_g", "fc1_x", "fc2", "act"),  # timm SwiGLU
+            GatedNames("gate_proj", "up_proj", "down_proj", "act_fn"),  # Llama, Mistral, Qwen, Gemma
+        )
+    },
+)
+#: Gated layouts of classes of optional libraries, by ``module.qualname``: timm's GluMlp computes
+#: ``x1 * act(x2)`` when ``gate_last`` (the default), from chunks of ``fc1``.
+PACKED_GATED_CLASSES: Registry[str, GatedNames] = Registry(
+    "packed gated MLP class",
+    check=_check_layout,
+    entries={"timm.layers.mlp.GluMlp": GatedNames("fc1", None, "fc2", "act", gate_first=False)},
+)
 
 
 def register_gated_names(names: GatedNames) -> None:
@@ -74,7 +94,8 @@ def register_gated_names(names: GatedNames) -> None:
     """
     if not isinstance(names, GatedNames):
         raise TypeError(f"names must be a GatedNames, got {type(names).__name__}")
-    _GATED.insert(0, names)
+    GATED_LAYOUTS.unregister(names)  # registered again, it is tried first
+    GATED_LAYOUTS.register(names, names)
 
 
 @dataclass(frozen=True)
@@ -128,8 +149,8 @@ def _is_activation(module: nn.Module | None) -> bool:
 
 
 def _gated(module: nn.Module) -> MLPParts | None:
-    names = _PACKED_CLASSES.get(f"{type(module).__module__}.{type(module).__qualname__}")
-    candidates = [names] if names is not None else _GATED
+    names = PACKED_GATED_CLASSES.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    candidates = [names] if names is not None else list(GATED_LAYOUTS.values())[::-1]
     children = dict(module.named_children())
     for names in candidates:
         used = {names.gate, names.up, names.down, names.activation} - {None}

@@ -15,6 +15,8 @@ tool:
 | upcycling a Linear | ``upcycle_capacity``, ``upcycle`` | alternating least squares |
 | dense decomposition | ``decompose`` (tensorly) | alternating least squares |
 | tensorly-torch | ``to_tltorch``, ``from_tltorch`` | not available |
+| design search | ``search_structures``, ``in_search`` | one structure, every matched bond scaled |
+| distillation's top-k gate | ``top_k_gate`` | ``"softmax"`` |
 
 This module is torch-free: methods that handle tensors receive them from the caller and import
 torch or tensorly lazily.
@@ -70,12 +72,22 @@ class Format:
         [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] / [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP]) or
         ``"decoders"`` (the encoder kept dense and the decoder factorized,
         [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders]).
+    in_search : bool
+        Whether the design search ([`mumoe_tn.design`][mumoe_tn.design]) draws networks of this
+        format (default True), as [`search_structures`][mumoe_tn.decompositions.format.Format.search_structures]
+        describes them.
+    top_k_gate : str
+        The top-k gate a distilled block of this format gets by default: the short name of a
+        registered top-k gate class (see [`top_k_gates`][mumoe_tn.gates.registry.top_k_gates]);
+        ``"softmax"`` unless the format says otherwise.
     """
 
     name: ClassVar[str] = ""
     init_rule: ClassVar[str] = "linear"
     tltorch_class: ClassVar[str | None] = None
     mlp_block: ClassVar[str] = "mumoe"
+    in_search: ClassVar[bool] = True
+    top_k_gate: ClassVar[str] = "softmax"
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -185,6 +197,31 @@ class Format:
     def closed_form_rank_bound(self, network: ExpertNetwork) -> int | None:
         """The paper's expert-rank bound, or None; tests hold it against the min cut."""
         return None
+
+    # ------------------------------------------------------------------ design search
+    def search_structures(
+        self, expert_dims: tuple[int, ...], expert_ranks: Sequence[int]
+    ) -> list[tuple[str, int | tuple[int, ...] | None]]:
+        """The structures of this format the design search tries, as ``(description, rank)`` pairs.
+
+        Each ``rank`` builds a network of this format (``build(expert_dims, I, O, rank)``) in which
+        the bonds [`matched_bonds`][mumoe_tn.decompositions.format.Format.matched_bonds] names are at
+        size 1: the search scales them to the budget and keeps every other bond as given. The
+        default is one structure, every bond at 1 (``rank=1``). Set the class attribute
+        ``in_search = False`` to keep a format out of the search.
+
+        Parameters
+        ----------
+        expert_dims : tuple of int
+            ``N_1 … N_E`` of the structure.
+        expert_ranks : Sequence[int]
+            Sizes the search tries for bonds a format keeps fixed (e.g. a ring's expert bonds).
+
+        Returns
+        -------
+        list of (str, rank)
+        """
+        return [(self.name, 1)]
 
     # ------------------------------------------------------------------ matching
     def matched_bonds(self, network: ExpertNetwork) -> tuple[str, ...]:

@@ -44,6 +44,7 @@ class MxDFormat(Format, name="mxd"):
     """
 
     mlp_block = "decoders"
+    top_k_gate = "relu"  # the authors' TopK(ReLU(G x + b)) gate
 
     def network(
         self,
@@ -85,6 +86,12 @@ class MxDFormat(Format, name="mxd"):
     def closed_form_rank_bound(self, network: ExpertNetwork) -> int:
         """``min(I, O)``: every expert ``D·diag(c)`` has the rank of ``D`` for ``c`` without zeros."""
         return min(network.in_features, network.out_features)
+
+    def search_structures(
+        self, expert_dims: tuple[int, ...], expert_ranks: Sequence[int]
+    ) -> list[tuple[str, int | tuple[int, ...] | None]]:
+        """One structure, with no bond: the design evaluates it at its fixed size."""
+        return [("mxd" if len(expert_dims) == 1 else "hierarchical mxd", None)]
 
     def matched_bonds(self, network: ExpertNetwork) -> tuple[str, ...]:
         """The expert legs: matching chooses the number of experts."""

@@ -11,14 +11,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mumoe_tn.network import ExpertNetwork
+from mumoe_tn.registry import Registry
 from mumoe_tn.validation import check_size
 
 if TYPE_CHECKING:
     from mumoe_tn.decompositions.format import Format
 
-__all__ = ["available", "build", "get_format", "normalize_ranks", "register", "unregister"]
-
-_FORMATS: dict[str, Format] = {}
+__all__ = ["FORMATS", "available", "build", "get_format", "normalize_ranks", "register", "unregister"]
 
 
 def _is_format(value: object) -> bool:
@@ -32,6 +31,17 @@ def _is_format(value: object) -> bool:
         and isinstance(getattr(value, "name", None), str)
         and all(callable(getattr(value, method, None)) for method in ("build", "check", "matched_bonds"))
     )
+
+
+def _check_entry(name: str, format: object) -> None:
+    if not _is_format(format):
+        raise TypeError(f"register() takes a Format instance, got {type(format).__name__}")
+    if not name or name != getattr(format, "name", "").lower():
+        raise ValueError(f"a format is registered under its own non-empty name, got {name!r} for {format!r}")
+
+
+#: The registered formats by lower-cased name (a [`Registry`][mumoe_tn.registry.Registry]).
+FORMATS: Registry[str, Format] = Registry("format", normalize=lambda name: name.lower(), check=_check_entry)
 
 
 def register(format: Format, *, replace: bool = False) -> Format:
@@ -58,23 +68,22 @@ def register(format: Format, *, replace: bool = False) -> Format:
     """
     if not _is_format(format):
         raise TypeError(f"register() takes a Format instance, got {type(format).__name__}")
-    key = format.name.lower()
-    if not key:
+    if not format.name:
         raise ValueError("a format needs a non-empty name")
-    if key in _FORMATS and not replace:
-        raise ValueError(f"a format named {key!r} is already registered ({_FORMATS[key]!r}); pass replace=True")
-    _FORMATS[key] = format
-    return format
+    known = FORMATS.get(format.name)
+    if known is not None and known is not format and not replace:
+        raise ValueError(f"a format named {format.name.lower()!r} is already registered ({known!r}); pass replace=True")
+    return FORMATS.register(format.name, format, replace=True)
 
 
 def unregister(name: str) -> None:
     """Remove the format registered under ``name`` (e.g. at the end of a test)."""
-    _FORMATS.pop(get_format(name).name, None)
+    FORMATS.unregister(get_format(name).name)
 
 
 def available() -> list[str]:
     """Sorted names of the registered formats."""
-    return sorted(_FORMATS)
+    return FORMATS.names()
 
 
 def get_format(name: str) -> Format:
@@ -89,10 +98,10 @@ def get_format(name: str) -> Format:
     """
     if not isinstance(name, str):
         raise TypeError(f"a decomposition name must be a string, got {name!r} ({type(name).__name__})")
-    try:
-        return _FORMATS[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown decomposition {name!r}; registered: {available()}") from None
+    found = FORMATS.get(name)
+    if found is None:
+        raise ValueError(f"unknown decomposition {name!r}; registered: {available()}")
+    return found
 
 
 def build(

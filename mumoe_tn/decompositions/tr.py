@@ -63,6 +63,14 @@ class TRFormat(Format, name="tr"):
         r = _ranks(network)
         return min(r[-1] * min(r[:-1]), network.in_features, network.out_features)
 
+    def search_structures(
+        self, expert_dims: tuple[int, ...], expert_ranks: Sequence[int]
+    ) -> list[tuple[str, int | tuple[int, ...] | None]]:
+        """Every ``(R1, R2)`` of ``expert_ranks`` with a ratio of at most 4; ``R3`` is scaled."""
+        pairs = [(r1, r2) for r1 in expert_ranks for r2 in expert_ranks if max(r1, r2) <= 4 * min(r1, r2)]
+        # r1 closes the ring at the output core; the last bond is the one matching scales
+        return [(f"tr R1={r1} R2={r2}", (r1, *([r2] * len(expert_dims)), 1)) for r1, r2 in pairs]
+
     def matched_bonds(self, network: ExpertNetwork) -> tuple[str, ...]:
         """``R_{E+2}``, the input–output bond; the expert ranks stay (the paper's R1 = R2 = 4)."""
         return (f"r{network.n_expert_modes + 2}",)

@@ -57,6 +57,12 @@ class TTFormat(Format, name="tt"):
         """``min{R_{E+1}, I, O}``: only the bond between input and output cores joins them."""
         return min(network.sizes[f"r{network.n_expert_modes + 1}"], network.in_features, network.out_features)
 
+    def search_structures(
+        self, expert_dims: tuple[int, ...], expert_ranks: Sequence[int]
+    ) -> list[tuple[str, int | tuple[int, ...] | None]]:
+        """The expert bonds at each size of ``expert_ranks``; the last bond is scaled."""
+        return [(f"tt R={r}", (*([r] * len(expert_dims)), 1)) for r in expert_ranks]
+
     def matched_bonds(self, network: ExpertNetwork) -> tuple[str, ...]:
         """``R_{E+1}``, the input–output bond."""
         return (f"r{network.n_expert_modes + 1}",)

@@ -18,10 +18,10 @@ True
 from mumoe_tn.design.front import dominates, pareto_front
 from mumoe_tn.design.result import DesignPoint, DesignResult
 from mumoe_tn.design.search import design, evaluate
-from mumoe_tn.design.space import FAMILIES, Shape, expert_factorizations, search_space
+from mumoe_tn.design.space import TOPOLOGIES, Shape, expert_factorizations, families, search_space
 
 __all__ = [
-    "FAMILIES",
+    "TOPOLOGIES",
     "DesignPoint",
     "DesignResult",
     "Shape",
@@ -29,6 +29,7 @@ __all__ = [
     "dominates",
     "evaluate",
     "expert_factorizations",
+    "families",
     "pareto_front",
     "search_space",
 ]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mumoe_tn.costs.display import DTYPE_BYTES
 from mumoe_tn.design.search import design
-from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, FAMILIES, HADAMARD_LEGS
+from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, HADAMARD_LEGS, families
 
 __all__ = ["configure_parser", "run"]
 
@@ -56,7 +56,11 @@ def configure_parser(
         "--max-modes", type=positive, default=3, help="most expert modes of a factorization (default 3)"
     )
     parser.add_argument(
-        "--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="what to search (default: all)"
+        "--families",
+        nargs="+",
+        choices=families(),
+        default=None,
+        help="what to search: registered formats and generated topologies (default: all)",
     )
     parser.add_argument(
         "--expert-ranks",

@@ -27,7 +27,8 @@ from mumoe_tn.costs.params import block_parameters, layer_parameters
 from mumoe_tn.costs.rank import collapsed_expert_modes, rank_bound
 from mumoe_tn.design.front import pareto_front
 from mumoe_tn.design.result import DesignPoint, DesignResult
-from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, FAMILIES, HADAMARD_LEGS, Shape, search_space
+from mumoe_tn.design.space import DEFAULT_EXPERT_RANKS, HADAMARD_LEGS, Shape, search_space
+from mumoe_tn.design.space import families as all_families
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
@@ -173,7 +174,7 @@ def design(
     min_rank: int = 1,
     rank_multiple: int = 1,
     max_modes: int = 3,
-    families: Sequence[str] = FAMILIES,
+    families: Sequence[str] | None = None,
     expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
     topology_modes: int = 2,
     hadamard: Sequence[str] = HADAMARD_LEGS,
@@ -297,7 +298,7 @@ def design(
         "min_rank": min_rank,
         "rank_multiple": rank_multiple,
         "max_modes": max_modes,
-        "families": list(families),
+        "families": list(all_families() if families is None else families),
         "expert_ranks": list(expert_ranks),
         "hadamard": list(hadamard),
         "bias": bias,

@@ -4,9 +4,11 @@ A [`Shape`][mumoe_tn.design.space.Shape] is a network *structure*: a builder of 
 given leg sizes (one layer ``I → O``, or both layers of a block), the bonds parameter matching
 scales, and the sizes of the bonds it keeps fixed. The space holds
 
-- the registered formats CP, TR (expert ranks ``R1``/``R2`` over a few powers of two), TT, Tucker
-  and MxD (a Hadamard factorisation: decoder ``D: i o`` and expert matrices ``C_ne: ne o``; over
-  several expert modes, hierarchical MxD);
+- every registered format that joins the search (``Format.in_search``), with the structures it
+  names ([`Format.search_structures`][mumoe_tn.decompositions.format.Format.search_structures]):
+  CP, TR (expert ranks ``R1``/``R2`` over a few powers of two), TT, Tucker and MxD (a Hadamard
+  factorisation: decoder ``D: i o`` and expert matrices ``C_ne: ne o``; over several expert
+  modes, hierarchical MxD) as shipped, and a user's registered format alike;
 - every factorization of the number of experts into 1 … ``max_modes`` expert modes;
 - generated custom topologies with one core per leg: chains and rings in every leg order, stars
   (a hub core with no leg, or one leg's core as the hub) and trees (every labelled tree of the
@@ -29,23 +31,26 @@ Everything here is torch-free.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
 
-from mumoe_tn.decompositions.registry import get_format
+from mumoe_tn.decompositions.registry import available, get_format
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, expert_leg, physical_sizes
 from mumoe_tn.validation import check_size
 
 __all__ = [
     "DEFAULT_EXPERT_RANKS",
-    "FAMILIES",
     "HADAMARD_LEGS",
+    "TOPOLOGIES",
     "Shape",
     "expert_factorizations",
+    "families",
     "named_shapes",
     "search_space",
+    "searched_formats",
     "topology_shapes",
 ]
 
@@ -53,8 +58,19 @@ __all__ = [
 #: bonds of generated topologies.
 DEFAULT_EXPERT_RANKS = (2, 4, 8, 16)
 
-#: The families of a search space, in the order they are generated.
-FAMILIES = ("cp", "tr", "tt", "tucker", "mxd", "chain", "ring", "star", "tree")
+#: The generated topologies of a search space, after the registered formats.
+TOPOLOGIES = ("chain", "ring", "star", "tree")
+
+
+def searched_formats() -> tuple[str, ...]:
+    """The registered formats the design search draws, in registration order."""
+    return tuple(name for name in available() if get_format(name).in_search)
+
+
+def families() -> tuple[str, ...]:
+    """The families of a search space, in the order they are generated: the searched formats, then `TOPOLOGIES`."""
+    return (*searched_formats(), *TOPOLOGIES)
+
 
 #: Physical legs the expert cores of generated topologies also hold, one Hadamard variant each:
 #: ``"o"`` (output side, ``Σ_b V_b · diag(c_{n,b})``), ``"i"`` (input side, ``Σ_b diag(c_{n,b}) · V_b``),
@@ -72,8 +88,8 @@ class Shape:
     Attributes
     ----------
     family : str
-        ``"cp"``, ``"tr"``, ``"tt"``, ``"tucker"``, ``"mxd"`` (registered formats) or ``"chain"``,
-        ``"ring"``, ``"star"``, ``"tree"`` (generated topologies).
+        A registered format's name (``"cp"``, ``"tr"``, …, or a user's) or a generated topology
+        (``"chain"``, ``"ring"``, ``"star"``, ``"tree"``).
     expert_dims : tuple of int
         ``N_1 … N_E``.
     label : str
@@ -126,20 +142,17 @@ def expert_factorizations(n_experts: int, max_modes: int) -> list[tuple[int, ...
     return found
 
 
-def named_shapes(expert_dims: tuple[int, ...], expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS) -> list[Shape]:
-    """CP, TR (every ``(R1, R2)`` of ``expert_ranks`` with a ratio ≤ 4), TT, Tucker and MxD over ``expert_dims``."""
+def named_shapes(
+    expert_dims: tuple[int, ...],
+    expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
+    formats: Sequence[str] | None = None,
+) -> list[Shape]:
+    """The structures every searched format names over ``expert_dims`` (default: `searched_formats`)."""
     shapes = []
-    for name in ("cp", "tucker"):
-        shapes.append(_named_shape(name, expert_dims, name, 1))
-    shapes.append(_named_shape("mxd", expert_dims, "mxd" if len(expert_dims) == 1 else "hierarchical mxd", None))
-    n_modes = len(expert_dims)
-    for r1, r2 in itertools.product(expert_ranks, repeat=2):
-        if max(r1, r2) > 4 * min(r1, r2):
-            continue
-        ranks = (r1, *([r2] * n_modes), 1)  # r1 closes the ring at the output core; the last is matched
-        shapes.append(_named_shape("tr", expert_dims, f"tr R1={r1} R2={r2}", ranks))
-    for r in expert_ranks:
-        shapes.append(_named_shape("tt", expert_dims, f"tt R={r}", (*([r] * n_modes), 1)))
+    for name in searched_formats() if formats is None else formats:
+        fmt = get_format(name)
+        for description, rank in fmt.search_structures(tuple(expert_dims), expert_ranks):
+            shapes.append(_named_shape(name, expert_dims, description, rank))
     return shapes
 
 
@@ -309,7 +322,7 @@ def search_space(
     n_experts: int | Sequence[int],
     *,
     max_modes: int = 3,
-    families: Sequence[str] = FAMILIES,
+    families: Sequence[str] | None = None,
     expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
     topology_modes: int = 2,
     hadamard: Sequence[str] = HADAMARD_LEGS,
@@ -323,7 +336,8 @@ def search_space(
     max_modes : int, optional
         Most expert modes of a factorization (default 3).
     families : Sequence[str], optional
-        Which of `FAMILIES` to generate (default all).
+        Which of [`families`][mumoe_tn.design.space.families] to generate (default all: every
+        searched registered format and every topology).
     expert_ranks : Sequence[int], optional
         Sizes tried for the fixed bonds (TR's ``R1``/``R2``, TT's and the topologies' expert bonds).
     topology_modes : int, optional
@@ -337,9 +351,11 @@ def search_space(
     -------
     list of Shape
     """
-    unknown = sorted(set(families) - set(FAMILIES))
-    if unknown or not families:
-        raise ValueError(f"families must be a non-empty selection of {list(FAMILIES)}, got {list(families)}")
+    known = (*searched_formats(), *TOPOLOGIES)
+    chosen = known if families is None else tuple(families)
+    unknown = sorted(set(chosen) - set(known))
+    if unknown or not chosen:
+        raise ValueError(f"families must be a non-empty selection of {list(known)}, got {list(chosen)}")
     for size in expert_ranks:
         check_size("expert_ranks", size)
     hadamard = check_hadamard(hadamard)
@@ -349,7 +365,19 @@ def search_space(
         factorizations = [tuple(check_size("expert_dims", n) for n in n_experts)]
     shapes = []
     for dims in factorizations:
-        shapes += [s for s in named_shapes(dims, expert_ranks) if s.family in families]
+        shapes += named_shapes(dims, expert_ranks, [name for name in searched_formats() if name in chosen])
         if len(dims) <= topology_modes:
-            shapes += [s for s in topology_shapes(dims, expert_ranks, hadamard) if s.family in families]
+            shapes += [s for s in topology_shapes(dims, expert_ranks, hadamard) if s.family in chosen]
     return deduplicate(shapes)
+
+
+def __getattr__(name: str) -> object:
+    if name == "FAMILIES":  # a constant before formats joined the search from the registry
+        warnings.warn(
+            "mumoe_tn.design.space.FAMILIES is now the function families() (registered formats join the search); "
+            "the constant is removed in mumoe_tn 0.4",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return families()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

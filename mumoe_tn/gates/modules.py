@@ -2,8 +2,9 @@
 
 The modules here are what the descriptors of [`mumoe_tn.gates.specs`][mumoe_tn.gates.specs] build.
 Activations ([`ACTIVATIONS`][mumoe_tn.gates.modules]) and logit norms
-([`GATE_NORMS`][mumoe_tn.gates.modules]) are registries: add an entry to make a new name available to
-[`Gate`][mumoe_tn.gates.specs.Gate]. Everything stored in a gate
+([`GATE_NORMS`][mumoe_tn.gates.modules]) are registries ([`Registry`][mumoe_tn.registry.Registry]):
+``ACTIVATIONS.register(name, fn)`` makes a new name available to [`Gate`][mumoe_tn.gates.specs.Gate].
+Everything stored in a gate
 is a module-level function or an ``nn.Module``, so gates pickle, deep-copy and
 ``torch.save`` as whole modules.
 
@@ -56,6 +57,7 @@ from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.replicas import warn_unsynchronised
 from mumoe_tn.network import expert_leg, normalize_expert_dims
+from mumoe_tn.registry import Registry
 
 __all__ = [
     "ACTIVATIONS",
@@ -82,11 +84,11 @@ def _softmax_last(x: torch.Tensor) -> torch.Tensor:
 
 
 #: Named gate activations (module-level functions, so gates pickle); a float ``α > 1`` selects α-entmax.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "entmax15": _entmax15_last,
-    "sparsemax": _sparsemax_last,
-    "softmax": _softmax_last,
-}
+#: A [`Registry`][mumoe_tn.registry.Registry]: ``ACTIVATIONS.register("mine", fn)`` adds one.
+ACTIVATIONS: Registry[str, Callable[[torch.Tensor], torch.Tensor]] = Registry(
+    "gate activation",
+    entries={"entmax15": _entmax15_last, "sparsemax": _sparsemax_last, "softmax": _softmax_last},
+)
 
 
 def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -167,11 +169,10 @@ def _no_norm(n: int, factory: dict[str, Any]) -> nn.Module:
 
 
 #: Normalisations of the gate logits: name -> ``factory(N_e, {"device": …, "dtype": …})``.
-GATE_NORMS: dict[str, Callable[[int, dict[str, Any]], nn.Module]] = {
-    "batch": _batch_norm,
-    "layer": _layer_norm,
-    "none": _no_norm,
-}
+#: A [`Registry`][mumoe_tn.registry.Registry]: ``GATE_NORMS.register("mine", factory)`` adds one.
+GATE_NORMS: Registry[str, Callable[[int, dict[str, Any]], nn.Module]] = Registry(
+    "gate norm", entries={"batch": _batch_norm, "layer": _layer_norm, "none": _no_norm}
+)
 
 
 def resolve_activation(activation: str | float) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -14,7 +14,9 @@ class MyGate:
     ...
 ```
 
-The registry is the only place that maps a recorded class name to a class.
+The registry is the only place that maps a recorded class name to a class. It also tells which
+registered gates keep a fixed number ``k`` of experts per token ([`top_k_gates`][mumoe_tn.gates.registry.top_k_gates]),
+the gates distillation offers: a user's registered top-k gate is offered with the shipped ones.
 """
 
 from __future__ import annotations
@@ -22,9 +24,21 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-__all__ = ["gate_class", "gate_class_name", "register_gate", "registered_gates", "unregister_gate"]
+from mumoe_tn.registry import Registry
 
-_GATES: dict[str, type] = {}
+__all__ = [
+    "GATES",
+    "gate_class",
+    "gate_class_name",
+    "gate_short_name",
+    "register_gate",
+    "registered_gates",
+    "top_k_gates",
+    "unregister_gate",
+]
+
+#: The registered gate descriptor classes by ``module.QualifiedName`` (a [`Registry`][mumoe_tn.registry.Registry]).
+GATES: Registry[str, type] = Registry("gate class")
 
 _Class = TypeVar("_Class", bound=type)
 
@@ -68,25 +82,46 @@ def register_gate(cls: _Class, *, replace: bool = False) -> _Class:
     if missing:
         raise TypeError(f"the gate descriptor class {cls.__qualname__} lacks {missing} (see mumoe_tn.gates.GateSpec)")
     name = gate_class_name(cls)
-    known = _GATES.get(name)
+    known = GATES.get(name)
     if known is not None and known is not cls and not replace:
         raise ValueError(f"another gate class is registered as {name!r} ({known!r}); pass replace=True")
-    _GATES[name] = cls
-    return cls
+    return GATES.register(name, cls, replace=True)
 
 
 def unregister_gate(cls: type) -> None:
     """Remove ``cls`` from the allow-list (e.g. at the end of a test); a class never registered is ignored."""
     name = gate_class_name(cls)
-    if _GATES.get(name) is cls:
-        del _GATES[name]
+    if GATES.get(name) is cls:
+        GATES.unregister(name)
 
 
 def gate_class(name: str) -> type | None:
     """The registered gate descriptor class recorded as ``name``, or None (nothing is imported)."""
-    return _GATES.get(name) if isinstance(name, str) else None
+    return GATES.get(name) if isinstance(name, str) else None
 
 
 def registered_gates() -> list[str]:
     """Sorted qualified names of the registered gate descriptor classes."""
-    return sorted(_GATES)
+    return GATES.names()
+
+
+def gate_short_name(cls: type) -> str:
+    """A gate class's short name: its ``short_name`` class attribute, or its class name lower-cased."""
+    short = getattr(cls, "short_name", None)
+    return short if isinstance(short, str) and short else cls.__name__.lower()
+
+
+def top_k_gates() -> dict[str, type]:
+    """The registered gate classes that keep ``k`` experts per token, by short name.
+
+    A gate class is a top-k gate when it has a dataclass field ``k`` (experts kept per token, one
+    int or one per mode); it is built as ``cls(k=k)``. ``TopKGate`` is ``"softmax"`` and
+    ``ReLUTopKGate`` ``"relu"``.
+
+    Returns
+    -------
+    dict
+        Short name → class, sorted by name.
+    """
+    found = {gate_short_name(cls): cls for cls in GATES.values() if any(f.name == "k" for f in dataclasses.fields(cls))}
+    return dict(sorted(found.items()))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.registry import register_gate
@@ -211,6 +211,7 @@ class TopKGate(_LinearLogits):
         dispatch fractions.
     """
 
+    short_name: ClassVar[str] = "softmax"
     k: int | tuple[int, ...] = 1
     norm: str = "none"
     init: str = "default"
@@ -277,6 +278,7 @@ class ReLUTopKGate(_LinearLogits):
         gradient.
     """
 
+    short_name: ClassVar[str] = "relu"
     k: int | tuple[int, ...] = 1
     bias: bool = True
     norm: str = "none"

@@ -9,36 +9,38 @@
   [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP], drop-ins for MLP blocks.
 - [`decoders`][mumoe_tn.layers.decoders]: [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders], an MLP
   block with a dense encoder and a μMoE decoder (the Mixture of Decoders layer, GLU variant too).
-- [`transcoders`][mumoe_tn.layers.transcoders]: [`Transcoder`][mumoe_tn.layers.transcoders.Transcoder], the
-  TopK/ReLU (skip) transcoder a distilled μMoE block is compared with.
-- [`options`][mumoe_tn.layers.options] and [`init`][mumoe_tn.layers.init]: the arguments every layer shares,
-  and the initialisation of any network's cores.
+- [`options`][mumoe_tn.layers.options] and [`init`][mumoe_tn.layers.init]: the options every layer shares
+  ([`LayerOptions`][mumoe_tn.layers.options.LayerOptions], documented once), and the initialisation of any
+  network's cores.
 - [`groups`][mumoe_tn.layers.groups]: [`parameter_groups`][mumoe_tn.layers.groups.parameter_groups], optimiser
   groups for the gates, the expert-mode cores and the rest.
 """
 
+from mumoe_tn.deprecation import moved_names
 from mumoe_tn.layers.base import GATE_INPUTS, MuMoEBase
 from mumoe_tn.layers.decoders import MixtureOfDecoders, decoder_block_parameters
 from mumoe_tn.layers.experts import COMPILE_PLAN_BATCH, FactorizedExperts
 from mumoe_tn.layers.groups import PARAMETER_KINDS, parameter_groups
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP, gated_mlp_parameters
 from mumoe_tn.layers.moe import MuMoE
-from mumoe_tn.layers.options import resolve_network
-from mumoe_tn.layers.transcoders import Transcoder
+from mumoe_tn.layers.options import LayerOptions, resolve_network
 
 __all__ = [
     "COMPILE_PLAN_BATCH",
     "GATE_INPUTS",
     "PARAMETER_KINDS",
     "FactorizedExperts",
+    "LayerOptions",
     "MixtureOfDecoders",
     "MuMoE",
     "MuMoEBase",
     "MuMoEGatedMLP",
     "MuMoEMLP",
-    "Transcoder",
     "decoder_block_parameters",
     "gated_mlp_parameters",
     "parameter_groups",
     "resolve_network",
 ]
+
+# The transcoders moved to mumoe_tn.distillation.transcoders.
+__getattr__ = moved_names(__name__, {"Transcoder": "mumoe_tn.distillation.transcoders"})

@@ -18,7 +18,10 @@ from mumoe_tn.layers.fused import FusedProjection, FusedProjections, LeanCoeffic
 from mumoe_tn.masking import current_token_mask, resolve_token_mask
 from mumoe_tn.validation import check_bool
 
-__all__ = ["GATE_INPUTS", "MuMoEBase"]
+__all__ = ["A_LAYER", "GATE_INPUTS", "MuMoEBase"]
+
+#: What a μMoE layer is, in the library's errors about an argument that must be one.
+A_LAYER = "a μMoE layer (MuMoE, MuMoEMLP, MuMoEGatedMLP, MixtureOfDecoders)"
 
 #: What the gate of a layer reads: the experts' (normalised) input, or the raw input.
 GATE_INPUTS = ("normed", "raw")

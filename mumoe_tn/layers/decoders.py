@@ -28,10 +28,10 @@ from mumoe_tn.costs.baselines import linear as linear_cost
 from mumoe_tn.costs.baselines import mlp as mlp_cost
 from mumoe_tn.costs.matching import match_exact
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, resolve_network
-from mumoe_tn.gates.specs import GateSpec, gate_from_options, gate_parameter_count
+from mumoe_tn.gates.specs import GateSpec, gate_parameter_count
 from mumoe_tn.layers.base import MuMoEBase
-from mumoe_tn.layers.experts import MAX_PLANS, FactorizedExperts
-from mumoe_tn.layers.options import EXACT, Match, check_factory, check_match_only_options, match_target
+from mumoe_tn.layers.experts import FactorizedExperts
+from mumoe_tn.layers.options import EXACT, LayerOptions, Match, check_match_only_options, match_target
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_bool
 
@@ -98,21 +98,18 @@ class MixtureOfDecoders(MuMoEBase):
         a decoder without bonds (``"mxd"``) is matched by its number of experts, or, with
         ``expert_dims`` given, by the hidden width (an MxD block holds the MLP's matrices and its
         experts besides, so at equal parameters its hidden layer is narrower).
-    match_bonds : Sequence[str], optional
-        The labels ``match=`` scales (default: the format's).
-    rank_multiple : int, optional
-        With ``match=``, a multiple for the scaled labels.
-    bias : bool, optional
-        Encoder biases and the output bias ``b_out`` (default True).
     gated : bool, optional
         The GLU variant: ``h = φ(E_g x + b_g) ⊙ (E_u x + b_u)`` (SwiGLU with φ = SiLU).
-    activation, gate_norm, gate_init, gate, gate_input, input_norm : optional
-        The gate, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE]; the authors' gate is
-        ``gate=ReLUTopKGate(k)`` (top-k of ``ReLU(G x + b)``, not renormalised).
     hidden_activation : nn.Module, optional
         ``φ`` (default ``nn.GELU()``, or ``nn.SiLU()`` with ``gated=True``).
-    init, expert_noise, optimize, max_plans, memory_limit, device, dtype, **decomposition_options
-        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE]; ``init`` concerns the decoder.
+    options : LayerOptions, optional
+        The options every μMoE layer shares ([`LayerOptions`][mumoe_tn.layers.options.LayerOptions]);
+        here ``match_bonds`` names the labels ``match=`` scales, ``bias`` is the encoder biases and
+        the output bias ``b_out``, ``init`` concerns the decoder, and the authors' gate is
+        ``gate=ReLUTopKGate(k)`` (top-k of ``ReLU(G x + b)``, not renormalised).
+    **keywords
+        Fields of ``LayerOptions`` by name, and the builder's options, as for
+        [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes
     ----------
@@ -144,28 +141,16 @@ class MixtureOfDecoders(MuMoEBase):
         rank: Rank | None = None,
         *,
         match: Match = None,
-        match_bonds: Sequence[str] | None = None,
-        rank_multiple: int = 1,
-        bias: bool = True,
         gated: bool = False,
-        activation: str | float | None = None,
-        gate_norm: str | None = None,
-        gate_init: str | None = None,
-        gate: GateSpec | None = None,
-        gate_input: str = "normed",
-        input_norm: bool = False,
         hidden_activation: nn.Module | None = None,
-        init: str = "auto",
-        expert_noise: Sequence[float] | None = None,
-        optimize: Any = "auto",
-        max_plans: int = MAX_PLANS,
-        memory_limit: int | str | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **decomposition_options: Any,
+        options: LayerOptions | None = None,
+        **keywords: Any,
     ) -> None:
         super().__init__()
-        factory = check_factory(device, dtype)
+        options, decomposition_options = LayerOptions.from_keywords(options, keywords)
+        bias, input_norm = options.bias, options.input_norm
+        match_bonds, rank_multiple = options.match_bonds, options.rank_multiple
+        factory = options.factory()
         check_bool("bias", bias)
         check_bool("gated", gated)
         out_features = in_features if out_features is None else out_features
@@ -173,7 +158,7 @@ class MixtureOfDecoders(MuMoEBase):
             raise TypeError(
                 f"hidden_activation must be an nn.Module instance such as nn.GELU(), got {hidden_activation!r}"
             )
-        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+        gate = options.gate_spec()
         if expert_dims is None and match is None:
             raise TypeError("MixtureOfDecoders needs expert_dims, or match= to choose them")
         if isinstance(rank, str) and rank == EXACT:
@@ -191,27 +176,18 @@ class MixtureOfDecoders(MuMoEBase):
             names = scaled_bonds(network, match_bonds)
             if expert_dims is not None and set(names) <= set(network.expert_legs):
                 names = ("i",)  # the experts are given and there is no bond: the hidden width is solved
-            options = {"gated": gated, "bias": bias, "gate": gate, "input_norm": input_norm}
-            network = self._matched(network, in_features, match, names, rank_multiple, options)
+            counted = {"gated": gated, "bias": bias, "gate": gate, "input_norm": input_norm}
+            network = self._matched(network, in_features, match, names, rank_multiple, counted)
         else:
             check_match_only_options(match_bonds, rank_multiple)
         self.hidden_features, self.out_features, self.gated = network.in_features, out_features, gated
         hidden_features = network.in_features
-        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        gating = {"gate": gate, "gate_input": options.gate_input, "input_norm": input_norm, "factory": factory}
         # The decoder's bias is outside the experts (b_out), so nothing is folded into its leg i.
         self._setup_gate(in_features, network.expert_dims, bias=False, **gating)
         self.up_proj = nn.Linear(in_features, hidden_features, bias=bias, **factory)
         self.gate_proj = nn.Linear(in_features, hidden_features, bias=bias, **factory) if gated else None
-        self.decoder = FactorizedExperts(
-            network,
-            init=init,
-            fan_in=hidden_features,
-            expert_noise=expert_noise,
-            optimize=optimize,
-            max_plans=max_plans,
-            memory_limit=memory_limit,
-            **factory,
-        )
+        self.decoder = FactorizedExperts(network, fan_in=hidden_features, **options.expert_options())
         self.output_bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
         default = nn.SiLU if gated else nn.GELU
         self.hidden_activation = default() if hidden_activation is None else hidden_activation

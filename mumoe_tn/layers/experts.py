@@ -31,6 +31,7 @@ from mumoe_tn.contractions.prepared import PreparedPlan
 from mumoe_tn.contractions.saved import read_plans, write_plans
 from mumoe_tn.layers.init import INIT_RULES, check_expert_noise, init_cores
 from mumoe_tn.layers.options import (
+    MAX_PLANS,
     check_allocatable,
     check_factory,
 )
@@ -43,9 +44,6 @@ _MAX_FAN_IN = 1 << 40
 
 #: Batch size of the plan used while ``torch.compile`` traces a layer (made at construction).
 COMPILE_PLAN_BATCH = 1024
-
-#: Default size of a layer's plan cache: one slot per batch-size bucket (a power of two) and mode.
-MAX_PLANS = 64
 
 #: Smallest batch bucket whose inference runs on the padded cores (see ``pad_bonds``): below it the
 #: products are matrix-vector-like, bound by reading the cores, and padding only adds bytes (on the

@@ -17,28 +17,18 @@ learning rate, so the defaults stay at 1×.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from mumoe_tn.layers.base import MuMoEBase
 from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.network import is_expert_leg
+from mumoe_tn.validation import check_positive_float
 
 __all__ = ["PARAMETER_KINDS", "parameter_groups"]
 
 #: The group names, in the order the groups are returned.
 PARAMETER_KINDS = ("gates", "expert cores", "rest")
-
-
-def _check_positive(name: str, value: object, *, zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < 0 or (value == 0 and not zero):
-        bound = "≥ 0" if zero else "> 0"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
-    return float(value)
 
 
 def parameter_groups(
@@ -88,18 +78,18 @@ def parameter_groups(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    lr = _check_positive("lr", lr)
+    lr = check_positive_float("lr", lr)
     scales = {
-        "gates": _check_positive("gate_lr_scale", gate_lr_scale),
-        "expert cores": _check_positive("core_lr_scale", core_lr_scale),
+        "gates": check_positive_float("gate_lr_scale", gate_lr_scale),
+        "expert cores": check_positive_float("core_lr_scale", core_lr_scale),
         "rest": 1.0,
     }
-    decay = _check_positive("weight_decay", weight_decay, zero=True)
+    decay = check_positive_float("weight_decay", weight_decay, allow_zero=True)
     decays = {"gates": decay, "expert cores": decay, "rest": decay}
     for kind, name, value in (("gates", "gate_weight_decay", gate_weight_decay),
                               ("expert cores", "core_weight_decay", core_weight_decay)):  # fmt: skip
         if value is not None:
-            decays[kind] = _check_positive(name, value, zero=True)
+            decays[kind] = check_positive_float(name, value, allow_zero=True)
     kind_of: dict[int, str] = {}
     for module in model.modules():
         if isinstance(module, MuMoEBase):

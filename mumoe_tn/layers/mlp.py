@@ -12,13 +12,13 @@ from mumoe_tn.costs import layer_parameters, linear, scaled_bonds, solve_rank
 from mumoe_tn.costs.baselines import mlp as mlp_cost
 from mumoe_tn.costs.matching import match_block
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
-from mumoe_tn.gates.specs import GateSpec, gate_from_options
+from mumoe_tn.gates.specs import GateSpec
 from mumoe_tn.layers.base import MuMoEBase
-from mumoe_tn.layers.experts import MAX_PLANS, FactorizedExperts
+from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.layers.options import (
+    LayerOptions,
     Match,
     block_networks,
-    check_factory,
     match_target,
 )
 from mumoe_tn.network import ExpertNetwork
@@ -47,27 +47,14 @@ class _MLPBlock(MuMoEBase):
         rank: Rank | None = None,
         *,
         match: Match = None,
-        match_bonds: Sequence[str] | None = None,
-        rank_multiple: int = 1,
-        bias: bool = True,
-        activation: str | float | None = None,
-        gate_norm: str | None = None,
-        gate_init: str | None = None,
-        gate: GateSpec | None = None,
-        gate_input: str = "normed",
-        input_norm: bool = False,
         hidden_activation: nn.Module | None = None,
-        init: str = "auto",
-        expert_noise: Sequence[float] | None = None,
-        optimize: Any = "auto",
-        max_plans: int = MAX_PLANS,
-        memory_limit: int | str | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **decomposition_options: Any,
+        options: LayerOptions | None = None,
+        **keywords: Any,
     ) -> None:
         super().__init__()
-        factory = check_factory(device, dtype)
+        options, decomposition_options = LayerOptions.from_keywords(options, keywords)
+        bias, input_norm, rank_multiple = options.bias, options.input_norm, options.rank_multiple
+        factory = options.factory()
         out_features = in_features if out_features is None else out_features
         name = type(self).__name__
         if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
@@ -75,7 +62,7 @@ class _MLPBlock(MuMoEBase):
             raise TypeError(
                 f"hidden_activation must be an nn.Module instance such as {example}, got {hidden_activation!r}"
             )
-        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+        gate = options.gate_spec()
         sizes = (in_features, hidden_features, out_features)
 
         def matcher(first: ExpertNetwork, second: ExpertNetwork, match: Any, bonds: Any) -> tuple:
@@ -84,14 +71,13 @@ class _MLPBlock(MuMoEBase):
             return self._match_block(first, second, target, bonds, **options)
 
         first, second = block_networks(
-            decomposition, expert_dims, sizes, rank, match, match_bonds, rank_multiple,
+            decomposition, expert_dims, sizes, rank, match, options.match_bonds, rank_multiple,
             bias=bias, options=decomposition_options, layer=name, matcher=matcher,
         )  # fmt: skip
         self.hidden_features, self.out_features = hidden_features, out_features
-        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        gating = {"gate": gate, "gate_input": options.gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
-        layer = {"init": init, "expert_noise": expert_noise, "optimize": optimize, "max_plans": max_plans, **factory}
-        layer["memory_limit"] = memory_limit
+        layer = options.expert_options()
         self._build_layers(
             lambda net: FactorizedExperts(net, fan_in=in_features, **layer),
             lambda net: FactorizedExperts(net, fan_in=hidden_features, **layer),
@@ -144,21 +130,15 @@ class MuMoEMLP(_MLPBlock):
         Parameter-match instead: ``"mlp"`` matches the MLP block ``I → H → O`` (one rank for
         both layers, the one gate counted), an int is a budget, a float a fraction of the MLP
         block's parameters.
-    match_bonds : Sequence[str], optional
-        The bonds ``match=`` scales in both layers.
-    rank_multiple : int, optional
-        With ``match=``, give the scaled bonds a multiple of this (default 1; see
-        [`MuMoE`][mumoe_tn.layers.moe.MuMoE]).
-    bias : bool, optional
-        Fold a bias into both layers' input legs (default True).
-    activation, gate_norm, gate_init, gate, gate_input : optional
-        The one gate shared by both layers, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
-    input_norm : bool, optional
-        LayerNorm on the block's input first.
     hidden_activation : nn.Module, optional
         Non-linearity between the layers (default ``nn.GELU()``).
-    init, expert_noise, optimize, max_plans, memory_limit, device, dtype, **decomposition_options
-        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
+    options : LayerOptions, optional
+        The options every μMoE layer shares ([`LayerOptions`][mumoe_tn.layers.options.LayerOptions]);
+        here ``match_bonds`` and ``rank_multiple`` apply to both layers, ``bias`` folds a bias into
+        both layers' input legs and the one gate is shared by both layers.
+    **keywords
+        Fields of ``LayerOptions`` by name, and the builder's options, as for
+        [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes
     ----------
@@ -260,19 +240,15 @@ class MuMoEGatedMLP(_MLPBlock):
     match : "mlp" or int or float, optional
         Parameter-match the gated MLP block ``2·(I·H + H) + H·O + O`` (one rank for all three
         layers, the one gate counted), a parameter budget, or a fraction of the block's count.
-    match_bonds : Sequence[str], optional
-        The bonds ``match=`` scales (default: the format's, or every bond).
-    rank_multiple : int, optional
-        With ``match=``, give the scaled bonds a multiple of this (default 1; see
-        [`MuMoE`][mumoe_tn.layers.moe.MuMoE]).
-    bias : bool, optional
-        Fold a bias into every layer's input leg (default True; Llama's MLP has none).
-    gate, activation, gate_norm, gate_init, gate_input, input_norm : optional
-        The shared gate, as for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
     hidden_activation : nn.Module, optional
         The ``act`` of the gate projection (default ``nn.SiLU()``: SwiGLU).
-    init, expert_noise, optimize, max_plans, memory_limit, device, dtype, **decomposition_options
-        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
+    options : LayerOptions, optional
+        The options every μMoE layer shares ([`LayerOptions`][mumoe_tn.layers.options.LayerOptions]);
+        here ``bias`` folds a bias into every layer's input leg (Llama's MLP has none) and the one
+        gate is shared by the three layers.
+    **keywords
+        Fields of ``LayerOptions`` by name, and the builder's options, as for
+        [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
 
     Attributes
     ----------

@@ -10,14 +10,13 @@ import torch
 from mumoe_tn.costs.baselines import linear as linear_cost
 from mumoe_tn.costs.matching import match_exact, match_layer
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
-from mumoe_tn.gates.specs import GateSpec, gate_from_options
 from mumoe_tn.layers.base import MuMoEBase
-from mumoe_tn.layers.experts import MAX_PLANS, FactorizedExperts
+from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.layers.options import (
     EXACT,
+    LayerOptions,
     Match,
     check_allocatable,
-    check_factory,
     check_match_only_options,
     match_target,
     resolve_network,
@@ -60,51 +59,16 @@ class MuMoE(MuMoEBase):
         bond, Tucker and custom networks every bond) unless ``match_bonds`` names them; see
         [`mumoe_tn.costs.matching`][mumoe_tn.costs.matching] (a
         [`MatchingWarning`][mumoe_tn.costs.matching.MatchingWarning] reports a missed target or collapsed experts).
-    match_bonds : Sequence[str], optional
-        The bonds ``match=`` scales.
-    rank_multiple : int, optional
-        With ``match=``, give the scaled bonds a multiple of this (default 1). Matrix-multiply
-        kernels are markedly faster when inner sizes are multiples of the SIMD width or
-        tensor-core tile: 16 costs at most 8 rank units of parameter resolution and, e.g., takes
-        CP's matched ``R = 529`` (768 → 3072) to 528.
-    bias : bool, optional
-        Fold a per-expert bias into the input leg (default True).
-    activation : str or float, optional
-        Gate activation φ: ``"entmax15"`` (default), ``"sparsemax"``, ``"softmax"`` or an
-        entmax ``α`` (shorthand for ``gate=Gate(activation=…)``).
-    gate_norm : {"batch", "layer", "none"}, optional
-        Normalisation of the gate logits (default ``"batch"``, as in the paper). ``"batch"`` is not
-        causal: in training its statistics span every token of the batch, later positions included.
-        In an autoregressive model use ``"layer"`` (the paper's authors' advice) or ``"none"``;
-        [`convert`][mumoe_tn.conversion.convert.convert] does so for causal models.
-    gate_init : {"default", "zeros"}, optional
-        Gate projection init (default nn.Linear's; ``"zeros"`` starts every coefficient at 1/N).
-    gate : GateSpec, optional
-        A gate descriptor ([`Gate`][mumoe_tn.gates.specs.Gate],
-        [`TopKGate`][mumoe_tn.gates.specs.TopKGate] or your own); excludes the three options above.
-    gate_input : {"normed", "raw"}, optional
-        Gate on the experts' input (default; ``LayerNorm(x)`` with ``input_norm=True``) or on
-        the raw ``x`` (the authors' GPT-2 configuration); see [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules].
-    input_norm : bool, optional
-        Apply a LayerNorm (with affine parameters) to the input first (default False).
-    init : {"auto", "paper", "linear"}, optional
-        Core initialisation rule (see [`mumoe_tn.layers.init`][mumoe_tn.layers.init]).
-    expert_noise : Sequence[float], optional
-        ``σ_e`` per expert mode for the initialisation.
-    optimize : str or object, optional
-        Path optimizer for the factorized contraction (default ``"auto"``, see
-        [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]).
-    max_plans : int, optional
-        Size of the layer's plan cache: one slot per batch-size bucket (the next power of two) in
-        training and one in inference (default 64, every bucket from 1 to 2⁶³), see
-        [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
-    memory_limit : int or "max_input", optional
-        Most elements any intermediate of the contraction may hold (as for
-        [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]; default: the planner's bound).
-    device, dtype : optional
-        Factory arguments.
-    **decomposition_options
-        Passed to the named builder (e.g. ``expert_rank=`` for TR/TT).
+    options : LayerOptions, optional
+        The options every μMoE layer shares, documented in
+        [`LayerOptions`][mumoe_tn.layers.options.LayerOptions]: ``match_bonds``, ``rank_multiple``,
+        ``bias`` (default True), the gate (``activation``, ``gate_norm``, ``gate_init``, ``gate``,
+        ``gate_input``), ``input_norm``, ``init``, ``expert_noise``, ``optimize``, ``max_plans``,
+        ``memory_limit``, ``device`` and ``dtype``.
+    **keywords
+        Any field of [`LayerOptions`][mumoe_tn.layers.options.LayerOptions] by name (``bias=False``,
+        ``gate=TopKGate(2)``, ``device="cuda"``, …; these win over ``options``); every other keyword
+        is passed to the named builder (e.g. ``expert_rank=`` for TR/TT).
 
     Attributes
     ----------
@@ -126,27 +90,15 @@ class MuMoE(MuMoEBase):
         rank: Rank | None = None,
         *,
         match: Match = None,
-        match_bonds: Sequence[str] | None = None,
-        rank_multiple: int = 1,
-        bias: bool = True,
-        activation: str | float | None = None,
-        gate_norm: str | None = None,
-        gate_init: str | None = None,
-        gate: GateSpec | None = None,
-        gate_input: str = "normed",
-        input_norm: bool = False,
-        init: str = "auto",
-        expert_noise: Sequence[float] | None = None,
-        optimize: Any = "auto",
-        max_plans: int = MAX_PLANS,
-        memory_limit: int | str | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        **decomposition_options: Any,
+        options: LayerOptions | None = None,
+        **keywords: Any,
     ) -> None:
         super().__init__()
-        factory = check_factory(device, dtype)
-        gate = gate_from_options(gate, activation=activation, norm=gate_norm, init=gate_init)
+        options, decomposition_options = LayerOptions.from_keywords(options, keywords)
+        bias, input_norm = options.bias, options.input_norm
+        match_bonds, rank_multiple = options.match_bonds, options.rank_multiple
+        factory = options.factory()
+        gate = options.gate_spec()
         rank, match = split_rank_and_match(rank, match, "MuMoE")
         build_rank = 1 if match is not None and rank is None else rank
         network = resolve_network(
@@ -166,18 +118,9 @@ class MuMoE(MuMoEBase):
             check_match_only_options(match_bonds, rank_multiple)
         check_allocatable(network)
         self.out_features = out_features
-        gating = {"gate": gate, "gate_input": gate_input, "input_norm": input_norm, "factory": factory}
+        gating = {"gate": gate, "gate_input": options.gate_input, "input_norm": input_norm, "factory": factory}
         self._setup_gate(in_features, network.expert_dims, bias=bias, **gating)
-        self.experts = FactorizedExperts(
-            network,
-            init=init,
-            fan_in=in_features,
-            expert_noise=expert_noise,
-            optimize=optimize,
-            max_plans=max_plans,
-            memory_limit=memory_limit,
-            **factory,
-        )
+        self.experts = FactorizedExperts(network, fan_in=in_features, **options.expert_options())
 
     @property
     def network(self) -> ExpertNetwork:

@@ -1,9 +1,21 @@
-"""Checks and resolution of the arguments every μMoE layer shares (network, ranks, matching, factory)."""
+"""The options every μMoE layer shares, documented once, and the checks of the layers' arguments.
+
+[`LayerOptions`][mumoe_tn.layers.options.LayerOptions] holds what
+[`MuMoE`][mumoe_tn.layers.moe.MuMoE], [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP],
+[`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] and
+[`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] share: matching, bias, the gate,
+the input norm, initialisation, planning and the factory arguments. Each layer takes them as one
+``options=LayerOptions(…)``, as keywords (``bias=False``, ``gate=TopKGate(2)``), or both (the
+keywords win); a new shared option is one field here. The rest of the module resolves a layer's
+network, ranks and parameter budget.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,11 +23,14 @@ import torch
 from mumoe_tn.costs.matching import match_exact, resolve_target
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.decompositions.resolve import resolve_network as resolve_decomposition
+from mumoe_tn.gates.specs import GateSpec, gate_from_options
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
 __all__ = [
     "EXACT",
+    "MAX_PLANS",
+    "LayerOptions",
     "Match",
     "block_networks",
     "check_allocatable",
@@ -32,6 +47,125 @@ Match = str | int | float | None
 #: ``rank=EXACT``: the smallest ranks at which every expert can equal any matrix of the layer (see
 #: [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]), the ranks that make upcycling exact.
 EXACT = "exact"
+
+#: Default size of a layer's plan cache: one slot per batch-size bucket (the next power of two)
+#: in training and one in inference covers every bucket from 1 to 2⁶³.
+MAX_PLANS = 64
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """The options every μMoE layer shares (give them as ``options=`` or as keywords of the layer).
+
+    Attributes
+    ----------
+    match_bonds : Sequence[str], optional
+        The bonds ``match=`` scales (default: the format's choice — CP ``R``, TR/TT the
+        input–output bond, Tucker and custom networks every bond).
+    rank_multiple : int, optional
+        With ``match=``, give the scaled bonds a multiple of this (default 1). Matrix-multiply
+        kernels are markedly faster when inner sizes are multiples of the SIMD width or
+        tensor-core tile: 16 costs at most 8 rank units of parameter resolution and, e.g., takes
+        CP's matched ``R = 529`` (768 → 3072) to 528.
+    bias : bool, optional
+        Fold a per-expert bias into the input leg (default True; for a Mixture of Decoders, the
+        encoder biases and the output bias).
+    activation : str or float, optional
+        Gate activation φ: ``"entmax15"`` (default), ``"sparsemax"``, ``"softmax"`` or an
+        entmax ``α`` (shorthand for ``gate=Gate(activation=…)``).
+    gate_norm : {"batch", "layer", "none"}, optional
+        Normalisation of the gate logits (default ``"batch"``, as in the paper). ``"batch"`` is not
+        causal: in training its statistics span every token of the batch, later positions included.
+        In an autoregressive model use ``"layer"`` (the paper's authors' advice) or ``"none"``;
+        [`convert`][mumoe_tn.conversion.convert.convert] does so for causal models.
+    gate_init : {"default", "zeros"}, optional
+        Gate projection init (default nn.Linear's; ``"zeros"`` starts every coefficient at 1/N).
+    gate : GateSpec, optional
+        A gate descriptor ([`Gate`][mumoe_tn.gates.specs.Gate],
+        [`TopKGate`][mumoe_tn.gates.specs.TopKGate], [`ReLUTopKGate`][mumoe_tn.gates.specs.ReLUTopKGate]
+        or your own); excludes the three options above. A block's one gate is shared by its layers.
+    gate_input : {"normed", "raw"}, optional
+        Gate on the experts' input (default; ``LayerNorm(x)`` with ``input_norm=True``) or on
+        the raw ``x`` (the authors' GPT-2 configuration); see [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules].
+    input_norm : bool, optional
+        Apply a LayerNorm (with affine parameters) to the input first (default False).
+    init : {"auto", "paper", "linear"}, optional
+        Core initialisation rule (see [`mumoe_tn.layers.init`][mumoe_tn.layers.init]); for a Mixture
+        of Decoders, the decoder's.
+    expert_noise : Sequence[float], optional
+        ``σ_e`` per expert mode for the initialisation.
+    optimize : str or object, optional
+        Path optimizer for the factorized contraction (default ``"auto"``, see
+        [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]).
+    max_plans : int, optional
+        Size of the layer's plan cache: one slot per batch-size bucket (the next power of two) in
+        training and one in inference (default 64, every bucket from 1 to 2⁶³).
+    memory_limit : int or "max_input", optional
+        Most elements any intermediate of the contraction may hold (default: the planner's bound).
+    device, dtype : optional
+        Factory arguments.
+    """
+
+    match_bonds: Sequence[str] | None = None
+    rank_multiple: int = 1
+    bias: bool = True
+    activation: str | float | None = None
+    gate_norm: str | None = None
+    gate_init: str | None = None
+    gate: GateSpec | None = None
+    gate_input: str = "normed"
+    input_norm: bool = False
+    init: str = "auto"
+    expert_noise: Sequence[float] | None = None
+    optimize: Any = "auto"
+    max_plans: int = MAX_PLANS
+    memory_limit: int | str | None = None
+    device: torch.device | str | None = None
+    dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_keywords(cls, options: LayerOptions | None, keywords: dict[str, Any]) -> tuple[LayerOptions, dict]:
+        """``options`` updated with the keywords that name its fields, and the other keywords.
+
+        Parameters
+        ----------
+        options : LayerOptions or None
+            The layer's ``options=``.
+        keywords : dict
+            The layer's further keywords: fields of this class, and options of the decomposition's
+            builder (e.g. ``expert_rank=`` for TR/TT).
+
+        Returns
+        -------
+        tuple
+            ``(options, builder_options)``.
+        """
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"options must be a LayerOptions, got {type(options).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        given = {key: value for key, value in keywords.items() if key in names}
+        rest = {key: value for key, value in keywords.items() if key not in names}
+        base = options if options is not None else cls()
+        return (dataclasses.replace(base, **given) if given else base), rest
+
+    def factory(self) -> dict[str, Any]:
+        """``{"device": …, "dtype": …}``, checked (see [`check_factory`][mumoe_tn.layers.options.check_factory])."""
+        return check_factory(self.device, self.dtype)
+
+    def gate_spec(self) -> GateSpec:
+        """The gate descriptor: ``gate``, or one built from ``activation``, ``gate_norm`` and ``gate_init``."""
+        return gate_from_options(self.gate, activation=self.activation, norm=self.gate_norm, init=self.gate_init)
+
+    def expert_options(self) -> dict[str, Any]:
+        """The keywords of [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts] (the factory checked)."""
+        return {
+            "init": self.init,
+            "expert_noise": self.expert_noise,
+            "optimize": self.optimize,
+            "max_plans": self.max_plans,
+            "memory_limit": self.memory_limit,
+            **self.factory(),
+        }
 
 
 def resolve_network(

@@ -66,18 +66,18 @@ def test_a_step_moves_each_group_at_its_rate():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "error", "message"),
     [
-        ({"lr": 0.0}, r"lr must be > 0, got 0\.0"),
-        ({"lr": math.nan}, r"lr must be a finite number, got nan"),
-        ({"lr": 1.0, "core_lr_scale": -1}, r"core_lr_scale must be > 0, got -1"),
-        ({"lr": 1.0, "gate_lr_scale": True}, r"gate_lr_scale must be a finite number, got True"),
-        ({"lr": 1.0, "weight_decay": -0.1}, r"weight_decay must be ≥ 0, got -0\.1"),
-        ({"lr": 1.0, "core_weight_decay": "0"}, r"core_weight_decay must be a finite number, got '0'"),
+        ({"lr": 0.0}, ValueError, r"lr must be a finite number > 0, got 0\.0"),
+        ({"lr": math.nan}, ValueError, r"lr must be a finite number > 0, got nan"),
+        ({"lr": 1.0, "core_lr_scale": -1}, ValueError, r"core_lr_scale must be a finite number > 0, got -1"),
+        ({"lr": 1.0, "gate_lr_scale": True}, TypeError, r"gate_lr_scale must be a real number, got True"),
+        ({"lr": 1.0, "weight_decay": -0.1}, ValueError, r"weight_decay must be a finite number >= 0, got -0\.1"),
+        ({"lr": 1.0, "core_weight_decay": "0"}, TypeError, r"core_weight_decay must be a real number, got '0'"),
     ],
 )
-def test_bad_settings_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_settings_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
         parameter_groups(MuMoEMLP(4, 8, 4, 2, "cp", 2), **kwargs)
     with pytest.raises(TypeError, match=r"model must be an nn.Module, got list"):
         parameter_groups([], 1.0)

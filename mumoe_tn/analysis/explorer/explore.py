@@ -20,8 +20,8 @@ from mumoe_tn.analysis.outputs import decoder, logits_of
 from mumoe_tn.analysis.polysemanticity import class_polysemanticity
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
-from mumoe_tn.analysis.validation import check_callable, check_int, check_model, check_real, check_tensor
 from mumoe_tn.layers import MuMoEBase
+from mumoe_tn.validation import check_callable, check_int, check_model, check_real, check_tensor
 
 __all__ = ["Exploration", "explore"]
 

@@ -9,12 +9,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from mumoe_tn.conversion.distill import distill, normalised_mse, splice, spliced
-from mumoe_tn.conversion.faithfulness import evaluate_replacements
-from mumoe_tn.conversion.replacements import mode_split, mumoe_factory, transcoder_factory
-from mumoe_tn.conversion.streaming import ActivationBuffer, TokenWindows, select_blocks
-from mumoe_tn.costs.transcoders import match_transcoder, transcoder_parameters
-from mumoe_tn.layers.transcoders import Transcoder
+from mumoe_tn.costs.baselines import match_transcoder, transcoder_parameters
+from mumoe_tn.distillation.faithfulness import evaluate_replacements
+from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
+from mumoe_tn.distillation.streaming import ActivationBuffer, TokenWindows, select_blocks
+from mumoe_tn.distillation.training import distill, normalised_mse, splice, spliced
+from mumoe_tn.distillation.transcoders import Transcoder
 
 
 @pytest.fixture(autouse=True)

@@ -15,11 +15,11 @@ from hf_models import gpt2
 
 from mumoe_tn.cli import main
 from mumoe_tn.conversion.convert import convert
-from mumoe_tn.conversion.faithfulness import ZeroBlock, evaluate_replacements, next_token_loss
-from mumoe_tn.conversion.streaming import capture_blocks
-from mumoe_tn.costs.frontier import FrontierTable, ce_loss_score, plot_frontier
+from mumoe_tn.distillation.faithfulness import ZeroBlock, evaluate_replacements, next_token_loss
+from mumoe_tn.distillation.frontier import FrontierTable, ce_loss_score, plot_frontier
+from mumoe_tn.distillation.streaming import capture_blocks
+from mumoe_tn.distillation.transcoders import Transcoder
 from mumoe_tn.gates.specs import TopKGate
-from mumoe_tn.layers.transcoders import Transcoder
 
 BLOCK = "transformer.h.0.mlp"
 

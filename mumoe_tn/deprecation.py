@@ -1,0 +1,88 @@
+"""Old import paths kept for one release: modules and names that moved in the 0.3 layout.
+
+A moved module leaves a stub at its old path whose attributes forward, with a
+`DeprecationWarning` naming the new path, to the module that now holds them; a package that
+re-exported a moved name does the same for that name. The table of old and new paths is in
+``CHANGELOG.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["moved_module", "moved_names"]
+
+#: The release that removes the old paths.
+REMOVED_IN = "0.4"
+
+
+def _warn(old: str, new: str) -> None:
+    warnings.warn(
+        f"{old} moved to {new}; the old path is removed in mumoe_tn {REMOVED_IN}", DeprecationWarning, stacklevel=3
+    )
+
+
+def moved_module(old: str, new: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``__getattr__`` and ``__dir__`` for a module that moved from ``old`` to ``new``.
+
+    Parameters
+    ----------
+    old, new : str
+        Dotted module paths.
+
+    Returns
+    -------
+    tuple
+        ``(__getattr__, __dir__)`` to assign at the old module's top level.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(new), name, _MISSING)
+        if value is _MISSING:
+            raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {new!r})")
+        _warn(f"{old}.{name}", f"{new}.{name}")
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(getattr(importlib.import_module(new), "__all__", ()))
+
+    return __getattr__, __dir__
+
+
+def moved_names(
+    package: str, names: Mapping[str, str], fallback: Callable[[str], Any] | None = None
+) -> Callable[[str], Any]:
+    """``__getattr__`` for a package whose re-exported ``names`` moved to other modules.
+
+    Parameters
+    ----------
+    package : str
+        The package's dotted path.
+    names : Mapping[str, str]
+        Each moved name and the module that now holds it.
+    fallback : callable, optional
+        The package's own ``__getattr__`` for every other name.
+
+    Returns
+    -------
+    callable
+        The package's ``__getattr__``.
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            _warn(f"{package}.{name}", f"{names[name]}.{name}")
+            return getattr(importlib.import_module(names[name]), name)
+        if fallback is not None:
+            return fallback(name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+_MISSING = object()

@@ -1,0 +1,40 @@
+"""Distillation: MLP blocks of a trained model distilled into sparse replacements, spliced in and measured.
+
+- [`streaming`][mumoe_tn.distillation.streaming]: which blocks, their input/output activations
+  streamed from a model through a bounded buffer.
+- [`replacements`][mumoe_tn.distillation.replacements] and
+  [`transcoders`][mumoe_tn.distillation.transcoders]: what a block is distilled into — μMoE blocks
+  of any registered or custom network (a Mixture of Decoders for ``mxd``), TopK and skip
+  transcoders — all at one parameter budget.
+- [`training`][mumoe_tn.distillation.training]: the training loop over streamed activations
+  (resumable, seeded), splicing replacements into the model.
+- [`faithfulness`][mumoe_tn.distillation.faithfulness]: L0, normalised MSE and next-token loss
+  with the replacements spliced in, against the clean and zero-ablated model.
+- [`frontier`][mumoe_tn.distillation.frontier]: the sparsity–accuracy table and its plot.
+- [`study`][mumoe_tn.distillation.study]: a whole frontier run, as ``mumoe-tn distill`` runs it.
+"""
+
+from mumoe_tn.distillation.faithfulness import evaluate_replacements
+from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, ce_loss_score, plot_frontier
+from mumoe_tn.distillation.replacements import mumoe_factory, transcoder_factory
+from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
+from mumoe_tn.distillation.training import Distillation, distill, normalised_mse, splice, spliced
+from mumoe_tn.distillation.transcoders import Transcoder
+
+__all__ = [
+    "BlockInfo",
+    "Distillation",
+    "FrontierRow",
+    "FrontierTable",
+    "Transcoder",
+    "ce_loss_score",
+    "distill",
+    "evaluate_replacements",
+    "mumoe_factory",
+    "normalised_mse",
+    "plot_frontier",
+    "select_blocks",
+    "splice",
+    "spliced",
+    "transcoder_factory",
+]

@@ -1,0 +1,205 @@
+"""Factories of parameter-matched sparse replacements of an MLP block.
+
+They build what [`distill`][mumoe_tn.distillation.training.distill] trains.
+
+A factory takes a [`BlockInfo`][mumoe_tn.distillation.streaming.BlockInfo] and returns a module
+``(…, I) → (…, O)``. These build the replacements the field compares at one parameter budget:
+
+- [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]: a μMoE block of any format,
+  network or spec, flat or hierarchical, with a top-k gate, its ranks (or, for a Mixture of
+  Decoders, its hidden width) solved by the library's matcher: the block the format names for an
+  MLP ([`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] / [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP],
+  or [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] for ``"mxd"``), as
+  [`convert`][mumoe_tn.conversion.convert.convert] chooses it;
+- [`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory]: a TopK or ReLU
+  (skip) transcoder whose latent count is solved for the budget.
+
+A budget is a number of parameters, or a float: that multiple of the block's own parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from mumoe_tn.costs.baselines import match_transcoder
+from mumoe_tn.costs.matching import resolve_target
+from mumoe_tn.decompositions.resolve import Decomposition, format_of
+from mumoe_tn.distillation.streaming import BlockInfo
+from mumoe_tn.distillation.training import Factory
+from mumoe_tn.distillation.transcoders import Transcoder
+from mumoe_tn.gates.registry import top_k_gates
+from mumoe_tn.layers.decoders import MixtureOfDecoders
+from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
+from mumoe_tn.validation import check_size
+
+__all__ = ["mode_split", "mumoe_factory", "top_k_gate_names", "transcoder_factory"]
+
+
+def top_k_gate_names() -> tuple[str, ...]:
+    """What ``top_k`` may be: ``"auto"`` (the format's choice) and every registered top-k gate's short name.
+
+    The registered top-k gates are [`top_k_gates`][mumoe_tn.gates.registry.top_k_gates]: ``"relu"``
+    and ``"softmax"`` as shipped, and any gate class a user registers with a ``k`` field.
+    """
+    return ("auto", *top_k_gates())
+
+
+def mode_split(total: int, modes: int) -> tuple[int, ...]:
+    """``total`` as a product of ``modes`` factors as equal as possible, largest first.
+
+    ``64, 2 → (8, 8)``; ``32, 2 → (8, 4)``.
+
+    Parameters
+    ----------
+    total : int
+        The product (experts, or active experts per token).
+    modes : int
+        Number of factors.
+
+    Returns
+    -------
+    tuple of int
+    """
+    check_size("total", total)
+    check_size("modes", modes)
+    factors, rest = [], total
+    for left in range(modes, 1, -1):
+        target = math.log(rest) / left
+        small = [d for d in range(1, math.isqrt(rest) + 1) if rest % d == 0]
+        divisors = set(small) | {rest // d for d in small}
+        factor = min(divisors, key=lambda d: (abs(math.log(d) - target), -d))
+        factors.append(factor)
+        rest //= factor
+    factors.append(rest)
+    return tuple(sorted(factors, reverse=True))
+
+
+def _budget(budget: int | float, block: BlockInfo) -> int:
+    return resolve_target(budget, block.parameters)
+
+
+def mumoe_factory(
+    decomposition: Decomposition,
+    expert_dims: int | Sequence[int],
+    k: int | Sequence[int],
+    budget: int | float,
+    *,
+    layer: type[nn.Module] | None = None,
+    top_k: str = "auto",
+    **options: Any,
+) -> Factory:
+    """A factory of parameter-matched μMoE blocks with a top-k gate.
+
+    Parameters
+    ----------
+    decomposition : str or Format or ExpertNetwork or Callable
+        Any decomposition a μMoE block takes: a format name (``"cp"``, ``"tr"``, …), a custom
+        network or spec.
+    expert_dims : int or Sequence[int]
+        ``N`` (flat) or ``(N_1, …, N_E)`` (hierarchical).
+    k : int or Sequence[int]
+        Experts kept per token, per mode; with several modes an int is split by
+        [`mode_split`][mumoe_tn.distillation.replacements.mode_split] so that ``∏ k_e`` experts are
+        active. The gate is a softmax top-k ([`TopKGate`][mumoe_tn.gates.specs.TopKGate]), or for a
+        Mixture of Decoders the authors' ``TopK(ReLU(G x + b))``
+        ([`ReLUTopKGate`][mumoe_tn.gates.specs.ReLUTopKGate]), which may keep fewer than ``k``
+        where fewer logits are positive (see ``top_k``); ``gate=`` in ``options`` replaces it.
+    budget : int or float
+        Parameters of the block (its gate counted): an int, or a multiple of the replaced block's
+        parameters.
+    layer : type, optional
+        The block class, called as ``layer(I, H, O, expert_dims, decomposition, match=…, gate=…,
+        bias=…, hidden_activation=…, device=…, dtype=…, **options)``: any μMoE block class with
+        that constructor. By default the block the format names for an MLP (its ``mlp_block``):
+        [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] for a plain block,
+        [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one,
+        [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] (``gated=`` for a gated
+        block) for a decoder format such as ``"mxd"``.
+    top_k : str, optional
+        The top-k gate: ``"auto"`` (default) the gate the format names (its ``top_k_gate``: the
+        ReLU top-k for a Mixture of Decoders, the softmax top-k otherwise, and the softmax top-k
+        for a custom network), or the short name of any registered top-k gate (see
+        [`top_k_gate_names`][mumoe_tn.distillation.replacements.top_k_gate_names]) for every block.
+    **options
+        Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
+
+    Returns
+    -------
+    Factory
+    """
+    dims = (expert_dims,) if isinstance(expert_dims, int) else tuple(expert_dims)
+    if isinstance(k, int) and len(dims) > 1:
+        k = mode_split(k, len(dims))
+
+    fmt = format_of(decomposition)
+    decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
+    gates = top_k_gates()
+    if not isinstance(top_k, str) or top_k not in ("auto", *gates):
+        raise ValueError(f"top_k must be one of {list(top_k_gate_names())}, got {top_k!r}")
+    chosen = (fmt.top_k_gate if fmt is not None else "softmax") if top_k == "auto" else top_k
+    if chosen not in gates:
+        raise ValueError(
+            f"format {fmt.name!r} names the top-k gate {chosen!r}, which is not registered; "
+            f"registered top-k gates: {sorted(gates)}"
+        )
+    gate = options.pop("gate", None) or gates[chosen](k=k)
+
+    def build(block: BlockInfo) -> nn.Module:
+        activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)
+        extra = dict(options)
+        if decoders:
+            cls: type[nn.Module] = MixtureOfDecoders
+            extra["gated"] = block.kind == "gated"
+        else:
+            cls = layer or (MuMoEGatedMLP if block.kind == "gated" else MuMoEMLP)
+        return cls(
+            block.in_features, block.hidden_features, block.out_features, expert_dims, decomposition,
+            match=_budget(budget, block), gate=gate, bias=block.bias, hidden_activation=activation,
+            device=block.device, dtype=block.dtype, **extra,
+        )  # fmt: skip
+
+    return build
+
+
+def transcoder_factory(k: int | None, budget: int | float, *, skip: bool = False) -> Factory:
+    """A factory of (skip) transcoders whose latent count meets ``budget``.
+
+    Parameters
+    ----------
+    k : int or None
+        TopK latents kept per token; None for a ReLU transcoder (sparse through an L1 penalty).
+    budget : int or float
+        Parameters, or a multiple of the replaced block's parameters.
+    skip : bool, optional
+        A skip transcoder.
+
+    Returns
+    -------
+    Factory
+    """
+
+    def build(block: BlockInfo) -> nn.Module:
+        latents = match_transcoder(_budget(budget, block), block.in_features, block.out_features, skip=skip)
+        return Transcoder(
+            block.in_features, latents, block.out_features, k=k, skip=skip, device=block.device, dtype=block.dtype
+        )
+
+    return build
+
+
+def __getattr__(name: str) -> object:
+    if name == "TOP_K_GATES":  # a constant before every registered top-k gate was offered
+        warnings.warn(
+            "mumoe_tn.distillation.replacements.TOP_K_GATES is now top_k_gate_names() (every registered top-k "
+            "gate); the constant is removed in mumoe_tn 0.4",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return top_k_gate_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

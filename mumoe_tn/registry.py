@@ -1,0 +1,163 @@
+"""One registration idiom for every extension point of the library (torch-free).
+
+Formats, gate classes, gate activations, logit norms, layer adapters and gated-MLP layouts are
+each held in a [`Registry`][mumoe_tn.registry.Registry]: a read-only mapping from a name to what
+was registered, written only through [`register`][mumoe_tn.registry.Registry.register] (a call, or a
+decorator) and [`unregister`][mumoe_tn.registry.Registry.unregister]. A look-up of an unknown name
+([`lookup`][mumoe_tn.registry.Registry.lookup]) raises the library's ``ValueError`` listing the
+registered names. Each registry is reached by the
+package that owns it:
+
+| what | registry | front door |
+|---|---|---|
+| decomposition formats | `mumoe_tn.decompositions.registry.FORMATS` | ``class F(Format, name=…)``, `register` |
+| gate descriptor classes | `mumoe_tn.gates.registry.GATES` | ``@register_gate`` |
+| gate activations φ | `mumoe_tn.gates.modules.ACTIVATIONS` | ``ACTIVATIONS.register(name, fn)`` |
+| logit norms | `mumoe_tn.gates.modules.GATE_NORMS` | ``GATE_NORMS.register(name, factory)`` |
+| layer adapters | `mumoe_tn.conversion.adapters.ADAPTERS` | `register_adapter` |
+| gated-MLP child names | `mumoe_tn.conversion.blocks.GATED_LAYOUTS` | `register_gated_names` |
+
+Examples
+--------
+>>> from mumoe_tn.registry import Registry
+>>> colours = Registry("colour")
+>>> @colours.register("red")
+... def red():
+...     return "#f00"
+>>> colours["red"]()
+'#f00'
+>>> colours.lookup("blue")
+Traceback (most recent call last):
+...
+ValueError: unknown colour 'blue'; registered: ['red']
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Registry"]
+
+Key = TypeVar("Key", bound=Hashable)
+Value = TypeVar("Value")
+
+_UNSET: Any = object()
+
+
+class Registry(Mapping[Key, Value], Generic[Key, Value]):
+    """A named table of extensions: read like a mapping, written through `register`.
+
+    Parameters
+    ----------
+    kind : str
+        What the entries are, for messages (``"format"``, ``"gate activation"``).
+    normalize : callable, optional
+        Maps a key to its stored form (e.g. ``str.lower`` for case-insensitive names).
+    check : callable, optional
+        Called with ``(key, value)`` before an entry is stored; raises on a bad entry.
+    entries : Mapping, optional
+        The entries the library ships.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        normalize: Callable[[Any], Key] | None = None,
+        check: Callable[[Key, Value], None] | None = None,
+        entries: Mapping[Key, Value] | None = None,
+    ) -> None:
+        self.kind = kind
+        self._normalize = normalize
+        self._check = check
+        self._entries: dict[Key, Value] = {}
+        for key, value in (entries or {}).items():
+            self.register(key, value)
+
+    def _key(self, key: Any) -> Key:
+        return self._normalize(key) if self._normalize is not None else key
+
+    def register(self, key: Any, value: Value = _UNSET, *, replace: bool = False) -> Any:
+        """Store ``value`` under ``key``; without ``value``, a decorator that stores what it decorates.
+
+        Parameters
+        ----------
+        key : hashable
+            The name (normalised as the registry says).
+        value : optional
+            What to register; omit it to use ``register(key)`` as a decorator.
+        replace : bool, optional
+            Replace an entry already registered under ``key`` (default: raise).
+
+        Returns
+        -------
+        object
+            ``value`` (or the decorator).
+
+        Raises
+        ------
+        ValueError
+            If ``key`` is taken by another entry and ``replace`` is False.
+        """
+        if value is _UNSET:
+
+            def decorate(target: Value) -> Value:
+                self.register(key, target, replace=replace)
+                return target
+
+            return decorate
+        stored = self._key(key)
+        if self._check is not None:
+            self._check(stored, value)
+        known = self._entries.get(stored, _UNSET)
+        if known is not _UNSET and known is not value and not replace:
+            raise ValueError(f"a {self.kind} is already registered as {stored!r} ({known!r}); pass replace=True")
+        self._entries[stored] = value
+        return value
+
+    def unregister(self, key: Any) -> None:
+        """Remove the entry under ``key``; a key never registered is ignored."""
+        self._entries.pop(self._key(key), None)
+
+    def lookup(self, key: Any) -> Value:
+        """The entry under ``key``, or a ValueError naming the key and listing the registered names."""
+        try:
+            return self._entries[self._key(key)]
+        except (KeyError, TypeError, AttributeError):
+            raise ValueError(f"unknown {self.kind} {key!r}; registered: {self.names()}") from None
+
+    def names(self) -> list[Any]:
+        """The registered keys, sorted where they sort (else in registration order)."""
+        try:
+            return sorted(self._entries)
+        except TypeError:
+            return list(self._entries)
+
+    def __getitem__(self, key: Any) -> Value:
+        return self._entries[self._key(key)]
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            return self._key(key) in self._entries
+        except (TypeError, AttributeError):
+            return False
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __setitem__(self, key: Any, value: Value) -> None:
+        # Registries were plain dicts before: item assignment still registers, with a warning.
+        warnings.warn(
+            f"assigning to the {self.kind} registry is deprecated; use .register({key!r}, value)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.register(key, value, replace=True)
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} registry: {self.names()}>"
