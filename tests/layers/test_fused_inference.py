@@ -162,3 +162,19 @@ def test_inputs_of_other_shapes_batches_and_dtypes_each_get_checked_programs():
             layer(torch.randn(2, 6))
         with pytest.raises(ValueError, match=r"\(\.\.\., 6\)"):
             layer(torch.randn(2, 5, dtype=DTYPE))
+
+
+@pytest.mark.parametrize("decomposition", ["cp", "tr", "tucker", "mxd"])
+@pytest.mark.parametrize("gate_norm", ["batch", "layer"])
+def test_training_gradients_pass_gradcheck_in_float64(decomposition, gate_norm):
+    torch.manual_seed(0)
+    rank = None if decomposition == "mxd" else 2
+    layer = MuMoE(4, 3, 3, decomposition, rank, gate_norm=gate_norm, activation="softmax", dtype=DTYPE).train()
+    names = [name for name, _ in layer.named_parameters()]
+    x = torch.randn(5, 4, dtype=DTYPE, requires_grad=True)
+    parameters = tuple(p.detach().clone().requires_grad_(True) for p in layer.parameters())
+
+    def call(x, *values):
+        return torch.func.functional_call(layer, dict(zip(names, values, strict=True)), (x,))
+
+    assert torch.autograd.gradcheck(call, (x, *parameters))
