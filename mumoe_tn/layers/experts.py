@@ -626,7 +626,9 @@ class _PreparedCores:
                 self._constants, self._executors = {}, {}
                 self._derived[False].clear()
                 missing = set(program.keys)
-            computed = constant_intermediates(program.plan, self.cores, missing)
+            # Every core-only step of the plan runs: a missing one may read another's result, which
+            # this plan's own steps must compute (a shared key says the same tensor, not the same step).
+            computed = constant_intermediates(program.plan, self.cores, set(program.keys))
             for number in missing:
                 self._constants[program.keys[number]] = computed[number]
         return {number: self._constants[key] for number, key in program.keys.items()}

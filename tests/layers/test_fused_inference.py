@@ -6,6 +6,7 @@ from its formula (projection, BatchNorm with the running statistics, the ``entma
 """
 
 import string
+import warnings
 
 import pytest
 import torch
@@ -178,3 +179,18 @@ def test_training_gradients_pass_gradcheck_in_float64(decomposition, gate_norm):
         return torch.func.functional_call(layer, dict(zip(names, values, strict=True)), (x,))
 
     assert torch.autograd.gradcheck(call, (x, *parameters))
+
+
+def test_buckets_whose_cached_core_steps_overlap_each_get_all_their_steps():
+    # The block's second layer at 64 rows caches one core-only product; at 1 row a larger
+    # intermediate built on that same product: the second bucket must still compute its own chain.
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # matching reports how close it came
+        block = MuMoEMLP(64, 256, 64, (4, 4), "cp", match="mlp", dtype=DTYPE)
+    _warm(block, 64)
+    for rows in (64, 1):
+        x = torch.randn(rows, 64, dtype=DTYPE)
+        with torch.no_grad():
+            y = block(x)
+        torch.testing.assert_close(y, block(x.clone().requires_grad_(True)).detach())
