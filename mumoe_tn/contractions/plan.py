@@ -785,6 +785,7 @@ def plan_inference(
     *,
     max_cached: int | None = None,
     memory_limit: int | str | None = None,
+    launch_fma: int = LAUNCH_FMA,
 ) -> tuple[ContractionPlan, frozenset[int]]:
     """Plan the forward pass for constant cores: cheapest call, core-only steps free.
 
@@ -807,6 +808,9 @@ def plan_inference(
         Most elements an intermediate computed per call may hold (see
         [`choose_plan`][mumoe_tn.contractions.plan.choose_plan]; the cached core-only results are bounded by
         ``max_cached``).
+    launch_fma : int, optional
+        What a step a call runs costs, in FMAs (default [`LAUNCH_FMA`][mumoe_tn.contractions.plan];
+        0: the fewest FMAs per call).
 
     Returns
     -------
@@ -842,7 +846,10 @@ def plan_inference(
         [plan for plan, _ in found],
         memory_limit,
         peak=lambda plan: per_call_peak(plan, cached[id(plan)]),
-        fma=lambda plan: (per_call_cost(plan, cached[id(plan)]), constant_elements(plan, cached[id(plan)])),
+        fma=lambda plan: (
+            per_call_cost(plan, cached[id(plan)], launch_fma),
+            constant_elements(plan, cached[id(plan)]),
+        ),
     )
     return chosen, cached[id(chosen)]
 
