@@ -2,32 +2,52 @@
 
 Run from the repository root::
 
-    python -m benchmarks.frontier                 # the full frontier: benchmarks/frontier-cpu.{json,md,png}
-                                                  #   and docs/img/frontier-cpu.png
+    python -m benchmarks.frontier                 # the claim: 3 seeds, paired intervals, one command to the table
+                                                  #   benchmarks/frontier-cpu.{json,md,png}, docs/img/frontier-cpu.png
     python -m benchmarks.frontier --quick         # a smoke run (writes to a temporary folder)
     python -m benchmarks.frontier --report-only   # rewrite the Markdown and the plot from the JSON
-    python -m benchmarks.frontier --merge FILE.json   # add the rows of another run of the same configuration
+    python -m benchmarks.frontier --merge FILE.json   # (one-seed tables) add the rows of another run
 
-It runs [`mumoe_tn.distillation.study.run_frontier`][mumoe_tn.distillation.study.run_frontier] at its
-defaults (the configuration ``mumoe-tn distill`` runs), one torch thread, and records the machine,
-the load average and the wall time next to the table. Needs the ``hf`` extra (transformers) and
-matplotlib.
+It runs [`mumoe_tn.distillation.study.run_frontier`][mumoe_tn.distillation.study.run_frontier] once per
+seed (each seed trains its own model, draws its own data windows and initialises its own
+replacements), ``--jobs`` seeds at a time, one torch thread each, with the Mixture of Decoders
+authors' recipe (``--recipe plain`` for the library's former one). The report gives, for every
+method and L0, the CE-loss score (mean over the blocks) with a Student-t interval over the seeds,
+and the paired differences against the TopK and the skip transcoder — per seed, so that what a
+seed does to both sides cancels — overall and per block, with the machine, the load average and
+the wall time from start to table. Needs the ``hf`` extra (transformers), scipy and matplotlib.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
 import platform
 import shutil
+import statistics
 import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 
+from benchmarks.quality_stats import paired_differences, t_interval
 from mumoe_tn.distillation.frontier import FrontierTable, plot_frontier
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
+
+#: The methods of the claim: MxD (flat and two modes) and the hierarchical CP and TR blocks against both transcoders.
+CLAIM_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp-hier", "tr-hier")
+
+#: The references every method is compared with, seed by seed.
+REFERENCES = ("transcoder", "skip-transcoder")
+
+#: Training tokens per replacement of the claim: what fits the 30-minute budget on 2 cores (see the report).
+CLAIM_TOKENS = 400_000
 
 HERE = Path(__file__).resolve().parent
 DOCS_IMAGE = HERE.parent / "docs" / "img" / "frontier-cpu.png"
@@ -43,7 +63,7 @@ def _machine() -> dict:
 
 
 def _family_summary(table: FrontierTable) -> list[str]:
-    """Mean CE-loss score and normalised MSE per method over blocks, by L0."""
+    """Mean CE-loss score (over the blocks where it is meaningful) and normalised MSE per method, by L0."""
     families = list(dict.fromkeys(row.family for row in table.rows))
     l0s = sorted({row.method.split("@")[1] for row in table.rows if "@" in row.method}, key=int)
     lines = ["| method | " + " | ".join(f"score @ L0={l0}" for l0 in l0s) + " | mean nMSE |",
@@ -51,7 +71,7 @@ def _family_summary(table: FrontierTable) -> list[str]:
     for family in families:
         cells = []
         for l0 in l0s:
-            rows = [row for row in table.rows if row.method == f"{family}@{l0}"]
+            rows = [row for row in table.rows if row.method == f"{family}@{l0}" and row.meaningful]
             cells.append(f"{sum(r.score for r in rows) / len(rows):.3f}" if rows else "")
         rows = [row for row in table.rows if row.family == family]
         cells.append(f"{sum(r.nmse for r in rows) / len(rows):.4f}")
@@ -94,19 +114,166 @@ def write_report(table: FrontierTable, out: Path, *, kind: str = "cpu") -> Path:
     return image
 
 
+def _run_seed(config: FrontierConfig) -> str:
+    """One seed's frontier as JSON (a worker process: one torch thread)."""
+    torch.set_num_threads(1)
+    return run_frontier(config, progress=False).to_json()
+
+
+def run_seeds(config: FrontierConfig, seeds: Sequence[int], jobs: int = 1) -> dict[int, FrontierTable]:
+    """The frontier of ``config`` for every seed, ``jobs`` seeds at a time."""
+    configs = [dataclasses.replace(config, seed=seed) for seed in seeds]
+    if jobs <= 1:
+        texts = [_run_seed(c) for c in configs]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            texts = list(pool.map(_run_seed, configs))
+    return {seed: FrontierTable.from_json(text) for seed, text in zip(seeds, texts, strict=True)}
+
+
+def _split(method: str) -> tuple[str, int] | None:
+    family, _, l0 = method.partition("@")
+    return (family, int(l0)) if l0.isdigit() else None
+
+
+def _scores(tables: Mapping[int, FrontierTable], key: str = "score") -> dict[tuple[str, int, str], dict[int, float]]:
+    """``(family, L0, block) -> seed -> value``, and ``(family, L0, "mean") ->`` the mean over blocks."""
+    values: dict[tuple[str, int, str], dict[int, float]] = {}
+    for seed, table in tables.items():
+        for record in table.records():
+            split = _split(record["method"])
+            if split is not None:
+                values.setdefault((*split, record["block"]), {})[seed] = float(record[key])
+    means: dict[tuple[str, int, str], dict[int, float]] = {}
+    for (family, l0, _), by_seed in values.items():
+        for seed in by_seed:
+            blocks = [v[seed] for (f, k, b), v in values.items() if f == family and k == l0 and seed in v]
+            means.setdefault((family, l0, "mean"), {})[seed] = statistics.fmean(blocks)
+    return {**values, **means}
+
+
+def _interval_cell(values: Sequence[float], digits: int = 3, mark: bool = False) -> str:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return "–"
+    interval = t_interval(finite)
+    if interval.n < 2:
+        return f"{interval.mean:.{digits}f}"
+    star = " *" if mark and interval.excludes_zero() else ""
+    return (
+        f"{interval.mean:+.{digits}f} [{interval.low:+.{digits}f}, {interval.high:+.{digits}f}]{star}"
+        if mark
+        else (f"{interval.mean:.{digits}f} [{interval.low:.{digits}f}, {interval.high:.{digits}f}]")
+    )
+
+
+def interval_tables(tables: Mapping[int, FrontierTable]) -> list[str]:
+    """The report's Markdown: scores with intervals, paired differences overall and per block, nMSE and dead units."""
+    scores, errors, dead = _scores(tables), _scores(tables, "nmse"), _scores(tables, "dead")
+    families = list(dict.fromkeys(key[0] for key in scores))
+    l0s = sorted({key[1] for key in scores})
+    blocks = sorted({key[2] for key in scores} - {"mean"})
+    header = ["| method | " + " | ".join(f"L0 = {l0}" for l0 in l0s) + " |", "|---|" + "---:|" * len(l0s)]
+
+    def row(name: str, cells: list[str]) -> str:
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    n = len(tables)
+    lines = [f"CE-loss score, mean over the blocks: mean and 95 % t-interval over {n} seeds.", "", *header]
+    for family in families:
+        cells = [_interval_cell(list(scores.get((family, l0, "mean"), {}).values())) for l0 in l0s]
+        lines.append(row(family, cells))
+    for reference in REFERENCES:
+        if reference not in families:
+            continue
+        lines += ["", f"Paired difference in CE-loss score, method − {reference} (per seed, then the 95 % "
+                  f"t-interval over {n} seeds; * where it excludes 0). Mean over the blocks, then each block:", "",
+                  *header]  # fmt: skip
+        for family in families:
+            if family == reference:
+                continue
+            for block in ["mean", *blocks]:
+                cells = []
+                for l0 in l0s:
+                    ours, theirs = scores.get((family, l0, block)), scores.get((reference, l0, block))
+                    if not ours or not theirs or not set(ours) & set(theirs):
+                        cells.append("–")
+                        continue
+                    cells.append(_interval_cell(paired_differences(ours, theirs, relative=False), mark=True))
+                lines.append(row(family if block == "mean" else f"{family}, `{block}`", cells))
+    lines += ["", f"Normalised MSE and dead units (of the evaluation tokens), mean over the blocks and {n} seeds:", "",
+              "| method | " + " | ".join(f"nMSE @ {l0} | dead @ {l0}" for l0 in l0s) + " |",
+              "|---|" + "---:|---:|" * len(l0s)]  # fmt: skip
+    for family in families:
+        cells = []
+        for l0 in l0s:
+            e, d = errors.get((family, l0, "mean"), {}), dead.get((family, l0, "mean"), {})
+            cells.append(f"{statistics.fmean(e.values()):.4f}" if e else "–")
+            cells.append(f"{statistics.fmean(d.values()):.1f}" if d else "–")
+        lines.append(row(family, cells))
+    return lines
+
+
+def write_seeds_report(tables: Mapping[int, FrontierTable], config: Mapping, out: Path, *, kind: str = "cpu") -> Path:
+    """Write ``frontier-{kind}.md`` and ``.png`` (the first seed's rows) for a run over seeds; returns the image."""
+    first = tables[min(tables)]
+    c = {**first.config, **config}
+    image = plot_frontier(first, out / f"frontier-{kind}.png", title=f"{first.title()} (seed {min(tables)})")
+    lines = [
+        "# Sparsity–accuracy frontier (generated by `python -m benchmarks.frontier`)",
+        "",
+        f"Model: {c.get('model', '?')}; blocks `{c.get('mlps', '?')}`; budget ≈{c.get('budget', 0):,} parameters per "
+        f"replacement (a transcoder of {c.get('expansion', '?')}×I latents); {c.get('trained_tokens', 0):,} training "
+        f"tokens each (batch {c.get('batch_size', '?')}, recipe `{c.get('recipe', '?')}`); "
+        f"{c.get('eval_tokens', 0):,} held-out tokens; μMoE blocks with {c.get('experts', '?')} experts (flat, or two "
+        f"modes for `-hier`), top-k gates. Seeds {', '.join(map(str, sorted(tables)))}: each trains its own model, "
+        "draws its own windows and initialises its own replacements.",
+        "",
+        f"Machine: {c.get('machine', '?')}; load average {c.get('load_average', '?')} at the start, "
+        f"{c.get('load_average_end', '?')} at the end; {c.get('jobs', 1)} seed(s) at a time; "
+        f"**{c.get('seconds', '?')} s from start to table**.",
+        "",
+        *interval_tables(tables),
+        "",
+        f"Every row of seed {min(tables)}:",
+        "",
+        first.to_markdown(),
+        "",
+    ]
+    (out / f"frontier-{kind}.md").write_text("\n".join(lines))
+    return image
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run (or re-report, or merge) the frontier; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run in a temporary folder")
     parser.add_argument("--report-only", action="store_true", help="rewrite the report and plot from the JSON")
-    parser.add_argument("--merge", metavar="FILE.json", help="add the rows of this frontier JSON to the stored one")
-    parser.add_argument("--methods", nargs="+", help="methods (default: the command's defaults)")
+    parser.add_argument(
+        "--merge", metavar="FILE.json", help="add the rows of this one-seed frontier JSON to the stored one"
+    )
+    parser.add_argument("--methods", nargs="+", help=f"methods (default {' '.join(CLAIM_METHODS)})")
+    parser.add_argument("--l0", dest="l0s", type=int, nargs="+", help="sparsities (default 8 16 32 64)")
+    parser.add_argument("--tokens", type=int, help=f"training tokens per replacement (default {CLAIM_TOKENS:,})")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default 0 1 2)")
+    parser.add_argument("--jobs", type=int, default=2, help="seeds run at a time, one thread each (default 2)")
+    parser.add_argument("--recipe", choices=("mxd-paper", "plain"), default="mxd-paper", help="training recipe")
     parser.add_argument("--top-k", choices=("auto", "softmax", "relu"), default="auto", help="the μMoE top-k gate")
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/, or a temporary one with --quick)")
     args = parser.parse_args(argv)
+    if len(set(args.seeds)) != len(args.seeds) or args.jobs < 1:
+        raise SystemExit(f"--seeds must be distinct and --jobs positive, got {args.seeds} and {args.jobs}")
     out = args.out or (Path(tempfile.mkdtemp(prefix="frontier-")) if args.quick else HERE)
     stored = out / "frontier-cpu.json"
     if args.report_only or args.merge:
+        data = json.loads(stored.read_text())
+        if "runs" in data:
+            if args.merge:
+                raise SystemExit(f"{stored} holds a run over seeds: --merge adds one-seed tables only")
+            tables = {int(seed): FrontierTable.from_json(json.dumps(run)) for seed, run in data["runs"].items()}
+            image = write_seeds_report(tables, data.get("config", {}), out)
+            print(f"wrote {out / 'frontier-cpu.md'} and {image}")
+            return 0
         table = FrontierTable.from_json(stored.read_text())
         if args.merge:
             extra = FrontierTable.from_json(Path(args.merge).read_text())
@@ -120,17 +287,27 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds", "load_average", "machine")}]  # fmt: skip
             table = FrontierTable(kept + extra.rows, {**table.config, "methods": methods, "merged_runs": runs})
             stored.write_text(table.to_json() + "\n")
+        image = write_report(table, out)
     else:
-        torch.set_num_threads(1)
-        config = FrontierConfig.quick() if args.quick else FrontierConfig()
-        if args.methods:
-            config = dataclasses.replace(config, methods=tuple(args.methods))
-        config = dataclasses.replace(config, top_k=args.top_k)
+        start = time.perf_counter()
+        config = FrontierConfig.quick() if args.quick else FrontierConfig(methods=CLAIM_METHODS, tokens=CLAIM_TOKENS)
+        changes = {"top_k": args.top_k, "recipe": args.recipe}
+        changes.update({k: v for k, v in (("tokens", args.tokens), ("methods", args.methods), ("l0s", args.l0s))
+                        if v is not None})  # fmt: skip
+        for key in ("methods", "l0s"):
+            if key in changes:
+                changes[key] = tuple(changes[key])
+        config = dataclasses.replace(config, **changes)
+        torch.set_num_threads(1)  # what every seed's worker runs with, as the machine line says
         machine = _machine()
-        table = run_frontier(config, progress=True)
-        table = FrontierTable(table.rows, {**table.config, **machine, "load_average_end": _machine()["load_average"]})
-        stored.write_text(table.to_json() + "\n")
-    image = write_report(table, out)
+        tables = run_seeds(config, args.seeds, jobs=min(args.jobs, len(args.seeds)))
+        run_config = {
+            **machine, "load_average_end": _machine()["load_average"], "jobs": min(args.jobs, len(args.seeds)),
+            "seeds": list(args.seeds), "seconds": round(time.perf_counter() - start, 1),
+        }  # fmt: skip
+        runs = {str(seed): json.loads(table.to_json()) for seed, table in tables.items()}
+        stored.write_text(json.dumps({"config": run_config, "runs": runs}, indent=1) + "\n")
+        image = write_seeds_report(tables, run_config, out)
     if out == HERE and not args.quick:
         shutil.copyfile(image, DOCS_IMAGE)
     print(f"wrote {stored}, {out / 'frontier-cpu.md'} and {image}")

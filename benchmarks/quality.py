@@ -13,7 +13,7 @@ Run from the repository root::
 ``VARIANTS`` (a format added there is benchmarked here) once per seed, each in a process of its
 own with one thread, ``--parallel`` processes at a time. The μMoE blocks are parameter-matched
 to the MLP blocks by the library's matcher (``match="mlp"``: the MLP block's parameter count,
-the gate included). Every run writes its JSON file under ``benchmarks/quality/`` as soon as it
+the gate included). Every run writes its JSON file under ``benchmarks/data/quality/`` as soon as it
 has trained, and runs already in their study's folder (example, training length, factor) are not
 repeated, so an interrupted benchmark resumes.
 
@@ -50,6 +50,8 @@ from benchmarks.quality_stats import Interval, mean_std, paired_differences, t_i
 HERE = Path(__file__).resolve().parent
 COMMAND = "python -m benchmarks.quality"
 DOCS_PAGE = HERE.parent / "docs" / "results.md"
+#: The stored runs, one folder per study.
+RUNS = HERE / "data" / "quality"
 REFERENCE = "MLP"
 
 #: The paper's GPT-2 (OpenWebText) gaps to the MLP, in % of its validation loss.
@@ -409,7 +411,7 @@ def markdown(studies: list[dict], machine: str, factor_tables: bool = True) -> s
     """The whole report; without ``factor_tables``, factor studies appear only in the one-factor summary."""
     lines = [
         "# Quality at equal parameters", "",
-        f"`{COMMAND}` regenerates this file and `quality-cpu.png` from the runs under `benchmarks/quality/`.", "",
+        f"`{COMMAND}` regenerates this file and `quality-cpu.png` from the runs under `benchmarks/data/quality/`.", "",
         f"Measured on {machine}, with `{COMMAND}`. Gaps are paired by seed (the mean of the per-seed "
         "differences with its Student-t 95 % interval); steps/s is the median training step of one thread, "
         "two runs sharing the machine. The paper's GPT-2 gaps: CP +0.6 %, TR +0.35 %.", "",
@@ -534,7 +536,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=None, help="char-GPT curve points (default steps / 12)")
     parser.add_argument("--factor", default="", help="extra options of the example for every run (one factor)")
     parser.add_argument("--parallel", type=int, default=2, help="processes at a time, one thread each (default 2)")
-    parser.add_argument("--out", type=Path, default=None, help="folder of the runs (default benchmarks/quality)")
+    parser.add_argument("--out", type=Path, default=None, help="folder of the runs (default benchmarks/data/quality)")
     parser.add_argument("--report-only", action="store_true", help="rewrite report, plot and docs from the runs")
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the block in docs/results.md")
     args = parser.parse_args(argv)
@@ -549,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the studies not yet stored, then write the report, the plot and the docs block."""
     args = parse(argv)
     failed: list[Job] = []
-    out = args.out or (Path(tempfile.mkdtemp(prefix="mumoe-quality-")) if args.quick else HERE / "quality")
+    out = args.out or (Path(tempfile.mkdtemp(prefix="mumoe-quality-")) if args.quick else RUNS)
     out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         jobs = []

@@ -19,29 +19,40 @@ __all__ = ["moved_module", "moved_names"]
 REMOVED_IN = "0.4"
 
 
-def _warn(old: str, new: str) -> None:
+def _warn(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn, at the user's line that asked for ``old``, that it moved to ``new``."""
     warnings.warn(
-        f"{old} moved to {new}; the old path is removed in mumoe_tn {REMOVED_IN}", DeprecationWarning, stacklevel=3
+        f"{old} moved to {new}; the old path is removed in mumoe_tn {REMOVED_IN}",
+        DeprecationWarning,
+        stacklevel=stacklevel,
     )
 
 
-def moved_module(old: str, new: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def moved_module(
+    old: str, new: str, elsewhere: Mapping[str, str] | None = None
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for a module that moved from ``old`` to ``new``.
 
     Parameters
     ----------
     old, new : str
         Dotted module paths.
+    elsewhere : Mapping[str, str], optional
+        Names of the old module that went to another module or took a new name, each with its new
+        place as ``"module"`` or ``"module:new_name"``.
 
     Returns
     -------
     tuple
         ``(__getattr__, __dir__)`` to assign at the old module's top level.
     """
+    elsewhere = dict(elsewhere or {})
 
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        if name in elsewhere:
+            return _forward(old, name, elsewhere[name])
         value = getattr(importlib.import_module(new), name, _MISSING)
         if value is _MISSING:
             raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {new!r})")
@@ -49,7 +60,7 @@ def moved_module(old: str, new: str) -> tuple[Callable[[str], Any], Callable[[],
         return value
 
     def __dir__() -> list[str]:
-        return sorted(getattr(importlib.import_module(new), "__all__", ()))
+        return sorted({*getattr(importlib.import_module(new), "__all__", ()), *elsewhere})
 
     return __getattr__, __dir__
 
@@ -57,14 +68,15 @@ def moved_module(old: str, new: str) -> tuple[Callable[[str], Any], Callable[[],
 def moved_names(
     package: str, names: Mapping[str, str], fallback: Callable[[str], Any] | None = None
 ) -> Callable[[str], Any]:
-    """``__getattr__`` for a package whose re-exported ``names`` moved to other modules.
+    """``__getattr__`` for a module or package whose ``names`` moved to other modules or were renamed.
 
     Parameters
     ----------
     package : str
-        The package's dotted path.
+        The module's or package's dotted path.
     names : Mapping[str, str]
-        Each moved name and the module that now holds it.
+        Each moved or renamed name and its new place: ``"module"`` (same name) or
+        ``"module:new_name"``.
     fallback : callable, optional
         The package's own ``__getattr__`` for every other name.
 
@@ -76,13 +88,19 @@ def moved_names(
 
     def __getattr__(name: str) -> Any:
         if name in names:
-            _warn(f"{package}.{name}", f"{names[name]}.{name}")
-            return getattr(importlib.import_module(names[name]), name)
+            return _forward(package, name, names[name])
         if fallback is not None:
             return fallback(name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def _forward(old: str, name: str, place: str) -> Any:
+    """Warn that ``old.name`` moved to ``place`` (``"module"`` or ``"module:new_name"``) and return it there."""
+    module, _, new_name = place.partition(":")
+    _warn(f"{old}.{name}", f"{module}.{new_name or name}", stacklevel=4)
+    return getattr(importlib.import_module(module), new_name or name)
 
 
 _MISSING = object()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
+from mumoe_tn.deprecation import moved_names
 from mumoe_tn.validation import check_size
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ __all__ = [
     "ExpertNetwork",
     "expert_leg",
     "is_expert_leg",
-    "normalize_expert_dims",
+    "normalise_expert_dims",
     "physical_sizes",
 ]
 
@@ -528,14 +529,14 @@ def physical_sizes(expert_dims: int | Sequence[int], in_features: int, out_featu
     -------
     dict of str to int
     """
-    dims = normalize_expert_dims(expert_dims)
+    dims = normalise_expert_dims(expert_dims)
     sizes = {expert_leg(m): size for m, size in enumerate(dims, start=1)}
     sizes[INPUT_LEG] = check_size("in_features", in_features)
     sizes[OUTPUT_LEG] = check_size("out_features", out_features)
     return sizes
 
 
-def normalize_expert_dims(expert_dims: int | Sequence[int]) -> tuple[int, ...]:
+def normalise_expert_dims(expert_dims: int | Sequence[int]) -> tuple[int, ...]:
     """Return ``expert_dims`` as a non-empty tuple of positive ints.
 
     Parameters
@@ -552,3 +553,7 @@ def normalize_expert_dims(expert_dims: int | Sequence[int]) -> tuple[int, ...]:
     if isinstance(expert_dims, str) or not isinstance(expert_dims, Sequence) or not expert_dims:
         raise TypeError(f"expert_dims must be an int or a non-empty sequence of ints, got {expert_dims!r}")
     return tuple(check_size(f"expert_dims[{m}]", size) for m, size in enumerate(expert_dims))
+
+
+#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
+__getattr__ = moved_names("mumoe_tn.network", {"normalize_expert_dims": "mumoe_tn.network:normalise_expert_dims"})

@@ -16,6 +16,7 @@ package that owns it:
 | logit norms | `mumoe_tn.gates.modules.GATE_NORMS` | ``GATE_NORMS.register(name, factory)`` |
 | layer adapters | `mumoe_tn.conversion.adapters.ADAPTERS` | `register_adapter` |
 | gated-MLP child names | `mumoe_tn.conversion.blocks.GATED_LAYOUTS` | `register_gated_names` |
+| distillation loss terms | `mumoe_tn.distillation.losses.LOSSES` | ``class L(Loss, name=…)``, `register_loss` |
 
 Examples
 --------
@@ -53,7 +54,7 @@ class Registry(Mapping[Key, Value], Generic[Key, Value]):
     ----------
     kind : str
         What the entries are, for messages (``"format"``, ``"gate activation"``).
-    normalize : callable, optional
+    normalise : callable, optional
         Maps a key to its stored form (e.g. ``str.lower`` for case-insensitive names).
     check : callable, optional
         Called with ``(key, value)`` before an entry is stored; raises on a bad entry.
@@ -65,19 +66,19 @@ class Registry(Mapping[Key, Value], Generic[Key, Value]):
         self,
         kind: str,
         *,
-        normalize: Callable[[Any], Key] | None = None,
+        normalise: Callable[[Any], Key] | None = None,
         check: Callable[[Key, Value], None] | None = None,
         entries: Mapping[Key, Value] | None = None,
     ) -> None:
         self.kind = kind
-        self._normalize = normalize
+        self._normalise = normalise
         self._check = check
         self._entries: dict[Key, Value] = {}
         for key, value in (entries or {}).items():
             self.register(key, value)
 
     def _key(self, key: Any) -> Key:
-        return self._normalize(key) if self._normalize is not None else key
+        return self._normalise(key) if self._normalise is not None else key
 
     def register(self, key: Any, value: Value = _UNSET, *, replace: bool = False) -> Any:
         """Store ``value`` under ``key``; without ``value``, a decorator that stores what it decorates.

@@ -1,5 +1,6 @@
 """benchmarks/frontier.py: the report written from a frontier table, and merging a second run."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -39,3 +40,54 @@ def test_report_and_merge(tmp_path):
     (tmp_path / "other.json").write_text(_table(["tr"], clean=2.5).to_json())
     with pytest.raises(SystemExit, match="measured another model"):
         frontier.main(["--merge", str(tmp_path / "other.json"), "--out", str(tmp_path)])
+
+
+def _seed_table(seed):
+    """Block scores: transcoder 0.9 + 0.01·seed, mxd 0.02 above it at L0 8 and 0.01·(seed − 1) at L0 16."""
+    rows = []
+    for block in ("h.0.mlp", "h.1.mlp"):
+        for method, l0, score in (
+            ("transcoder", 8, 0.9 + 0.01 * seed),
+            ("transcoder", 16, 0.9 + 0.01 * seed),
+            ("mxd", 8, 0.92 + 0.01 * seed),
+            ("mxd", 16, 0.9 + 0.01 * seed + 0.01 * (seed - 1)),
+        ):
+            # CE clean 2, CE zero 3, so the score is 3 − CE spliced
+            rows.append(
+                FrontierRow(block, f"{method}@{l0}", 1000, float(l0), 0.01, 0.9, 2.0, 3.0 - score, 3.0, 1, 8, 9)
+            )
+    return FrontierTable(tuple(rows), {"seed": seed})
+
+
+def test_report_over_seeds_gives_paired_t_intervals(tmp_path):
+    from scipy import stats
+
+    runs = {str(seed): json.loads(_seed_table(seed).to_json()) for seed in (0, 1, 2)}
+    config = {"seconds": 61.5, "jobs": 2, "seeds": [0, 1, 2]}
+    (tmp_path / "frontier-cpu.json").write_text(json.dumps({"config": config, "runs": runs}))
+    assert frontier.main(["--report-only", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "frontier-cpu.md").read_text()
+    assert "61.5 s from start to table" in report
+    # transcoder scores 0.90, 0.91, 0.92: mean 0.91 ± t(0.975, 2)·0.01/√3
+    half = stats.t.ppf(0.975, 2) * 0.01 / 3**0.5
+    assert f"| transcoder | 0.910 [{0.91 - half:.3f}, {0.91 + half:.3f}] |" in report
+    # paired: mxd − transcoder is exactly 0.02 at L0 8 (a zero-width interval, excluding 0), −0.01/0/+0.01 at 16
+    half16 = stats.t.ppf(0.975, 2) * 0.01 / 3**0.5
+    assert f"| mxd | +0.020 [+0.020, +0.020] * | +0.000 [{-half16:+.3f}, {half16:+.3f}] |" in report
+    assert "| mxd, `h.0.mlp` | +0.020 [+0.020, +0.020] * |" in report
+    with pytest.raises(SystemExit, match="holds a run over seeds"):
+        frontier.main(["--merge", str(tmp_path / "frontier-cpu.json"), "--out", str(tmp_path)])
+
+
+def test_one_command_over_seeds(tmp_path):
+    """A tiny run from start to table: two seeds, two methods, one L0."""
+    argv = ["--quick", "--seeds", "0", "1", "--jobs", "1", "--methods", "transcoder", "mxd", "--l0", "2",
+            "--tokens", "512", "--out", str(tmp_path)]  # fmt: skip
+    assert frontier.main(argv) == 0
+    data = json.loads((tmp_path / "frontier-cpu.json").read_text())
+    assert sorted(data["runs"]) == ["0", "1"] and data["config"]["seconds"] > 0
+    first = FrontierTable.from_json(json.dumps(data["runs"]["0"]))
+    assert {row.method for row in first.rows} == {"transcoder@2", "mxd@2"}
+    assert first.config["recipe"] == "mxd-paper" and first.config["trained_tokens"] == 512
+    report = (tmp_path / "frontier-cpu.md").read_text()
+    assert "method − transcoder" in report and "| mxd |" in report

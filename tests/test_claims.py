@@ -126,12 +126,12 @@ def test_every_duration_in_the_text_is_measured_or_a_stated_limit(page):
 
 def _check_command(command: str) -> None:
     """The labelled command is one the reader can run with this checkout."""
-    from mumoe_tn.cli import _parser
+    from mumoe_tn.cli.main import build_parser
 
     argv = shlex.split(command)
     if argv[0] == "mumoe-tn":
         try:
-            _parser().parse_args(argv[1:])
+            build_parser().parse_args(argv[1:])
         except SystemExit as error:
             raise AssertionError(f"`{command}`: the command line does not parse") from error
         return
@@ -215,10 +215,10 @@ def test_the_plan_forward_default_the_home_page_states_is_the_codes():
 
 
 def test_the_command_line_page_counts_the_commands():
-    from mumoe_tn.cli import _parser
+    from mumoe_tn.cli.main import build_parser
 
     words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
-    (commands,) = (action for action in _parser()._actions if action.dest == "command")
+    (commands,) = (action for action in build_parser()._actions if action.dest == "command")
     assert f"`mumoe-tn` has {words[len(commands.choices)]} commands" in _text("docs/cli.md")
     assert all(f"`{name}`" in _text("docs/cli.md") for name in commands.choices)
 

@@ -59,8 +59,26 @@ def test_mixer_digits_mumoe_learns_like_the_mlp(examples):
 
 def test_demo_smoke(tmp_path):
     pytest.importorskip("sklearn")
-    from mumoe_tn.experiments.demo import format_rows, run_demo
+    from mumoe_tn.cli.demo_command import format_rows, run_demo
 
     rows = run_demo((4, 8), epochs=1, rank=4, plot=tmp_path / "p.png", progress=False)
     assert [r["experts"] for r in rows] == [4, 8] and (tmp_path / "p.png").exists()
     assert "| 8 |" in format_rows(rows)
+
+
+def test_train_base_model_is_the_model_distill_builds(examples, tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+    import train_base_model
+
+    from mumoe_tn.distillation.study import FrontierConfig, load_model, pretrain
+
+    result = train_base_model.main(["--quick", "--out", str(tmp_path / "base")])
+    assert result["after"] < result["before"] - 0.5  # it learns (uniform bytes: 5.545 nats)
+    config = FrontierConfig.quick()
+    built, tokens, _ = load_model(config)
+    pretrain(built, tokens[: int(0.9 * tokens.numel())], config, progress=False)
+    saved, _, description = load_model(FrontierConfig(model_dir=str(tmp_path / "base")))
+    assert "byte tokens" in description
+    for (name, mine), theirs in zip(saved.state_dict().items(), built.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), name

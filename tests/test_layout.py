@@ -6,8 +6,10 @@ checkers excluded, since they never run).
 
 import ast
 import importlib
+import io
 import pathlib
 import re
+import tokenize
 
 import networkx as nx
 import pytest
@@ -126,7 +128,7 @@ def test_distill_and_explore_are_reachable_from_the_top_level():
     assert mumoe_tn.explore is explore
 
 
-#: Public names at their 0.2 paths, each with the module that holds it now.
+#: Public names at their 0.2 paths, each with the module that holds it now (and its new name, if renamed).
 MOVED = {
     "mumoe_tn.conversion.distill:distill": "mumoe_tn.distillation.training",
     "mumoe_tn.conversion.distill:splice": "mumoe_tn.distillation.training",
@@ -140,16 +142,66 @@ MOVED = {
     "mumoe_tn.conversion:select_blocks": "mumoe_tn.distillation.streaming",
     "mumoe_tn.conversion:evaluate_replacements": "mumoe_tn.distillation.faithfulness",
     "mumoe_tn.layers:Transcoder": "mumoe_tn.distillation.transcoders",
+    "mumoe_tn.experiments.frontier:config_from": "mumoe_tn.cli.distill_command",
+    "mumoe_tn.experiments.frontier:configure_parser": "mumoe_tn.cli.distill_command:configure",
+    "mumoe_tn.experiments.demo:run_demo": "mumoe_tn.cli.demo_command",
+    "mumoe_tn.experiments.specialisation:run_experiment": "mumoe_tn.cli.specialisation_command",
+    "mumoe_tn.experiments.specialisation:configure_parser": "mumoe_tn.cli.specialisation_command:configure",
+    "mumoe_tn.design.command:run": "mumoe_tn.cli.design_command",
+    "mumoe_tn.design.command:configure_parser": "mumoe_tn.cli.design_command:configure",
+    "mumoe_tn.analysis.explorer.command:load_target": "mumoe_tn.cli.explore_command",
+    "mumoe_tn.design.search:design": "mumoe_tn.design.structure_search",
+    "mumoe_tn.gates.options:GATE_INITS": "mumoe_tn.gates.choices",
+    "mumoe_tn.network:normalize_expert_dims": "mumoe_tn.network:normalise_expert_dims",
+    "mumoe_tn.decompositions:normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks",
+    "mumoe_tn.decompositions.registry:normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks",
+    "mumoe_tn.contractions.dense:materialize": "mumoe_tn.contractions.dense:materialise",
+    "mumoe_tn.contractions:materialize": "mumoe_tn.contractions.dense:materialise",
+    "mumoe_tn:materialize": "mumoe_tn.contractions.dense:materialise",
+    "mumoe_tn.costs.flops:materialize_fma": "mumoe_tn.costs.flops:materialise_fma",
+    "mumoe_tn.costs:materialize_fma": "mumoe_tn.costs.flops:materialise_fma",
 }
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_old_paths_still_import_with_a_deprecation_warning(old):
     module_name, name = old.split(":")
-    new = importlib.import_module(MOVED[old])
-    with pytest.warns(DeprecationWarning, match=rf"moved to {re.escape(MOVED[old])}\.{name}"):
+    new_module, _, new_name = MOVED[old].partition(":")
+    new_name = new_name or name
+    new = importlib.import_module(new_module)
+    with pytest.warns(DeprecationWarning, match=rf"moved to {re.escape(new_module)}\.{new_name}"):
         value = getattr(importlib.import_module(module_name), name)
-    assert value is getattr(new, name)
+    assert value is getattr(new, new_name)
+
+
+def _is_stub(path):
+    """A module left at an old path: it only forwards to the new one (see mumoe_tn.deprecation)."""
+    return "moved_module(" in path.read_text()
+
+
+#: Basenames used with one meaning in several places: ``registry`` is the registry type
+#: (mumoe_tn.registry) and each package's registry of its own kind (formats, gate classes).
+SAME_MEANING = {"registry"}
+
+
+def test_module_names_are_unique_across_the_package():
+    seen = {}
+    for name, path in _modules().items():
+        basename = name.rsplit(".", 1)[-1]
+        if path.name == "__init__.py" or _is_stub(path) or basename in SAME_MEANING:
+            continue
+        seen.setdefault(basename, []).append(name)
+    assert {base: names for base, names in seen.items() if len(names) > 1} == {}
+
+
+def test_the_layout_page_draws_the_floors_this_file_enforces():
+    page = (ROOT.parent / "docs" / "layout.md").read_text()
+    diagram = page.split("```text\n", 1)[1].split("```", 1)[0]
+    drawn = {
+        match.group(2): int(match.group(1))
+        for match in re.finditer(r"^\s+(\d+)\s+([a-z_]+)(?:/|\.py)\s", diagram, flags=re.MULTILINE)
+    }
+    assert drawn == FLOORS
 
 
 #: Where formats and gates are defined and registered: the only code that may compare their names.
@@ -185,3 +237,27 @@ def test_no_code_outside_the_registries_compares_a_format_or_gate_name():
             if isinstance(node, ast.Compare) and any(value in names for value in _compared_strings(node)):
                 found.append(f"{relative}:{node.lineno}: {ast.unparse(node)}")
     assert found == [], "ask the format or gate instead of testing its name:\n" + "\n".join(found)
+
+
+#: The project's own words take British -ise spellings (CONTRIBUTING.md); these -ize stems are
+#: the project's words, so a name spelt with one of them breaks the rule.
+OWN_WORDS_IZE = re.compile(
+    r"(?i)(normal|material|special|initial|random|recogn|standard|summar|synchron|vector|organ|visual|general|custom"
+    r"|stabil|minim|maxim|regular|serial|memor|categor|symmetr|polar|central|local|canonical|optim|parameter)iz"
+)
+#: Names spelt as the library they come from spells them (torch, opt_einsum, transformers), and
+#: the paper's "factorized experts".
+FOREIGN_SPELLINGS = re.compile(
+    r"(?i)optimiz(e|er|ers)\b|optimizers|HyperOptimizer|is_initialized|is_serializable|synchronize|minimize"
+)
+
+
+def test_names_follow_one_spelling():
+    offenders = []
+    for name, path in sorted(_modules().items()):
+        for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if token.type == tokenize.NAME and OWN_WORDS_IZE.search(FOREIGN_SPELLINGS.sub("", token.string)):
+                offenders.append(f"{name}:{token.start[0]}: {token.string}")
+    assert offenders == [], "British -ise spellings for the project's own words (CONTRIBUTING.md):\n" + "\n".join(
+        offenders
+    )

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.decompositions import Format, normalize_ranks, unregister
+from mumoe_tn.decompositions import Format, normalise_ranks, unregister
 from mumoe_tn.design import families, search_space
 from mumoe_tn.design.space import searched_formats
 from mumoe_tn.distillation.replacements import mumoe_factory, top_k_gate_names
@@ -22,7 +22,7 @@ def toy_format():
         """``n1`` meets ``i`` through one core: ``A: n1 i a, B: a o`` — a rank-``a`` bridge."""
 
         def network(self, expert_dims, in_features, out_features, rank, **options):
-            (a,) = normalize_ranks(self.name, rank, 1)
+            (a,) = normalise_ranks(self.name, rank, 1)
             sizes = physical_sizes(expert_dims, in_features, out_features)
             return ExpertNetwork({"A": "n1 i a", "B": "a o"}, {**sizes, "a": a})
 
@@ -34,12 +34,33 @@ def toy_format():
 
 
 @pytest.fixture
+def two_mode_format():
+    class TwoModes(Format, name="toy_two_modes"):
+        """Written for exactly two expert modes: ``A: n1 n2 a, B: a i o``."""
+
+        def network(self, expert_dims, in_features, out_features, rank, **options):
+            (a,) = normalise_ranks(self.name, rank, 1)
+            sizes = physical_sizes(expert_dims, in_features, out_features)
+            return ExpertNetwork({"A": "n1 n2 a", "B": "a i o"}, {**sizes, "a": a})
+
+    yield TwoModes.get()
+    unregister("toy_two_modes")
+
+
+def test_a_format_joins_the_search_where_it_builds(two_mode_format):
+    shapes = search_space(8, max_modes=3, families=["toy_two_modes", "cp"])
+    modes = {len(s.expert_dims) for s in shapes if s.family == "toy_two_modes"}
+    assert modes == {2}
+    assert {len(s.expert_dims) for s in shapes if s.family == "cp"} == {1, 2, 3}
+
+
+@pytest.fixture
 def hidden_format():
     class Hidden(Format, name="toy_hidden"):
         in_search = False
 
         def network(self, expert_dims, in_features, out_features, rank, **options):
-            (a,) = normalize_ranks(self.name, rank, 1)
+            (a,) = normalise_ranks(self.name, rank, 1)
             sizes = physical_sizes(expert_dims, in_features, out_features)
             return ExpertNetwork({"A": "n1 a", "B": "a i o"}, {**sizes, "a": a})
 
@@ -119,7 +140,7 @@ def test_a_registry_registers_looks_up_and_refuses_clearly():
     from mumoe_tn.registry import Registry
 
     seen = []
-    registry = Registry("widget", normalize=str.lower, check=lambda key, value: seen.append((key, value)))
+    registry = Registry("widget", normalise=str.lower, check=lambda key, value: seen.append((key, value)))
     assert registry.register("Spoke", 1) == 1
     assert registry["spoke"] == 1 and "SPOKE" in registry and 3 not in registry
     assert seen == [("spoke", 1)]

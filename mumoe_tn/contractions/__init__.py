@@ -27,6 +27,7 @@ from mumoe_tn.contractions.plan import (
     plan_inference,
     resolve_optimizer,
 )
+from mumoe_tn.deprecation import moved_names
 
 _LAZY = {
     "run_plan": "mumoe_tn.contractions.execute",
@@ -35,7 +36,7 @@ _LAZY = {
     "fastest_plan": "mumoe_tn.contractions.autotune",
     "dense_forward": "mumoe_tn.contractions.dense",
     "expert_matrix": "mumoe_tn.contractions.dense",
-    "materialize": "mumoe_tn.contractions.dense",
+    "materialise": "mumoe_tn.contractions.dense",
     "squared_norm": "mumoe_tn.contractions.dense",
     "squared_norm_plan": "mumoe_tn.contractions.dense",
 }
@@ -63,7 +64,13 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def _lazy(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mumoe_tn.contractions' has no attribute {name!r}")
+
+
+#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
+__getattr__ = moved_names(
+    "mumoe_tn.contractions", {"materialize": "mumoe_tn.contractions.dense:materialise"}, fallback=_lazy
+)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.contractions.dense import materialize
+from mumoe_tn.contractions.dense import materialise
 from mumoe_tn.conversion.fitting import als_fit
 from mumoe_tn.costs.matching import bond_cap, match_exact
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, resolve_network
@@ -327,7 +327,7 @@ def decompose_dense(
     experts = FactorizedExperts(network, device=weight.device, dtype=weight.dtype)
     for name, factor in zip(network.cores, factors, strict=True):
         getattr(experts, name).copy_(factor.reshape(network.core_shape(name)))
-    error = float((materialize(network, experts.cores).to(data.dtype) - data).norm() / data.norm().clamp_min(1e-30))
+    error = float((materialise(network, experts.cores).to(data.dtype) - data).norm() / data.norm().clamp_min(1e-30))
     if not math.isfinite(error):
         raise ValueError(
             f"the decomposition into {network!r} diverged (NaN or inf): try other ranks, more iterations or "

@@ -5,7 +5,7 @@ module — so cost tables are instant and hold for custom decompositions as for 
 """
 
 from mumoe_tn.costs.baselines import Baseline, dense_moe, linear, mlp, moe_block, sparse_moe
-from mumoe_tn.costs.flops import LayerFlops, dense_forward_fma, gate_fma, layer_flops, materialize_fma, matmul_fma
+from mumoe_tn.costs.flops import LayerFlops, dense_forward_fma, gate_fma, layer_flops, materialise_fma, matmul_fma
 from mumoe_tn.costs.matching import (
     TOLERANCE,
     Match,
@@ -23,6 +23,7 @@ from mumoe_tn.costs.matching import (
 from mumoe_tn.costs.params import ParameterCount, block_parameters, layer_parameters
 from mumoe_tn.costs.rank import collapsed_expert_modes, min_cut, rank_bound
 from mumoe_tn.costs.table import COLUMNS, CostRow, CostTable, compare
+from mumoe_tn.deprecation import moved_names
 
 __all__ = [
     "COLUMNS",
@@ -47,7 +48,7 @@ __all__ = [
     "match_block",
     "match_exact",
     "match_layer",
-    "materialize_fma",
+    "materialise_fma",
     "matmul_fma",
     "min_cut",
     "mlp",
@@ -60,3 +61,7 @@ __all__ = [
     "sparse_moe",
     "upcycle_capacity",
 ]
+
+
+#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
+__getattr__ = moved_names("mumoe_tn.costs", {"materialize_fma": "mumoe_tn.costs.flops:materialise_fma"})

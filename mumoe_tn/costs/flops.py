@@ -14,6 +14,7 @@ from typing import Any
 
 from mumoe_tn.contractions.plan import plan_dense, plan_forward
 from mumoe_tn.costs.params import layer_in_features
+from mumoe_tn.deprecation import moved_names
 from mumoe_tn.gates.specs import GateSpec, gate_fma_per_token
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_size
@@ -23,7 +24,7 @@ __all__ = [
     "dense_forward_fma",
     "gate_fma",
     "layer_flops",
-    "materialize_fma",
+    "materialise_fma",
     "matmul_fma",
 ]
 
@@ -42,7 +43,7 @@ def gate_fma(network: ExpertNetwork, *, bias: bool = True, gate: bool | GateSpec
     return gate_fma_per_token(gate, layer_in_features(network, bias), network.expert_dims)
 
 
-def materialize_fma(network: ExpertNetwork) -> int:
+def materialise_fma(network: ExpertNetwork) -> int:
     """FMAs of materialising ``W`` from the cores (planned contraction)."""
     return plan_dense(network).fma
 
@@ -142,3 +143,7 @@ def layer_flops(
         hand_order=None if hand is None else batch * hand,
         peak_elements=plan.largest_intermediate,
     )
+
+
+#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
+__getattr__ = moved_names("mumoe_tn.costs.flops", {"materialize_fma": "mumoe_tn.costs.flops:materialise_fma"})

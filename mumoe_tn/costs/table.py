@@ -20,7 +20,7 @@ from mumoe_tn.decompositions.format import Format
 from mumoe_tn.decompositions.registry import get_format
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, is_spec, resolve_network, spec_ranks, split_spec_name
 from mumoe_tn.gates.specs import GateSpec, gate_fma_per_token, gate_parameter_count
-from mumoe_tn.network import ExpertNetwork, normalize_expert_dims
+from mumoe_tn.network import ExpertNetwork, normalise_expert_dims
 from mumoe_tn.validation import check_bool, check_size
 
 __all__ = ["COLUMNS", "CostRow", "CostTable", "compare"]
@@ -238,7 +238,7 @@ def compare(
     CostTable
         Each μMoE row's [`CostRow.networks`][mumoe_tn.costs.table.CostRow] holds the (matched) network(s) it used.
     """
-    dims = normalize_expert_dims(expert_dims)
+    dims = normalise_expert_dims(expert_dims)
     check_bool("bias", bias)
     if not isinstance(gate, bool):
         gate_parameter_count(gate, in_features, dims)  # checks that gate is a GateSpec

@@ -13,7 +13,7 @@ from mumoe_tn.decompositions.registry import (
     available,
     build,
     get_format,
-    normalize_ranks,
+    normalise_ranks,
     register,
     unregister,
 )
@@ -29,6 +29,7 @@ from mumoe_tn.decompositions.resolve import (
 from mumoe_tn.decompositions.tr import TRFormat, tr
 from mumoe_tn.decompositions.tt import TTFormat, tt
 from mumoe_tn.decompositions.tucker import TuckerFormat, tucker
+from mumoe_tn.deprecation import moved_names
 
 __all__ = [
     "CPFormat",
@@ -46,7 +47,7 @@ __all__ = [
     "get_format",
     "is_spec",
     "mxd",
-    "normalize_ranks",
+    "normalise_ranks",
     "register",
     "resolve_network",
     "spec_ranks",
@@ -56,3 +57,9 @@ __all__ = [
     "tucker",
     "unregister",
 ]
+
+
+#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
+__getattr__ = moved_names(
+    "mumoe_tn.decompositions", {"normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks"}
+)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mumoe_tn.decompositions.registry import normalize_ranks
+from mumoe_tn.decompositions.registry import normalise_ranks
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, physical_sizes
 
 
@@ -16,10 +16,10 @@ def chain_ranks(decomposition: str, rank: int | Sequence[int], n_bonds: int, exp
     other bond ``expert_rank`` (the paper's ``R1 = R2 = 4``); a sequence gives every bond.
     """
     if isinstance(rank, int) and not isinstance(rank, bool):
-        (expert_rank,) = normalize_ranks(f"{decomposition} expert_rank", expert_rank, 1)
-        (rank,) = normalize_ranks(decomposition, rank, 1)
+        (expert_rank,) = normalise_ranks(f"{decomposition} expert_rank", expert_rank, 1)
+        (rank,) = normalise_ranks(decomposition, rank, 1)
         return (expert_rank,) * (n_bonds - 1) + (rank,)
-    return normalize_ranks(decomposition, rank, n_bonds)
+    return normalise_ranks(decomposition, rank, n_bonds)
 
 
 def chain(

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mumoe_tn.decompositions.format import Format
-from mumoe_tn.decompositions.registry import normalize_ranks
+from mumoe_tn.decompositions.registry import normalise_ranks
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, physical_sizes
 
 __all__ = ["CPFormat", "cp"]
@@ -38,7 +38,7 @@ class CPFormat(Format, name="cp"):
         """Factor matrices ``U_<leg> (leg, r)`` for every leg; see the class docstring."""
         if options:
             raise TypeError(f"cp takes no options, got {sorted(options)}")
-        (r,) = normalize_ranks("cp", rank, 1)
+        (r,) = normalise_ranks("cp", rank, 1)
         sizes = physical_sizes(expert_dims, in_features, out_features)
         legs = [leg for leg in sizes if leg not in (INPUT_LEG, OUTPUT_LEG)] + [INPUT_LEG, OUTPUT_LEG]
         return ExpertNetwork({f"U_{leg}": (leg, "r") for leg in legs}, {**sizes, "r": r})

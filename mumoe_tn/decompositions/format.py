@@ -25,11 +25,11 @@ Examples
 --------
 A two-level hierarchical Tucker format for two expert modes, registered in a few lines:
 
->>> from mumoe_tn.decompositions import Format, normalize_ranks, unregister
+>>> from mumoe_tn.decompositions import Format, normalise_ranks, unregister
 >>> from mumoe_tn.network import ExpertNetwork, physical_sizes
 >>> class HTucker(Format, name="htucker_doc"):
 ...     def network(self, expert_dims, in_features, out_features, rank, **options):
-...         a, b, c, d, e = normalize_ranks(self.name, rank, 5)
+...         a, b, c, d, e = normalise_ranks(self.name, rank, 5)
 ...         sizes = physical_sizes(expert_dims, in_features, out_features)
 ...         cores = {"U1": "n1 a", "U2": "n2 b", "Ui": "i c", "Uo": "o d", "L": "a b e", "R": "c d e"}
 ...         return ExpertNetwork(cores, {**sizes, "a": a, "b": b, "c": c, "d": d, "e": e})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from mumoe_tn.deprecation import moved_names
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.registry import Registry
 from mumoe_tn.validation import check_size
@@ -17,7 +18,7 @@ from mumoe_tn.validation import check_size
 if TYPE_CHECKING:
     from mumoe_tn.decompositions.format import Format
 
-__all__ = ["FORMATS", "available", "build", "get_format", "normalize_ranks", "register", "unregister"]
+__all__ = ["FORMATS", "available", "build", "get_format", "normalise_ranks", "register", "unregister"]
 
 
 def _is_format(value: object) -> bool:
@@ -41,7 +42,7 @@ def _check_entry(name: str, format: object) -> None:
 
 
 #: The registered formats by lower-cased name (a [`Registry`][mumoe_tn.registry.Registry]).
-FORMATS: Registry[str, Format] = Registry("format", normalize=lambda name: name.lower(), check=_check_entry)
+FORMATS: Registry[str, Format] = Registry("format", normalise=lambda name: name.lower(), check=_check_entry)
 
 
 def register(format: Format, *, replace: bool = False) -> Format:
@@ -135,7 +136,7 @@ def build(
     return format.build(expert_dims, in_features, out_features, rank, **options)
 
 
-def normalize_ranks(decomposition: str, rank: int | Sequence[int], count: int) -> tuple[int, ...]:
+def normalise_ranks(decomposition: str, rank: int | Sequence[int], count: int) -> tuple[int, ...]:
     """Return ``count`` ranks from one int or a sequence of exactly ``count`` ints.
 
     Parameters
@@ -158,3 +159,9 @@ def normalize_ranks(decomposition: str, rank: int | Sequence[int], count: int) -
     if len(rank) != count:
         raise ValueError(f"{decomposition} needs {count} ranks (one per bond), got {len(rank)}: {tuple(rank)}")
     return tuple(check_size(f"{decomposition} rank[{k}]", r) for k, r in enumerate(rank))
+
+
+#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
+__getattr__ = moved_names(
+    "mumoe_tn.decompositions.registry", {"normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks"}
+)

@@ -15,7 +15,7 @@ from typing import Any
 
 from mumoe_tn.decompositions.format import Format
 from mumoe_tn.decompositions.registry import available, get_format
-from mumoe_tn.network import ExpertNetwork, expert_leg, normalize_expert_dims
+from mumoe_tn.network import ExpertNetwork, expert_leg, normalise_expert_dims
 from mumoe_tn.validation import check_size
 
 __all__ = ["Decomposition", "Rank", "format_of", "is_spec", "resolve_network", "spec_ranks", "split_spec_name"]
@@ -140,7 +140,7 @@ def resolve_network(
         return _fit_network(decomposition, expert_dims, in_features, out_features, resize)
     if expert_dims is None:
         raise TypeError("expert_dims is required unless the decomposition is an ExpertNetwork")
-    dims = normalize_expert_dims(expert_dims)
+    dims = normalise_expert_dims(expert_dims)
     if rank is None:
         if not _has_no_bond(decomposition, dims, in_features, out_features):
             raise TypeError(f"rank is required for decomposition {_describe(decomposition)} (or give match=)")
@@ -220,7 +220,7 @@ def _fit_network(
     out_features: int,
     resize: bool,
 ) -> ExpertNetwork:
-    dims = network.expert_dims if expert_dims is None else normalize_expert_dims(expert_dims)
+    dims = network.expert_dims if expert_dims is None else normalise_expert_dims(expert_dims)
     if len(dims) != network.n_expert_modes:
         raise ValueError(
             f"expert_dims={dims} has {len(dims)} mode(s) but the network has {network.n_expert_modes} "

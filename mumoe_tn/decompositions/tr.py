@@ -7,7 +7,7 @@ from typing import Any
 
 from mumoe_tn.decompositions._ring import chain, chain_ranks, pass_through_expert_cores
 from mumoe_tn.decompositions.format import Format
-from mumoe_tn.network import ExpertNetwork, normalize_expert_dims
+from mumoe_tn.network import ExpertNetwork, normalise_expert_dims
 
 __all__ = ["PAPER_EXPERT_RANK", "TRFormat", "tr"]
 
@@ -40,7 +40,7 @@ class TRFormat(Format, name="tr"):
         expert_rank: int = PAPER_EXPERT_RANK,
     ) -> ExpertNetwork:
         """The ring; see the class docstring."""
-        n_bonds = len(normalize_expert_dims(expert_dims)) + 2
+        n_bonds = len(normalise_expert_dims(expert_dims)) + 2
         ranks = chain_ranks("tr", rank, n_bonds, expert_rank)
         return chain(expert_dims, in_features, out_features, ranks, closed=True)
 

@@ -9,7 +9,7 @@ from mumoe_tn.decompositions._ring import chain, chain_ranks, pass_through_exper
 from mumoe_tn.decompositions.format import Format
 from mumoe_tn.decompositions.tensor_support import zero_pad
 from mumoe_tn.decompositions.tr import PAPER_EXPERT_RANK
-from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, normalize_expert_dims
+from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, normalise_expert_dims
 
 __all__ = ["TTFormat", "tt"]
 
@@ -33,7 +33,7 @@ class TTFormat(Format, name="tt"):
         expert_rank: int = PAPER_EXPERT_RANK,
     ) -> ExpertNetwork:
         """The train; see the class docstring."""
-        n_bonds = len(normalize_expert_dims(expert_dims)) + 1
+        n_bonds = len(normalise_expert_dims(expert_dims)) + 1
         ranks = chain_ranks("tt", rank, n_bonds, expert_rank)
         return chain(expert_dims, in_features, out_features, ranks, closed=False)
 

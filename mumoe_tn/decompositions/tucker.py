@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mumoe_tn.decompositions.format import Format
-from mumoe_tn.decompositions.registry import normalize_ranks
+from mumoe_tn.decompositions.registry import normalise_ranks
 from mumoe_tn.decompositions.tensor_support import zero_pad
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork, physical_sizes
 
@@ -40,7 +40,7 @@ class TuckerFormat(Format, name="tucker"):
             raise TypeError(f"tucker takes no options, got {sorted(options)}")
         sizes = physical_sizes(expert_dims, in_features, out_features)
         legs = list(sizes)
-        ranks = normalize_ranks("tucker", rank, len(legs))
+        ranks = normalise_ranks("tucker", rank, len(legs))
         core_labels = tuple(f"s_{leg}" for leg in legs)
         cores = {"core": core_labels, **{f"U_{leg}": (leg, f"s_{leg}") for leg in legs}}
         sizes.update(zip(core_labels, ranks, strict=True))

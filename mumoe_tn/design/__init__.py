@@ -1,6 +1,6 @@
 """Choose the network for a budget: a structure and rank search with a Pareto front.
 
-[`design`][mumoe_tn.design.search.design] searches CP, TR, TT, Tucker, every factorization of the
+[`design`][mumoe_tn.design.structure_search.design] searches CP, TR, TT, Tucker, every factorization of the
 number of experts into expert modes and generated topologies (chains, rings, stars, trees),
 matches each to the budget with the library's matcher, and keeps the Pareto front of
 parameters, FMAs per token, peak memory and the expert-rank bound (and the upcycle error of a
@@ -17,8 +17,8 @@ True
 
 from mumoe_tn.design.front import dominates, pareto_front
 from mumoe_tn.design.result import DesignPoint, DesignResult
-from mumoe_tn.design.search import design, evaluate
 from mumoe_tn.design.space import TOPOLOGIES, Shape, expert_factorizations, families, search_space
+from mumoe_tn.design.structure_search import design, evaluate
 
 __all__ = [
     "TOPOLOGIES",

@@ -20,7 +20,7 @@ scales, and the sizes of the bonds it keeps fixed. The space holds
 
 The design fixes the number of experts, so matching scales only bonds: the expert legs a format
 would scale (MxD's) stay at the factorization's sizes. A shape with no bond at all is evaluated
-at its fixed size (see [`evaluate`][mumoe_tn.design.search.evaluate]).
+at its fixed size (see [`evaluate`][mumoe_tn.design.structure_search.evaluate]).
 
 Shapes that are the same network up to relabelling (core and bond names, expert modes of equal
 size) are kept once (networkx isomorphism on a graph of cores, bonds and physical legs, where a
@@ -147,12 +147,20 @@ def named_shapes(
     expert_ranks: Sequence[int] = DEFAULT_EXPERT_RANKS,
     formats: Sequence[str] | None = None,
 ) -> list[Shape]:
-    """The structures every searched format names over ``expert_dims`` (default: `searched_formats`)."""
+    """The structures every searched format names over ``expert_dims`` (default: `searched_formats`).
+
+    A structure the format cannot build over these expert dims (a format written for two expert
+    modes, asked for one) is not part of the space: its builder's ``ValueError`` or ``TypeError``
+    leaves it out, so a user's format joins the search wherever it fits.
+    """
     shapes = []
     for name in searched_formats() if formats is None else formats:
         fmt = get_format(name)
         for description, rank in fmt.search_structures(tuple(expert_dims), expert_ranks):
-            shapes.append(_named_shape(name, expert_dims, description, rank))
+            try:
+                shapes.append(_named_shape(name, expert_dims, description, rank))
+            except (ValueError, TypeError):
+                continue
     return shapes
 
 

@@ -7,7 +7,9 @@
   of any registered or custom network (a Mixture of Decoders for ``mxd``), TopK and skip
   transcoders — all at one parameter budget.
 - [`training`][mumoe_tn.distillation.training]: the training loop over streamed activations
-  (resumable, seeded), splicing replacements into the model.
+  (resumable, seeded, a named recipe), splicing replacements into the model.
+- [`losses`][mumoe_tn.distillation.losses]: the registered loss terms (normalised MSE, FVU, L1,
+  auxiliary-k on dead units); [`codes`][mumoe_tn.distillation.codes]: a replacement's sparse code.
 - [`faithfulness`][mumoe_tn.distillation.faithfulness]: L0, normalised MSE and next-token loss
   with the replacements spliced in, against the clean and zero-ablated model.
 - [`frontier`][mumoe_tn.distillation.frontier]: the sparsity–accuracy table and its plot.
@@ -16,23 +18,30 @@
 
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, ce_loss_score, plot_frontier
+from mumoe_tn.distillation.losses import AuxK, Loss, available_losses, get_loss, register_loss
 from mumoe_tn.distillation.replacements import mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
-from mumoe_tn.distillation.training import Distillation, distill, normalised_mse, splice, spliced
+from mumoe_tn.distillation.training import RECIPES, Distillation, distill, normalised_mse, splice, spliced
 from mumoe_tn.distillation.transcoders import Transcoder
 
 __all__ = [
+    "RECIPES",
+    "AuxK",
     "BlockInfo",
     "Distillation",
     "FrontierRow",
     "FrontierTable",
+    "Loss",
     "Transcoder",
+    "available_losses",
     "ce_loss_score",
     "distill",
     "evaluate_replacements",
+    "get_loss",
     "mumoe_factory",
     "normalised_mse",
     "plot_frontier",
+    "register_loss",
     "select_blocks",
     "splice",
     "spliced",

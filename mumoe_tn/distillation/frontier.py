@@ -10,9 +10,21 @@ Each row is one replacement of one MLP block, measured on held-out text as the f
 - ``ce_clean``, ``ce_spliced``, ``ce_zero``: the model's next-token cross-entropy (nats per
   token) as it is, with the replacement spliced in for the block, and with the block's output zero;
 - ``score``: the CE-loss score ``(CE_zero − CE_spliced) / (CE_zero − CE_clean)`` — 1 when the
-  replacement is as good as the block, 0 when it is as bad as removing it;
+  replacement is as good as the block, 0 when it is as bad as removing it — with a percentile
+  bootstrap interval over the held-out sequences (``score_low``, ``score_high``). The score means
+  nothing when zero-ablating the block does not raise the loss beyond its noise: when the
+  bootstrap interval of the gap ``CE_zero − CE_clean`` (``gap_low``, ``gap_high``) reaches 0, or
+  the gap is not positive, ``score`` is NaN (an empty cell) and the row is not ``meaningful``;
+- ``kl_score``: ``1 − KL(clean ‖ spliced) / KL(clean ‖ zero-ablated)``, the KL divergences of
+  the next-token distributions per token (``kl_spliced``, ``kl_zero``);
+- ``loss_increase``: ``CE_spliced − CE_clean`` in nats per token;
 - ``dead``: units never active on the evaluation tokens (of ``units``; a μMoE block's units
   are the coefficients of all its expert modes).
+
+The tables mark what deserves a second look, with a footnote: a normalised MSE above 1 (worse
+than predicting zero), an L0 below the requested one (the number after ``@``; a ReLU top-k gate
+can leave some of its k units at zero), and dead units above
+[`DEAD_FRACTION`][mumoe_tn.distillation.frontier.DEAD_FRACTION] of the units.
 
 A method's name may carry its sparsity setting after an ``@`` (``"transcoder@16"``): the plot
 draws one line per name before the ``@``.
@@ -25,17 +37,106 @@ import io
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FrontierRow", "FrontierTable", "ce_loss_score", "plot_frontier"]
+import numpy as np
+
+from mumoe_tn.costs.display import FOOTNOTE_MARKS
+
+__all__ = [
+    "DEAD_FRACTION",
+    "L0_TOLERANCE",
+    "FrontierRow",
+    "FrontierTable",
+    "ScoreInterval",
+    "bootstrap_ce_score",
+    "ce_loss_score",
+    "plot_frontier",
+]
+
+DEAD_FRACTION = 0.1
+"""A row is flagged when more than this fraction of its units never fired."""
+
+L0_TOLERANCE = 0.01
+"""A row is flagged when its L0 is below ``(1 − L0_TOLERANCE) × k`` for the requested ``k``."""
 
 
 def ce_loss_score(ce_clean: float, ce_spliced: float, ce_zero: float) -> float:
     """``(CE_zero − CE_spliced) / (CE_zero − CE_clean)``; NaN when zero-ablation does not change the loss."""
     gap = ce_zero - ce_clean
     return (ce_zero - ce_spliced) / gap if gap != 0 else math.nan
+
+
+@dataclass(frozen=True)
+class ScoreInterval:
+    """Percentile bootstrap intervals of a CE-loss score and of its zero-ablation gap (nats per token)."""
+
+    score_low: float
+    score_high: float
+    gap_low: float
+    gap_high: float
+
+
+def bootstrap_ce_score(
+    clean: Sequence[float],
+    spliced: Sequence[float],
+    zero: Sequence[float],
+    tokens: Sequence[int],
+    *,
+    resamples: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> ScoreInterval:
+    """Bootstrap the CE-loss score over sequences: resample them with replacement, take percentiles.
+
+    Each resample draws as many sequences as there are, with replacement, and computes the score
+    of the summed losses ``(Z − S) / (Z − C)`` (the token-weighted score of those sequences) and
+    the gap ``(Z − C) / tokens``; the interval is the central ``level`` of their percentiles
+    (Efron's percentile interval). The same ``seed`` draws the same resamples for every
+    replacement of a block, so their intervals are paired.
+
+    Parameters
+    ----------
+    clean, spliced, zero : Sequence[float]
+        Per sequence: the summed next-token cross-entropy (nats) of the model as it is, with the
+        replacement, and with the block zero-ablated.
+    tokens : Sequence[int]
+        Per sequence: the predictions summed.
+    resamples : int, optional
+        Bootstrap resamples (default 1,000).
+    level : float, optional
+        Coverage of the interval (default 0.95).
+    seed : int, optional
+        Seeds the resamples.
+
+    Returns
+    -------
+    ScoreInterval
+        NaN bounds where fewer than two sequences hold tokens; a resample whose gap is 0 has no
+        score and is left out of the score's percentiles.
+    """
+    arrays = [np.asarray(values, dtype=np.float64) for values in (clean, spliced, zero, tokens)]
+    if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1:
+        raise ValueError(f"clean, spliced, zero and tokens must be 1-D of one length, got {[a.shape for a in arrays]}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"resamples must be a positive int, got {resamples!r}")
+    c, s, z, n = arrays
+    if int((n > 0).sum()) < 2:
+        return ScoreInterval(math.nan, math.nan, math.nan, math.nan)
+    picks = np.random.default_rng(seed).integers(0, c.size, size=(resamples, c.size))
+    c, s, z, n = (a[picks].sum(1) for a in (c, s, z, n))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scores = (z - s) / (z - c)
+        gaps = (z - c) / n
+    tail = 100 * (1 - level) / 2
+    finite = scores[np.isfinite(scores)]
+    score_low, score_high = np.percentile(finite, [tail, 100 - tail]) if finite.size else (math.nan, math.nan)
+    gap_low, gap_high = np.nanpercentile(gaps, [tail, 100 - tail])
+    return ScoreInterval(float(score_low), float(score_high), float(gap_low), float(gap_high))
 
 
 @dataclass(frozen=True)
@@ -54,11 +155,55 @@ class FrontierRow:
     dead: int
     units: int
     tokens: int
+    score_low: float = math.nan
+    score_high: float = math.nan
+    gap_low: float = math.nan
+    gap_high: float = math.nan
+    kl_spliced: float = math.nan
+    kl_zero: float = math.nan
+
+    @property
+    def gap(self) -> float:
+        """``CE_zero − CE_clean``: what removing the block costs (nats per token)."""
+        return self.ce_zero - self.ce_clean
+
+    @property
+    def meaningful(self) -> bool:
+        """Whether the CE-loss score means something: a positive gap whose interval stays above 0."""
+        return self.gap > 0 and not self.gap_low <= 0
 
     @property
     def score(self) -> float:
-        """The CE-loss score."""
-        return ce_loss_score(self.ce_clean, self.ce_spliced, self.ce_zero)
+        """The CE-loss score; NaN when it is not ``meaningful``."""
+        return ce_loss_score(self.ce_clean, self.ce_spliced, self.ce_zero) if self.meaningful else math.nan
+
+    @property
+    def kl_score(self) -> float:
+        """``1 − KL(clean ‖ spliced) / KL(clean ‖ zero-ablated)``; NaN when zero-ablation changes nothing."""
+        return 1 - self.kl_spliced / self.kl_zero if self.kl_zero > 0 else math.nan
+
+    @property
+    def loss_increase(self) -> float:
+        """``CE_spliced − CE_clean`` (nats per token)."""
+        return self.ce_spliced - self.ce_clean
+
+    @property
+    def requested_l0(self) -> int | None:
+        """The sparsity after the method's ``@`` (``"cp@16"`` → 16), or None."""
+        _, at, setting = self.method.rpartition("@")
+        return int(setting) if at and setting.isdigit() else None
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The columns that deserve a second look: ``"nmse"`` above 1, ``"l0"`` below the requested, ``"dead"``."""
+        flagged = []
+        if self.nmse > 1:
+            flagged.append("nmse")
+        if self.requested_l0 is not None and self.l0 < (1 - L0_TOLERANCE) * self.requested_l0:
+            flagged.append("l0")
+        if self.units and self.dead > DEAD_FRACTION * self.units:
+            flagged.append("dead")
+        return tuple(flagged)
 
     @property
     def family(self) -> str:
@@ -77,23 +222,39 @@ COLUMNS = {
     "ce_clean": "CE clean",
     "ce_spliced": "CE spliced",
     "ce_zero": "CE zero-ablated",
-    "score": "CE-loss score",
+    "score": "CE-loss score [95 % interval]",
+    "kl_score": "KL score",
+    "loss_increase": "loss increase (nats)",
     "dead": "dead units",
     "units": "units",
 }
 
+#: Flag -> (the column it marks, its footnote).
+FLAG_NOTES = {
+    "nmse": ("nmse", "normalised MSE above 1: worse than predicting zero"),
+    "l0": ("l0", "L0 below the requested k (the number after @): some of the k chosen units are zero"),
+    "dead": ("dead", f"more than {DEAD_FRACTION:.0%} of the units never fired on the evaluation tokens"),
+}
 
-def _cell(key: str, value: Any) -> str:
+#: Properties of a row that its records carry beside the fields.
+_DERIVED = ("score", "kl_score", "loss_increase")
+
+
+def _cell(key: str, value: Any, record: Mapping[str, Any] | None = None) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, int):
         return f"{value:,}"
-    if isinstance(value, float) and math.isnan(value):
-        return "–"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "" if key == "score" else "–"
     if key == "l0":
         return f"{value:.1f}"
     if key == "nmse":
         return f"{value:.4f}"
+    if key == "loss_increase":
+        return f"{value:+.4f}"
+    if key == "score" and record is not None and math.isfinite(record.get("score_low") or math.nan):
+        return f"{value:.3f} [{record['score_low']:.3f}, {record['score_high']:.3f}]"
     return f"{value:.3f}"
 
 
@@ -112,8 +273,8 @@ class FrontierTable:
     config: Mapping[str, Any] = field(default_factory=dict)
 
     def records(self) -> list[dict[str, Any]]:
-        """Rows as plain dicts, the CE-loss score included."""
-        return [{**asdict(row), "score": row.score} for row in self.rows]
+        """Rows as plain dicts, the CE-loss score, KL score and loss increase included."""
+        return [{**asdict(row), **{key: getattr(row, key) for key in _DERIVED}} for row in self.rows]
 
     def to_json(self) -> str:
         """The configuration and the rows as JSON (NaN written as null)."""
@@ -128,43 +289,93 @@ class FrontierTable:
         data = json.loads(text)
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise ValueError("frontier JSON must be an object with a 'rows' list")
-        names = [f.name for f in fields(FrontierRow)]
+        required = [f.name for f in fields(FrontierRow) if f.default is MISSING]
+        optional = [f.name for f in fields(FrontierRow) if f.default is not MISSING]
         rows = []
         for record in data["rows"]:
-            missing = [name for name in names if name not in record]
+            missing = [name for name in required if name not in record]
             if missing:
                 raise ValueError(f"a frontier row lacks {missing}: {record!r:.120}")
-            values = {name: math.nan if record[name] is None else record[name] for name in names}
-            rows.append(FrontierRow(**values))
+            values = {name: record[name] for name in required + optional if name in record}
+            rows.append(FrontierRow(**{k: math.nan if v is None else v for k, v in values.items()}))
         return cls(tuple(rows), data.get("config", {}))
 
     def to_csv(self) -> str:
-        """The rows as CSV with the column keys as header."""
+        """The rows as CSV with the column keys as header (the score's interval and the KL terms after them)."""
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=[*COLUMNS, "tokens"], lineterminator="\n")
+        extra = ["tokens", "score_low", "score_high", "gap_low", "gap_high", "kl_spliced", "kl_zero"]
+        writer = csv.DictWriter(buffer, fieldnames=[*COLUMNS, *extra], lineterminator="\n")
         writer.writeheader()
         writer.writerows(self.records())
         return buffer.getvalue()
 
+    def footnotes(self) -> dict[str, str]:
+        """The flags some row raises -> ``"<mark> <note>"``, one mark per kind of flag, in a fixed order."""
+        raised = {flag for row in self.rows for flag in row.flags}
+        kinds = [flag for flag in FLAG_NOTES if flag in raised]
+        return {flag: f"{FOOTNOTE_MARKS[i]} {FLAG_NOTES[flag][1]}" for i, flag in enumerate(kinds)}
+
+    def not_meaningful(self) -> list[str]:
+        """The blocks whose CE-loss score is not meaningful (see FrontierRow.meaningful), in order."""
+        return list(dict.fromkeys(row.block for row in self.rows if not row.meaningful))
+
+    def _cells(self) -> list[list[str]]:
+        notes = self.footnotes()
+        marks = {flag: note.split(" ", 1)[0] for flag, note in notes.items()}
+        table = []
+        for row, record in zip(self.rows, self.records(), strict=True):
+            cells = {key: _cell(key, record[key], record) for key in COLUMNS}
+            for flag in row.flags:
+                column = FLAG_NOTES[flag][0]
+                cells[column] += marks[flag]
+            table.append([cells[key] for key in COLUMNS])
+        return table
+
+    def _caption(self) -> list[str]:
+        lines = list(self.footnotes().values())
+        blocks = self.not_meaningful()
+        if blocks:
+            lines.append(
+                f"No CE-loss score for {', '.join(blocks)}: zero-ablating the block does not raise the loss beyond "
+                "its bootstrap noise; the KL score and the loss increase remain."
+            )
+        return lines
+
     def to_markdown(self) -> str:
-        """The rows as a GitHub-flavoured Markdown table."""
+        """The rows as a GitHub-flavoured Markdown table, with footnotes for the flagged cells."""
         keys = list(COLUMNS)
         lines = ["| " + " | ".join(COLUMNS.values()) + " |"]
         lines.append("|" + "".join("---|" if key in ("block", "method") else "---:|" for key in keys))
-        for record in self.records():
-            lines.append("| " + " | ".join(_cell(key, record[key]) for key in keys) + " |")
-        return "\n".join(lines)
+        lines.extend("| " + " | ".join(cells) + " |" for cells in self._cells())
+        caption = self._caption()
+        return "\n".join(lines + (["", *caption] if caption else []))
 
     def to_rich(self) -> Any:
-        """The rows as a ``rich.table.Table``."""
+        """The rows as a ``rich.table.Table`` (numbers never cut; footnotes as its caption)."""
         from rich.table import Table
 
-        table = Table(title=self.title())
+        table = Table(title=self.title(), caption="\n".join(self._caption()) or None, caption_justify="left")
         for key, header in COLUMNS.items():
-            table.add_column(header, justify="left" if key in ("block", "method") else "right")
-        for record in self.records():
-            table.add_row(*(_cell(key, record[key]) for key in COLUMNS))
+            table.add_column(header, justify="left" if key in ("block", "method") else "right", overflow="fold")
+        for cells in self._cells():
+            table.add_row(*cells)
         return table
+
+    def plot(self, path: str | Path, **options: Any) -> Path:
+        """Save the frontier's plot: [`plot_frontier`][mumoe_tn.distillation.frontier.plot_frontier] of this table."""
+        return plot_frontier(self, path, **options)
+
+    def show(self, file: Any = None) -> None:
+        """Print the table: rich in a terminal, plain Markdown when ``file`` (default stdout) is not one."""
+        import sys
+
+        file = sys.stdout if file is None else file
+        if getattr(file, "isatty", lambda: False)():
+            from rich.console import Console
+
+            Console(file=file).print(self.to_rich())
+        else:
+            file.write(self.title() + "\n\n" + self.to_markdown() + "\n")
 
     def title(self) -> str:
         """A one-line description of the run."""

@@ -14,7 +14,17 @@ A factory takes a [`BlockInfo`][mumoe_tn.distillation.streaming.BlockInfo] and r
 - [`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory]: a TopK or ReLU
   (skip) transcoder whose latent count is solved for the budget.
 
-A budget is a number of parameters, or a float: that multiple of the block's own parameters.
+A budget is a number of parameters, or a float: that multiple of the block's own parameters;
+without one, the Mixture of Decoders paper's: the parameters of a TopK transcoder with
+``32 · I`` latents ([`paper_budget`][mumoe_tn.distillation.replacements.paper_budget]). A Mixture
+of Decoders given no expert count keeps the block's hidden width (``4 · I`` in GPT-2, the authors'
+``H``) and has its number of experts solved for the budget — about 1,800 for ``I = 64`` — as the
+authors size theirs (≈ 21.5 k experts for GPT-2 small).
+
+A Mixture of Decoders is built with its authors' recipe by default
+([`mxd_paper_init`][mumoe_tn.distillation.replacements.mxd_paper_init]: unit-norm expert vectors,
+zero decoder); every other μMoE block trains with the auxiliary-k loss on dead experts
+([`AuxK`][mumoe_tn.distillation.losses.AuxK]) by default.
 """
 
 from __future__ import annotations
@@ -25,11 +35,13 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-from mumoe_tn.costs.baselines import match_transcoder
+from mumoe_tn.costs.baselines import match_transcoder, transcoder_parameters
 from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.decompositions.resolve import Decomposition, format_of
+from mumoe_tn.distillation.losses import AuxK
 from mumoe_tn.distillation.streaming import BlockInfo
 from mumoe_tn.distillation.training import Factory
 from mumoe_tn.distillation.transcoders import Transcoder
@@ -38,7 +50,16 @@ from mumoe_tn.layers.decoders import MixtureOfDecoders
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
 from mumoe_tn.validation import check_size
 
-__all__ = ["mode_split", "mumoe_factory", "top_k_gate_names", "transcoder_factory"]
+__all__ = [
+    "PAPER_EXPANSION",
+    "RECIPES",
+    "mode_split",
+    "mumoe_factory",
+    "mxd_paper_init",
+    "paper_budget",
+    "top_k_gate_names",
+    "transcoder_factory",
+]
 
 
 def top_k_gate_names() -> tuple[str, ...]:
@@ -48,6 +69,59 @@ def top_k_gate_names() -> tuple[str, ...]:
     and ``"softmax"`` as shipped, and any gate class a user registers with a ``k`` field.
     """
     return ("auto", *top_k_gates())
+
+
+#: How a μMoE replacement is initialised: the Mixture of Decoders authors' recipe, or the block's own init.
+RECIPES = ("mxd-paper", "plain")
+
+#: Latents per input feature of the transcoder whose parameters the paper's budget matches.
+PAPER_EXPANSION = 32
+
+
+def paper_budget(block: BlockInfo) -> int:
+    """Parameters of a TopK transcoder with ``32 · I`` latents: the Mixture of Decoders paper's budget."""
+    latents = PAPER_EXPANSION * block.in_features
+    return transcoder_parameters(block.in_features, latents, block.out_features)
+
+
+@torch.no_grad()
+def mxd_paper_init(block: MixtureOfDecoders) -> MixtureOfDecoders:
+    """Initialise a Mixture of Decoders as its authors do, and declare its expert vectors unit-norm.
+
+    The encoders and the gate at ``nn.Linear``'s initialisation; every expert vector ``c_n``
+    (see [`expert_vectors`][mumoe_tn.layers.decoders.MixtureOfDecoders.expert_vectors]) drawn from
+    ``U(−1, 1)`` and scaled to norm 1; the rest of the decoder (``D``) and the output bias zero, so
+    the block starts at output 0. Sets ``block.unit_norm`` to the expert vectors, which
+    [`distill`][mumoe_tn.distillation.training.distill] keeps at norm 1 (renormalised after every
+    step, the gradient's component along each removed before it). Uses the global RNG.
+
+    Raises
+    ------
+    ValueError
+        If the decoder has no expert-vector cores (a CP or TR decoder).
+    """
+    if not isinstance(block, MixtureOfDecoders):
+        raise TypeError(f"mxd_paper_init takes a MixtureOfDecoders, got {type(block).__name__}")
+    vectors = block.expert_vectors()
+    if not vectors:
+        raise ValueError(
+            f"the 'mxd-paper' recipe needs a decoder with expert vectors (cores of an expert leg and 'o', the 'mxd' "
+            f"format), got the network {block.network.to_spec()!r}: use recipe='plain'"
+        )
+    for module in block.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+    for name, core in block.decoder.cores.items():
+        key = f"decoder.{name}"
+        if key in vectors:
+            core.uniform_(-1.0, 1.0)
+            core.div_(core.norm(dim=vectors[key], keepdim=True).clamp_min(1e-12))
+        else:
+            core.zero_()
+    if block.output_bias is not None:
+        block.output_bias.zero_()
+    block.unit_norm = dict(vectors)
+    return block
 
 
 def mode_split(total: int, modes: int) -> tuple[int, ...]:
@@ -86,12 +160,14 @@ def _budget(budget: int | float, block: BlockInfo) -> int:
 
 def mumoe_factory(
     decomposition: Decomposition,
-    expert_dims: int | Sequence[int],
+    expert_dims: int | Sequence[int] | None,
     k: int | Sequence[int],
-    budget: int | float,
+    budget: int | float | None = None,
     *,
     layer: type[nn.Module] | None = None,
     top_k: str = "auto",
+    recipe: str | None = None,
+    aux_k: bool | AuxK | None = None,
     **options: Any,
 ) -> Factory:
     """A factory of parameter-matched μMoE blocks with a top-k gate.
@@ -101,8 +177,10 @@ def mumoe_factory(
     decomposition : str or Format or ExpertNetwork or Callable
         Any decomposition a μMoE block takes: a format name (``"cp"``, ``"tr"``, …), a custom
         network or spec.
-    expert_dims : int or Sequence[int]
-        ``N`` (flat) or ``(N_1, …, N_E)`` (hierarchical).
+    expert_dims : int or Sequence[int] or None
+        ``N`` (flat) or ``(N_1, …, N_E)`` (hierarchical). None for a Mixture of Decoders without
+        bonds (``"mxd"``): its number of experts is solved for the budget, at the block's hidden
+        width.
     k : int or Sequence[int]
         Experts kept per token, per mode; with several modes an int is split by
         [`mode_split`][mumoe_tn.distillation.replacements.mode_split] so that ``∏ k_e`` experts are
@@ -110,9 +188,10 @@ def mumoe_factory(
         Mixture of Decoders the authors' ``TopK(ReLU(G x + b))``
         ([`ReLUTopKGate`][mumoe_tn.gates.specs.ReLUTopKGate]), which may keep fewer than ``k``
         where fewer logits are positive (see ``top_k``); ``gate=`` in ``options`` replaces it.
-    budget : int or float
+    budget : int or float, optional
         Parameters of the block (its gate counted): an int, or a multiple of the replaced block's
-        parameters.
+        parameters. Default: the paper's, a TopK transcoder of ``32 · I`` latents
+        ([`paper_budget`][mumoe_tn.distillation.replacements.paper_budget]).
     layer : type, optional
         The block class, called as ``layer(I, H, O, expert_dims, decomposition, match=…, gate=…,
         bias=…, hidden_activation=…, device=…, dtype=…, **options)``: any μMoE block class with
@@ -126,6 +205,17 @@ def mumoe_factory(
         ReLU top-k for a Mixture of Decoders, the softmax top-k otherwise, and the softmax top-k
         for a custom network), or the short name of any registered top-k gate (see
         [`top_k_gate_names`][mumoe_tn.distillation.replacements.top_k_gate_names]) for every block.
+    recipe : {"mxd-paper", "plain"}, optional
+        ``"mxd-paper"`` (the default for a Mixture of Decoders whose decoder has expert vectors,
+        the ``"mxd"`` format): the authors' initialisation and unit-norm expert vectors
+        ([`mxd_paper_init`][mumoe_tn.distillation.replacements.mxd_paper_init]). ``"plain"`` (the
+        default otherwise): the block's own initialisation.
+    aux_k : bool or AuxK, optional
+        Train with the auxiliary-k loss on dead experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK],
+        attached as the block's ``distillation_losses``): True for its defaults, an ``AuxK`` for
+        others, False for none. Default: on, except for a Mixture of Decoders built with its
+        authors' recipe, who train without it (with their ReLU top-k gate it raised the error,
+        as measured in the distillation guide).
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
@@ -133,12 +223,25 @@ def mumoe_factory(
     -------
     Factory
     """
-    dims = (expert_dims,) if isinstance(expert_dims, int) else tuple(expert_dims)
-    if isinstance(k, int) and len(dims) > 1:
+    dims = None if expert_dims is None else (expert_dims,) if isinstance(expert_dims, int) else tuple(expert_dims)
+    if dims is not None and isinstance(k, int) and len(dims) > 1:
         k = mode_split(k, len(dims))
 
     fmt = format_of(decomposition)
     decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
+    if recipe is not None and recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
+    if recipe == "mxd-paper" and not decoders:
+        raise ValueError(
+            f"recipe='mxd-paper' initialises a Mixture of Decoders; {decomposition!r} builds another block: use 'plain'"
+        )
+    if dims is None and not decoders:
+        raise ValueError(
+            "expert_dims=None (solved for the budget) needs a Mixture of Decoders format such as 'mxd'; give the "
+            f"number of experts of {decomposition!r}"
+        )
+    if aux_k is not None and not isinstance(aux_k, (bool, AuxK)):
+        raise TypeError(f"aux_k must be a bool or an AuxK term, got {aux_k!r:.80}")
     gates = top_k_gates()
     if not isinstance(top_k, str) or top_k not in ("auto", *gates):
         raise ValueError(f"top_k must be one of {list(top_k_gate_names())}, got {top_k!r}")
@@ -158,24 +261,33 @@ def mumoe_factory(
             extra["gated"] = block.kind == "gated"
         else:
             cls = layer or (MuMoEGatedMLP if block.kind == "gated" else MuMoEMLP)
-        return cls(
+        target = paper_budget(block) if budget is None else _budget(budget, block)
+        module = cls(
             block.in_features, block.hidden_features, block.out_features, expert_dims, decomposition,
-            match=_budget(budget, block), gate=gate, bias=block.bias, hidden_activation=activation,
+            match=target, gate=gate, bias=block.bias, hidden_activation=activation,
             device=block.device, dtype=block.dtype, **extra,
         )  # fmt: skip
+        paper = decoders and (recipe == "mxd-paper" or (recipe is None and bool(module.expert_vectors())))
+        if paper:
+            mxd_paper_init(module)
+        use = not paper if aux_k is None else aux_k
+        if use is not False:
+            module.distillation_losses = (use if isinstance(use, AuxK) else AuxK(),)
+        return module
 
     return build
 
 
-def transcoder_factory(k: int | None, budget: int | float, *, skip: bool = False) -> Factory:
+def transcoder_factory(k: int | None, budget: int | float | None = None, *, skip: bool = False) -> Factory:
     """A factory of (skip) transcoders whose latent count meets ``budget``.
 
     Parameters
     ----------
     k : int or None
         TopK latents kept per token; None for a ReLU transcoder (sparse through an L1 penalty).
-    budget : int or float
-        Parameters, or a multiple of the replaced block's parameters.
+    budget : int or float, optional
+        Parameters, or a multiple of the replaced block's parameters (default the paper's:
+        ``32 · I`` latents without a skip).
     skip : bool, optional
         A skip transcoder.
 
@@ -185,7 +297,8 @@ def transcoder_factory(k: int | None, budget: int | float, *, skip: bool = False
     """
 
     def build(block: BlockInfo) -> nn.Module:
-        latents = match_transcoder(_budget(budget, block), block.in_features, block.out_features, skip=skip)
+        target = paper_budget(block) if budget is None else _budget(budget, block)
+        latents = match_transcoder(target, block.in_features, block.out_features, skip=skip)
         return Transcoder(
             block.in_features, latents, block.out_features, k=k, skip=skip, device=block.device, dtype=block.dtype
         )

@@ -1,4 +1,4 @@
-"""``mumoe-tn distill``: the sparsity–accuracy frontier of a model's MLP blocks, μMoE against transcoders.
+"""The sparsity–accuracy frontier of a model's MLP blocks, μMoE against transcoders.
 
 Every chosen MLP block of a causal language model is distilled (see
 [`mumoe_tn.distillation.training`][mumoe_tn.distillation.training]) into each method at each sparsity
@@ -6,27 +6,26 @@ L0, all at one parameter budget and on the same tokens with the same optimiser, 
 on held-out text (see [`mumoe_tn.distillation.faithfulness`][mumoe_tn.distillation.faithfulness]).
 
 Methods, by name: ``transcoder`` (TopK) and ``skip-transcoder``; any registered format name
-(``mxd``, ``cp``, ``tr``, ``tt``, ``tucker``, …) for a flat μMoE block of ``--experts`` experts —
+(``mxd``, ``cp``, ``tr``, ``tt``, ``tucker``, …) for a flat μMoE block of ``experts`` experts —
 the block the format converts an MLP to, a Mixture of Decoders for ``mxd`` — and
 ``<format>-hier`` for the same number of experts in two modes (``256`` → ``16×16``), top-k per
 mode with ``∏ k_e = L0``. The budget is the parameter count of a transcoder with
 ``expansion × I`` latents (the Mixture of Decoders paper matches a 32× transcoder; 8× here by
-default), or ``--budget`` parameters.
+default), or ``budget`` parameters.
 
-Without ``--model`` a GPT-2-shaped model (byte tokens) is built from a small config and first
-trained on Python's own ``pydoc_data`` text — nothing is downloaded; with ``--model DIR`` a local
-Hugging Face causal LM (and its tokenizer, if saved) is loaded from ``DIR``. Needs the ``hf``
-extra (transformers).
+Without ``model_dir`` a GPT-2-shaped model (byte tokens) is built from a small config and first
+trained on Python's own ``pydoc_data`` text — nothing is downloaded; with ``model_dir`` a local
+Hugging Face causal LM (and its tokenizer, if saved) is loaded from it. Needs the ``hf``
+extra (transformers). The ``mumoe-tn distill`` command
+([`mumoe_tn.cli.distill_command`][mumoe_tn.cli.distill_command]) runs it from the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +35,12 @@ from torch import nn
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.decompositions.registry import available
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
-from mumoe_tn.distillation.frontier import FrontierTable, plot_frontier
-from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, top_k_gate_names, transcoder_factory
+from mumoe_tn.distillation.frontier import FrontierTable
+from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
-from mumoe_tn.distillation.training import Factory, distill
+from mumoe_tn.distillation.training import Factory, distill, load_replacements, save_replacements
 
-__all__ = ["FrontierConfig", "configure_parser", "method_factories", "run", "run_frontier"]
+__all__ = ["FrontierConfig", "load_frontier", "method_factories", "run_frontier", "save_frontier"]
 
 #: The methods of the default frontier.
 DEFAULT_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp", "cp-hier", "tr", "tr-hier")
@@ -77,8 +76,12 @@ class FrontierConfig:
         Parameters per replacement.
     tokens, batch_size, buffer_tokens : int
         Distillation tokens, tokens per step, activation buffer.
-    lr : float
-        Adam's learning rate for every replacement.
+    recipe : {"mxd-paper", "plain"}
+        The training recipe of every replacement (see
+        [`RECIPES`][mumoe_tn.distillation.training]); a Mixture of Decoders is also
+        initialised by its authors' recipe with ``"mxd-paper"``.
+    lr : float or None
+        The learning rate for every replacement (default the recipe's).
     eval_tokens : int
         Held-out tokens for the evaluation.
     seed : int
@@ -105,7 +108,8 @@ class FrontierConfig:
     tokens: int = 200_000
     batch_size: int = 256
     buffer_tokens: int = 16_384
-    lr: float = 1e-3
+    recipe: str = "mxd-paper"
+    lr: float | None = None
     eval_tokens: int = 16_384
     seed: int = 0
     top_k: str = "auto"
@@ -130,8 +134,34 @@ def _check_methods(methods: Sequence[str]) -> None:
             )
 
 
+def _check_l0s(methods: Sequence[str], l0s: Sequence[int], experts: int) -> None:
+    """Refuse an L0 that a μMoE block of ``experts`` experts cannot have active (naming ``--experts``)."""
+    for method in methods:
+        if method in ("transcoder", "skip-transcoder"):
+            continue
+        for l0 in l0s:
+            if method.endswith(_HIER):
+                ks, dims = mode_split(l0, 2), mode_split(experts, 2)
+                if any(k > n for k, n in zip(ks, dims, strict=True)):
+                    raise ValueError(
+                        f"L0 {l0} is out of reach of {method!r} with {experts} experts: it keeps {ks[0]}×{ks[1]} of "
+                        f"{dims[0]}×{dims[1]} experts per mode; raise --experts (experts=; --quick uses 16)"
+                    )
+            elif l0 > experts:
+                raise ValueError(
+                    f"L0 {l0} is more than the {experts} experts of {method!r}: raise --experts (experts=; --quick "
+                    f"uses 16) to at least {l0}"
+                )
+
+
 def method_factories(
-    methods: Sequence[str], l0s: Sequence[int], budget: int | float, experts: int, *, top_k: str = "auto"
+    methods: Sequence[str],
+    l0s: Sequence[int],
+    budget: int | float,
+    experts: int,
+    *,
+    top_k: str = "auto",
+    recipe: str = "mxd-paper",
 ) -> dict[str, Factory]:
     """The factories of a frontier, named ``"<method>@<L0>"`` (a μMoE with ``top_k`` set: ``"<method>:<top_k>@<L0>"``).
 
@@ -147,12 +177,15 @@ def method_factories(
         Experts of a μMoE block (``-hier``: split into two modes).
     top_k : str, optional
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
+    recipe : {"mxd-paper", "plain"}, optional
+        ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors'.
 
     Returns
     -------
     dict of str to Factory
     """
     _check_methods(methods)
+    _check_l0s(methods, l0s, experts)
     factories: dict[str, Factory] = {}
     for method in methods:
         for l0 in l0s:
@@ -160,11 +193,12 @@ def method_factories(
                 factories[f"{method}@{l0}"] = transcoder_factory(l0, budget, skip=method == "skip-transcoder")
                 continue
             name = f"{method}@{l0}" if top_k == "auto" else f"{method}:{top_k}@{l0}"
+            initial = "plain" if recipe == "plain" else None  # None: the authors' init for a Mixture of Decoders
             if method.endswith(_HIER):
                 dims: int | tuple[int, ...] = mode_split(experts, 2)
-                factories[name] = mumoe_factory(method[: -len(_HIER)], dims, l0, budget, top_k=top_k)
+                factories[name] = mumoe_factory(method[: -len(_HIER)], dims, l0, budget, top_k=top_k, recipe=initial)
             else:
-                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k)
+                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k, recipe=initial)
     return factories
 
 
@@ -224,7 +258,7 @@ def pretrain(model: nn.Module, tokens: torch.Tensor, config: FrontierConfig, *, 
 
 
 def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: str | None = None,
-                 resume: bool = False) -> FrontierTable:  # fmt: skip
+                 resume: bool = False, save: str | Path | None = None) -> FrontierTable:  # fmt: skip
     """Build (or load) the model, distil every block into every method and L0, and measure them.
 
     Parameters
@@ -236,12 +270,17 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
         The distillation's checkpoint file.
     resume : bool, optional
         Resume the distillation from ``checkpoint``.
+    save : str or Path, optional
+        A new or empty directory to write the run into (see
+        [`save_frontier`][mumoe_tn.distillation.study.save_frontier]).
 
     Returns
     -------
     FrontierTable
     """
     _check_methods(config.methods)
+    _check_l0s(config.methods, config.l0s, config.experts)
+    directory = None if save is None else _save_directory(save)
     start = time.perf_counter()
     model, tokens, description = load_model(config)
     split = int(0.9 * tokens.numel())
@@ -254,13 +293,16 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     first = blocks[0]
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
                                                     first.out_features)  # fmt: skip
-    factories = method_factories(config.methods, config.l0s, budget, config.experts, top_k=config.top_k)
+    factories = method_factories(
+        config.methods, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe
+    )
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
     result = distill(
         model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
-        buffer_tokens=config.buffer_tokens, lr=config.lr, seed=config.seed, checkpoint=checkpoint, resume=resume,
+        buffer_tokens=config.buffer_tokens, recipe=config.recipe, lr=config.lr, seed=config.seed,
+        checkpoint=checkpoint, resume=resume, run_config={"model": description, **dataclasses.asdict(config)},
         progress=progress,
     )  # fmt: skip
     trained = time.perf_counter() - start
@@ -275,93 +317,78 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     }  # fmt: skip
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)
-    return FrontierTable(table.rows, {**table.config, "seconds": seconds})
+    table = FrontierTable(table.rows, {**table.config, "seconds": seconds})
+    if directory is not None:
+        save_frontier(directory, table, result.replacements, model if config.model_dir is None else None)
+    return table
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the command's options to ``parser`` (used by ``mumoe-tn distill``)."""
-    d = FrontierConfig()
-    parser.add_argument("--quick", action="store_true", help="a tiny run of well under a minute")
-    parser.add_argument("--model", dest="model_dir", metavar="DIR", help="a local Hugging Face causal LM (default: "
-                        "build a GPT-2-shaped model and train it on pydoc_data)")  # fmt: skip
-    parser.add_argument("--mlps", help=f"regex of the MLP blocks to distil (default {d.mlps!r})")
-    parser.add_argument("--methods", nargs="+", help=f"methods (default {' '.join(d.methods)})")
-    parser.add_argument("--l0", dest="l0s", type=int, nargs="+", help=f"sparsities (default {list(d.l0s)})")
-    parser.add_argument("--experts", type=int, help=f"experts of every μMoE block (default {d.experts})")
-    parser.add_argument(
-        "--expansion", type=int, help=f"budget: a transcoder of expansion×I latents (default {d.expansion})"
-    )
-    parser.add_argument("--budget", type=int, help="budget: parameters per replacement (instead of --expansion)")
-    parser.add_argument("--tokens", type=int, help=f"distillation tokens (default {d.tokens:,})")
-    parser.add_argument("--eval-tokens", type=int, help=f"held-out evaluation tokens (default {d.eval_tokens:,})")
-    parser.add_argument("--batch-size", type=int, help=f"tokens per optimiser step (default {d.batch_size})")
-    parser.add_argument("--buffer-tokens", type=int, help=f"activation buffer capacity (default {d.buffer_tokens:,})")
-    parser.add_argument("--lr", type=float, help=f"Adam learning rate (default {d.lr})")
-    parser.add_argument(
-        "--pretrain-steps", type=int, help=f"training steps of the built model (default {d.pretrain_steps})"
-    )
-    parser.add_argument("--width", type=int, help=f"width of the built model (default {d.width})")
-    parser.add_argument("--depth", type=int, help=f"layers of the built model (default {d.depth})")
-    parser.add_argument("--seed", type=int, help=f"seed (default {d.seed})")
-    parser.add_argument("--top-k", choices=top_k_gate_names(), help="the μMoE blocks' top-k gate: 'auto' (default: "
-                        "the format's, ReLU for MxD as its authors gate; softmax for the others) or any registered "
-                        "top-k gate")  # fmt: skip
-    parser.add_argument("--checkpoint", metavar="FILE", help="save the distillation's state here (and resume from it "
-                        "with --resume)")  # fmt: skip
-    parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    output = parser.add_mutually_exclusive_group()
-    output.add_argument("--json", action="store_true", help="print the table as JSON")
-    output.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    output.add_argument("--csv", action="store_true", help="print the table as CSV")
-    parser.add_argument("--save", metavar="FILE.json", help="also write the table as JSON to this file")
-    parser.add_argument("--plot", metavar="FILE.png", help="save the frontier plot (CE-loss score against L0)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    return parser
+#: The files of a saved frontier run, in its directory.
+TABLE_FILE, REPLACEMENTS_FILE, MODEL_DIRECTORY = "frontier.json", "replacements.safetensors", "model"
 
 
-def config_from(args: argparse.Namespace) -> FrontierConfig:
-    """The configuration the parsed arguments ask for."""
-    config = FrontierConfig.quick() if args.quick else FrontierConfig()
-    names = ("model_dir", "mlps", "methods", "l0s", "experts", "expansion", "budget", "tokens", "eval_tokens",
-             "batch_size", "buffer_tokens", "lr", "pretrain_steps", "width", "depth", "seed", "top_k")  # fmt: skip
-    changes = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    for name in ("methods", "l0s"):
-        if name in changes:
-            changes[name] = tuple(changes[name])
-    for name in ("experts", "expansion", "budget", "tokens", "eval_tokens", "batch_size", "buffer_tokens",
-                 "pretrain_steps", "width", "depth"):  # fmt: skip
-        if name in changes and changes[name] <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {changes[name]}")
-    if any(l0 <= 0 for l0 in changes.get("l0s", ())):
-        raise ValueError(f"--l0 values must be positive ints, got {list(changes['l0s'])}")
-    return dataclasses.replace(config, **changes)
+def _save_directory(path: str | Path) -> Path:
+    """``path`` as a directory to write a run into: new or empty, checked before any work."""
+    directory = Path(path)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise ValueError(f"save= must be a new or empty directory, got {str(directory)!r}")
+    return directory
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the frontier, print the table, and save the plot."""
-    config = config_from(args)
-    _check_methods(config.methods)
-    if args.resume and not args.checkpoint:
-        raise ValueError("--resume needs --checkpoint FILE")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, args.threads))
-    try:
-        table = run_frontier(config, progress=args.progress, checkpoint=args.checkpoint, resume=args.resume)
-    finally:
-        torch.set_num_threads(threads)
-    if args.save:
-        Path(args.save).write_text(table.to_json() + "\n")
-    if args.plot:
-        plot_frontier(table, args.plot)
-    if args.json:
-        print(table.to_json())
-    elif args.markdown:
-        print(table.title() + "\n\n" + table.to_markdown())
-    elif args.csv:
-        sys.stdout.write(table.to_csv())
-    else:
-        from rich.console import Console
+def save_frontier(
+    directory: str | Path,
+    table: FrontierTable,
+    replacements: Mapping[str, Mapping[str, nn.Module]],
+    model: nn.Module | None = None,
+) -> Path:
+    """Write a frontier run to ``directory``: its table, its trained replacements and, if given, the model.
 
-        Console().print(table.to_rich())
-    return 0
+    ``frontier.json`` holds the table and the run's configuration,
+    ``replacements.safetensors`` every replacement (see
+    [`save_replacements`][mumoe_tn.distillation.training.save_replacements]) and ``model/`` the
+    model the run built and trained (``save_pretrained``), so
+    [`load_frontier`][mumoe_tn.distillation.study.load_frontier] can splice them back.
+
+    Returns
+    -------
+    Path
+        The directory.
+    """
+    directory = _save_directory(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / TABLE_FILE).write_text(table.to_json() + "\n")
+    save_replacements(replacements, directory / REPLACEMENTS_FILE)
+    if model is not None:
+        model.save_pretrained(directory / MODEL_DIRECTORY)
+    return directory
+
+
+def load_frontier(directory: str | Path) -> tuple[nn.Module, dict[str, dict[str, nn.Module]], FrontierTable]:
+    """The model, the trained replacements (``block -> method -> module``) and the table of a saved run.
+
+    The replacements are rebuilt by the run's factories (from the configuration in its table) and
+    loaded from ``replacements.safetensors``; splice one in with
+    [`splice`][mumoe_tn.distillation.training.splice]. The model is the one saved with the run, or
+    the ``--model`` directory it named.
+
+    Raises
+    ------
+    ValueError
+        A directory without a saved run, or files that do not fit each other.
+    """
+    import transformers
+
+    directory = Path(directory)
+    if not (directory / TABLE_FILE).is_file():
+        raise ValueError(f"{str(directory)!r} holds no saved frontier run (no {TABLE_FILE})")
+    table = FrontierTable.from_json((directory / TABLE_FILE).read_text())
+    names = {f.name for f in dataclasses.fields(FrontierConfig)}
+    settings = {key: value for key, value in table.config.items() if key in names}
+    config = FrontierConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+    source = directory / MODEL_DIRECTORY if config.model_dir is None else Path(config.model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()
+    factories = method_factories(config.methods, config.l0s, table.config["budget"], config.experts,
+                                 top_k=config.top_k, recipe=config.recipe)  # fmt: skip
+    built = {block.name: {method: factory(block) for method, factory in factories.items()}
+             for block in select_blocks(model, config.mlps)}  # fmt: skip
+    return model, load_replacements(built, directory / REPLACEMENTS_FILE), table

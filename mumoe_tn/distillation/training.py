@@ -2,14 +2,18 @@
 
 Each chosen block is a function ``x ↦ y`` of its input; a replacement — any module a factory
 builds from the block: a μMoE block of any format, a transcoder, a user's own — is trained to
-reproduce ``y`` from ``x`` on activations streamed from a text dataset, with the field's
-normalised loss (Mixture of Decoders, Oldfield et al. 2025)::
+reproduce ``y`` from ``x`` on activations streamed from a text dataset. The loss is a sum of
+registered terms (see [`mumoe_tn.distillation.losses`][mumoe_tn.distillation.losses]), by default
+the field's normalised loss (Mixture of Decoders, Oldfield et al. 2025)::
 
     L = mean_{t,o} (ŷ_{t,o} − y_{t,o})² / ‖y_t‖₂
 
 (the mean over tokens ``t`` and output features ``o``), plus ``λ·mean_t ‖z_t‖₁`` on the
-replacement's sparse code ``z`` with an L1 penalty. Sparsity is the replacement's own (a top-k
-gate, TopK latents) or that penalty.
+replacement's sparse code ``z`` with an L1 penalty, plus the terms a replacement adds itself (the
+auxiliary-k loss on dead experts). Sparsity is the replacement's own (a top-k gate, TopK latents)
+or that penalty. The optimiser, learning rate and warm-up are a named
+[`Recipe`][mumoe_tn.distillation.training.Recipe]; parameters a replacement declares unit-norm
+stay so (the Mixture of Decoders' expert vectors).
 
 Streaming: the model runs in eval mode without gradients over batches of the dataset; the
 inputs and outputs of every chosen block at the real tokens (padding dropped by the batch's
@@ -17,7 +21,8 @@ mask) go into one [`ActivationBuffer`][mumoe_tn.distillation.streaming.Activatio
 capacity. When the next batch does not fit, the buffer is shuffled and drained to half its
 capacity (or less, until the batch fits) in training steps of ``batch_size`` tokens; every
 replacement of every block trains on the same tokens, with its own optimiser. A checkpoint (the
-replacements, optimisers, the rows in the buffer, the generator and the position in the stream)
+replacements, optimisers, schedules, the loss terms' states, the rows in the buffer, the generator
+and the position in the stream)
 lets an interrupted run resume and end with the same weights as an uninterrupted one.
 
 The sparse code of a replacement is the output of its ``code_module`` (a
@@ -31,9 +36,10 @@ import math
 import os
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from mumoe_tn.distillation.codes import code_module, recording_code, recording_preactivations
+from mumoe_tn.distillation.losses import L1, Loss, LossInputs, normalised_mse, resolve_losses
 from mumoe_tn.distillation.streaming import (
     ActivationBuffer,
     Batch,
@@ -50,19 +58,25 @@ from mumoe_tn.distillation.streaming import (
     select_blocks,
     token_rows,
 )
-from mumoe_tn.layers.base import MuMoEBase
 from mumoe_tn.validation import check_positive_float, check_size
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "RECIPES",
     "Distillation",
     "Factory",
+    "Recipe",
     "code_module",
     "distill",
+    "load_replacements",
     "normalised_mse",
+    "project_column_gradients",
     "recording_code",
+    "renormalise_columns",
+    "save_replacements",
     "splice",
     "spliced",
+    "unit_norm_parameters",
 ]
 
 #: Builds a replacement for a block: any module mapping the block's input ``(…, I)`` to ``(…, O)``.
@@ -70,72 +84,6 @@ Factory = Callable[[BlockInfo], nn.Module]
 
 #: The version tag of a distillation checkpoint.
 CHECKPOINT_FORMAT = "mumoe_tn.distill/1"
-
-
-def normalised_mse(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The distillation loss ``mean_{t,o} (ŷ_{t,o} − y_{t,o})² / ‖y_t‖₂`` over the real tokens.
-
-    Parameters
-    ----------
-    prediction, target : torch.Tensor
-        ``(…, O)`` each.
-    mask : torch.Tensor, optional
-        ``(…)`` booleans, True = real token; padding tokens do not enter the mean.
-
-    Returns
-    -------
-    torch.Tensor
-        A scalar. A token whose target is zero is divided by ``1e-8`` instead of 0.
-    """
-    if prediction.shape != target.shape:
-        raise ValueError(
-            f"prediction and target must have the same shape, got {tuple(prediction.shape)} and {tuple(target.shape)}"
-        )
-    error = (prediction - target).pow(2) / target.norm(dim=-1, keepdim=True).clamp_min(1e-8)
-    if mask is None:
-        return error.mean()
-    if mask.shape != target.shape[:-1]:
-        raise ValueError(f"mask must have shape {tuple(target.shape[:-1])}, got {tuple(mask.shape)}")
-    return error[mask.bool()].mean()
-
-
-def code_module(replacement: nn.Module) -> nn.Module | None:
-    """The submodule whose output is ``replacement``'s sparse code, or None if it names none.
-
-    A module's ``code_module`` attribute if it has one; the ``gate`` of a μMoE block (its
-    expert coefficients).
-    """
-    named = getattr(replacement, "code_module", None)
-    if isinstance(named, nn.Module):
-        return named
-    if isinstance(replacement, MuMoEBase):
-        return replacement.gate
-    return None
-
-
-@contextmanager
-def recording_code(replacement: nn.Module) -> Iterator[list[tuple[torch.Tensor, ...]]]:
-    """Record the sparse code of every forward pass of ``replacement`` inside the block (with gradients).
-
-    Yields a list that receives, per forward pass, the code as a tuple of tensors ``(…, units)``
-    (one per expert mode for a μMoE block).
-    """
-    module = code_module(replacement)
-    if module is None:
-        raise TypeError(
-            f"{type(replacement).__name__} exposes no sparse code: give it a `code_module` attribute (the submodule "
-            "whose output is the code) to use an L1 penalty or measure L0"
-        )
-    codes: list[tuple[torch.Tensor, ...]] = []
-
-    def hook(module: nn.Module, args: tuple, output: Any) -> None:
-        codes.append(tuple(output) if isinstance(output, (tuple, list)) else (output,))
-
-    handle = module.register_forward_hook(hook)
-    try:
-        yield codes
-    finally:
-        handle.remove()
 
 
 @dataclass
@@ -187,8 +135,106 @@ def _check_methods(methods: object) -> dict[str, Factory]:
     return dict(methods)
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How [`distill`][mumoe_tn.distillation.training.distill] optimises every replacement.
+
+    Attributes
+    ----------
+    name : str
+        ``"mxd-paper"`` or ``"plain"`` (see ``RECIPES``).
+    lr : float
+        The learning rate (``distill(lr=...)`` overrides it).
+    optimizer : {"adam", "adamw"}
+        ``torch.optim.Adam`` or ``torch.optim.AdamW``.
+    weight_decay : float
+        AdamW's weight decay.
+    warmup : float
+        Linear warm-up over this fraction of the run's steps, then a constant learning rate.
+    """
+
+    name: str
+    lr: float
+    optimizer: str
+    weight_decay: float
+    warmup: float
+
+    def build(self, parameters: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        """The optimiser of one replacement."""
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(parameters, lr=lr, weight_decay=self.weight_decay)
+        return torch.optim.Adam(parameters, lr=lr, weight_decay=self.weight_decay)
+
+
+#: The training recipes by name. ``"mxd-paper"``: the Mixture of Decoders authors' (AdamW without
+#: weight decay at 4e-4, constant after a warm-up of 5,000 of their 117,188 steps — 480 M tokens in
+#: batches of 4,096 — the same fraction of this run's steps). ``"plain"``: Adam at 1e-3, no warm-up.
+RECIPES = {
+    "mxd-paper": Recipe("mxd-paper", lr=4e-4, optimizer="adamw", weight_decay=0.0, warmup=5_000 / (480e6 / 4096)),
+    "plain": Recipe("plain", lr=1e-3, optimizer="adam", weight_decay=0.0, warmup=0.0),
+}
+
+
+def _warmup_factor(step: int, *, steps: int) -> float:
+    return 1.0 if steps <= 0 else min(1.0, (step + 1) / steps)
+
+
+def unit_norm_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter, int]]:
+    """The parameters ``module`` declares unit-norm, with the dim along which each slice has norm 1.
+
+    A replacement declares them in a ``unit_norm`` attribute: a mapping of its parameter names to
+    a dim (``{"decoder.C_n1": 1}``: every row of ``C_n1`` — a Mixture of Decoders' expert vector
+    ``c_n`` — has norm 1; see
+    [`MixtureOfDecoders.expert_vectors`][mumoe_tn.layers.decoders.MixtureOfDecoders.expert_vectors]).
+
+    Raises
+    ------
+    TypeError, ValueError
+        If ``unit_norm`` is not such a mapping, names no parameter, or a dim is out of range.
+    """
+    declared = getattr(module, "unit_norm", None)
+    if declared is None:
+        return []
+    if not isinstance(declared, Mapping):
+        raise TypeError(f"unit_norm of {type(module).__name__} must map parameter names to dims, got {declared!r:.80}")
+    parameters = dict(module.named_parameters())
+    found = []
+    for name, dim in declared.items():
+        if name not in parameters:
+            raise ValueError(
+                f"unit_norm names {name!r}, not a parameter of {type(module).__name__}: {sorted(parameters)}"
+            )
+        parameter = parameters[name]
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -parameter.ndim <= dim < parameter.ndim:
+            raise ValueError(
+                f"unit_norm dim of {name!r} must be an int in [-{parameter.ndim}, {parameter.ndim}), got {dim!r}"
+            )
+        found.append((name, parameter, dim))
+    return found
+
+
+@torch.no_grad()
+def renormalise_columns(parameter: torch.Tensor, dim: int) -> None:
+    """Scale every slice of ``parameter`` along ``dim`` to norm 1, in place (a zero slice stays zero)."""
+    parameter.div_(parameter.norm(dim=dim, keepdim=True).clamp_min(1e-12))
+
+
+@torch.no_grad()
+def project_column_gradients(parameter: torch.Tensor, dim: int) -> None:
+    """Remove from ``parameter.grad`` the component parallel to each slice along ``dim``, in place.
+
+    For unit-norm slices ``c``: ``g ← g − (gᵀc) c``, the gradient in the tangent space of the
+    sphere (the Mixture of Decoders authors' ``norm_dec``). Nothing happens without a gradient.
+    """
+    grad = parameter.grad
+    if grad is None:
+        return
+    unit = parameter / parameter.norm(dim=dim, keepdim=True).clamp_min(1e-12)
+    grad.sub_((grad * unit).sum(dim=dim, keepdim=True) * unit)
+
+
 class _Run:
-    """The state of one distillation: modules, optimisers, buffer, generator and counters."""
+    """The state of one distillation: modules, optimisers, schedules, loss states, buffer, generator, counters."""
 
     def __init__(
         self,
@@ -197,13 +243,21 @@ class _Run:
         *,
         seed: int,
         lr: float,
+        recipe: Recipe,
+        steps: int,
+        losses: tuple[Loss, ...],
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
         capacity: int,
     ) -> None:
         self.modules: dict[str, dict[str, nn.Module]] = {}
         self.optimizers: dict[str, dict[str, torch.optim.Optimizer]] = {}
+        self.schedules: dict[str, dict[str, torch.optim.lr_scheduler.LambdaLR]] = {}
+        self.terms: dict[tuple[str, str], tuple[Loss, ...]] = {}
+        self.loss_state: dict[tuple[str, str], dict[str, dict[str, torch.Tensor]]] = {}
+        self.unit_norm: dict[tuple[str, str], list[tuple[str, nn.Parameter, int]]] = {}
+        warmup = partial(_warmup_factor, steps=round(recipe.warmup * steps))
         for block in blocks:
-            self.modules[block.name], self.optimizers[block.name] = {}, {}
+            self.modules[block.name], self.optimizers[block.name], self.schedules[block.name] = {}, {}, {}
             for method, factory in methods.items():
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(_seed(seed, block.name, method))
@@ -213,9 +267,16 @@ class _Run:
                 parameters = [p for p in module.parameters() if p.requires_grad]
                 if not parameters:
                     raise ValueError(f"the replacement {method!r} of {block.name!r} has no trainable parameters")
+                key = (block.name, method)
+                self.terms[key] = _terms_of(module, losses, method)
+                self.loss_state[key] = {term.name: {} for term in self.terms[key]}
+                self.unit_norm[key] = unit_norm_parameters(module)
+                for _, parameter, dim in self.unit_norm[key]:
+                    renormalise_columns(parameter, dim)
                 self.modules[block.name][method] = module.train()
-                build = optimizer or (lambda params: torch.optim.Adam(params, lr=lr))
-                self.optimizers[block.name][method] = build(parameters)
+                built = optimizer(parameters) if optimizer is not None else recipe.build(parameters, lr)
+                self.optimizers[block.name][method] = built
+                self.schedules[block.name][method] = torch.optim.lr_scheduler.LambdaLR(built, warmup)
         self.buffer = ActivationBuffer(capacity)
         self.generator = torch.Generator().manual_seed(seed)
         self.harvested = self.trained = self.steps = 0
@@ -223,44 +284,79 @@ class _Run:
         self.recent: dict[tuple[str, str], list[float]] = {}
 
     def state_dict(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        pairs = [(b, m) for b, ms in self.modules.items() for m in ms]
         return {
             "format": CHECKPOINT_FORMAT,
             "config": dict(config),
-            "modules": {f"{b}/{m}": mod.state_dict() for b, ms in self.modules.items() for m, mod in ms.items()},
-            "optimizers": {f"{b}/{m}": o.state_dict() for b, os_ in self.optimizers.items() for m, o in os_.items()},
+            "modules": {f"{b}/{m}": self.modules[b][m].state_dict() for b, m in pairs},
+            "optimizers": {f"{b}/{m}": self.optimizers[b][m].state_dict() for b, m in pairs},
+            "schedules": {f"{b}/{m}": self.schedules[b][m].state_dict() for b, m in pairs},
+            "losses": {f"{b}/{m}": self.loss_state[b, m] for b, m in pairs},
             "buffer": self.buffer.state_dict(),
             "generator": self.generator.get_state(),
             "counters": {"harvested": self.harvested, "trained": self.trained, "steps": self.steps},
             "draining": -1 if self.draining is None else self.draining,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
         for block, methods in self.modules.items():
             for method, module in methods.items():
-                module.load_state_dict(state["modules"][f"{block}/{method}"])
-                self.optimizers[block][method].load_state_dict(state["optimizers"][f"{block}/{method}"])
+                key = f"{block}/{method}"
+                saved = state["modules"][key]
+                for name, tensor in module.state_dict().items():
+                    old = saved.get(name)
+                    if old is None or old.shape != tensor.shape:
+                        found = "no such tensor" if old is None else f"shape {tuple(old.shape)}"
+                        raise ValueError(
+                            f"the checkpoint {path} was written by a different distillation: the replacement "
+                            f"{method!r} of {block!r} has {name} of shape {tuple(tensor.shape)} now, {found} in the "
+                            "checkpoint"
+                        )
+                module.load_state_dict(saved)
+                self.optimizers[block][method].load_state_dict(state["optimizers"][key])
+                self.schedules[block][method].load_state_dict(state["schedules"][key])
+                self.loss_state[block, method] = {name: dict(values) for name, values in state["losses"][key].items()}
         self.buffer.load_state_dict(state["buffer"])
         self.generator.set_state(state["generator"])
         counters = state["counters"]
         self.harvested, self.trained, self.steps = (int(counters[k]) for k in ("harvested", "trained", "steps"))
         self.draining = None if int(state["draining"]) < 0 else int(state["draining"])
 
-    def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]], l1: float) -> float:
-        """One optimiser step of every replacement on ``rows``; returns the mean loss."""
-        losses = []
+    def loss(self, block: str, method: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The summed loss terms of one replacement on ``(x, y)`` (with gradients)."""
+        module, terms = self.modules[block][method], self.terms[block, method]
+        with ExitStack() as stack:
+            codes = stack.enter_context(recording_code(module)) if any(t.needs_code for t in terms) else None
+            pre = (
+                stack.enter_context(recording_preactivations(module))
+                if any(t.needs_preactivations for t in terms)
+                else None
+            )
+            prediction = module(x)
+            inputs = LossInputs(module, x, y, prediction, codes[0] if codes else None, pre[0] if pre else None)
+            values = []
+            for term in terms:
+                inputs.state = self.loss_state[block, method][term.name]
+                values.append(term(inputs))
+        return torch.stack(values).sum() if len(values) > 1 else values[0]
+
+    def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        """One optimiser step of every replacement on ``rows``; returns each method's loss (mean over blocks)."""
+        losses: dict[str, list[float]] = {}
         for block, methods in self.modules.items():
             x, y = rows[block]
-            for method, module in methods.items():
-                if l1 > 0:
-                    with recording_code(module) as codes:
-                        loss = normalised_mse(module(x), y)
-                    loss = loss + l1 * sum(part.abs().sum(-1).mean() for code in codes for part in code)
-                else:
-                    loss = normalised_mse(module(x), y)
+            for method in methods:
+                loss = self.loss(block, method, x, y)
                 optimizer = self.optimizers[block][method]
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                constrained = self.unit_norm[block, method]
+                for _, parameter, dim in constrained:
+                    project_column_gradients(parameter, dim)
                 optimizer.step()
+                self.schedules[block][method].step()
+                for _, parameter, dim in constrained:
+                    renormalise_columns(parameter, dim)
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     raise FloatingPointError(
@@ -269,9 +365,28 @@ class _Run:
                 recent = self.recent.setdefault((block, method), [])
                 recent.append(value)
                 del recent[:-50]
-                losses.append(value)
+                losses.setdefault(method, []).append(value)
         self.steps += 1
-        return sum(losses) / len(losses)
+        return {method: sum(values) / len(values) for method, values in losses.items()}
+
+
+def _terms_of(module: nn.Module, losses: tuple[Loss, ...], method: str) -> tuple[Loss, ...]:
+    """The run's loss terms and the ones ``module`` adds in its ``distillation_losses`` attribute."""
+    own = getattr(module, "distillation_losses", ())
+    own = tuple(own) if isinstance(own, (tuple, list)) else own
+    if not isinstance(own, tuple) or not all(isinstance(term, Loss) for term in own):
+        raise TypeError(
+            f"distillation_losses of the replacement {method!r} must be a tuple of Loss terms, got {own!r:.80}"
+        )
+    names = [term.name for term in losses]
+    terms = losses + tuple(term for term in own if term.name not in names)
+    for term in terms:
+        if (term.needs_code or term.needs_preactivations) and code_module(module) is None:
+            raise TypeError(
+                f"the loss term {term.name!r} needs the sparse code of {method!r} ({type(module).__name__}), which "
+                "exposes none: give it a `code_module` attribute"
+            )
+    return terms
 
 
 def _save(state: Mapping[str, Any], path: Path) -> None:
@@ -308,7 +423,9 @@ def distill(
     tokens: int,
     batch_size: int = 256,
     buffer_tokens: int = 16_384,
-    lr: float = 1e-3,
+    recipe: str = "mxd-paper",
+    lr: float | None = None,
+    loss: str | Loss | Sequence[str | Loss] = "normalised-mse",
     l1: float = 0.0,
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     seed: int = 0,
@@ -316,6 +433,7 @@ def distill(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int = 100,
     resume: bool = False,
+    run_config: Mapping[str, Any] | None = None,
     progress: bool = True,
 ) -> Distillation:
     """Train a replacement of each chosen MLP block of ``model`` on the block's streamed activations.
@@ -341,12 +459,26 @@ def distill(
         Tokens per optimiser step (default 256).
     buffer_tokens : int, optional
         Capacity of the activation buffer in tokens (default 16,384); must hold one batch.
+    recipe : {"mxd-paper", "plain"}, optional
+        How every replacement is optimised (see [`RECIPES`][mumoe_tn.distillation.training]):
+        ``"mxd-paper"`` (default), the Mixture of Decoders authors' — AdamW without weight decay at
+        4e-4, constant after a linear warm-up over the first 4.27 % of the steps (their 5,000 of
+        117,188) — or ``"plain"``, Adam at 1e-3 without warm-up. The replacements' own
+        initialisation is their factory's (see ``recipe=`` of
+        [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
     lr : float, optional
-        Adam's learning rate (default 1e-3).
+        The learning rate (default the recipe's).
+    loss : str or Loss or Sequence, optional
+        The loss terms, summed: registered names or [`Loss`][mumoe_tn.distillation.losses.Loss]
+        instances (see [`mumoe_tn.distillation.losses`][mumoe_tn.distillation.losses]; default
+        ``"normalised-mse"``, the paper's). A replacement adds its own terms in a
+        ``distillation_losses`` attribute (the auxiliary-k term of a μMoE block with a top-k gate).
     l1 : float, optional
-        Weight ``λ`` of the L1 penalty on the sparse code (default 0: the replacement's own sparsity).
+        Weight ``λ`` of the L1 penalty on the sparse code, the ``"l1"`` term (default 0: the
+        replacement's own sparsity).
     optimizer : Callable, optional
-        ``optimizer(parameters)`` builds the optimiser of each replacement (default Adam with ``lr``).
+        ``optimizer(parameters)`` builds the optimiser of each replacement (default the recipe's
+        with ``lr``); the recipe's warm-up still applies.
     seed : int, optional
         Seeds the replacements' initialisation (each from the seed and its block and method
         names) and the buffer's shuffling; the global RNG is left as it was.
@@ -357,13 +489,27 @@ def distill(
     checkpoint_every : int, optional
         Steps between checkpoints (default 100).
     resume : bool, optional
-        Continue from ``checkpoint`` if it exists (its configuration must match this call's).
+        Continue from ``checkpoint`` if it exists. Its configuration must match this call's — the
+        blocks, methods, ``tokens``, ``batch_size``, ``buffer_tokens``, ``seed``, ``recipe``,
+        ``lr``, the loss terms, ``run_config`` and the shapes of every replacement's tensors — or a
+        ValueError names the fields that differ.
+    run_config : Mapping, optional
+        Plain data (JSON-like) on what else the run depends on — the model, the factories'
+        settings — stored in the checkpoint and compared on resume.
     progress : bool, optional
-        Show a tqdm bar of trained tokens with tokens/s and the mean loss.
+        Show a tqdm bar of trained tokens with tokens/s and each method's loss (mean over blocks).
 
     Returns
     -------
     Distillation
+
+    Notes
+    -----
+    Unit-norm parameters: a replacement may declare parameters whose slices along a dim keep norm 1
+    in a ``unit_norm`` attribute (see
+    [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]): they are
+    renormalised when built and after every step, and the gradient component parallel to each
+    slice is removed before every optimiser step (the Mixture of Decoders' expert vectors).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -375,7 +521,16 @@ def distill(
     )
     if capacity < batch_size:
         raise ValueError(f"buffer_tokens must hold at least one step of batch_size={batch_size}, got {capacity}")
-    lr, l1 = check_positive_float("lr", lr), check_positive_float("l1", l1, allow_zero=True)
+    if not isinstance(recipe, str) or recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
+    training = RECIPES[recipe]
+    lr = training.lr if lr is None else check_positive_float("lr", lr)
+    l1 = check_positive_float("l1", l1, allow_zero=True)
+    terms = resolve_losses(loss)
+    if l1 > 0:
+        if any(term.name == L1.name for term in terms):
+            raise ValueError(f"give the L1 penalty once: l1={l1} or an {L1.name!r} term in loss=, not both")
+        terms = (*terms, L1(weight=l1))
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, got {seed!r}")
     path = None if checkpoint is None else Path(checkpoint)
@@ -386,12 +541,14 @@ def distill(
     blocks = select_blocks(model, mlps)
     names = [block.name for block in blocks]
     config = {
-        "blocks": names, "methods": sorted(methods), "batch_size": batch_size, "buffer_tokens": capacity,
-        "seed": seed, "lr": lr, "l1": l1,
+        **dict(run_config or {}), "blocks": names, "methods": sorted(methods), "tokens": tokens,
+        "batch_size": batch_size, "buffer_tokens": capacity, "seed": seed, "recipe": recipe, "lr": lr,
+        "loss": [term.config() for term in terms],
     }  # fmt: skip
-    run = _Run(blocks, methods, seed=seed, lr=lr, optimizer=optimizer, capacity=capacity)
+    run = _Run(blocks, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
+               optimizer=optimizer, capacity=capacity)  # fmt: skip
     if resume and path is not None and path.exists():
-        run.load_state_dict(_load(path, config))
+        run.load_state_dict(_load(path, config), path)
     was_training = model.training
     model.eval()
     bar = tqdm(total=tokens, initial=min(run.trained, tokens), unit="tok", unit_scale=True, desc="distilling",
@@ -404,10 +561,10 @@ def distill(
         run.draining = rows_left
         while run.trained < tokens and run.buffer.rows >= batch_size and run.buffer.rows > rows_left:
             with torch.enable_grad():
-                loss = run.step(run.buffer.take(batch_size), l1)
+                loss = run.step(run.buffer.take(batch_size))
             run.trained += batch_size
             bar.update(batch_size)
-            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+            bar.set_postfix({method: f"{value:.3g}" for method, value in loss.items()}, refresh=False)
             if path is not None and run.steps % checkpoint_every == 0:
                 _save(run.state_dict(config), path)
         run.draining = None
@@ -523,3 +680,93 @@ def spliced(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator
         yield model
     finally:
         splice(model, old)
+
+
+def save_replacements(
+    replacements: Mapping[str, Mapping[str, nn.Module]],
+    path: str | os.PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write trained replacements to one ``.safetensors`` file: key ``"<block>/<method>/<tensor>"``.
+
+    Parameters
+    ----------
+    replacements : Mapping
+        ``block name -> method -> module`` (``Distillation.replacements``).
+    path : str or PathLike
+        The file.
+    metadata : Mapping[str, str], optional
+        Strings stored in the file's header (e.g. the run's configuration as JSON).
+
+    Returns
+    -------
+    Path
+    """
+    from safetensors.torch import save_file
+
+    tensors = {
+        f"{block}/{method}/{key}": tensor.detach().cpu().contiguous().clone()
+        for block, methods in replacements.items()
+        for method, module in methods.items()
+        for key, tensor in module.state_dict().items()
+    }
+    path = Path(path)
+    save_file(tensors, str(path), metadata={"format": "mumoe_tn.replacements/1", **dict(metadata or {})})
+    return path
+
+
+def load_replacements(
+    replacements: Mapping[str, Mapping[str, nn.Module]], path: str | os.PathLike
+) -> dict[str, dict[str, nn.Module]]:
+    """Load what [`save_replacements`][mumoe_tn.distillation.training.save_replacements] wrote into built modules.
+
+    Every key and shape is checked against the file's header before any weight is read; the
+    modules are changed only when all fit.
+
+    Parameters
+    ----------
+    replacements : Mapping
+        ``block name -> method -> module`` built as the saved ones were (the same factories).
+    path : str or PathLike
+
+    Returns
+    -------
+    dict
+        The same modules, holding the saved weights, in eval mode.
+
+    Raises
+    ------
+    ValueError
+        A file that is not saved replacements, or a key or shape that differs (named).
+    """
+    from safetensors.torch import load_file
+
+    from mumoe_tn.conversion.files import read_headers, regular_file
+
+    path = regular_file(Path(path), "replacements file")
+    headers, metadata = read_headers(path)
+    if metadata.get("format") != "mumoe_tn.replacements/1":
+        raise ValueError(f"{str(path)!r} holds no saved replacements (format {metadata.get('format')!r})")
+    expected = {
+        f"{block}/{method}/{key}": tuple(tensor.shape)
+        for block, methods in replacements.items()
+        for method, module in methods.items()
+        for key, tensor in module.state_dict().items()
+    }
+    saved = {key: shape for key, (shape, _) in headers.items()}
+    if set(saved) != set(expected):
+        missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+        raise ValueError(f"{str(path)!r} does not hold these replacements: missing {missing[:5]}, extra {extra[:5]}")
+    wrong = [f"{key}: {saved[key]} saved, {shape} built" for key, shape in expected.items() if saved[key] != shape]
+    if wrong:
+        raise ValueError(f"{str(path)!r} holds replacements of other shapes: {'; '.join(wrong[:5])}")
+    tensors = load_file(str(path))
+    out: dict[str, dict[str, nn.Module]] = {}
+    for block, methods in replacements.items():
+        out[block] = {}
+        for method, module in methods.items():
+            prefix = f"{block}/{method}/"
+            module.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+            out[block][method] = module.eval()
+    return out

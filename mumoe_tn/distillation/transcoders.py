@@ -124,6 +124,11 @@ class Transcoder(nn.Module):
         """The module whose output is the latents ``z`` (what L0 and dead latents count)."""
         return self.activation
 
+    @property
+    def unit_parameters(self) -> tuple[str, ...]:
+        """The parameters each latent owns a slice of that the auxiliary-k loss trains: the decoder's columns."""
+        return ("decoder.weight",)
+
     def parameter_count(self) -> int:
         """``(I + 1)·M + M·O + O`` (plus ``I·O`` with the skip); equals the number of parameters."""
         return transcoder_parameters(self.in_features, self.latents, self.out_features, skip=self.skip is not None)

@@ -1,6 +1,7 @@
-"""Experiments behind the ``mumoe-tn demo`` and ``mumoe-tn specialisation`` commands.
+"""Deprecated: the experiments behind ``mumoe-tn demo`` and ``mumoe-tn specialisation`` moved.
 
-- [`demo`][mumoe_tn.experiments.demo]: a μMoE classifier on real data, analysed end to end.
-- [`specialisation`][mumoe_tn.experiments.specialisation]: do experts specialise as their number
-  grows (the paper's Fig. 3)?
+They are command modules of [`mumoe_tn.cli`][mumoe_tn.cli] (``demo_command``,
+``specialisation_command``), and the ``distill`` study lives in
+[`mumoe_tn.distillation.study`][mumoe_tn.distillation.study]. The old paths are removed in
+mumoe_tn 0.4.
 """

@@ -52,11 +52,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.caching import DerivedCache
+from mumoe_tn.gates import kernels
+from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.entmax import entmax15, sparsemax
-from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.replicas import warn_unsynchronised
-from mumoe_tn.network import expert_leg, normalize_expert_dims
+from mumoe_tn.network import expert_leg, normalise_expert_dims
 from mumoe_tn.registry import Registry
 
 __all__ = [
@@ -264,7 +265,7 @@ class ExpertGate(PerThreadRecords):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.in_features = in_features
-        self.expert_dims = normalize_expert_dims(expert_dims)
+        self.expert_dims = normalise_expert_dims(expert_dims)
         self.activation = activation
         self._phi = resolve_activation(activation)
         self.norm = norm
@@ -589,6 +590,8 @@ class TopKRouter(ExpertGate):
         self.k = ks
 
     def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
+        if kernels.gate_kernels_apply(logits):
+            return kernels.top_k_softmax(logits, self.k[mode])
         values, indices = logits.topk(self.k[mode], dim=-1)
         weights = torch.softmax(values, dim=-1)
         routed = torch.zeros_like(logits).scatter(-1, indices, weights)
@@ -629,6 +632,8 @@ def _per_mode_k(k: int | Sequence[int], expert_dims: tuple[int, ...]) -> tuple[i
 
 def _relu_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` largest of ``ReLU(logits)`` per row kept in place, every other entry 0 (NaN rows stay NaN)."""
+    if kernels.gate_kernels_apply(logits):
+        return kernels.relu_top_k(logits, k)
     values, indices = torch.relu(logits).topk(k, dim=-1)
     kept = torch.zeros_like(logits).scatter(-1, indices, values)
     finite = torch.isfinite(logits).all(dim=-1, keepdim=True)
@@ -679,7 +684,7 @@ class ReLUTopKRouter(ExpertGate):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.k = _per_mode_k(k, normalize_expert_dims(expert_dims))
+        self.k = _per_mode_k(k, normalise_expert_dims(expert_dims))
         if init == "zeros" and bias is False:
             raise ValueError(
                 "init='zeros' needs bias=True for a ReLU top-k gate: with zero projections and no bias every "

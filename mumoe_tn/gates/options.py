@@ -1,10 +1,8 @@
-"""Names the gate descriptors and the gate modules share (torch-free)."""
+"""Deprecated: this module moved to [`mumoe_tn.gates.choices`][mumoe_tn.gates.choices].
 
-__all__ = ["GATE_INITS", "TOKEN_MIXING_NORMS"]
+The old path is removed in mumoe_tn 0.4.
+"""
 
-#: Initialisations of the gate projections: nn.Linear's default, or all zeros (uniform start).
-GATE_INITS = ("default", "zeros")
+from mumoe_tn.deprecation import moved_module
 
-#: Logit norms whose training-mode output for one token depends on the other tokens of the batch
-#: (batch statistics). Add the name of a norm you register in [`GATE_NORMS`][mumoe_tn.gates.modules] if it does.
-TOKEN_MIXING_NORMS = {"batch"}
+__getattr__, __dir__ = moved_module("mumoe_tn.gates.options", "mumoe_tn.gates.choices")

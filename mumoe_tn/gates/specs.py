@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-from mumoe_tn.gates.options import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.registry import register_gate
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class _LinearLogits:
         """Whether, in training mode, one token's coefficients depend on the other tokens of the batch.
 
         True for a norm with batch statistics (``"batch"``, see
-        [`TOKEN_MIXING_NORMS`][mumoe_tn.gates.options]): in a causal language model such a gate lets every
+        [`TOKEN_MIXING_NORMS`][mumoe_tn.gates.choices]): in a causal language model such a gate lets every
         position see the later tokens of its sequence while training (and the model then generates with
         other, running, statistics). In eval mode every gate is token-wise. ``"layer"`` and ``"none"``
         are token-wise in both modes. The auxiliary losses are batch means either way: they shape

@@ -234,6 +234,22 @@ class MixtureOfDecoders(MuMoEBase):
         """The factorized layer by role: ``down``."""
         return {"down": self.decoder}
 
+    def expert_vectors(self) -> dict[str, int]:
+        """The decoder's expert-vector cores and the dim of their output leg: ``{"decoder.C_n1": 1, …}``.
+
+        A core whose legs are one expert mode and the output ``o`` holds one vector ``c_n ∈ R^O``
+        per expert (the ``"mxd"`` format's ``C``); the Mixture of Decoders authors keep each at norm
+        1 (see [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]).
+        Empty for a decoder without such cores (a CP or TR decoder).
+        """
+        network = self.network
+        experts, output = set(network.expert_legs), "o"
+        return {
+            f"decoder.{name}": legs.index(output)
+            for name, legs in network.cores.items()
+            if len(legs) == 2 and output in legs and any(leg in experts for leg in legs)
+        }
+
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.decoder,)
 

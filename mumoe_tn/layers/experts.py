@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mumoe_tn.caching import DerivedCache
 from mumoe_tn.contractions.autotune import fastest_plan
-from mumoe_tn.contractions.dense import expert_matrix, materialize
+from mumoe_tn.contractions.dense import expert_matrix, materialise
 from mumoe_tn.contractions.execute import constant_intermediates, run_plan
 from mumoe_tn.contractions.padding import PAD_MULTIPLE, bond_padding, pad_cores
 from mumoe_tn.contractions.plan import (
@@ -477,7 +477,7 @@ class FactorizedExperts(nn.Module):
 
     def to_dense(self) -> torch.Tensor:
         """Materialise ``W`` of shape ``(N_1, …, N_E, I, O)`` (for checks; memory ``∏N_e·I·O``)."""
-        return materialize(self.network, self.cores)
+        return materialise(self.network, self.cores)
 
     def expert(self, index: int | Sequence[int]) -> torch.Tensor:
         """Expert ``index``'s ``I × O`` matrix, computed without materialising ``W``."""

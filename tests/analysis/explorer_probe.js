@@ -18,6 +18,14 @@
     const style = getComputedStyle(el);
     if (style.overflowX !== "visible" && el.scrollWidth > el.clientWidth + 1) problems.push("cut off: " + name(el));
   }
+  const ruler = document.createElement("canvas").getContext("2d");
+  for (const input of document.querySelectorAll("input[placeholder]")) {  // a placeholder must show whole
+    if (!laidOut(input)) continue;
+    const style = getComputedStyle(input);
+    ruler.font = style.font;
+    const room = input.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+    if (ruler.measureText(input.placeholder).width > room + 1) problems.push("placeholder cut off: " + name(input) + " '" + input.placeholder + "'");
+  }
   for (const parent of [document.body, ...elements]) {
     const boxes = [...parent.children].filter(el => {
       if (!laidOut(el) || el.closest("select") || (el instanceof SVGElement && el.tagName !== "svg")) return false;
@@ -33,6 +41,15 @@
   const out = document.createElement("pre");
   out.id = "probe";
   out.style.display = "none";
-  out.textContent = JSON.stringify({problems: problems, title: document.title, ready: document.body.dataset.ready === "true"});
+  const button = document.querySelector("nav.layers button:last-child");  // where a click on a layer leads
+  let clicked = null;
+  if (button) {
+    const before = location.href;
+    button.click();
+    clicked = location.hash;
+    history.replaceState(null, "", before);  // the page shows the view it was opened at again
+  }
+  out.textContent = JSON.stringify({problems: problems, title: document.title, ready: document.body.dataset.ready === "true",
+    clicked: clicked});
   document.body.appendChild(out);
 })();

@@ -87,15 +87,32 @@ def _captured(model, data, batch_size=None):
     return captured
 
 
-def _check_examples(report, captured, threshold):
-    """Each unit's examples are the largest of its recorded coefficients, at their own (sample, position)."""
+def _non_overlapping(a, threshold, top_k, context):
+    """The largest coefficients of ``a`` (samples, positions), skipping any within 2·context of a kept one."""
+    order = sorted(
+        ((a[s, p].item(), s, p) for s in range(a.shape[0]) for p in range(a.shape[1]) if a[s, p] >= threshold),
+        reverse=True,
+    )
+    kept = []
+    for value, sample, position in order:
+        if context is None or all(s != sample or abs(p - position) > 2 * context for _, s, p in kept):
+            kept.append((value, sample, position))
+    return [value for value, _, _ in kept[:top_k]]
+
+
+def _check_examples(report, captured, threshold, context=None):
+    """Each unit's examples are the largest of its recorded coefficients, at their own (sample, position).
+
+    With ``context`` (text), no two windows of one sequence overlap: a coefficient within
+    ``2·context`` positions of a larger one kept is passed over.
+    """
     for layer in report.data["layers"]:
         coefficients = captured[layer["name"]]
         for unit in layer["units"]:
             a = coefficients[unit["mode"]][..., unit["index"]]
             a = a.reshape(a.shape[0], -1).double()
             active = a[a >= threshold]
-            expected = active.sort(descending=True).values[: report.data["top_k"]]
+            expected = torch.tensor(_non_overlapping(a, threshold, report.data["top_k"], context))
             values = [ex["value"] for ex in unit["examples"]]
             assert values == pytest.approx(expected.tolist(), rel=1e-3, abs=1e-6), (layer["name"], unit["label"])
             for ex in unit["examples"]:
@@ -115,7 +132,15 @@ def _next_token_loss(model, data):
 def test_char_gpt_report_matches_the_recorded_coefficients_and_ablations(char_report):
     model, data, report, chars = char_report.model, char_report.data, char_report.report, char_report.vocabulary
     captured = _captured(model, data)
-    _check_examples(report, captured, 1e-6)
+    _check_examples(report, captured, 1e-6, context=4)
+    for layer in report.data["layers"]:
+        for unit in layer["units"]:
+            by_sample = {}
+            for ex in unit["examples"]:
+                by_sample.setdefault(ex["sample"], []).append(ex["position"])
+            for positions in by_sample.values():  # windows of ±4 tokens: starts at least 9 apart
+                assert all(abs(p - q) > 8 for i, p in enumerate(positions) for q in positions[:i]), unit["label"]
+            assert all(delta > 0 for _, delta, _ in unit["ablation"]["hurt"]), unit["label"]  # only rises
     subset = data[:6]
     with torch.no_grad():
         intact = _next_token_loss(model, subset)
@@ -161,7 +186,7 @@ def test_digits_report_has_images_classes_and_per_class_ablation(digits_report):
 
 def test_converted_gpt2_report_has_hierarchical_slices(gpt2_report):
     model, data, report = gpt2_report.model, gpt2_report.data, gpt2_report.report
-    _check_examples(report, _captured(model, data), 1e-6)
+    _check_examples(report, _captured(model, data), 1e-6, context=12)
     layer = report.data["layers"][0]
     assert [u["label"] for u in layer["units"]][:4] == ["(0, ·)", "(1, ·)", "(2, ·)", "(·, 0)"]
     assert len(layer["units"]) == 3 + 4 and len(layer["joint"]) == 1
@@ -263,11 +288,13 @@ def test_char_gpt_page_renders_cleanly_at_both_widths(char_report, tmp_path):
     _check_self_contained(char_report.page.read_text(encoding="utf-8"))
     layer = report.data["layers"][1]
     busiest = max(layer["units"], key=lambda u: u["load"])
-    views = {"overview": "layer=0", "expert": f"layer=1&unit={busiest['id']}"}
+    # a layer by its module path, or by its position (older links)
+    views = {"overview": "layer=0", "expert": f"layer={layer['name']}&unit={busiest['id']}"}
     rendered = _render_all(char_report.page, views, tmp_path)
     for (fragment, width), (_, probe, screenshot) in rendered.items():
         assert probe["ready"] and probe["problems"] == [], (fragment, width, probe["problems"])
         assert _png_size(screenshot) == (width, 1400)
+        assert probe["clicked"] == f"#layer={layer['name']}"  # the last layer's button: its module path
     dom, probe, _ = rendered[("layer=0", 1280)]
     first = report.data["layers"][0]
     assert probe["title"].endswith(first["name"])

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mumoe_tn import cli
-from mumoe_tn.cli import main
+from mumoe_tn.cli import compare_command, main
 
 
 def test_compare_default_is_the_papers_gpt2_layer(capsys):
@@ -245,7 +244,7 @@ def test_demo_writes_no_file_unless_asked(capsys, monkeypatch, tmp_path):
         calls.append(plot)
         return [{"experts": 4, "test_accuracy": 0.5, "experts_changing_a_class": 1, "mean_polysemanticity": 0.25}]
 
-    monkeypatch.setattr("mumoe_tn.experiments.demo.run_demo", fake_run_demo)
+    monkeypatch.setattr("mumoe_tn.cli.demo_command.run_demo", fake_run_demo)
     monkeypatch.chdir(tmp_path)
     assert main(["demo", "--experts", "4", "--epochs", "1"]) == 0
     assert calls == [None] and list(tmp_path.iterdir()) == []
@@ -292,7 +291,7 @@ def test_bad_arguments_get_one_line(capsys, args, message):
 
 @pytest.mark.parametrize("command", [["compare"], ["demo", "--experts", "4", "--epochs", "1"]])
 def test_plot_outputs_are_checked_before_any_work(capsys, monkeypatch, tmp_path, command):
-    monkeypatch.setattr("mumoe_tn.experiments.demo.run_demo", lambda *a, **k: pytest.fail("the demo ran"))
+    monkeypatch.setattr("mumoe_tn.cli.demo_command.run_demo", lambda *a, **k: pytest.fail("the demo ran"))
     _fails_with_one_line(capsys, [*command, "--plot", str(tmp_path / "missing" / "p.png")], "does not exist")
     _fails_with_one_line(capsys, [*command, "--plot", str(tmp_path)], "is a directory")
     if Path("/proc/self").is_dir():  # Linux: no file can be created in /proc, whoever runs the test
@@ -315,7 +314,7 @@ def test_unexpected_library_errors_are_one_line(capsys, monkeypatch):
     def broken(*args, **kwargs):
         raise OverflowError("int too large to convert\nsecond line")
 
-    monkeypatch.setattr(cli, "compare", broken)
+    monkeypatch.setattr(compare_command, "compare", broken)
     _fails_with_one_line(capsys, ["compare"], "error: OverflowError: int too large to convert second line")
 
 
@@ -334,12 +333,12 @@ def test_the_cli_page_names_every_command(capsys):
 
 FORMAT_MODULE = """
 from mumoe_tn import ExpertNetwork, Format
-from mumoe_tn.decompositions import normalize_ranks
+from mumoe_tn.decompositions import normalise_ranks
 
 
 class {cls}(Format, name="{name}"):
     def network(self, expert_dims, in_features, out_features, rank, **options):
-        a, b = normalize_ranks(self.name, rank, 2)
+        a, b = normalise_ranks(self.name, rank, 2)
         return ExpertNetwork.from_spec(
             "E: n1 a, I: i a b, O: b o", expert_dims=expert_dims, in_features=in_features,
             out_features=out_features, ranks={{"a": a, "b": b}},

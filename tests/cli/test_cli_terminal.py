@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mumoe_tn.cli import _parser, main
+from mumoe_tn.cli import main
+from mumoe_tn.cli.main import build_parser
 from mumoe_tn.costs.display import FOOTNOTE_MARKS
 
 MILLION = ["compare", "--experts", "32", "32", "32", "32", "--decompositions", "cp", "tr", "tt", "tucker"]
@@ -101,7 +102,7 @@ def test_warnings_are_one_line_each_in_the_programs_words(capsys):
 
 
 def test_a_warning_from_any_command_is_one_line(capsys, monkeypatch):
-    import mumoe_tn.cli as cli
+    from mumoe_tn.cli import plan_command
 
     def noisy(args):
         import warnings
@@ -109,7 +110,7 @@ def test_a_warning_from_any_command_is_one_line(capsys, monkeypatch):
         warnings.warn("something to know,\n  over two lines", UserWarning, stacklevel=1)
         return 0
 
-    monkeypatch.setattr(cli, "_plan", noisy)
+    monkeypatch.setattr(plan_command, "run", noisy)
     assert main(["plan", "cp"]) == 0
     assert capsys.readouterr().err == "mumoe-tn plan: warning: something to know, over two lines\n"
 
@@ -124,7 +125,7 @@ def _actions(parser: argparse.ArgumentParser, prefix: str = "mumoe-tn"):
 
 
 def test_every_option_of_every_command_has_help():
-    actions = list(_actions(_parser()))
+    actions = list(_actions(build_parser()))
     commands = {prefix for prefix, _ in actions}
     assert {"mumoe-tn compare", "mumoe-tn plan", "mumoe-tn demo", "mumoe-tn specialisation"} <= commands
     missing = [
@@ -208,7 +209,7 @@ def test_the_examples_progress_bars_never_show_a_step_before_its_count(monkeypat
 def test_the_specialisation_bar_advances_with_its_postfix(monkeypatch):
     import tqdm
 
-    from mumoe_tn.experiments.specialisation import ExperimentConfig, run_experiment
+    from mumoe_tn.cli.specialisation_command import ExperimentConfig, run_experiment
 
     frames = _Frames(3600.0)
     monkeypatch.setattr(tqdm, "tqdm", frames.tqdm)

@@ -94,9 +94,9 @@ def readme_commands() -> list[list[str]]:
 
 
 def test_the_readme_lists_every_command():
-    from mumoe_tn.cli import _parser
+    from mumoe_tn.cli.main import build_parser
 
-    (commands,) = (action for action in _parser()._actions if action.dest == "command")
+    (commands,) = (action for action in build_parser()._actions if action.dest == "command")
     assert {argv[0] for argv in readme_commands()} == set(commands.choices)
 
 

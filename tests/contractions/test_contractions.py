@@ -12,7 +12,7 @@ from mumoe_tn.contractions import (
     OPTIMIZERS,
     dense_forward,
     expert_matrix,
-    materialize,
+    materialise,
     plan_contraction,
     plan_forward,
     run_plan,
@@ -48,7 +48,7 @@ def test_factorized_forward_equals_dense_forward(network, batch):
     cores = random_cores(network)
     coefficients, z = random_inputs(network, batch)
     y = run_plan(plan_forward(network, batch), [*cores.values(), *coefficients, z])
-    weight = materialize(network, cores)
+    weight = materialise(network, cores)
     torch.testing.assert_close(weight, einsum_reference(network, cores))
     torch.testing.assert_close(y, dense_forward(weight, coefficients, z))
 
@@ -62,7 +62,7 @@ def test_every_optimizer_gives_the_same_result(optimize, network):
     coefficients, z = random_inputs(network, 3)
     plan = plan_forward(network, 3, optimize)
     y = run_plan(plan, [*cores.values(), *coefficients, z])
-    torch.testing.assert_close(y, dense_forward(materialize(network, cores), coefficients, z))
+    torch.testing.assert_close(y, dense_forward(materialise(network, cores), coefficients, z))
 
 
 @given(any_network(), st.integers(2, 64))
@@ -95,13 +95,13 @@ def test_materialize_matches_tensorly(network):
                 reference = cores[f"C_{leg}"].reshape(-1, *[1] * (reference.ndim - 1), reference.shape[-1]) * reference
         else:
             reference = tl.tucker_to_tensor((cores["core"], [cores[f"U_{leg}"] for leg in legs]))
-    torch.testing.assert_close(materialize(network, cores), reference)
+    torch.testing.assert_close(materialise(network, cores), reference)
 
 
 @given(any_network(), st.data())
 def test_expert_matrix_and_norm_without_materializing(network, data):
     cores = random_cores(network)
-    weight = materialize(network, cores)
+    weight = materialise(network, cores)
     index = tuple(data.draw(st.integers(-n, n - 1)) for n in network.expert_dims)
     torch.testing.assert_close(expert_matrix(network, cores, index), weight[index])
     torch.testing.assert_close(squared_norm(network, cores), weight.pow(2).sum())

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from live_tensors import live_peak_bytes
 
-from benchmarks.measure import live_peak_bytes_here
 from mumoe_tn.contractions import backward, plan_contraction, plan_forward, run_plan
 from mumoe_tn.contractions.backward import PlanFunction, plan_program, use_plan_function
 from mumoe_tn.decompositions import build
@@ -156,7 +156,7 @@ def test_cp_backward_holds_one_batch_by_rank_buffer_less():
             out = run_plan(plan, operands, ones_appended="i", memory_saving=memory_saving)
             torch.autograd.grad(out, operands, grad)
 
-        peaks[memory_saving] = live_peak_bytes_here(step, torch.device("cpu"))
+        peaks[memory_saving] = live_peak_bytes(step)
     # autograd keeps the Hadamard product (… r) and both its factors' gradients at once
     assert peaks[True] <= peaks[False] - batch * rank * 8
 

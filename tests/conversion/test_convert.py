@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from mumoe_tn import MuMoE, dense_forward, materialize
+from mumoe_tn import MuMoE, dense_forward, materialise
 from mumoe_tn.conversion.convert import convert, decompose_dense, find_mlp_blocks, upcycle_linear
 from mumoe_tn.conversion.interop import from_tltorch, to_tltorch
 from mumoe_tn.costs import block_parameters, layer_parameters, linear, mlp
@@ -103,7 +103,7 @@ def test_decompose_dense_low_rank_tensors(name, rank, exact):
     torch.manual_seed(0)
     network = build(name, 6, 7, 8, rank)
     cores = {c: torch.randn(s, dtype=DTYPE) for c, s in network.core_shapes.items()}
-    weight = materialize(network, cores).detach()
+    weight = materialise(network, cores).detach()
     experts, error = decompose_dense(weight, name, rank, n_iter_max=500)
     assert experts.network == network
     reconstructed = experts.to_dense().detach()
@@ -237,7 +237,7 @@ def test_iterative_decompositions_run_tensorly_with_the_documented_options(name,
     # the format's own defaults, for callers of Format.decompose (decompose_dense passes its own)
     network = build(name, 5, 6, 7, rank)
     values = get_format(name).decompose(weight, network, **extra)
-    torch.testing.assert_close(materialize(network, dict(zip(network.cores, values, strict=True))), expected)
+    torch.testing.assert_close(materialise(network, dict(zip(network.cores, values, strict=True))), expected)
 
 
 def test_tucker_ranks_above_a_mode_size_are_clipped_with_a_warning():
@@ -247,7 +247,7 @@ def test_tucker_ranks_above_a_mode_size_are_clipped_with_a_warning():
         c: torch.randn(s, generator=torch.Generator().manual_seed(2), dtype=DTYPE)
         for c, s in network.core_shapes.items()
     }
-    weight = materialize(network, cores).detach()
+    weight = materialise(network, cores).detach()
     with pytest.warns(UserWarning, match="were clipped: s_n1 3 → 2"):
         experts, error = decompose_dense(weight, "tucker", (3, 3, 3))
     assert experts.network == network.with_sizes(s_n1=2) and error < 1e-8

@@ -26,7 +26,7 @@ from mumoe_tn.costs import (
     linear,
     match_block,
     match_layer,
-    materialize_fma,
+    materialise_fma,
     matmul_fma,
     min_cut,
     rank_bound,
@@ -120,7 +120,7 @@ def test_planned_never_above_hand_order(network, batch):
 def test_dense_costs():
     network = cp((4, 3), 6, 5, 2)
     assert dense_forward_fma(network) == 12 * 6 * 5 + 12 * 5 + 3 * 5
-    assert materialize_fma(network) > 0
+    assert materialise_fma(network) > 0
     assert layer_flops(network, batch=3, bias=False).gate == 3 * 6 * 7
 
 

@@ -13,7 +13,7 @@ from strategies import ranked_formats
 from mumoe_tn import ExpertNetwork
 from mumoe_tn.costs import collapsed_expert_modes, compare, layer_parameters, linear, match_layer
 from mumoe_tn.costs.matching import TOLERANCE, MatchingWarning, solve_bonds
-from mumoe_tn.decompositions import Format, get_format, normalize_ranks, unregister
+from mumoe_tn.decompositions import Format, get_format, normalise_ranks, unregister
 
 
 @pytest.mark.parametrize("modes", range(1, 6))
@@ -106,7 +106,7 @@ def readme_htucker():
 
     class ReadmeHierarchicalTucker(Format, name="readme_htucker"):
         def network(self, expert_dims, in_features, out_features, rank, **options):
-            ranks = dict(zip("abcde", normalize_ranks(self.name, rank, 5), strict=True))
+            ranks = dict(zip("abcde", normalise_ranks(self.name, rank, 5), strict=True))
             spec = "U1: n1 a, U2: n2 b, Ui: i c, Uo: o d, L: a b e, R: c d e"
             return ExpertNetwork.from_spec(
                 spec, expert_dims=expert_dims, in_features=in_features, out_features=out_features, ranks=ranks

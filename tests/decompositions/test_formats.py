@@ -18,7 +18,7 @@ from torch import nn
 
 from mumoe_tn import ExpertNetwork, MuMoE, MuMoEMLP
 from mumoe_tn.cli import main
-from mumoe_tn.contractions import materialize
+from mumoe_tn.contractions import materialise
 from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_experts, upcycle_linear
 from mumoe_tn.costs import (
     MatchingWarning,
@@ -30,7 +30,7 @@ from mumoe_tn.costs import (
     match_layer,
     rank_bound,
 )
-from mumoe_tn.decompositions import Format, available, build, cp, get_format, normalize_ranks, tr, unregister
+from mumoe_tn.decompositions import Format, available, build, cp, get_format, normalise_ranks, tr, unregister
 from mumoe_tn.layers.init import init_cores
 from mumoe_tn.network import physical_sizes
 
@@ -41,7 +41,7 @@ class HierarchicalTucker(Format, name="htucker_test"):
     """Two expert modes, a balanced binary tree: (n1 n2) and (i o) joined by the root bond e."""
 
     def network(self, expert_dims, in_features, out_features, rank, **options):
-        ranks = dict(zip("abcde", normalize_ranks(self.name, rank, 5), strict=True))
+        ranks = dict(zip("abcde", normalise_ranks(self.name, rank, 5), strict=True))
         sizes = physical_sizes(expert_dims, in_features, out_features)  # checks the physical sizes
         return ExpertNetwork.from_spec(
             HT_SPEC, expert_dims=expert_dims, in_features=sizes["i"], out_features=sizes["o"], ranks=ranks
@@ -167,7 +167,7 @@ def test_custom_network_named_like_a_format_takes_the_generic_path():
     assert layer_flops(extra).closed_form is None
     cores = {name: torch.empty(shape, dtype=torch.float64) for name, shape in extra.core_shapes.items()}
     init_cores(extra, cores)  # "auto" -> the generic "linear" rule: exact variance
-    weight = materialize(extra, cores)
+    weight = materialise(extra, cores)
     assert float(weight.pow(2).mean()) == pytest.approx(1 / (3 * 5), rel=1e-9)
     assert ExpertNetwork.from_spec(spec, expert_dims=8, in_features=9, out_features=7, ranks=2, name=None).name == (
         "custom"
@@ -482,7 +482,7 @@ def test_registry_lookup_messages():
     with pytest.raises(TypeError, match=exactly("a decomposition name must be a string, got 3 (int)")):
         get_format(3)
     with pytest.raises(ValueError, match=exactly("cp rank[1] must be a positive int, got 0")):
-        normalize_ranks("cp", (2, 0), 2)
+        normalise_ranks("cp", (2, 0), 2)
 
 
 def test_builder_networks_must_have_the_requested_expert_dims():

@@ -195,7 +195,7 @@ def _mxd_params(in_features: int, out_features: int, dims: tuple[int, ...]) -> i
 
 
 def test_mxd_is_searched_at_its_fixed_number_of_experts():
-    from mumoe_tn.design.search import FIXED_MISS
+    from mumoe_tn.design.structure_search import FIXED_MISS
 
     flat, hierarchical = _mxd_params(24, 20, (8,)), _mxd_params(24, 20, (4, 2))
     assert (flat, hierarchical) == (852, 764)

@@ -3,10 +3,12 @@
 import copy
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -18,6 +20,8 @@ from mumoe_tn.conversion.convert import convert
 from mumoe_tn.distillation.faithfulness import ZeroBlock, evaluate_replacements, next_token_loss
 from mumoe_tn.distillation.frontier import FrontierTable, ce_loss_score, plot_frontier
 from mumoe_tn.distillation.streaming import capture_blocks
+from mumoe_tn.distillation.study import load_frontier
+from mumoe_tn.distillation.training import load_replacements, spliced
 from mumoe_tn.distillation.transcoders import Transcoder
 from mumoe_tn.gates.specs import TopKGate
 
@@ -77,14 +81,16 @@ def test_exact_upcycled_mumoe_scores_one_and_zero_ablation_zero(model, decomposi
     convert(converted, expert_dims=4, mlps=r"h\.0\.mlp$", decomposition=decomposition, rank="exact", upcycle=True,
             gate=TopKGate(k=2))  # fmt: skip
     exact = converted.get_submodule(BLOCK)
-    table = evaluate_replacements(model, _batches(), {BLOCK: {"exact": exact, "zero": ZeroBlock(16)}})
+    with pytest.warns(UserWarning, match="CE-loss score not meaningful"):  # a random model: the block barely matters
+        table = evaluate_replacements(model, _batches(), {BLOCK: {"exact": exact, "zero": ZeroBlock(16)}})
     upcycled, zero = table.rows
     assert upcycled.ce_spliced == pytest.approx(upcycled.ce_clean, abs=1e-5)
-    assert upcycled.score == pytest.approx(1.0, abs=1e-3)
+    assert upcycled.kl_spliced == pytest.approx(0.0, abs=1e-6) and upcycled.kl_score == pytest.approx(1.0, abs=1e-3)
     assert upcycled.nmse < 1e-10 and upcycled.explained_variance == pytest.approx(1.0, abs=1e-8)
     assert upcycled.l0 == 2.0 and upcycled.units == 4  # top-2 of 4 experts
-    assert zero.ce_spliced == zero.ce_zero and zero.score == 0.0
+    assert zero.ce_spliced == zero.ce_zero and zero.kl_score == 0.0 and zero.kl_zero > 0
     assert zero.ce_zero != zero.ce_clean
+    assert math.isnan(upcycled.score) and math.isnan(zero.score)  # not meaningful: no score
     assert model.get_submodule(BLOCK) is not exact  # the model was put back
 
 
@@ -97,7 +103,8 @@ def test_block_metrics_against_an_independent_computation(model):
         transcoder.encoder.bias[:10] = -100.0
         transcoder.decoder.weight.normal_()
     batches = _batches()
-    table = evaluate_replacements(model, batches, {BLOCK: {"half": Scaled(block, 0.5), "tc": transcoder}})
+    with pytest.warns(UserWarning, match="not meaningful"):
+        table = evaluate_replacements(model, batches, {BLOCK: {"half": Scaled(block, 0.5), "tc": transcoder}})
     half, tc = table.rows
     xs, ys = [], []
     with torch.no_grad(), capture_blocks(model, [BLOCK]) as captured:
@@ -123,13 +130,15 @@ def test_block_metrics_against_an_independent_computation(model):
 def test_table_formats_and_plot(tmp_path, model):
     block = model.get_submodule(BLOCK)
     replacements = {BLOCK: {f"scaled@{k}": Scaled(block, 1 - 0.2 * k) for k in (1, 2)}}
-    table = evaluate_replacements(model, _batches(1), replacements, config={"tokens": 10})
+    with pytest.warns(UserWarning, match="not meaningful"):
+        table = evaluate_replacements(model, _batches(1), replacements, config={"tokens": 10})
     again = FrontierTable.from_json(table.to_json())
     assert again.to_json() == table.to_json() and again.config == {"tokens": 10}  # NaN L0 included
     csv_lines = table.to_csv().splitlines()
     assert csv_lines[0].startswith("block,method,params,l0,nmse") and len(csv_lines) == 3
     markdown = table.to_markdown().splitlines()
-    assert "CE-loss score" in markdown[0] and len(markdown) == 4 and "scaled@2" in markdown[3]
+    assert "CE-loss score" in markdown[0] and len(markdown) == 6 and "scaled@2" in markdown[3]
+    assert markdown[5].startswith("No CE-loss score for transformer.h.0.mlp")
     path = plot_frontier(table, tmp_path / "frontier.png", y="nmse")
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError, match="y must be one of"):
@@ -160,6 +169,10 @@ def test_distill_command_bad_input(capsys):
         main(["distill", "--quick", "--methods", "nope"])
     assert exit_info.value.code == 2
     assert "unknown method 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # --quick's 16 experts cannot have 32 active
+        main(["distill", "--quick", "--l0", "32"])
+    assert exit_info.value.code == 2
+    assert "raise --experts" in capsys.readouterr().err
 
 
 def test_distill_command_on_a_saved_model(tmp_path, capsys):
@@ -167,11 +180,88 @@ def test_distill_command_on_a_saved_model(tmp_path, capsys):
     saved = gpt2(layers=1, width=16, heads=2, vocab=256, positions=32, bos_token_id=0, eos_token_id=0)
     saved.save_pretrained(tmp_path / "model")
     argv = ["distill", "--quick", "--model", str(tmp_path / "model"), "--methods", "transcoder", "cp-hier", "--l0", "4",
-            "--tokens", "512", "--csv", "--no-progress"]  # fmt: skip
+            "--tokens", "512", "--no-progress", "--save", str(tmp_path / "run")]  # fmt: skip
     assert main(argv) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("block,method,params,l0") and len(lines) == 3  # header, two methods on one block
-    assert {line.split(",")[1] for line in lines[1:]} == {"transcoder@4", "cp-hier@4"}
+    lines = capsys.readouterr().out.splitlines()  # stdout is not a terminal here: Markdown
+    assert lines[2].startswith("| block | method | params | L0 |") and lines[3].startswith("|---|---|---:|")
+    assert {line.split(" | ")[1] for line in lines[4:6]} == {"transcoder@4", "cp-hier@4"}
+    model, replacements, table = load_frontier(tmp_path / "run")
+    row = next(row for row in table.rows if row.method == "cp-hier@4")
+    reloaded = replacements[row.block][row.method]
+    batches = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = evaluate_replacements(model, batches, {row.block: {row.method: reloaded}}).rows[0]
+    assert again.params == row.params and again.l0 == 4.0  # the run's own module, spliced in
+    saved = load_file(str(tmp_path / "run" / "replacements.safetensors"))
+    for key, value in reloaded.state_dict().items():
+        assert torch.equal(value, saved[f"{row.block}/{row.method}/{key}"]), key
+    with pytest.raises(ValueError, match="holds replacements of other shapes"):
+        built = {row.block: {"transcoder@4": Transcoder(16, 8, 16, k=4), "cp-hier@4": reloaded}}
+        load_replacements(built, tmp_path / "run" / "replacements.safetensors")
+    with pytest.raises(SystemExit):  # the directory is no longer empty
+        main(argv)
+    assert "--save must name a new or empty directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["distill", "--quick", "--model", str(tmp_path / "missing")])
     assert "must be a directory holding a saved Hugging Face causal LM" in capsys.readouterr().err
+
+
+def _layer_calls(model):
+    """Count the calls of each transformer layer (hooks), returning the counter and the hook handles."""
+    calls = [0]
+    handles = [layer.register_forward_hook(lambda *args: calls.__setitem__(0, calls[0] + 1))
+               for layer in model.transformer.h]  # fmt: skip
+    return calls, handles
+
+
+@pytest.mark.parametrize("block", ["transformer.h.0.mlp", "transformer.h.2.mlp"])
+@pytest.mark.parametrize("stack_tokens", [24, 10_000])  # one candidate per pass, or all in one
+def test_stacked_evaluation_equals_one_whole_pass_per_replacement(block, stack_tokens):
+    torch.manual_seed(3)
+    model = gpt2(layers=3, width=16, heads=2, vocab=50, positions=16).eval()
+    original = model.get_submodule(block)
+    candidates = {f"scaled@{k}": Scaled(original, 1 - 0.3 * k) for k in range(4)}
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 9:] = False  # padding at the end of the second sequence
+    batches = [{"input_ids": b, "attention_mask": mask} for b in _batches()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = evaluate_replacements(model, batches, {block: candidates}, stack_tokens=stack_tokens)
+    with torch.no_grad():
+        clean = [model(**b).logits.log_softmax(-1) for b in batches]
+        for row in table.rows:
+            total, kl, count = 0.0, 0.0, 0
+            with spliced(model, {block: candidates[row.method]}):
+                for b, reference in zip(batches, clean, strict=True):
+                    logits = model(**b).logits
+                    loss, n = next_token_loss(logits, b["input_ids"], b["attention_mask"])
+                    keep = (mask[:, :-1] & mask[:, 1:]).float()
+                    p, q = reference[:, :-1], logits[:, :-1].log_softmax(-1)
+                    kl += float(((p.exp() * (p - q)).sum(-1) * keep).sum())
+                    total, count = total + loss, count + n
+            assert row.ce_spliced == pytest.approx(total / count, rel=1e-5), row.method
+            assert row.kl_spliced == pytest.approx(kl / count, rel=1e-4, abs=1e-9), row.method
+    assert model.get_submodule(block) is original
+
+
+def test_evaluating_many_replacements_costs_well_under_a_model_pass_each():
+    torch.manual_seed(3)
+    model = gpt2(layers=4, width=16, heads=2, vocab=50, positions=16).eval()
+    block = "transformer.h.2.mlp"
+    original = model.get_submodule(block)
+    replacements = 8
+    candidates = {f"scaled@{k}": Scaled(original, 1 - 0.1 * k) for k in range(replacements)}
+    batches = _batches(1)
+    calls, handles = _layer_calls(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            evaluate_replacements(model, batches, {block: candidates})
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = len(model.transformer.h)
+    one_pass_each = (1 + 1 + replacements) * layers  # clean, zero-ablated, one pass per replacement
+    # the clean pass, then one stacked pass from the block's layer on (layers 2 and 3)
+    assert calls[0] == layers + (layers - 2) < one_pass_each / 5

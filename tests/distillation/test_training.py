@@ -11,6 +11,7 @@ from torch import nn
 
 from mumoe_tn.costs.baselines import match_transcoder, transcoder_parameters
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
+from mumoe_tn.distillation.losses import AuxK
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import ActivationBuffer, TokenWindows, select_blocks
 from mumoe_tn.distillation.training import distill, normalised_mse, splice, spliced
@@ -162,7 +163,12 @@ class _Failing:
 
 def test_resume_gives_the_weights_of_an_uninterrupted_run(tmp_path):
     batches = _batches(count=30)
-    methods = {**_tc(), "cp": mumoe_factory("cp", 8, 2, 600)}
+    methods = {
+        **_tc(),
+        "cp": mumoe_factory("cp", 8, 2, 600),
+        "cp-aux": mumoe_factory("cp", 8, 2, 600, aux_k=AuxK(dead_after=64)),  # the dead-unit counters resume
+        "mxd": mumoe_factory("mxd", 8, 2, 600),  # unit-norm expert vectors, the warm-up's state
+    }
     options = dict(tokens=1280, batch_size=32, buffer_tokens=160, seed=1, progress=False)
     whole = distill(ToyLM(), batches, methods, **options)
     path = tmp_path / "distill.pt"
@@ -183,6 +189,17 @@ def test_resume_refuses_a_different_run(tmp_path):
     with pytest.raises(ValueError, match="batch_size: checkpoint 32, now 16"):
         distill(ToyLM(), _batches(), _tc(), tokens=64, batch_size=16, buffer_tokens=64, checkpoint=path, resume=True,
                 progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="tokens: checkpoint 64, now 96"):
+        distill(ToyLM(), _batches(), _tc(), tokens=96, batch_size=32, buffer_tokens=64, checkpoint=path, resume=True,
+                progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"'tc' of 'mlp' has encoder.weight of shape \(48, 8\) now, shape \(32, 8\)"):
+        distill(ToyLM(), _batches(), _tc(latents=48), tokens=64, batch_size=32, buffer_tokens=64, checkpoint=path,
+                resume=True, progress=False)  # fmt: skip
+    distill(ToyLM(), _batches(), _tc(), tokens=64, batch_size=32, buffer_tokens=64, checkpoint=path,
+            run_config={"model": "toy", "experts": 16}, progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="experts: checkpoint 16, now 32"):
+        distill(ToyLM(), _batches(), _tc(), tokens=64, batch_size=32, buffer_tokens=64, checkpoint=path,
+                run_config={"model": "toy", "experts": 32}, resume=True, progress=False)  # fmt: skip
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable distillation checkpoint"):
         distill(ToyLM(), _batches(), _tc(), tokens=64, batch_size=32, buffer_tokens=64, checkpoint=path, resume=True,

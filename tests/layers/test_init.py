@@ -57,9 +57,9 @@ def test_linear_rule_custom_and_fan_in(network):
 def test_all_experts_start_as_one_linear_map(network):
     cores = {name: torch.empty(shape, dtype=torch.float64) for name, shape in network.core_shapes.items()}
     init_cores(network, cores, expert_noise=[0.0] * network.n_expert_modes)
-    from mumoe_tn import materialize
+    from mumoe_tn import materialise
 
-    weight = materialize(network, cores).reshape(network.n_experts, network.in_features, network.out_features)
+    weight = materialise(network, cores).reshape(network.n_experts, network.in_features, network.out_features)
     torch.testing.assert_close(weight, weight[:1].expand_as(weight))
 
 

@@ -155,7 +155,9 @@ def explore(
         Qualified names of the layers to explore (default: all μMoE layers).
     top_k : int, optional
         Top-activating examples per unit (kept with a streaming top-k: memory does not grow with
-        the data).
+        the data). Text examples never overlap: of two windows of one sequence within
+        ``2 × context`` positions of each other only the larger coefficient's is shown, and the
+        next largest takes its place.
     context : int, optional
         Tokens of context on each side of a text example.
     batch_size : int, optional
@@ -299,12 +301,15 @@ def _explore(model, data, path, *, labels, image_pixels, decode, class_names, la
         current["labels"] = None if label_batches is None else label_batches[index]
         return forward(model, batches[index]) if forward else model(batches[index])
 
+    # each kept text example hides at most 4·context others (positions within 2·context of it): the
+    # first top_k non-overlapping examples are always among the top_k·(4·context + 1) coefficients
+    candidates = top_k * (4 * context + 1) if kind == "text" else top_k
     handles = [layer.register_forward_hook(hook(name)) for name, layer in layers.items()]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeadExpertWarning)  # the page reports dead experts
             statistics = collect_coefficients(
-                model, range(len(batches)), layers=list(layers), threshold=threshold, top_k=top_k, forward=run,
+                model, range(len(batches)), layers=list(layers), threshold=threshold, top_k=candidates, forward=run,
                 progress=progress,
             )  # fmt: skip
     finally:
@@ -367,7 +372,7 @@ def _explore(model, data, path, *, labels, image_pixels, decode, class_names, la
                 "targets": _top_mass(mass, target_names),
                 "examples": _examples(
                     located[name][e], n, kind, data, labels, target_names, decode, windows.get(name), e, context
-                ),
+                )[:top_k],
             }
             if name in effects:
                 entry["ablation"] = _ablation_entry(effects[name], unit, target_names, kind, polysemanticity.get(name))
@@ -480,9 +485,14 @@ def _window_coefficients(model, data, wanted, layers, batch_size, forward, progr
 def _examples(located, n, kind, data, labels, target_names, decode, windows, mode, context) -> list[dict]:
     samples, positions, values = located
     examples = []
+    shown: dict[int, list[int]] = {}  # sample -> positions of the text examples kept
     for sample, position, value in zip(samples[n].tolist(), positions[n].tolist(), values[n].tolist(), strict=True):
         if sample < 0:
             continue  # an inactive slot (the unit was active on fewer rows)
+        if kind == "text":
+            if any(abs(position - kept) <= 2 * context for kept in shown.get(sample, ())):
+                continue  # its window would overlap a larger example's of the same sequence
+            shown.setdefault(sample, []).append(position)
         example = {"sample": sample, "position": position, "value": _number(value)}
         if kind == "text":
             sequence = data[sample].tolist()
@@ -508,7 +518,7 @@ def _ablation_entry(effects: AblationEffects, unit, names, kind, polysemanticity
     k = 6
     entry = {
         "delta_loss": _number(effects.delta_loss[u]),
-        "hurt": [[names[t], _number(d), c] for t, d, c in effects.targets(tuple(unit), k)],
+        "hurt": [[names[t], _number(d), c] for t, d, c in effects.targets(tuple(unit), k) if d > 0],
         "promoted": [[names[t], _number(d)] for t, d in effects.promoted(tuple(unit), k)],
         "suppressed": [[names[t], _number(d)] for t, d in effects.suppressed(tuple(unit), k)],
     }

@@ -232,11 +232,15 @@ function unitPage() {
 }
 
 function go(layerIndex, unit) {
-  location.hash = unit === null ? `layer=${layerIndex}` : `layer=${layerIndex}&unit=${unit}`;
+  const params = new URLSearchParams({layer: D.layers[layerIndex].name});  // the layer's module path
+  if (unit !== null) params.set("unit", unit);
+  location.hash = params.toString();
 }
 function route() {
   const params = new URLSearchParams(location.hash.slice(1));
-  const l = Number(params.get("layer") || 0), u = params.get("unit");
+  const name = params.get("layer"), u = params.get("unit");
+  const named = D.layers.findIndex(L => L.name === name);
+  const l = named >= 0 ? named : Number(name || 0);  // a module path, or a layer's position
   state.layer = Number.isInteger(l) && l >= 0 && l < D.layers.length ? l : 0;
   const units = D.layers[state.layer].units.length;
   state.unit = u !== null && Number.isInteger(Number(u)) && Number(u) >= 0 && Number(u) < units ? Number(u) : null;

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mumoe_tn import MuMoE
 from mumoe_tn.analysis import class_polysemanticity
 from mumoe_tn.cli import main as cli_main
-from mumoe_tn.experiments.specialisation import ExperimentConfig, expert_ablation_effects, main, make_features
+from mumoe_tn.cli.specialisation_command import ExperimentConfig, expert_ablation_effects, make_features
 
 DTYPE = torch.float64
 
@@ -134,7 +134,7 @@ def test_generator_is_deterministic_and_shaped():
 )
 def test_bad_arguments_get_one_line_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(argv)
+        cli_main(["specialisation", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -195,7 +195,7 @@ def test_demo_rejects_arguments_that_would_report_an_untrained_model(argv, messa
 )
 def test_demo_function_rejects_an_untrained_model(options, message):
     """The same checks in the library function, for callers that bypass the CLI."""
-    from mumoe_tn.experiments.demo import run_demo
+    from mumoe_tn.cli.demo_command import run_demo
 
     with pytest.raises(ValueError, match=message):
         run_demo(**options)

@@ -1,0 +1,126 @@
+"""``mumoe-tn distill``: the sparsity–accuracy frontier of a model's MLP blocks, μMoE against transcoders.
+
+The command line of [`run_frontier`][mumoe_tn.distillation.study.run_frontier]; its methods, budget
+and model are described in [`mumoe_tn.distillation.study`][mumoe_tn.distillation.study].
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
+from mumoe_tn.distillation.replacements import top_k_gate_names
+from mumoe_tn.distillation.study import FrontierConfig, run_frontier
+
+__all__ = ["DESCRIPTION", "HELP", "config_from", "configure", "run"]
+
+HELP = "distil a model's MLP blocks into μMoE blocks and transcoders: the sparsity-accuracy frontier"
+DESCRIPTION = (
+    "Distils each MLP block of a causal language model into sparse replacements (μMoE blocks of "
+    "any format, flat or hierarchical, TopK transcoders and skip transcoders) at one parameter budget and "
+    "several sparsities L0, on streamed activations, then measures L0, normalised MSE, explained variance, "
+    "next-token cross-entropy clean / spliced / zero-ablated and the CE-loss score on held-out text. Without "
+    "--model a GPT-2-shaped model is built and trained on Python's pydoc_data first (needs the hf extra)."
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the command's arguments to ``parser``; returns it."""
+    d = FrontierConfig()
+    parser.add_argument("--quick", action="store_true", help="a tiny run of well under a minute")
+    parser.add_argument("--model", dest="model_dir", metavar="DIR", help="a local Hugging Face causal LM (default: "
+                        "build a GPT-2-shaped model and train it on pydoc_data)")  # fmt: skip
+    parser.add_argument("--mlps", help=f"regex of the MLP blocks to distil (default {d.mlps!r})")
+    parser.add_argument("--methods", nargs="+", help=f"methods (default {' '.join(d.methods)})")
+    parser.add_argument("--l0", dest="l0s", type=int, nargs="+", help=f"sparsities (default {list(d.l0s)})")
+    parser.add_argument("--experts", type=int, help=f"experts of every μMoE block (default {d.experts})")
+    parser.add_argument(
+        "--expansion", type=int, help=f"budget: a transcoder of expansion×I latents (default {d.expansion})"
+    )
+    parser.add_argument("--budget", type=int, help="budget: parameters per replacement (instead of --expansion)")
+    parser.add_argument("--tokens", type=int, help=f"distillation tokens (default {d.tokens:,})")
+    parser.add_argument("--eval-tokens", type=int, help=f"held-out evaluation tokens (default {d.eval_tokens:,})")
+    parser.add_argument("--batch-size", type=int, help=f"tokens per optimiser step (default {d.batch_size})")
+    parser.add_argument("--buffer-tokens", type=int, help=f"activation buffer capacity (default {d.buffer_tokens:,})")
+    parser.add_argument("--recipe", choices=("mxd-paper", "plain"), help="training recipe: 'mxd-paper' (default: "
+                        "the MxD authors' init, unit-norm expert vectors, AdamW 4e-4 with warm-up) or 'plain' "
+                        "(Adam 1e-3)")  # fmt: skip
+    parser.add_argument("--lr", type=float, help="learning rate (default the recipe's)")
+    parser.add_argument(
+        "--pretrain-steps", type=int, help=f"training steps of the built model (default {d.pretrain_steps})"
+    )
+    parser.add_argument("--width", type=int, help=f"width of the built model (default {d.width})")
+    parser.add_argument("--depth", type=int, help=f"layers of the built model (default {d.depth})")
+    parser.add_argument("--seed", type=int, help=f"seed (default {d.seed})")
+    parser.add_argument("--top-k", choices=top_k_gate_names(), help="the μMoE blocks' top-k gate: 'auto' (default: "
+                        "the format's, ReLU for MxD as its authors gate; softmax for the others) or any registered "
+                        "top-k gate")  # fmt: skip
+    parser.add_argument("--checkpoint", metavar="FILE", help="save the distillation's state here (and resume from it "
+                        "with --resume)")  # fmt: skip
+    parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    add_output_formats(
+        parser, json="print the table as JSON", csv="print the table as CSV",
+        markdown="print the table as Markdown (the default when stdout is not a terminal; a rich table when it is)",
+    )  # fmt: skip
+    parser.add_argument("--save", metavar="DIR", help="write the run into this new or empty directory: the table "
+                        "(frontier.json), the trained replacements (replacements.safetensors) and the built model "
+                        "(model/), reloadable with mumoe_tn.distillation.study.load_frontier")  # fmt: skip
+    parser.add_argument("--plot", metavar="FILE.png", help="save the frontier plot (CE-loss score against L0)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> FrontierConfig:
+    """The configuration the parsed arguments ask for."""
+    config = FrontierConfig.quick() if args.quick else FrontierConfig()
+    names = ("model_dir", "mlps", "methods", "l0s", "experts", "expansion", "budget", "tokens", "eval_tokens",
+             "batch_size", "buffer_tokens", "recipe", "lr", "pretrain_steps", "width", "depth", "seed",
+             "top_k")  # fmt: skip
+    changes = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    for name in ("methods", "l0s"):
+        if name in changes:
+            changes[name] = tuple(changes[name])
+    for name in ("experts", "expansion", "budget", "tokens", "eval_tokens", "batch_size", "buffer_tokens",
+                 "pretrain_steps", "width", "depth"):  # fmt: skip
+        if name in changes and changes[name] <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {changes[name]}")
+    if any(l0 <= 0 for l0 in changes.get("l0s", ())):
+        raise ValueError(f"--l0 values must be positive ints, got {list(changes['l0s'])}")
+    return dataclasses.replace(config, **changes)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the frontier for the parsed arguments, print the table (and save it and the plot)."""
+    check_plot(args.plot, "plot")
+    if importlib.util.find_spec("transformers") is None:
+        raise UsageError("distill needs transformers: pip install 'mumoe_tn[hf]'")
+    config = config_from(args)
+    if args.save and Path(args.save).exists() and (not Path(args.save).is_dir() or any(Path(args.save).iterdir())):
+        raise UsageError(f"--save must name a new or empty directory, got {args.save!r}")
+    if args.resume and not args.checkpoint:
+        raise ValueError("--resume needs --checkpoint FILE")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        table = run_frontier(config, progress=args.progress, checkpoint=args.checkpoint, resume=args.resume,
+                             save=args.save)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    if args.plot:
+        table.plot(args.plot)
+    if args.json:
+        print(table.to_json())
+    elif args.markdown:
+        print(table.title() + "\n\n" + table.to_markdown())
+    elif args.csv:
+        sys.stdout.write(table.to_csv())
+    else:
+        table.show()
+    return 0
