@@ -215,7 +215,7 @@ class PreparedPlan:
 
         That step reads nothing but the input and constants, so a caller that multiplies the same
         input by another matrix (a gate's projection) can do both in one matrix product and hand
-        this step's result to [`__call__`][mumoe_tn.contractions.prepared.PreparedPlan.__call__] as
+        this step's result to the call as
         ``projected``. None where the plan's first use of the input is no such product (it meets a
         per-call intermediate, or needs its column of ones appended).
         """

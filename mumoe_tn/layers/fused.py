@@ -7,7 +7,7 @@ expert layer by the core (or pre-contracted core-only intermediate) its prepared
 [`PreparedPlan.input_projection`][mumoe_tn.contractions.prepared.PreparedPlan]). Which core
 that is comes from the layer's plan for its network, not from the format: CP's input factor,
 TR's and TT's input core viewed as ``I × (r_a·r_b)``, Tucker's input factor, MxD's decoder.
-[`FusedProjections`][mumoe_tn.layers.fused.FusedProjections] keeps ``[Gᵀ | M_1 | …]`` and the
+`FusedProjections` keeps ``[Gᵀ | M_1 | …]`` and the
 stacked biases, so one ``addmm`` replaces one product per matrix; it is rebuilt when the gate's
 folded projection or a prepared plan is (both are remade exactly when a parameter changes).
 """
