@@ -285,7 +285,7 @@ class MuMoEBase(PerThreadRecords):
         """`_gate` for a plain inference call, with the gate and the input layers' first products fused.
 
         Applies without gradients, with an [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate] in
-        eval mode, no ablation, no token mask and no autocast, when the gate computes in the
+        eval mode, no ablation, no token mask, no hook on the gate and no autocast, when the gate computes in the
         input's dtype (float32 or wider). The gate's projection (its eval-mode norms folded in)
         and the prepared plans' steps that multiply ``z`` by a constant matrix (the first cores
         the input meets, whichever network) then run as one matrix product
@@ -296,6 +296,8 @@ class MuMoEBase(PerThreadRecords):
         if mask is not None or self.ablation is not None or torch.is_grad_enabled() or type(x) is not torch.Tensor:
             return None
         if x.ndim < 1 or torch.compiler.is_compiling():
+            return None
+        if _hooked(self.gate):  # the fused product never calls the gate: its hooks must see the general path
             return None
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         key = (x.shape[-1:], x.dtype, x.device, batch_bucket(rows))
@@ -355,3 +357,8 @@ class MuMoEBase(PerThreadRecords):
         if self.ablation is None:
             return y
         return self.ablation.correct(experts, z, coefficients, y, append_one=self.bias)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook is registered on ``module``."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)

@@ -194,3 +194,17 @@ def test_buckets_whose_cached_core_steps_overlap_each_get_all_their_steps():
         with torch.no_grad():
             y = block(x)
         torch.testing.assert_close(y, block(x.clone().requires_grad_(True)).detach())
+
+
+def test_a_hook_on_the_gate_sees_every_inference_call():
+    layer = MuMoE(8, 6, 4, "cp", 3).eval()
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        lean = layer(x)
+    seen = []
+    handle = layer.gate.register_forward_hook(lambda module, args, output: seen.append(output))
+    with torch.no_grad():
+        hooked = layer(x)
+    handle.remove()
+    assert len(seen) == 1, "the fused inference path skipped the gate's hook"
+    torch.testing.assert_close(hooked, lean, rtol=1e-5, atol=1e-6)
