@@ -275,5 +275,5 @@ class Dead(Units, name="dead", column="dead units"):
         return 0 if self.hits is None else int((self.hits == 0).sum())
 
 
-#: The metrics every row holds, in the order of its fields.
 ROW_METRICS: tuple[type[Metric], ...] = (L0, NMSE, ExplainedVariance, Dead, Units)
+"""The metrics every frontier row holds in its own fields, always measured."""
