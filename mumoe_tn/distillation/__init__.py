@@ -10,6 +10,8 @@
   (resumable, seeded, a named recipe), splicing replacements into the model.
 - [`losses`][mumoe_tn.distillation.losses]: the registered loss terms (normalised MSE, FVU, L1,
   auxiliary-k on dead units); [`codes`][mumoe_tn.distillation.codes]: a replacement's sparse code.
+- [`metrics`][mumoe_tn.distillation.metrics]: the registered block-level metrics (L0, normalised
+  MSE, explained variance, dead units).
 - [`faithfulness`][mumoe_tn.distillation.faithfulness]: L0, normalised MSE and next-token loss
   with the replacements spliced in, against the clean and zero-ablated model.
 - [`frontier`][mumoe_tn.distillation.frontier]: the sparsity–accuracy table and its plot.
@@ -19,6 +21,7 @@
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, ce_loss_score, plot_frontier
 from mumoe_tn.distillation.losses import AuxK, Loss, available_losses, get_loss, register_loss
+from mumoe_tn.distillation.metrics import Metric, available_metrics, register_metric
 from mumoe_tn.distillation.replacements import mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
 from mumoe_tn.distillation.training import RECIPES, Distillation, distill, normalised_mse, splice, spliced
@@ -32,8 +35,10 @@ __all__ = [
     "FrontierRow",
     "FrontierTable",
     "Loss",
+    "Metric",
     "Transcoder",
     "available_losses",
+    "available_metrics",
     "ce_loss_score",
     "distill",
     "evaluate_replacements",
@@ -42,6 +47,7 @@ __all__ = [
     "normalised_mse",
     "plot_frontier",
     "register_loss",
+    "register_metric",
     "select_blocks",
     "splice",
     "spliced",

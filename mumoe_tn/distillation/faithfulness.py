@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, ScoreInterval, bootstrap_ce_score
+from mumoe_tn.distillation.metrics import Metric, resolve_metrics
 from mumoe_tn.distillation.streaming import Batch, capture_blocks, run_model, token_rows
 from mumoe_tn.distillation.training import code_module, recording_code, spliced
 from mumoe_tn.validation import check_size
@@ -79,51 +80,32 @@ def next_token_loss(output: Any, input_ids: torch.Tensor, mask: torch.Tensor | N
 
 @dataclass
 class _Tally:
-    """Running sums of one replacement's block-level metrics."""
+    """Running sums of one replacement: its metrics (fresh instances), tokens, cross-entropy and KL."""
 
-    squared_error: float = 0.0
-    target_energy: float = 0.0
-    target_sum: torch.Tensor | None = None
+    metrics: tuple[Metric, ...]
     tokens: int = 0
-    active: float = 0.0
-    unit_hits: torch.Tensor | None = None
     ce: list = field(default_factory=list)
     kl: list = field(default_factory=list)
     params: int = 0
 
     def add(self, prediction: torch.Tensor, target: torch.Tensor, codes: list[tuple[torch.Tensor, ...]]) -> None:
         prediction, target = prediction.double(), target.double()
-        self.squared_error += float((prediction - target).pow(2).sum())
-        self.target_energy += float(target.pow(2).sum())
-        total = target.sum(0)
-        self.target_sum = total if self.target_sum is None else self.target_sum + total
         self.tokens += target.shape[0]
-        if codes:
-            parts = [part.reshape(-1, part.shape[-1]) for part in codes[-1]]
-            count = torch.ones(parts[0].shape[0], dtype=torch.float64, device=parts[0].device)
-            for part in parts:
-                count = count * (part != 0).sum(-1).double()
-            self.active += float(count.sum())
-            hits = torch.cat([(part != 0).sum(0) for part in parts]).cpu()
-            self.unit_hits = hits if self.unit_hits is None else self.unit_hits + hits
+        code = tuple(part.reshape(-1, part.shape[-1]) for part in codes[-1]) if codes else None
+        for metric in self.metrics:
+            metric.update(prediction, target, code)
 
     def row(self, block: str, method: str, reference: _Reference, interval: ScoreInterval) -> FrontierRow:
-        mean = self.target_sum / max(self.tokens, 1)
-        variance = self.target_energy - self.tokens * float(mean.pow(2).sum())
-        units = 0 if self.unit_hits is None else self.unit_hits.numel()
-        dead = 0 if self.unit_hits is None else int((self.unit_hits == 0).sum())
+        own = {m.row_field: m.value() for m in self.metrics if m.row_field is not None}
+        extra = {m.name: float(m.value()) for m in self.metrics if m.row_field is None}
         return FrontierRow(
             block=block,
             method=method,
             params=self.params,
-            l0=self.active / max(self.tokens, 1) if self.unit_hits is not None else float("nan"),
-            nmse=self.squared_error / self.target_energy if self.target_energy > 0 else float("nan"),
-            explained_variance=1 - self.squared_error / variance if variance > 0 else float("nan"),
+            **own,
             ce_clean=reference.ce_clean,
             ce_spliced=float(torch.cat(self.ce).sum()) / reference.predictions,
             ce_zero=reference.ce_zero,
-            dead=dead,
-            units=units,
             tokens=self.tokens,
             score_low=interval.score_low,
             score_high=interval.score_high,
@@ -131,6 +113,7 @@ class _Tally:
             gap_high=interval.gap_high,
             kl_spliced=float(torch.cat(self.kl).sum()) / reference.predictions,
             kl_zero=reference.kl_zero,
+            extra=extra,
         )
 
 
@@ -287,6 +270,7 @@ def evaluate_replacements(
     stack_tokens: int = 4096,
     resamples: int = 1000,
     seed: int = 0,
+    metrics: Sequence[str | type[Metric]] | None = None,
 ) -> FrontierTable:
     """Measure every replacement of every block on held-out ``batches``.
 
@@ -313,6 +297,9 @@ def evaluate_replacements(
         Bootstrap resamples of the CE-loss score's interval (default 1,000).
     seed : int, optional
         Seeds the bootstrap.
+    metrics : Sequence of str or Metric subclasses, optional
+        The registered [`Metric`][mumoe_tn.distillation.metrics.Metric]s to measure beside the
+        row's own fields (default every registered one): each in the rows' ``extra``.
 
     Returns
     -------
@@ -330,14 +317,15 @@ def evaluate_replacements(
     if not isinstance(replacements, Mapping) or not replacements:
         raise TypeError("replacements must be a non-empty mapping of block name -> method -> module")
     stack_tokens = check_size("stack_tokens", stack_tokens)
+    measured = resolve_metrics(metrics)
     names = list(replacements)
     for name in names:
         try:
             model.get_submodule(name)
         except AttributeError:
             raise ValueError(f"{name!r} is not a module of the model") from None
-    tallies = {b: {m: _Tally(params=sum(p.numel() for p in mod.parameters())) for m, mod in ms.items()}
-               for b, ms in replacements.items()}  # fmt: skip
+    tallies = {b: {m: _Tally(tuple(cls() for cls in measured), params=sum(p.numel() for p in mod.parameters()))
+                   for m, mod in ms.items()} for b, ms in replacements.items()}  # fmt: skip
     layers = {name: _earlier_layers(model, name) for name in names}
     watched = list(dict.fromkeys([*names, *(layer for ls in layers.values() for layer in ls)]))
     clean: list[torch.Tensor] = []
@@ -415,7 +403,8 @@ def evaluate_replacements(
             interval = bootstrap_ce_score(clean_sums.numpy(), torch.cat(tally.ce).numpy(), zero_sums.numpy(),
                                           tokens.numpy(), resamples=resamples, seed=seed)  # fmt: skip
             rows.append(tally.row(name, method, reference, interval))
-    table = FrontierTable(tuple(rows), dict(config or {}))
+    headers = {cls.name: cls.column for cls in measured if cls.row_field is None}
+    table = FrontierTable(tuple(rows), dict(config or {}), headers)
     for name in table.not_meaningful():
         row = next(row for row in table.rows if row.block == name)
         warnings.warn(

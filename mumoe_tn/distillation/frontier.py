@@ -19,7 +19,9 @@ Each row is one replacement of one MLP block, measured on held-out text as the f
   the next-token distributions per token (``kl_spliced``, ``kl_zero``);
 - ``loss_increase``: ``CE_spliced − CE_clean`` in nats per token;
 - ``dead``: units never active on the evaluation tokens (of ``units``; a μMoE block's units
-  are the coefficients of all its expert modes).
+  are the coefficients of all its expert modes);
+- ``extra``: the values of the other registered metrics (see
+  [`mumoe_tn.distillation.metrics`][mumoe_tn.distillation.metrics]) by name, extra columns of the tables.
 
 The tables mark what deserves a second look, with a footnote: a normalised MSE above 1 (worse
 than predicting zero), an L0 below the requested one (the number after ``@``; a ReLU top-k gate
@@ -161,6 +163,7 @@ class FrontierRow:
     gap_high: float = math.nan
     kl_spliced: float = math.nan
     kl_zero: float = math.nan
+    extra: Mapping[str, float] = field(default_factory=dict, hash=False)
 
     @property
     def gap(self) -> float:
@@ -240,6 +243,13 @@ FLAG_NOTES = {
 _DERIVED = ("score", "kl_score", "loss_increase")
 
 
+def _json_value(value: Any) -> Any:
+    """``value`` for JSON: NaN as None, also inside a mapping."""
+    if isinstance(value, Mapping):
+        return {k: _json_value(v) for k, v in value.items()}
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
 def _cell(key: str, value: Any, record: Mapping[str, Any] | None = None) -> str:
     if isinstance(value, str):
         return value
@@ -267,21 +277,30 @@ class FrontierTable:
     rows : tuple of FrontierRow
     config : Mapping[str, Any]
         Plain data describing the run (model, tokens, budget, …).
+    headers : Mapping[str, str]
+        An extra metric's name -> its column header (default the name).
     """
 
     rows: tuple[FrontierRow, ...]
     config: Mapping[str, Any] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def extra_columns(self) -> list[str]:
+        """The names of the rows' extra metrics, in order of first appearance (after the fixed columns)."""
+        return list(dict.fromkeys(name for row in self.rows for name in row.extra))
 
     def records(self) -> list[dict[str, Any]]:
         """Rows as plain dicts, the CE-loss score, KL score and loss increase included."""
         return [{**asdict(row), **{key: getattr(row, key) for key in _DERIVED}} for row in self.rows]
 
+    def _header(self, name: str) -> str:
+        return self.headers.get(name, name)
+
     def to_json(self) -> str:
         """The configuration and the rows as JSON (NaN written as null)."""
-        rows = [
-            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in self.records()
-        ]
-        return json.dumps({"config": dict(self.config), "rows": rows}, indent=2)
+        rows = [{k: _json_value(v) for k, v in r.items()} for r in self.records()]
+        headers = {"headers": dict(self.headers)} if self.headers else {}
+        return json.dumps({"config": dict(self.config), **headers, "rows": rows}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> FrontierTable:
@@ -297,16 +316,22 @@ class FrontierTable:
             if missing:
                 raise ValueError(f"a frontier row lacks {missing}: {record!r:.120}")
             values = {name: record[name] for name in required + optional if name in record}
-            rows.append(FrontierRow(**{k: math.nan if v is None else v for k, v in values.items()}))
-        return cls(tuple(rows), data.get("config", {}))
+            values = {k: math.nan if v is None else v for k, v in values.items()}
+            if "extra" in values:
+                if not isinstance(values["extra"], dict):
+                    raise ValueError(f"a frontier row's extra must be an object, got {values['extra']!r:.80}")
+                values["extra"] = {k: math.nan if v is None else v for k, v in values["extra"].items()}
+            rows.append(FrontierRow(**values))
+        return cls(tuple(rows), data.get("config", {}), data.get("headers", {}))
 
     def to_csv(self) -> str:
-        """The rows as CSV with the column keys as header (the score's interval and the KL terms after them)."""
+        """The rows as CSV with the column keys as header (the score's interval, the KL terms, then extra metrics)."""
         buffer = io.StringIO()
         extra = ["tokens", "score_low", "score_high", "gap_low", "gap_high", "kl_spliced", "kl_zero"]
-        writer = csv.DictWriter(buffer, fieldnames=[*COLUMNS, *extra], lineterminator="\n")
+        metrics = self.extra_columns()
+        writer = csv.DictWriter(buffer, fieldnames=[*COLUMNS, *extra, *metrics], lineterminator="\n")
         writer.writeheader()
-        writer.writerows(self.records())
+        writer.writerows({**{k: v for k, v in r.items() if k != "extra"}, **r["extra"]} for r in self.records())
         return buffer.getvalue()
 
     def footnotes(self) -> dict[str, str]:
@@ -322,13 +347,14 @@ class FrontierTable:
     def _cells(self) -> list[list[str]]:
         notes = self.footnotes()
         marks = {flag: note.split(" ", 1)[0] for flag, note in notes.items()}
+        metrics = self.extra_columns()
         table = []
         for row, record in zip(self.rows, self.records(), strict=True):
             cells = {key: _cell(key, record[key], record) for key in COLUMNS}
             for flag in row.flags:
                 column = FLAG_NOTES[flag][0]
                 cells[column] += marks[flag]
-            table.append([cells[key] for key in COLUMNS])
+            table.append([cells[key] for key in COLUMNS] + [_cell(n, row.extra.get(n, math.nan)) for n in metrics])
         return table
 
     def _caption(self) -> list[str]:
@@ -343,8 +369,8 @@ class FrontierTable:
 
     def to_markdown(self) -> str:
         """The rows as a GitHub-flavoured Markdown table, with footnotes for the flagged cells."""
-        keys = list(COLUMNS)
-        lines = ["| " + " | ".join(COLUMNS.values()) + " |"]
+        keys = [*COLUMNS, *self.extra_columns()]
+        lines = ["| " + " | ".join([*COLUMNS.values(), *map(self._header, self.extra_columns())]) + " |"]
         lines.append("|" + "".join("---|" if key in ("block", "method") else "---:|" for key in keys))
         lines.extend("| " + " | ".join(cells) + " |" for cells in self._cells())
         caption = self._caption()
@@ -357,6 +383,8 @@ class FrontierTable:
         table = Table(title=self.title(), caption="\n".join(self._caption()) or None, caption_justify="left")
         for key, header in COLUMNS.items():
             table.add_column(header, justify="left" if key in ("block", "method") else "right", overflow="fold")
+        for name in self.extra_columns():
+            table.add_column(self._header(name), justify="right", overflow="fold")
         for cells in self._cells():
             table.add_row(*cells)
         return table

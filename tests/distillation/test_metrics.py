@@ -1,4 +1,4 @@
-"""Metrics that say when they mean nothing: the bootstrap interval, the CE-score guard, flags; stacked evaluation."""
+"""Metrics that say when they mean nothing (the bootstrap interval, the CE-score guard, flags); registered metrics."""
 
 import copy
 import io
@@ -12,6 +12,16 @@ from torch import nn
 
 from mumoe_tn.distillation.faithfulness import ZeroBlock, evaluate_replacements, next_token_loss
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, bootstrap_ce_score, ce_loss_score
+from mumoe_tn.distillation.metrics import (
+    L0,
+    Dead,
+    Metric,
+    Units,
+    available_metrics,
+    register_metric,
+    resolve_metrics,
+    unregister_metric,
+)
 from mumoe_tn.distillation.training import spliced
 
 
@@ -172,3 +182,106 @@ def test_piped_tables_are_markdown_and_the_table_plots(tmp_path):
     assert table.plot(tmp_path / "frontier.png").stat().st_size > 1000
     again = FrontierTable.from_json(table.to_json())
     assert again.rows == table.rows
+
+
+# ----------------------------------------------------------------------------- registered metrics
+class _Coded(nn.Module):
+    """A block stand-in with a known sparse code: ``code = relu(x W)`` (8 units), output ``code V``."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.encode, self.code_module, self.decode = nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.decode(self.code_module(self.encode(x)))
+
+
+def _by_hand(model, batches, replacement):
+    """The block's input and output and the replacement's output and code at every token (float64)."""
+    xs = torch.cat([model.embed(b).reshape(-1, 8) for b in batches]).detach()
+    with torch.no_grad():
+        target, prediction = model.mlp(xs).double(), replacement(xs).double()
+        code = torch.relu(replacement.encode(xs))
+    return target, prediction, code
+
+
+@pytest.fixture
+def mae():
+    class MeanAbsoluteError(Metric, name="test-mae", column="mean absolute error"):
+        def __init__(self):
+            self.total, self.count = 0.0, 0
+
+        def update(self, prediction, target, codes):
+            self.total += float((prediction - target).abs().sum())
+            self.count += target.numel()
+
+        def value(self):
+            return self.total / self.count
+
+    yield MeanAbsoluteError
+    unregister_metric("test-mae")
+
+
+def test_a_registered_metric_appears_in_the_rows_and_every_table(mae):
+    model = ToyLM(block_scale=4.0)
+    batches, replacement = _sampled(model, sequences=16), _Coded()
+    assert "test-mae" in available_metrics()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = evaluate_replacements(model, batches, {"mlp": {"coded": replacement}})
+    target, prediction, _ = _by_hand(model, batches, replacement)
+    (row,) = table.rows
+    assert row.extra == {"test-mae": pytest.approx(float((prediction - target).abs().mean()), rel=1e-12)}
+    header, rule, cells = table.to_markdown().splitlines()[:3]
+    assert header.endswith("| units | mean absolute error |") and rule.endswith("---:|---:|")
+    assert cells.split("|")[-2].strip() == f"{row.extra['test-mae']:.3f}"
+    csv_header, csv_row = table.to_csv().splitlines()
+    assert csv_header.endswith(",kl_zero,test-mae") and float(csv_row.rsplit(",", 1)[1]) == row.extra["test-mae"]
+    again = FrontierTable.from_json(table.to_json())
+    assert again.rows == table.rows and again.headers == {"test-mae": "mean absolute error"}
+    assert again.to_markdown() == table.to_markdown()
+    chosen = evaluate_replacements(model, batches, {"mlp": {"coded": replacement}}, metrics=["nmse"])
+    assert chosen.rows[0].extra == {} and chosen.rows[0].nmse == row.nmse
+
+
+def test_an_unregistered_metric_is_gone_and_bad_choices_are_refused(mae):
+    unregister_metric("test-mae")
+    assert "test-mae" not in available_metrics()
+    model = ToyLM(block_scale=4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table = evaluate_replacements(model, _sampled(model, sequences=16), {"mlp": {"zero": ZeroBlock(8)}})
+    assert table.rows[0].extra == {} and "mean absolute error" not in table.to_markdown()
+    with pytest.raises(ValueError, match="unknown metric 'test-mae'"):
+        resolve_metrics(["test-mae"])
+    with pytest.raises(TypeError, match="sequence of metric names"):
+        resolve_metrics("nmse")
+    with pytest.raises(TypeError, match="subclass of Metric"):
+        register_metric(dict, name="not-a-metric")
+
+
+def test_the_shipped_metrics_equal_hand_computations():
+    model = ToyLM(block_scale=4.0)
+    batches, replacement = _sampled(model, sequences=16), _Coded(seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (row,) = evaluate_replacements(model, batches, {"mlp": {"coded": replacement}}).rows
+    target, prediction, code = _by_hand(model, batches, replacement)
+    error = float((prediction - target).pow(2).sum())
+    assert row.nmse == pytest.approx(error / float(target.pow(2).sum()), rel=1e-9)
+    assert row.explained_variance == pytest.approx(1 - error / float((target - target.mean(0)).pow(2).sum()), rel=1e-9)
+    assert row.l0 == pytest.approx(float((code != 0).sum(-1).double().mean()), rel=1e-12)
+    assert row.units == 8 and row.dead == int(((code != 0).sum(0) == 0).sum())
+
+
+def test_l0_and_dead_units_on_a_known_code():
+    two_modes = (torch.tensor([[1.0, 0, 2], [0, 0, 3]]), torch.tensor([[1.0, 1], [0, 4]]))
+    l0, dead, units = L0(), Dead(), Units()
+    for metric in (l0, dead, units):
+        metric.update(torch.zeros(2, 1), torch.zeros(2, 1), two_modes)
+    assert l0.value() == (2 * 2 + 1 * 1) / 2  # per token, the product of the modes' active counts
+    assert dead.value() == 1 and units.value() == 5  # unit 1 of the first mode never fires
+    nothing = L0()
+    nothing.update(torch.zeros(2, 1), torch.zeros(2, 1), None)
+    assert math.isnan(nothing.value())
