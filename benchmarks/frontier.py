@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             if key in changes:
                 changes[key] = tuple(changes[key])
         config = dataclasses.replace(config, **changes)
+        torch.set_num_threads(1)  # what every seed's worker runs with, as the machine line says
         machine = _machine()
         tables = run_seeds(config, args.seeds, jobs=min(args.jobs, len(args.seeds)))
         run_config = {
