@@ -7,6 +7,9 @@
 - [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules]: the gate modules they build, with the registries of
   activations and logit norms.
 - [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax]: entmax15 and sparsemax.
+- [`mumoe_tn.gates.kernels`][mumoe_tn.gates.kernels]: when entmax15, sparsemax and the top-k gates
+  run as the Triton kernels of [`mumoe_tn.gates.triton_kernels`][mumoe_tn.gates.triton_kernels]
+  (on CUDA by default; [`use_gate_kernels`][mumoe_tn.gates.kernels.use_gate_kernels] switches).
 - [`mumoe_tn.gates.registry`][mumoe_tn.gates.registry]: the allow-list of descriptor classes a
   checkpoint may name ([`register_gate`][mumoe_tn.gates.registry.register_gate]).
 - [`mumoe_tn.gates.records`][mumoe_tn.gates.records]: per-thread records of forward passes.
@@ -38,6 +41,8 @@ _LAZY = {
     "resolve_activation": "mumoe_tn.gates.modules",
     "entmax15": "mumoe_tn.gates.entmax",
     "sparsemax": "mumoe_tn.gates.entmax",
+    "gate_kernels": "mumoe_tn.gates.kernels",
+    "use_gate_kernels": "mumoe_tn.gates.kernels",
     "PerThreadRecords": "mumoe_tn.gates.records",
     "SyncLogitBatchNorm": "mumoe_tn.gates.sync",
     "sync_gate_norms": "mumoe_tn.gates.sync",

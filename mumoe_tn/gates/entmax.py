@@ -7,26 +7,34 @@ closed-form, sort-based thresholds (Martins & Astudillo 2016; Peters, Niculae & 
 and their known Jacobian-vector products, as static-method Functions; the test suite checks
 them against ``entmax``.
 
-Speed: in eager mode no row is sorted at first. A few Newton steps on the threshold equation
-``Σ (x − τ)₊^(1/(α−1)) = 1``, from a ``τ`` below the root (the equation's left side is convex and
-decreasing in ``τ``, so the steps approach the root from the left and never pass it), settle the
-support of most rows; the closed-form threshold of that support is then checked against it and
-kept only where the support it implies is the same, which makes it the exact threshold. The other
-rows fall back to the sorted thresholds of their ``k`` largest logits (``torch.topk``, cheaper than
-a full sort), recomputed with a larger ``k`` while the support could extend past it. Sorting a
-``(2048, 64)`` batch of rows costs more on CPU than the elementwise Newton steps. The eager steps
-use floating-point arithmetic only: supports are counted as ``Σ sign((x − τ)₊)`` and the closed
-form is taken from the sums of the excess ``(x − τ)₊`` (shifted by ``τ``), because on CPU
-(torch 2.13) a comparison and a sum of booleans, ``masked_fill`` or ``torch.where`` over a
-``(2048, 64)`` batch each take 5–10 times a float ``sub`` or ``sum``. For the same reason the
-backward of 1.5-entmax takes ``√y`` as ``√(y + z) − z`` with ``z = 1`` off the support:
-``sqrt`` of zeros runs about 8 times slower on CPU than of positive numbers, and the form keeps
-second derivatives finite. Under ``torch.compile`` and ``torch.func`` transforms, and on every
-device but the CPU, the full sort is used: the fallbacks are data-dependent control flow, which
-cannot be traced, and which on an accelerator makes the host wait for the device at every call.
-Either search runs in float32 for half-precision inputs, whose sums cannot count the support of
-a wide row. The Functions define ``setup_context`` and generate their vmap rule, so
-``torch.func`` (``vmap``, ``grad``, ``jacrev``, …) works through them.
+Speed: on CPU in eager mode, a batch of up to [`SORTED_ROWS`][mumoe_tn.gates.entmax] rows (decoding,
+small training batches; with gradients, up to [`SORTED_ELEMENTS`][mumoe_tn.gates.entmax] entries) is
+sorted row by row in NumPy ([`sorted_forward`][mumoe_tn.gates.entmax.sorted_forward]): a fixed run
+of cheap calls and no aten call in the forward. In larger batches no row is sorted at first. A few
+Newton steps on the threshold equation ``Σ (x − τ)₊^(1/(α−1)) = 1``, from a ``τ`` below the root
+(the equation's left side is convex and decreasing in ``τ``, so the steps approach the root from the
+left and never pass it), settle the support of most rows; the closed-form threshold of that support
+is then checked against it and kept only where the support it implies is the same, which makes it
+the exact threshold. The other rows fall back to the sorted thresholds of their ``k`` largest logits
+(``torch.topk``, cheaper than a full sort), recomputed with a larger ``k`` while the support could
+extend past it. Sorting a ``(2048, 64)`` batch of rows costs more on CPU than the elementwise Newton
+steps. The eager steps use floating-point arithmetic only: supports are counted as
+``Σ sign((x − τ)₊)`` and the closed form is taken from the sums of the excess ``(x − τ)₊`` (shifted by ``τ``),
+because on CPU (torch 2.13) a comparison and a sum of booleans, ``masked_fill`` or ``torch.where``
+over a ``(2048, 64)`` batch each take 5–10 times a float ``sub`` or ``sum``. For the same reason the
+backward of 1.5-entmax takes ``√y`` as ``√(y + z) − z`` with ``z = 1`` off the support: ``sqrt`` of
+zeros runs about 8 times slower on CPU than of positive numbers, and the form keeps second
+derivatives finite. Under ``torch.compile`` and ``torch.func`` transforms, and on every device but
+the CPU, the full sort is used: the fallbacks are data-dependent control flow, which cannot be
+traced, and which on an accelerator makes the host wait for the device at every call. Either search
+runs in float32 for half-precision inputs, whose sums cannot count the support of a wide row. The
+Functions define ``setup_context`` and generate their vmap rule, so ``torch.func`` (``vmap``,
+``grad``, ``jacrev``, …) works through them.
+
+On CUDA tensors, when Triton is importable, ``entmax15`` and ``sparsemax`` run instead as one
+kernel per direction, with the same exact thresholds found without a sort or a host read
+([`mumoe_tn.gates.triton_kernels`][mumoe_tn.gates.triton_kernels]; switched by
+[`mumoe_tn.gates.kernels`][mumoe_tn.gates.kernels]).
 
 Non-finite logits behave as in ``torch.softmax``: a row holding NaN or ``+inf`` (or only
 ``-inf``) gives NaN in that row only, and ``-inf`` entries of other rows get probability 0.
@@ -47,6 +55,8 @@ import numpy as np
 import torch
 from torch.autograd import Function
 
+from mumoe_tn.gates import kernels
+
 __all__ = ["entmax15", "sorted_forward", "sparsemax"]
 
 
@@ -61,9 +71,16 @@ NEWTON_STEPS = 4
 #: Floor of the max-shifted logits; the supports of both maps lie within 2 of the maximum.
 FLOOR = -4.0
 
-#: Rows up to which a forward pass that records no gradient sorts every row in one pass (see
+#: Rows up to which a CPU forward pass in eager mode sorts every row in one pass (see
 #: [`sorted_forward`][mumoe_tn.gates.entmax.sorted_forward]): fewer, cheaper calls than the Newton search.
+#: With gradients the autograd Functions take it too (up to `SORTED_ELEMENTS` entries) and keep
+#: their closed-form backward.
 SORTED_ROWS = 64
+
+#: Entries up to which the autograd Functions' CPU forward sorts (and at most `SORTED_ROWS` rows):
+#: measured fwd+bwd, sorting took 0.3–0.7× the Newton search's time up to 64 rows of 128 and
+#: about 1.3× at 64 rows of 256 (1.5-entmax).
+SORTED_ELEMENTS = 8192
 
 
 class _Map(NamedTuple):
@@ -293,8 +310,8 @@ class _Entmax15(Function):
 def sorted_forward(x: torch.Tensor, sparse_map: str) -> torch.Tensor:
     """Sparsemax or 1.5-entmax along the last dim of ``x`` by one full sort per row, without autograd.
 
-    The decoding path: a forward pass that needs no gradient over a few rows (a batch of one to a
-    few dozen tokens), where the cost is the number of calls, not their arithmetic. It is a fixed,
+    The path of a few rows (a batch of one to a few dozen tokens; the autograd Functions call it
+    for their forward on CPU), where the cost is the number of calls, not their arithmetic. It is a fixed,
     short run of whole-array calls (one sort, two cumulative sums, the sorted-prefix threshold,
     one gather, the map) and no autograd Function. On CPU the rows are float32 or float64 arrays
     shared with NumPy, whose calls on a few hundred numbers cost about half of torch's dispatch
@@ -471,16 +488,25 @@ def _sorted_applies(x: torch.Tensor, dim: int) -> bool:
     return x.is_floating_point() and not _traced()
 
 
-def _eager_twin(rule: type[Function]) -> type[Function]:
+def _eager_twin(rule: type[Function], name: str) -> type[Function]:
     """``rule`` with ``forward(ctx, …)``, for eager mode.
 
     ``Function.apply`` binds the arguments to ``forward``'s signature (``inspect.signature``, about
     0.1 ms a call) for every Function that defines ``setup_context``; this form skips that. It
-    cannot run under ``torch.func`` transforms, where ``rule`` itself is used.
+    cannot run under ``torch.func`` transforms, where ``rule`` itself is used. On CPU, up to
+    [`SORTED_ROWS`][mumoe_tn.gates.entmax] rows and [`SORTED_ELEMENTS`][mumoe_tn.gates.entmax] entries
+    take [`sorted_forward`][mumoe_tn.gates.entmax.sorted_forward] (no aten call; the Newton search
+    is 60–90 of them) and the same closed-form backward.
     """
 
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        y = rule.forward(x, dim)
+        size = x.shape[dim]
+        if x.device.type == "cpu" and size and x.numel() // size <= SORTED_ROWS and x.numel() <= SORTED_ELEMENTS:
+            last = dim == x.ndim - 1
+            y = sorted_forward(x if last else x.movedim(dim, -1), name)
+            y = y if last else y.movedim(-1, dim)
+        else:
+            y = rule.forward(x, dim)
         rule.setup_context(ctx, (x, dim), y)
         return y
 
@@ -488,8 +514,15 @@ def _eager_twin(rule: type[Function]) -> type[Function]:
     return type(f"{rule.__name__}Eager", (Function,), namespace)
 
 
-_SparsemaxEager = _eager_twin(_Sparsemax)
-_Entmax15Eager = _eager_twin(_Entmax15)
+_SparsemaxEager = _eager_twin(_Sparsemax, "sparsemax")
+_Entmax15Eager = _eager_twin(_Entmax15, "entmax15")
+
+
+def _kernel_map(x: torch.Tensor, dim: int, entmax: bool) -> torch.Tensor:
+    """The map as Triton kernels (see [`mumoe_tn.gates.kernels`][mumoe_tn.gates.kernels]), along any ``dim``."""
+    if dim in (-1, x.ndim - 1):
+        return kernels.sparse_map(x, entmax)
+    return kernels.sparse_map(x.movedim(dim, -1), entmax).movedim(-1, dim)
 
 
 def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -507,6 +540,8 @@ def sparsemax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     torch.Tensor
         Non-negative, summing to one along ``dim``; exactly zero below the threshold.
     """
+    if kernels.gate_kernels_apply(x):
+        return _kernel_map(x, dim, entmax=False)
     if _sorted_applies(x, dim):
         if dim in (-1, x.ndim - 1):
             return sorted_forward(x, "sparsemax")
@@ -529,6 +564,8 @@ def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     torch.Tensor
         ``[(x/2 − τ)_+]²``, summing to one along ``dim``.
     """
+    if kernels.gate_kernels_apply(x):
+        return _kernel_map(x, dim, entmax=True)
     if _sorted_applies(x, dim):
         if dim in (-1, x.ndim - 1):
             return sorted_forward(x, "entmax15")

@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.caching import DerivedCache
+from mumoe_tn.gates import kernels
 from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.entmax import entmax15, sparsemax
 from mumoe_tn.gates.records import PerThreadRecords
@@ -535,6 +536,8 @@ class TopKRouter(ExpertGate):
         self.k = ks
 
     def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
+        if kernels.gate_kernels_apply(logits):
+            return kernels.top_k_softmax(logits, self.k[mode])
         values, indices = logits.topk(self.k[mode], dim=-1)
         weights = torch.softmax(values, dim=-1)
         routed = torch.zeros_like(logits).scatter(-1, indices, weights)
@@ -575,6 +578,8 @@ def _per_mode_k(k: int | Sequence[int], expert_dims: tuple[int, ...]) -> tuple[i
 
 def _relu_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` largest of ``ReLU(logits)`` per row kept in place, every other entry 0 (NaN rows stay NaN)."""
+    if kernels.gate_kernels_apply(logits):
+        return kernels.relu_top_k(logits, k)
     values, indices = torch.relu(logits).topk(k, dim=-1)
     kept = torch.zeros_like(logits).scatter(-1, indices, values)
     finite = torch.isfinite(logits).all(dim=-1, keepdim=True)

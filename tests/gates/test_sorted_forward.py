@@ -1,13 +1,14 @@
-"""The decoding path of sparsemax and 1.5-entmax (a few rows, no gradient) against the ``entmax`` package."""
+"""Sparsemax and 1.5-entmax of a few rows (decoding, small training batches) against the ``entmax`` package."""
 
 import entmax
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch_calls import AtenCalls
 
 from mumoe_tn.gates import entmax as ours
-from mumoe_tn.gates.entmax import SORTED_ROWS, sorted_forward
+from mumoe_tn.gates.entmax import SORTED_ELEMENTS, SORTED_ROWS, sorted_forward
 
 REFERENCES = {"entmax15": entmax.entmax15, "sparsemax": entmax.sparsemax}
 PUBLIC = {"entmax15": ours.entmax15, "sparsemax": ours.sparsemax}
@@ -55,7 +56,7 @@ def test_non_finite_rows_are_nan_in_that_row_only(name, torch_steps):
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
-def test_public_maps_take_the_sorted_path_without_gradients_along_any_dim(name, monkeypatch):
+def test_public_maps_take_the_sorted_path_along_any_dim(name, monkeypatch):
     calls = []
     real = ours.sorted_forward
 
@@ -69,11 +70,11 @@ def test_public_maps_take_the_sorted_path_without_gradients_along_any_dim(name, 
         got = PUBLIC[name](x, dim=1)
     torch.testing.assert_close(got, REFERENCES[name](x, dim=1))
     assert calls == [(4, 3, 7)]
-    y = PUBLIC[name](x.requires_grad_(), dim=1)  # gradients: the autograd path
-    assert y.requires_grad and len(calls) == 1
+    y = PUBLIC[name](x.requires_grad_(), dim=1)  # gradients: the autograd Function, which sorts the same way
+    assert y.grad_fn is not None and calls == [(4, 3, 7)] * 2
     with torch.no_grad():
         PUBLIC[name](torch.randn(SORTED_ROWS + 1, 5))  # more rows: the batched search
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
@@ -87,3 +88,25 @@ def test_one_row_walks_its_support_or_takes_the_vectorised_steps(name, width, sc
         torch.testing.assert_close(sorted_forward(x, name), REFERENCES[name](x, dim=-1))
     tied = torch.zeros(1, width)  # a zero-initialised gate: every entry in the support
     torch.testing.assert_close(sorted_forward(tied, name), torch.full((1, width), 1 / width))
+
+
+@given(
+    name=st.sampled_from(sorted(REFERENCES)),
+    rows=st.integers(1, SORTED_ROWS),
+    width=st.integers(1, SORTED_ELEMENTS // SORTED_ROWS),
+    dim=st.sampled_from([0, -1]),
+    seed=st.integers(0, 2**16),
+)
+def test_small_training_batches_sort_in_numpy_and_keep_the_closed_form_backward(name, rows, width, dim, seed):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator, dtype=torch.float64) * 3
+    x = (x if dim == -1 else x.T.contiguous()).requires_grad_(True)  # `rows` rows of `width` along `dim`
+    weights = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+    with AtenCalls() as forward:
+        y = PUBLIC[name](x, dim)
+    assert not forward.kernels  # the Newton search is 60-90 of them
+    (grad,) = torch.autograd.grad((y * weights).sum(), x)
+    reference = x.detach().clone().requires_grad_(True)
+    expected = REFERENCES[name](reference, dim=dim)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(grad, torch.autograd.grad((expected * weights).sum(), reference)[0])
