@@ -13,7 +13,7 @@ from mumoe_tn.costs.baselines import match_transcoder, transcoder_parameters
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.losses import AuxK
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
-from mumoe_tn.distillation.streaming import ActivationBuffer, TokenWindows, select_blocks
+from mumoe_tn.distillation.streaming import ActivationBuffer, TokenWindows, one_kernel_activation, select_blocks
 from mumoe_tn.distillation.training import (
     LOSS_READ_EVERY,
     ReplacementTrainer,
@@ -385,3 +385,23 @@ def test_replacement_trainer_step_is_one_adam_step_on_the_loss(recipe):
         ReplacementTrainer(nn.Linear(2, 2), recipe="authors")
     with pytest.raises(ValueError, match="no trainable parameters"):
         ReplacementTrainer(nn.Linear(2, 2).requires_grad_(False))
+
+
+@given(values=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=1, max_size=64))
+def test_transformers_tanh_gelus_become_one_kernel_of_the_same_function(values):
+    """GPT-2's ``gelu_new`` (and FastGELU) as torch's tanh GELU: the same values, checked against transformers."""
+    activations = pytest.importorskip("transformers.activations")
+    x = torch.tensor(values)
+    for kind in (activations.NewGELUActivation, activations.FastGELUActivation):
+        fast = one_kernel_activation(kind())
+        assert isinstance(fast, nn.GELU) and fast.approximate == "tanh"
+        torch.testing.assert_close(fast(x), kind()(x), rtol=1e-5, atol=1e-6)
+    relu = nn.ReLU()
+    assert one_kernel_activation(relu) is relu and one_kernel_activation(None) is None
+
+
+def test_a_gpt2_block_hands_its_factories_the_one_kernel_gelu():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    (block,) = select_blocks(transformers.GPT2LMHeadModel(config), r"mlp$")
+    assert isinstance(block.activation, nn.GELU) and block.activation.approximate == "tanh"
