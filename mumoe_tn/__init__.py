@@ -19,7 +19,7 @@ from mumoe_tn.deprecation import moved_names as _moved_names
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.plugins import install_transformers_hook as _install_transformers_hook
 
-__version__ = "0.1.0"
+__version__ = "0.3.0.dev0"
 
 _LAZY = {
     "ExpertGate": "mumoe_tn.gates.modules",
@@ -35,8 +35,8 @@ _LAZY = {
     "register_gate": "mumoe_tn.gates.registry",
     "compare": "mumoe_tn.costs",
     "convert": "mumoe_tn.conversion.convert",
-    "apply_conversion": "mumoe_tn.conversion.convert",
-    "conversion_record": "mumoe_tn.conversion.convert",
+    "apply_conversion": "mumoe_tn.conversion.record",
+    "conversion_record": "mumoe_tn.conversion.record",
     "load_converted": "mumoe_tn.conversion.checkpoints",
     "save_converted": "mumoe_tn.conversion.checkpoints",
     "decompose_dense": "mumoe_tn.conversion.upcycling",

@@ -9,11 +9,13 @@ re-exported a moved name does the same for that name. The table of old and new p
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["moved_module", "moved_names"]
+__all__ = ["callable_module", "moved_module", "moved_names"]
 
 #: The release that removes the old paths.
 REMOVED_IN = "0.4"
@@ -104,3 +106,27 @@ def _forward(old: str, name: str, place: str) -> Any:
 
 
 _MISSING = object()
+
+
+def callable_module(old: str, new: str, name: str) -> None:
+    """Make the moved module ``old`` callable as the function ``new.name`` that shares its name.
+
+    A package that re-exported a function of the same name as one of its modules (``distill`` of
+    ``mumoe_tn.conversion``) loses the function to the module's stub once the stub is imported:
+    ``from package import name`` then returns the stub. A callable stub keeps both spellings
+    working for one release; a call warns and runs the function.
+
+    Parameters
+    ----------
+    old : str
+        The stub module's dotted path (its ``__name__``).
+    new, name : str
+        The module that holds the function now, and the function's name.
+    """
+
+    class _CallableModule(types.ModuleType):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            _warn(f"{old}(…)", f"{new}.{name}(…)")
+            return getattr(importlib.import_module(new), name)(*args, **kwargs)
+
+    sys.modules[old].__class__ = _CallableModule

@@ -91,6 +91,20 @@ def _parse_labels(core: str, labels: str | Sequence[str]) -> tuple[str, ...]:
     return labels
 
 
+def _core_groups(cores: Mapping[str, Any], owners: Mapping[str, Sequence[str]]) -> list[list[str]]:
+    """The groups of cores joined by shared labels, in time linear in cores and label ends.
+
+    Each label shared by several cores is one node joined to its cores (a hyperedge as one node),
+    not an edge per pair of its cores, which grows with the square of the cores a label joins.
+    """
+    graph = nx.Graph()
+    graph.add_nodes_from(cores)
+    for label, where in owners.items():
+        if len(where) > 1:
+            graph.add_edges_from((("label", label), core) for core in where)
+    return [sorted(node for node in part if isinstance(node, str)) for part in nx.connected_components(graph)]
+
+
 @dataclass(frozen=True, eq=False)
 class ExpertNetwork:
     """A tensor network for the expert weight tensor ``W ∈ R^{N_1×…×N_E×I×O}``.
@@ -200,9 +214,8 @@ class ExpertNetwork:
         object.__setattr__(self, "sizes", MappingProxyType({lbl: sizes[lbl] for lbl in owners}))
         object.__setattr__(self, "_bonds", tuple(bonds))
         object.__setattr__(self, "_owners", MappingProxyType({lbl: tuple(where) for lbl, where in owners.items()}))
-        graph = self.graph()
-        if not nx.is_connected(graph):
-            parts = [sorted(part) for part in nx.connected_components(graph)]
+        parts = _core_groups(cores, owners)
+        if len(parts) > 1:
             raise ValueError(f"the network is disconnected: its cores fall into separate groups {parts}")
         if self.format is not None:
             self.format.check(self)

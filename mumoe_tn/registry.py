@@ -17,6 +17,7 @@ package that owns it:
 | layer adapters | `mumoe_tn.conversion.adapters.ADAPTERS` | `register_adapter` |
 | gated-MLP child names | `mumoe_tn.conversion.blocks.GATED_LAYOUTS` | `register_gated_names` |
 | distillation loss terms | `mumoe_tn.distillation.losses.LOSSES` | ``class L(Loss, name=…)``, `register_loss` |
+| MLP block kinds (a format's ``mlp_block``) | `mumoe_tn.layers.mlp_blocks.MLP_BLOCKS` | `register_mlp_block` |
 
 Examples
 --------

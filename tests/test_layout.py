@@ -261,3 +261,15 @@ def test_names_follow_one_spelling():
     assert offenders == [], "British -ise spellings for the project's own words (CONTRIBUTING.md):\n" + "\n".join(
         offenders
     )
+
+
+def test_the_old_distill_spelling_still_calls_the_function_after_its_module_is_imported():
+    import mumoe_tn.conversion.distill  # noqa: F401  (the stub module now shadows the package's function)
+    from mumoe_tn.conversion import distill
+    from mumoe_tn.distillation.training import distill as function
+
+    with pytest.warns(DeprecationWarning, match=r"mumoe_tn\.distillation\.training\.distill"):
+        with pytest.raises((TypeError, ValueError)) as raised:
+            distill(None, None)
+    with pytest.raises(type(raised.value)):
+        function(None, None)

@@ -88,6 +88,21 @@ class HardTopKGate(TopKGate):
     short_name = "hard"
 
 
+@dataclass(frozen=True)
+class WideTopKGate(TopKGate):
+    """A subclass that names itself nothing: it must not take the softmax gate's short name."""
+
+
+def test_a_subclass_does_not_inherit_a_short_name():
+    register_gate(WideTopKGate)
+    try:
+        gates = top_k_gates()
+        assert gates["softmax"] is TopKGate
+        assert gates["widetopkgate"] is WideTopKGate
+    finally:
+        unregister_gate(WideTopKGate)
+
+
 @pytest.fixture
 def hard_gate():
     register_gate(HardTopKGate)
@@ -128,12 +143,15 @@ def test_every_extension_point_is_a_registry():
     from mumoe_tn.decompositions.registry import FORMATS
     from mumoe_tn.gates.modules import ACTIVATIONS, GATE_NORMS
     from mumoe_tn.gates.registry import GATES
+    from mumoe_tn.layers.mlp_blocks import MLP_BLOCKS
     from mumoe_tn.registry import Registry
 
-    for registry in (ADAPTERS, GATED_LAYOUTS, PACKED_GATED_CLASSES, FORMATS, ACTIVATIONS, GATE_NORMS, GATES):
+    registries = (ADAPTERS, GATED_LAYOUTS, PACKED_GATED_CLASSES, FORMATS, ACTIVATIONS, GATE_NORMS, GATES, MLP_BLOCKS)
+    for registry in registries:
         assert isinstance(registry, Registry), registry
     assert {"cp", "tr", "tt", "tucker", "mxd"} <= set(FORMATS)
     assert {"entmax15", "sparsemax", "softmax"} <= set(ACTIVATIONS)
+    assert {"mumoe", "decoders"} <= set(MLP_BLOCKS)
 
 
 def test_a_registry_registers_looks_up_and_refuses_clearly():

@@ -4,7 +4,7 @@ A converted model carries its [`ConversionRecord`][mumoe_tn.conversion.record.Co
 the record next to the weights — in ``config.json`` for a Hugging Face model (``save_pretrained``
 does it: the record lives in ``model.config``), in the file's metadata for a safetensors file —
 and loading builds the original model, replays the record with
-[`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion] and loads the weights, checking every key
+[`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] and loads the weights, checking every key
 and shape first:
 
 ```python
@@ -20,16 +20,19 @@ With mumoe_tn imported, stock ``GPT2LMHeadModel.from_pretrained("converted")`` (
 [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer].
 
 A checkpoint is data (see the threat model in ``docs/reliability.md``). Loading one reads only
-files inside its directory (index entries must be relative, stay inside after resolving links,
-and name regular files), checks the record field by field, checks the model class against the
-config's ``model_type`` and every tensor the record implies against the checkpoint's own
-headers (safetensors gives shapes without reading data) before any tensor is made, and changes
-a given model only when everything fits: a failed load leaves it as it was. Every refusal is a
-``ValueError`` naming the field or file and quoting the value.
+regular files inside its directory (``config.json``, ``generation_config.json``, index entries:
+relative, inside after resolving links), each once through one descriptor, and builds the model
+from those bytes alone (transformers reads no file of it again); it checks the record field by
+field, the model class against the config's ``model_type`` and every tensor the record implies
+against the checkpoint's tensors before any module is made, fails if a file read was replaced
+before the load ended, and changes a given model only when everything fits: a failed load
+leaves it as it was. Every refusal is a ``ValueError`` naming the field or file and quoting the
+value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,24 +41,66 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.convert import commit_conversion, conversion_record, replay_conversion
+from mumoe_tn.conversion.configs import check_config
 from mumoe_tn.conversion.files import (
+    FileBytes,
     Headers,
+    check_unchanged,
     header_shapes,
     member_file,
-    read_all_headers,
-    read_headers,
     read_json,
-    regular_file,
+    read_once,
+    read_weights,
     weight_files,
 )
-from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, ConversionRecord
+from mumoe_tn.conversion.record import (
+    RECORD_KEY,
+    commit_conversion,
+    conversion_record,
+    record_in_config,
+    replay_conversion,
+)
 
 __all__ = ["load_converted", "save_converted"]
+
+#: The generation settings ``save_pretrained`` writes next to ``config.json``.
+GENERATION_CONFIG = "generation_config.json"
 
 
 def _is_hf_class(model: object) -> bool:
     return isinstance(model, type) and issubclass(model, nn.Module) and hasattr(model, "config_class")
+
+
+def _is_auto_class(model: object) -> bool:
+    """A transformers auto class (``AutoModelForCausalLM``, ...): it maps config classes to model classes."""
+    loads = callable(getattr(model, "from_pretrained", None))
+    return isinstance(model, type) and hasattr(model, "_model_mapping") and loads
+
+
+def _model_class(cls: type, config: Mapping[str, Any]) -> type:
+    """The model class that loads ``config``: ``cls`` itself, or what the auto class ``cls`` maps its type to."""
+    model_type = config.get("model_type")
+    if _is_auto_class(cls):
+        from transformers import CONFIG_MAPPING
+
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            raise ValueError(
+                f"config.json: model_type = {model_type!r:.80} is invalid: it names no model type transformers knows"
+            )
+        try:
+            return cls._model_mapping[CONFIG_MAPPING[model_type]]
+        except KeyError:
+            raise ValueError(
+                f"config.json: model_type = {model_type!r:.80} is invalid for {cls.__name__}, which has no model "
+                f"class for it: load it with the class of its own model type"
+            ) from None
+    expected = getattr(cls.config_class, "model_type", "") or None
+    if expected is not None and model_type != expected:
+        raise ValueError(
+            f"config.json: model_type = {model_type!r:.80} is invalid for {cls.__name__}, which loads "
+            f"{expected!r} checkpoints: load it with the class of its own model type (or AutoModelForCausalLM)"
+        )
+    return cls
 
 
 def save_converted(model: nn.Module, path: str | os.PathLike, **save_options: Any) -> None:
@@ -104,9 +149,10 @@ def load_converted(
     Parameters
     ----------
     model : type or nn.Module
-        A Hugging Face model class (``GPT2LMHeadModel``, ``LlamaForCausalLM``, …) with a checkpoint
-        directory, or a freshly built, unconverted instance of the original model with a
-        ``.safetensors`` file.
+        A Hugging Face model class (``GPT2LMHeadModel``, ``LlamaForCausalLM``, …) or auto class
+        (``AutoModelForCausalLM``, which picks the class of the config's ``model_type``) with a
+        checkpoint directory, or a freshly built, unconverted instance of the original model with
+        a ``.safetensors`` file.
     path : str or PathLike
         The checkpoint directory or file.
     dtype : torch.dtype, optional
@@ -132,14 +178,16 @@ def load_converted(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {strict!r}")
     path = Path(path)
-    if _is_hf_class(model):
+    if _is_hf_class(model) or _is_auto_class(model):
         return _load_hf(model, path, dtype=dtype, strict=strict)
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"model must be a Hugging Face model class or a freshly built nn.Module, got {type(model).__name__}"
+            "model must be a Hugging Face model class (or auto class) or a freshly built nn.Module, got "
+            f"{getattr(model, '__name__', type(model).__name__)}"
         )
-    file = regular_file(path, "the checkpoint file")
-    headers, metadata = read_headers(file)
+    read = read_once(path, "the checkpoint file")  # checked and parsed from the same bytes
+    state, headers, metadata = read_weights(read)
+    del read
     if RECORD_KEY not in metadata:
         raise ValueError(
             f"{str(path)!r} holds no mumoe_tn conversion record: it was not saved by save_converted from a converted "
@@ -148,10 +196,7 @@ def load_converted(
     rebuilt, record = replay_conversion(model, metadata[RECORD_KEY], shapes=header_shapes(headers))
 
     def check_and_load(converted: nn.Module) -> None:
-        _check_state(converted, headers, str(path), strict=strict)
-        from safetensors.torch import load_file
-
-        state = load_file(str(file))
+        _check_state(converted, headers, str(path), strict=strict)  # everything checked, then copied in
         own = converted.state_dict(keep_vars=True)
         converted.load_state_dict({key: value for key, value in state.items() if key in own}, strict=False)
 
@@ -194,36 +239,79 @@ def _check_state(model: nn.Module, headers: Headers, source: str, *, strict: boo
 def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) -> nn.Module:
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is not a directory: give the directory save_pretrained wrote")
-    config = read_json(member_file(path, "config.json", "config.json"), "config.json")
+    root = path.resolve()  # once: a link to the directory swapped during the load is not followed again
+    reads: list[FileBytes] = []
+    config = read_json(member_file(root, "config.json", "config.json"), "config.json", reads)
     if not isinstance(config, Mapping):
         raise ValueError(f"config.json = {config!r:.120} is invalid: it must be a JSON object")
-    expected = getattr(cls.config_class, "model_type", "") or None
-    if expected is not None and config.get("model_type") != expected:
-        raise ValueError(
-            f"config.json: model_type = {config.get('model_type')!r:.80} is invalid for {cls.__name__}, which loads "
-            f"{expected!r} checkpoints: load it with the class of its own model type (or AutoModelForCausalLM)"
-        )
-    data = config.get(RECORD_KEY)
-    if data is None:
+    cls = _model_class(cls, config)
+    if record_in_config(config) is None:  # every field checked before transformers reads anything else
         raise ValueError(
             f"the checkpoint {str(path)!r} holds no mumoe_tn conversion record in its config.json: it was not saved "
             f"from a converted model; load it with {cls.__name__}.from_pretrained"
         )
-    ConversionRecord.from_dict(data)  # every field checked before transformers reads anything else
-    quantization = config.get("quantization_config")
-    if quantization is not None and quantization != {"quant_method": QUANT_METHOD}:
-        raise ValueError(
-            f"config.json: quantization_config = {quantization!r:.120} is invalid: a converted checkpoint has "
-            f"{{'quant_method': {QUANT_METHOD!r}}}"
-        )
-    read_all_headers(weight_files(path))  # every path and header checked before transformers opens a file
+    generation = None
+    if os.path.lexists(root / GENERATION_CONFIG):
+        generation = read_json(member_file(root, GENERATION_CONFIG, GENERATION_CONFIG), GENERATION_CONFIG, reads)
+    state: dict[str, torch.Tensor] = {}
+    headers: Headers = {}
+    for file in weight_files(root, reads):
+        read = read_once(file, "weight file", follow=False)
+        found, found_headers, _ = read_weights(read)
+        reads.append(dataclasses.replace(read, data=b""))
+        del read
+        for key, tensor in found.items():
+            if key in headers:
+                raise ValueError(f"{str(file)!r}: tensor {key!r} is stored in two weight files of the checkpoint")
+            headers[key] = found_headers[key]
+            state[key] = tensor.clone()  # own memory: the parsed tensors view the read's bytes
+        del found
+    check_unchanged(reads, str(path))  # every file read was, at one instant, the version read
+    check_config(config, headers)  # the config's sizes against the weights, before transformers builds the model
+    return _build_hf(cls, path, config, generation, state, headers, dtype=dtype, strict=strict)
+
+
+def _build_hf(
+    cls: type,
+    path: Path,
+    config: Mapping[str, Any],
+    generation: Any,
+    state: dict[str, torch.Tensor],
+    headers: Headers,
+    *,
+    dtype: torch.dtype | None,
+    strict: bool,
+) -> nn.Module:
+    """The converted model from the checkpoint's contents as read: transformers reads no file of it again."""
+    from transformers import GenerationConfig
+
     from mumoe_tn.conversion.quantizer import MuMoEConfig, register_with_transformers
 
     register_with_transformers()
-    options: dict[str, Any] = {"dtype": "auto", "output_loading_info": True}
-    if quantization is None:  # saved before the record selected the hook itself
-        options["quantization_config"] = MuMoEConfig()
-    model, info = cls.from_pretrained(path, **options)
+    handover = MuMoEConfig()
+    handover.checkpoint_shapes = header_shapes(headers)  # the hook checks the record against these
+    settings = {key: value for key, value in config.items() if key != "quantization_config"}
+    malformed = (TypeError, ValueError, KeyError, AttributeError)
+    try:
+        model_config = cls.config_class.from_dict(settings)
+    except malformed as error:
+        raise ValueError(f"config.json of {str(path)!r} is invalid ({type(error).__name__}: {error!s:.200})") from None
+    if generation is not None and not isinstance(generation, Mapping):
+        raise ValueError(f"{GENERATION_CONFIG} = {generation!r:.120} is invalid: it must be a JSON object")
+    try:
+        generation_config = None if generation is None else GenerationConfig.from_dict(generation)
+    except malformed as error:
+        raise ValueError(f"{GENERATION_CONFIG} is invalid ({type(error).__name__}: {error!s:.200})") from None
+    model, info = cls.from_pretrained(
+        None,
+        config=model_config,
+        state_dict=state,
+        generation_config=generation_config,
+        quantization_config=handover,
+        dtype="auto",
+        output_loading_info=True,
+    )
+    model.config.name_or_path = str(path)
     problems = {name: info.get(name) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     problems = {name: sorted(map(str, keys)) for name, keys in problems.items() if keys}
     if strict and problems:

@@ -6,28 +6,44 @@ device is never opened. JSON files are read up to [`MAX_JSON_BYTES`][mumoe_tn.co
 and tensor headers without their data (safetensors headers; a pickled ``.bin`` unpickled with
 ``weights_only=True`` onto the meta device). Every refusal is a ``ValueError`` naming the file or
 field and quoting the value.
+
+[`read_once`][mumoe_tn.conversion.files.read_once] reads a file whole through one descriptor: what
+is checked (a regular file, its size) is what is read, and a file that changes while it is read
+is refused. [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged] then asks whether every
+file read for one load is still the one read (device, inode, size, modification time): a set of
+files replaced during the load is refused, so a load sees one consistent set or fails.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mumoe_tn.conversion.record import parse_json
+from mumoe_tn.conversion.storage import check_file_holds
 
 __all__ = [
+    "JSON_FILES",
     "MAX_JSON_BYTES",
+    "FileBytes",
     "Headers",
+    "check_json_files",
+    "check_unchanged",
+    "file_identity",
     "header_shapes",
     "member_file",
     "read_all_headers",
     "read_headers",
     "read_json",
+    "read_once",
+    "read_weights",
     "regular_file",
     "weight_files",
 ]
@@ -67,25 +83,141 @@ def member_file(root: Path, name: object, field: str) -> Path:
     return regular_file(resolved, field)
 
 
-def read_json(file: Path, field: str) -> Any:
-    """The JSON content of a checkpoint's ``file`` (at most ``MAX_JSON_BYTES``); ``field`` names it in errors."""
-    size = file.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise ValueError(f"{field} is {size:,} bytes; a checkpoint's JSON files are read up to {MAX_JSON_BYTES:,}")
+@dataclass(frozen=True)
+class FileBytes:
+    """A file's content read through one descriptor, and the identity of the file it was read from.
+
+    ``identity`` is ``(device, inode, size, modification time in ns)``, taken from the open
+    descriptor before and after reading (they agreed); ``follow`` says whether ``path`` may be a
+    link (a path the caller gave) or names the file itself (a checked member of a directory).
+    """
+
+    path: Path
+    data: bytes
+    identity: tuple[int, int, int, int]
+    follow: bool = True
+
+
+def _identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def read_once(path: Path, what: str, *, limit: int | None = None, follow: bool = True) -> FileBytes:
+    """Read ``path`` whole through one open descriptor: a regular file of at most ``limit`` bytes.
+
+    The checks (a regular file, its size) are made on the open descriptor, so they hold for the
+    bytes read; a file that grows, shrinks or is rewritten while it is read is refused. With
+    ``follow=False`` a link at ``path`` itself is refused (``path`` was resolved and checked).
+
+    Raises
+    ------
+    ValueError
+        If the file cannot be read, is not a regular file, exceeds ``limit`` or changed while read.
+    """
+    regular_file(path, what)  # a FIFO or device is never opened, not even non-blocking
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        text = file.read_bytes()
+        descriptor = os.open(path, flags)
     except OSError as error:
-        raise ValueError(f"{field} cannot be read ({error.strerror})") from None
-    return parse_json(text, field)
+        raise ValueError(f"{what} {str(path)!r} cannot be read ({error.strerror})") from None
+    try:
+        before = os.fstat(descriptor)
+        if not stat.S_ISREG(before.st_mode):
+            raise ValueError(f"{what} {str(path)!r} is not a regular file")
+        if limit is not None and before.st_size > limit:
+            raise ValueError(f"{what} is {before.st_size:,} bytes, more than the {limit:,} it may have")
+        buffer = bytearray(before.st_size + 1)  # one byte more: a file that grew reads past its size
+        filled = 0
+        with memoryview(buffer) as view, open(descriptor, "rb", buffering=0, closefd=False) as stream:
+            while filled < len(buffer):
+                count = stream.readinto(view[filled:])
+                if not count:
+                    break
+                filled += count
+        after = os.fstat(descriptor)
+    except OSError as error:
+        raise ValueError(f"{what} {str(path)!r} cannot be read ({error.strerror})") from None
+    finally:
+        os.close(descriptor)
+    if filled != before.st_size or _identity(after) != _identity(before):
+        raise ValueError(f"{what} {str(path)!r} changed while it was read: load it once it is written")
+    return FileBytes(Path(path), bytes(memoryview(buffer)[:filled]), _identity(before), follow)
 
 
-def weight_files(root: Path) -> list[Path]:
-    """The weight files of a ``save_pretrained`` directory (safetensors or pickled, sharded or not), checked."""
+def check_unchanged(reads: Sequence[FileBytes], what: str) -> None:
+    """Refuse unless every file of ``reads`` is still the one read (same device, inode, size and time).
+
+    Called after the last file of a load was read: every file was then, at one instant, the
+    version read, so the load saw one consistent set of files.
+    """
+    for read in reads:
+        try:
+            now = _identity(os.stat(read.path, follow_symlinks=read.follow))
+        except OSError:
+            now = None
+        if now != read.identity:
+            raise ValueError(
+                f"{what}: {str(read.path)!r} was replaced or changed while the checkpoint loaded: load it once it is "
+                "written (nothing was changed)"
+            )
+
+
+def file_identity(path: Path) -> FileBytes:
+    """The identity of the file at ``path`` now, without reading it (for ``check_unchanged``)."""
+    try:
+        return FileBytes(Path(path), b"", _identity(os.stat(path, follow_symlinks=False)), follow=False)
+    except OSError as error:
+        raise ValueError(f"{str(path)!r} cannot be read ({error.strerror})") from None
+
+
+#: The JSON files transformers reads from a model directory besides the weights.
+JSON_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
+
+
+def check_json_files(root: Path, names: Sequence[str] = JSON_FILES) -> None:
+    """Each of ``names`` in ``root``: inside it once links are resolved, a regular file of at most ``MAX_JSON_BYTES``.
+
+    For the files another library reads itself (transformers reads ``config.json``,
+    ``generation_config.json`` and a shard index on its own).
+    """
+    for name in names:
+        if os.path.lexists(root / name):
+            file = member_file(root, name, name)
+            size = os.stat(file).st_size
+            if size > MAX_JSON_BYTES:
+                raise ValueError(f"{name} is {size:,} bytes, more than the {MAX_JSON_BYTES:,} it may have")
+
+
+def read_json(file: Path, field: str, reads: list[FileBytes] | None = None) -> Any:
+    """The JSON content of a checkpoint's ``file`` (at most ``MAX_JSON_BYTES``); ``field`` names it in errors.
+
+    The file is read once (see [`read_once`][mumoe_tn.conversion.files.read_once]); ``reads``, if
+    given, collects the read for [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged].
+    """
+    read = read_once(file, field, limit=MAX_JSON_BYTES, follow=False)
+    if reads is not None:
+        reads.append(read)
+    return parse_json(read.data, field)
+
+
+def weight_files(root: Path, reads: list[FileBytes] | None = None) -> list[Path]:
+    """The weight files of a ``save_pretrained`` directory (safetensors or pickled, sharded or not), checked.
+
+    ``reads``, if given, collects the read of a shard index (see
+    [`read_json`][mumoe_tn.conversion.files.read_json]).
+    """
     for single, index in (_SAFETENSORS, _PICKLED):
-        if (root / single).exists():
+        if os.path.lexists(root / single):
             return [member_file(root, single, single)]
-        if (root / index).exists():
-            data = read_json(member_file(root, index, index), index)
+        if os.path.lexists(root / index):
+            data = read_json(member_file(root, index, index), index, reads)
             if not isinstance(data, Mapping) or not isinstance(data.get("weight_map"), Mapping):
                 raise ValueError(f"{index}: weight_map = {_field(data, 'weight_map')} is invalid: it must be a mapping")
             names = []
@@ -132,6 +264,7 @@ def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
         ):
             raise ValueError(f"{str(file)!r} is not a state dict of tensors")
+        check_file_holds(state, file.stat().st_size, repr(str(file)))
         return {key: (tuple(value.shape), value.dtype) for key, value in state.items()}, {}
     from safetensors import safe_open
 
@@ -146,6 +279,50 @@ def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
     except Exception as error:  # safetensors' own error types
         raise ValueError(f"{str(file)!r} is not a valid safetensors file ({error})") from None
     return headers, dict(metadata)
+
+
+def read_weights(read: FileBytes) -> tuple[dict[str, torch.Tensor], Headers, dict[str, str]]:
+    """The tensors of a weight file's bytes (as read once), their headers, and the file's metadata.
+
+    A ``.bin`` file is unpickled with ``weights_only=True``; anything else is parsed as safetensors
+    (``safetensors.torch.load``, which checks every tensor's extent against the bytes). Tensors are
+    made only from the bytes given, so they are the file's content at one instant.
+
+    Raises
+    ------
+    ValueError
+        If the bytes are not a valid weight file, or hold a dtype a mumoe_tn checkpoint never holds.
+    """
+    file = read.path
+    if file.suffix == ".bin":
+        for location in ("meta", "cpu"):  # declared sizes checked on the meta device before any is allocated
+            try:
+                state = torch.load(io.BytesIO(read.data), map_location=location, weights_only=True)
+            except Exception as error:  # torch raises many kinds for a malformed pickle
+                raise ValueError(f"{str(file)!r} is not a valid weight file ({type(error).__name__})") from None
+            if not isinstance(state, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+            ):
+                raise ValueError(f"{str(file)!r} is not a state dict of tensors")
+            check_file_holds(state, len(read.data), repr(str(file)))
+        metadata: dict[str, str] = {}
+    else:
+        from safetensors.torch import load
+
+        try:
+            state = load(read.data)
+        except Exception as error:  # safetensors' own error types
+            raise ValueError(f"{str(file)!r} is not a valid safetensors file ({type(error).__name__})") from None
+        length = int.from_bytes(read.data[:8], "little")  # the format: a little-endian u64, then the JSON header
+        metadata = parse_json(read.data[8 : 8 + length], f"header of {str(file)!r}").get("__metadata__") or {}
+    allowed = set(_DTYPES.values())
+    for key, value in state.items():
+        if value.dtype not in allowed:
+            raise ValueError(
+                f"{str(file)!r}: tensor {key!r:.80} has dtype {value.dtype}, which mumoe_tn checkpoints never hold"
+            )
+    headers = {key: (tuple(value.shape), value.dtype) for key, value in state.items()}
+    return dict(state), headers, dict(metadata)
 
 
 _DTYPES = {

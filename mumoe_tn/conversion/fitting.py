@@ -14,9 +14,10 @@ bonds,
   (bonds renamed, shared physical legs summed), and
 * the right-hand side ``R[P, B]`` is the contraction of the target with the other cores,
 
-both planned once, like any other contraction; then ``core[P, B] = R[P, :] · G⁻¹`` (a ridge of
-``1e-12·tr(G)/|B|`` keeps ``G`` invertible). One sweep updates every core in turn; sweeps stop
-when the relative error falls below ``tol`` or stops improving.
+both planned once, like any other contraction; then ``core[P, B] = R[P, :] · G⁺``, the
+pseudo-inverse (eigenvalues below ``|B|·ε`` of the largest dropped), so an underdetermined core
+gets its minimum-norm solution and an exact fit is exact to rounding. One sweep updates every
+core in turn; sweeps stop when the relative error falls below ``tol`` or stops improving.
 """
 
 from __future__ import annotations
@@ -167,11 +168,11 @@ class _CoreSolver:
         n_bonds = math.prod(sizes[x] for x in self.bonds)
         n_physical = math.prod(sizes[x] for x in self.own_physical)
         gram = gram.reshape(n_shared, n_bonds, n_bonds)
-        trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
-        ridge = (1e-12 * trace / n_bonds + 1e-300).reshape(n_shared, 1, 1)
-        gram = gram + ridge * torch.eye(n_bonds, dtype=gram.dtype, device=gram.device)
         rhs = rhs.reshape(n_shared, n_physical, n_bonds)
-        solution = torch.linalg.solve(gram, rhs.transpose(-1, -2)).transpose(-1, -2)
+        # G is often singular (a core's bonds can exceed what the target constrains, e.g. a 3x3x3
+        # core fed by a 5-column slice): the pseudo-inverse gives the minimum-norm solution without
+        # the bias a ridge would add, which limits an exact fit to ridge x cond(G) instead of rounding.
+        solution = rhs @ torch.linalg.pinv(gram, hermitian=True)
         order = (*self.shared, *self.own_physical, *self.bonds)
         solution = solution.reshape(*(sizes[x] for x in order))
         return solution.permute(*(order.index(x) for x in self.labels)).contiguous()

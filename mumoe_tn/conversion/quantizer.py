@@ -12,10 +12,16 @@ model = AutoModelForCausalLM.from_pretrained("converted")  # the converted model
 ```
 
 The hook replays the record with
-[`apply_conversion`][mumoe_tn.conversion.convert.apply_conversion] on the skeleton, checking
+[`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
 model casts, trains and saves like any other. Nothing is quantized.
+
+With mumoe_tn imported, a config that carries a conversion record is never loaded as a dense model:
+a config without ``quantization_config`` (saved before the record selected the hook itself, or
+edited) is rebuilt from its record as if it had the method's config, and a ``quantization_config``
+of another method or malformed, or another method asked for at load, is refused with a
+``ValueError`` (see [`check_stock_config`][mumoe_tn.conversion.quantizer.check_stock_config]).
 
 Without mumoe_tn imported, transformers does not know the method: it logs
 ``Unknown quantization type, got mumoe_tn … we will skip the quantization`` and its load report
@@ -27,11 +33,14 @@ unknown method; import mumoe_tn (or use
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import transformers.quantizers.auto as quantizers_auto
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -41,11 +50,26 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from mumoe_tn.conversion.convert import commit_conversion, replay_conversion
-from mumoe_tn.conversion.files import header_shapes, member_file, read_all_headers, regular_file
-from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY
+from mumoe_tn.conversion.files import (
+    FileBytes,
+    check_json_files,
+    check_unchanged,
+    file_identity,
+    header_shapes,
+    member_file,
+    read_all_headers,
+    regular_file,
+)
+from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, commit_conversion, replay_conversion
 
-__all__ = ["METHOD", "MuMoEConfig", "MuMoEQuantizer", "convert_skeleton", "register_with_transformers"]
+__all__ = [
+    "METHOD",
+    "MuMoEConfig",
+    "MuMoEQuantizer",
+    "check_stock_config",
+    "convert_skeleton",
+    "register_with_transformers",
+]
 
 #: The ``quant_method`` that selects the hook.
 METHOD = QUANT_METHOD
@@ -87,10 +111,14 @@ class MuMoEQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
 
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: Any = None, **kwargs: Any) -> Any:
-        convert_skeleton(model, checkpoint_files)
+        shapes = getattr(self.quantization_config, "checkpoint_shapes", None)  # handed over by load_converted
+        self.checked_files = convert_skeleton(model, checkpoint_files, shapes=shapes)
         return model
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        # The weights transformers loaded are those whose headers were checked, or the load fails.
+        check_unchanged(getattr(self, "checked_files", ()), "from_pretrained")
+        vars(self.quantization_config).pop("checkpoint_shapes", None)
         # Nothing is quantized: drop transformers' marks so the model casts (.half(), .to(dtype)) and trains as usual.
         model.hf_quantizer = None
         model.is_quantized = False
@@ -112,21 +140,108 @@ class MuMoEQuantizer(HfQuantizer):
 
 
 def register_with_transformers() -> None:
-    """Register the ``"mumoe_tn"`` method with transformers (done for you by ``import mumoe_tn``); idempotent."""
+    """Register the ``"mumoe_tn"`` method with transformers (done for you by ``import mumoe_tn``); idempotent.
+
+    Besides the method, transformers' choice of a quantizer is guarded by
+    [`check_stock_config`][mumoe_tn.conversion.quantizer.check_stock_config], so a config carrying a
+    conversion record never loads as a dense model.
+    """
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(METHOD) is not MuMoEConfig:
         AUTO_QUANTIZATION_CONFIG_MAPPING.pop(METHOD, None)
         register_quantization_config(METHOD)(MuMoEConfig)
     if AUTO_QUANTIZER_MAPPING.get(METHOD) is not MuMoEQuantizer:
         AUTO_QUANTIZER_MAPPING.pop(METHOD, None)
         register_quantizer(METHOD)(MuMoEQuantizer)
+    # modeling_utils binds the function when it loads, which is right after this module's registration runs
+    # (or earlier, if transformers was loaded before mumoe_tn): guard both names.
+    for module in (quantizers_auto, sys.modules.get("transformers.modeling_utils")):
+        original = getattr(module, "get_hf_quantizer", None)
+        if original is not None and not getattr(original, "checks_conversion_records", False):
+            module.get_hf_quantizer = _guarded(original)
 
 
-def convert_skeleton(model: Any, checkpoint_files: Sequence[str | os.PathLike] | None) -> None:
+def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_hf_quantizer(config: Any, quantization_config: Any, *args: Any, **kwargs: Any) -> Any:
+        check_stock_config(config, quantization_config)
+        return original(config, quantization_config, *args, **kwargs)
+
+    get_hf_quantizer.checks_conversion_records = True
+    return get_hf_quantizer
+
+
+def check_stock_config(config: Any, quantization_config: Any = None) -> None:
+    """What stock ``from_pretrained`` does with a config that carries a conversion record.
+
+    Nothing for a config without a record. With one: a config with no ``quantization_config``
+    is given the method's (``{"quant_method": "mumoe_tn"}``), so the record is replayed and the
+    converted model loads; a ``quantization_config`` that is not the method's, or another
+    method's config asked for at load, is refused.
+
+    Parameters
+    ----------
+    config : PretrainedConfig
+        The config transformers read.
+    quantization_config : optional
+        The ``quantization_config=`` given to ``from_pretrained``.
+
+    Raises
+    ------
+    ValueError
+        If the record's model would otherwise load as a dense model or be quantized by another method.
+    """
+    if getattr(config, RECORD_KEY, None) is None:
+        return
+    if quantization_config is not None and not isinstance(quantization_config, MuMoEConfig):
+        raise ValueError(
+            f"from_pretrained(quantization_config={quantization_config!r:.120}): this checkpoint carries a mumoe_tn "
+            "conversion record, so it loads only through the mumoe_tn method; load it without quantization_config"
+        )
+    found = getattr(config, "quantization_config", None)
+    if found is None:
+        if quantization_config is None:  # a MuMoEConfig given at load (load_converted hands one over) is used
+            config.quantization_config = {"quant_method": METHOD}
+    else:
+        method = found.get("quant_method") if isinstance(found, Mapping) else getattr(found, "quant_method", None)
+        if method != METHOD:
+            raise ValueError(
+                f"config.json: quantization_config = {found!r:.120} is invalid: the config carries a mumoe_tn "
+                f"conversion record, whose checkpoint has {{'quant_method': {METHOD!r}}} (a dense load would leave its "
+                "MLP weights random)"
+            )
+
+
+def convert_skeleton(
+    model: Any,
+    checkpoint_files: Sequence[str | os.PathLike] | None,
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> list[FileBytes]:
     """Replay a checkpoint's record on the model transformers built for it, checked against its weight files.
 
     Called by the ``from_pretrained`` hook (see [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer])
     on the meta-device skeleton: every weight file must be a regular file inside the checkpoint
-    directory, and every tensor the record implies must be in their headers with its shape.
+    directory, and every tensor the record implies must be in their headers with its shape. The
+    JSON files transformers reads on its own (``config.json``, ``generation_config.json``, a shard
+    index) must be regular files inside the directory of at most
+    [`MAX_JSON_BYTES`][mumoe_tn.conversion.files] (``generation_config.json`` is checked before
+    transformers reads it; ``config.json`` and the index have been read, and the load is refused).
+
+    Parameters
+    ----------
+    model : PreTrainedModel
+        The skeleton, with the checkpoint's config.
+    checkpoint_files : sequence of path-like, optional
+        The weight files transformers found.
+    shapes : Mapping, optional
+        The checkpoint's tensor shapes, when the caller read the files itself
+        ([`load_converted`][mumoe_tn.conversion.checkpoints.load_converted] does): no file is read.
+
+    Returns
+    -------
+    list of FileBytes
+        The identities of the weight files checked (empty with ``shapes``), for
+        [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged] once the weights are loaded.
 
     Raises
     ------
@@ -141,19 +256,27 @@ def convert_skeleton(model: Any, checkpoint_files: Sequence[str | os.PathLike] |
             f"config.json: quantization_config selects mumoe_tn, but the config has no {RECORD_KEY!r} record to "
             "replay: the checkpoint is incomplete"
         )
-    files = [Path(file) for file in checkpoint_files or ()]
-    if not files:
-        raise ValueError("a converted checkpoint needs its weight files; transformers found none")
-    root = Path(str(getattr(config, "name_or_path", "") or ""))
-    if root.is_dir():
-        files = [member_file(root, os.path.relpath(file.resolve(), root.resolve()), "weight file") for file in files]
-    else:
-        files = [regular_file(file, "weight file") for file in files]
-    headers = read_all_headers(files)
+    checked: list[FileBytes] = []
+    if shapes is None:
+        files = [Path(file) for file in checkpoint_files or ()]
+        if not files:
+            raise ValueError("a converted checkpoint needs its weight files; transformers found none")
+        root = Path(str(getattr(config, "name_or_path", "") or ""))
+        if root.is_dir():
+            check_json_files(root)
+            files = [
+                member_file(root, os.path.relpath(file.resolve(), root.resolve()), "weight file") for file in files
+            ]
+        else:
+            files = [regular_file(file, "weight file") for file in files]
+        checked = [file_identity(file) for file in files]
+        shapes = header_shapes(read_all_headers(files))
+        check_unchanged(checked, "from_pretrained")  # the headers read are those of the files checked
     delattr(config, RECORD_KEY)  # the replay writes it back
     try:
-        rebuilt, record = replay_conversion(model, data, shapes=header_shapes(headers))
+        rebuilt, record = replay_conversion(model, data, shapes=shapes)
         commit_conversion(model, rebuilt, record)
     except BaseException:
         setattr(config, RECORD_KEY, data)
         raise
+    return checked

@@ -342,7 +342,35 @@ class Match:
         return (self.params - self.target) / self.target
 
 
-def _checked(match: Match) -> Match:
+def _closer_collapsing(
+    count: Callable[[Mapping[str, int]], int],
+    sizes: Mapping[str, int],
+    target: int,
+    multiple: int,
+    networks: Callable[[Mapping[str, int]], Sequence[ExpertNetwork]],
+) -> str:
+    """A note on the closest smaller candidate the matcher skipped because an expert mode collapses there ("" if none).
+
+    Every scaled bond one step lower, then each alone: the first whose count is closer to ``target``
+    than the match's and at which an expert mode collapses is named with its count and the mode.
+    """
+    matched = abs(count(sizes) - target)
+    lower = [dict.fromkeys(sizes, min(sizes.values()) - multiple)]
+    lower += [{**sizes, bond: size - multiple} for bond, size in sizes.items()]
+    for candidate in lower:
+        if min(candidate.values()) < 1 or abs(count(candidate) - target) >= matched:
+            continue
+        collapsed = sorted({leg for network in networks(candidate) for leg in collapsed_expert_modes(network)})
+        if collapsed:
+            ranks = ", ".join(f"{bond}={size}" for bond, size in candidate.items())
+            return (
+                f"; {ranks} gives {count(candidate):,} parameters but collapses expert mode(s) {collapsed} (their "
+                "experts would differ only by a scalar factor), so it is not a match"
+            )
+    return ""
+
+
+def _checked(match: Match, note: str = "") -> Match:
     for k, network in enumerate(match.networks):
         collapsed = collapsed_expert_modes(network)
         if collapsed:
@@ -359,7 +387,7 @@ def _checked(match: Match) -> Match:
         ranks = ", ".join(f"{bond}={size}" for bond, size in match.ranks.items())
         problems.append(
             f"the closest match has {match.params:,} parameters, {match.relative_error:+.1%} from the target "
-            f"{match.target:,} ({ranks}; the candidates are {match.step:,} apart)"
+            f"{match.target:,} ({ranks}; the candidates are {match.step:,} apart){note}"
         )
     for problem in problems:
         warnings.warn(f"parameter matching: {problem}", MatchingWarning, stacklevel=3)
@@ -408,7 +436,8 @@ def match_layer(
         count, names, target, what=what, multiple=rank_multiple, first=first, acceptable=_whole([network])
     )
     matched = (network.with_sizes(**sizes),)
-    return _checked(Match(min(sizes.values()), names, count(sizes), target, step, matched, (), sizes, lifted))
+    note = _closer_collapsing(count, sizes, target, rank_multiple, lambda sizes: (network.with_sizes(**sizes),))
+    return _checked(Match(min(sizes.values()), names, count(sizes), target, step, matched, (), sizes, lifted), note)
 
 
 def match_block(
@@ -456,7 +485,9 @@ def match_block(
     sizes, step = solve_bonds(
         count, names, target, what=what, multiple=rank_multiple, first=limiting, acceptable=_whole([first, second])
     )
-    return _checked(Match(min(sizes.values()), names, count(sizes), target, step, resized(sizes), (), sizes, lifted))
+    note = _closer_collapsing(count, sizes, target, rank_multiple, resized)
+    matched = resized(sizes)
+    return _checked(Match(min(sizes.values()), names, count(sizes), target, step, matched, (), sizes, lifted), note)
 
 
 def _lifted_note(lifted: Mapping[str, int]) -> str:

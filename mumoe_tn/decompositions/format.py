@@ -15,6 +15,7 @@ tool:
 | upcycling a Linear | ``upcycle_capacity``, ``upcycle`` | alternating least squares |
 | dense decomposition | ``decompose`` (tensorly) | alternating least squares |
 | tensorly-torch | ``to_tltorch``, ``from_tltorch`` | not available |
+| the block an MLP becomes | ``mlp_block`` (a registered block kind) | ``"mumoe"`` (every layer factorized) |
 | design search | ``search_structures``, ``in_search`` | one structure, every matched bond scaled |
 | distillation's top-k gate | ``top_k_gate`` | ``"softmax"`` |
 
@@ -67,11 +68,15 @@ class Format:
     tltorch_class : str or None
         Name of the tensorly-torch ``FactorizedTensor`` class this format converts to, if any.
     mlp_block : str
-        What an MLP block becomes when [`convert`][mumoe_tn.conversion.convert.convert] replaces it with
-        this format: ``"mumoe"`` (default: every layer of the block factorized,
-        [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] / [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP]) or
-        ``"decoders"`` (the encoder kept dense and the decoder factorized,
-        [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders]).
+        The kind of block an MLP becomes with this format: the key of a builder registered in
+        [`mumoe_tn.layers.mlp_blocks`][mumoe_tn.layers.mlp_blocks], which every tool that builds a
+        block ([`convert`][mumoe_tn.conversion.convert.convert], replaying a checkpoint, distillation)
+        asks through [`mlp_block_for`][mumoe_tn.layers.mlp_blocks.mlp_block_for]. ``"mumoe"`` (default:
+        every layer of the block factorized, [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] /
+        [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP]) or ``"decoders"`` (the encoder kept dense
+        and the decoder factorized, [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders]); a
+        format with a block of its own registers its builder under a key of its own. The format names
+        the block by key, not by class, so this torch-free package never refers to a torch module.
     in_search : bool
         Whether the design search ([`mumoe_tn.design`][mumoe_tn.design]) draws networks of this
         format (default True), as [`search_structures`][mumoe_tn.decompositions.format.Format.search_structures]

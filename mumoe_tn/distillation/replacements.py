@@ -47,7 +47,7 @@ from mumoe_tn.distillation.training import Factory
 from mumoe_tn.distillation.transcoders import Transcoder
 from mumoe_tn.gates.registry import top_k_gates
 from mumoe_tn.layers.decoders import MixtureOfDecoders
-from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP
+from mumoe_tn.layers.mlp_blocks import mlp_block_for
 from mumoe_tn.validation import check_size
 
 __all__ = [
@@ -195,7 +195,8 @@ def mumoe_factory(
     layer : type, optional
         The block class, called as ``layer(I, H, O, expert_dims, decomposition, match=…, gate=…,
         bias=…, hidden_activation=…, device=…, dtype=…, **options)``: any μMoE block class with
-        that constructor. By default the block the format names for an MLP (its ``mlp_block``):
+        that constructor. By default the block the format names for an MLP (its ``mlp_block``, see
+        [`mumoe_tn.layers.mlp_blocks`][mumoe_tn.layers.mlp_blocks]):
         [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP] for a plain block,
         [`MuMoEGatedMLP`][mumoe_tn.layers.mlp.MuMoEGatedMLP] for a gated one,
         [`MixtureOfDecoders`][mumoe_tn.layers.decoders.MixtureOfDecoders] (``gated=`` for a gated
@@ -228,7 +229,8 @@ def mumoe_factory(
         k = mode_split(k, len(dims))
 
     fmt = format_of(decomposition)
-    decoders = layer is None and fmt is not None and fmt.mlp_block == "decoders"
+    kind = mlp_block_for(decomposition) if layer is None else None
+    decoders = kind is not None and isinstance(kind.build, type) and issubclass(kind.build, MixtureOfDecoders)
     if recipe is not None and recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
     if recipe == "mxd-paper" and not decoders:
@@ -256,11 +258,10 @@ def mumoe_factory(
     def build(block: BlockInfo) -> nn.Module:
         activation = nn.GELU() if block.activation is None else copy.deepcopy(block.activation)
         extra = dict(options)
-        if decoders:
-            cls: type[nn.Module] = MixtureOfDecoders
-            extra["gated"] = block.kind == "gated"
+        if kind is None:
+            cls = layer
         else:
-            cls = layer or (MuMoEGatedMLP if block.kind == "gated" else MuMoEMLP)
+            cls, extra["gated"] = kind.build, block.kind == "gated"
         target = paper_budget(block) if budget is None else _budget(budget, block)
         module = cls(
             block.in_features, block.hidden_features, block.out_features, expert_dims, decomposition,

@@ -106,8 +106,12 @@ def registered_gates() -> list[str]:
 
 
 def gate_short_name(cls: type) -> str:
-    """A gate class's short name: its ``short_name`` class attribute, or its class name lower-cased."""
-    short = getattr(cls, "short_name", None)
+    """A gate class's short name: the ``short_name`` it defines itself, or its class name lower-cased.
+
+    Only the class's own attribute counts: a subclass of ``TopKGate`` is not ``"softmax"`` unless
+    it says so.
+    """
+    short = cls.__dict__.get("short_name")
     return short if isinstance(short, str) and short else cls.__name__.lower()
 
 
@@ -116,12 +120,16 @@ def top_k_gates() -> dict[str, type]:
 
     A gate class is a top-k gate when it has a dataclass field ``k`` (experts kept per token, one
     int or one per mode); it is built as ``cls(k=k)``. ``TopKGate`` is ``"softmax"`` and
-    ``ReLUTopKGate`` ``"relu"``.
+    ``ReLUTopKGate`` ``"relu"``. Where two classes share a short name, the one registered first
+    keeps it (the shipped gates are registered first).
 
     Returns
     -------
     dict
         Short name → class, sorted by name.
     """
-    found = {gate_short_name(cls): cls for cls in GATES.values() if any(f.name == "k" for f in dataclasses.fields(cls))}
+    found: dict[str, type] = {}
+    for cls in GATES.values():
+        if any(f.name == "k" for f in dataclasses.fields(cls)):
+            found.setdefault(gate_short_name(cls), cls)
     return dict(sorted(found.items()))

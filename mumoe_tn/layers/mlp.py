@@ -168,6 +168,11 @@ class MuMoEMLP(_MLPBlock):
         self.experts1 = inner(first)
         self.experts2 = outer(second)
 
+    @property
+    def expert_layers(self) -> dict[str, FactorizedExperts]:
+        """The two factorized layers by role: ``up``, ``down``."""
+        return {"up": self.experts1, "down": self.experts2}
+
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.experts1, self.experts2)
 

@@ -152,3 +152,32 @@ def test_every_readme_command_runs_or_names_its_extra_in_one_line(quickstart):
     plain = [argv for argv in readme_commands() if argv[0] != "demo" and not argv[-1].endswith(".png")]
     assert len(plain) >= 8 and all(outcomes["mumoe-tn " + shlex.join(argv)] == "ran" for argv in plain)
     assert all(o == "ran" for c, o in outcomes.items() if "--help" in c)
+
+
+def _extras_closure(extras: set[str], table: dict[str, list[str]]) -> set[str]:
+    """The requirements that ``pip install -e ".[extras]"`` brings, nested ``mumoe_tn[...]`` expanded."""
+    requirements, todo = set(), list(extras)
+    while todo:
+        for requirement in table[todo.pop()]:
+            nested = re.fullmatch(r"mumoe_tn\[([\w,]+)\]", requirement)
+            if nested:
+                todo += nested.group(1).split(",")
+            else:
+                requirements.add(requirement)
+    return requirements
+
+
+def test_the_readme_test_command_installs_everything_the_suite_covers():
+    """No test skips for a package the README's test install leaves out, and CI installs the same."""
+    tomllib = pytest.importorskip("tomllib")
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    installs = re.compile(r"""pip install (?:--quiet )?-e "\.\[([\w,]+)\]"[^\n]*""")
+    (readme,) = [m for m in installs.finditer((ROOT / "README.md").read_text()) if "pytest tests" in m.group()]
+    (ci,) = installs.findall((ROOT / ".ci" / "run").read_text())
+    installed = _extras_closure(set(readme.group(1).split(",")), table)
+    assert _extras_closure(set(ci.split(",")), table) == installed
+    tools = {"dev", "mutation"}  # the linter and the mutation tester are run, not tested
+    for extra in set(table) - tools:
+        assert _extras_closure({extra}, table) <= installed, extra
+    docs_modules = {"mkdocs", "mkdocs-material", "mkdocstrings[python]", "markdown-katex-rs", "markdown-exec"}
+    assert docs_modules <= {re.match(r"[\w.\[\]-]+?(?=[<>=]|$)", r).group() for r in installed}

@@ -89,6 +89,7 @@ def test_stock_from_pretrained_and_load_converted_give_bitwise_equal_logits_and_
         "AutoModelForCausalLM.from_pretrained": transformers.AutoModelForCausalLM.from_pretrained,
         f"{cls.__name__}.from_pretrained": cls.from_pretrained,
         "load_converted": lambda path: load_converted(cls, path),
+        "load_converted(AutoModelForCausalLM)": lambda path: load_converted(transformers.AutoModelForCausalLM, path),
     }
     for name, load in loaders.items():
         loaded = load(tmp_path)
@@ -175,6 +176,23 @@ def test_load_converted_refuses_a_checkpoint_without_a_record(tmp_path):
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
 
 
+def test_load_converted_takes_auto_classes_and_refuses_a_model_type_they_cannot_load(tmp_path):
+    model = _converted("gpt2")
+    model.save_pretrained(tmp_path)
+    loaded = load_converted(transformers.AutoModelForCausalLM, tmp_path)
+    assert type(loaded) is transformers.GPT2LMHeadModel
+    assert conversion_record(loaded) == conversion_record(model)
+    with pytest.raises(ValueError, match=r"model_type = 'gpt2' is invalid for AutoModelForImageClassification"):
+        load_converted(transformers.AutoModelForImageClassification, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for model_type, named in (("no-such-model", "'no-such-model'"), (["gpt2"], r"\['gpt2'\]"), (None, "None")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+        with pytest.raises(ValueError, match=rf"config\.json: model_type = {named} is invalid: it names no model"):
+            load_converted(transformers.AutoModelForCausalLM, tmp_path)
+    with pytest.raises(TypeError, match=r"a Hugging Face model class \(or auto class\) or a freshly built nn\.Module"):
+        load_converted(transformers.GPT2Config, tmp_path)
+
+
 def test_a_record_from_another_configuration_changes_nothing(tmp_path):
     record = conversion_record(_converted("gpt2"))
     other = _gpt2(layers=1)
@@ -196,6 +214,10 @@ def test_weights_that_do_not_fit_the_record_are_refused_before_loading(tmp_path)
     down["sizes"]["r"] += 1  # the record's layers no longer agree with each other
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"does not fit the model at 'transformer\.h\.0\.mlp': its 'down' layer"):
+        apply_conversion(_gpt2(), config["mumoe_conversion"])  # no weights to hold it against
+    with pytest.raises(  # with the weights, the cheap check against them comes first
+        ValueError, match=r"record\.modules\[1\] implies 'transformer\.h\.0\.mlp\.experts2\.\w+' of shape"
+    ):
         load_converted(transformers.GPT2LMHeadModel, tmp_path)
     up["sizes"]["r"] += 1  # they agree, but not with the saved cores
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -342,5 +364,7 @@ def test_a_directory_saved_before_the_record_selected_the_hook_still_loads(tmp_p
     tokens = _tokens()
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, model(tokens).logits)
-    dense = transformers.LlamaForCausalLM.from_pretrained(tmp_path)  # nothing selects the hook: dense
-    assert not any(isinstance(m, MuMoEGatedMLP) for m in dense.modules())
+    stock = transformers.LlamaForCausalLM.from_pretrained(tmp_path)  # the record selects the hook by itself
+    assert any(isinstance(m, MuMoEGatedMLP) for m in stock.modules())
+    with torch.no_grad():
+        assert torch.equal(stock.eval()(tokens).logits, model(tokens).logits)

@@ -14,6 +14,7 @@ from mumoe_tn import ExpertNetwork
 from mumoe_tn.costs import collapsed_expert_modes, compare, layer_parameters, linear, match_layer
 from mumoe_tn.costs.matching import TOLERANCE, MatchingWarning, solve_bonds
 from mumoe_tn.decompositions import Format, get_format, normalise_ranks, unregister
+from mumoe_tn.layers import MuMoE
 
 
 @pytest.mark.parametrize("modes", range(1, 6))
@@ -127,3 +128,9 @@ def test_the_readme_hierarchical_tucker_compares_without_collapsing(readme_htuck
     assert not collapsed_expert_modes(network)
     assert (network.sizes["a"], network.sizes["b"]) == (4, 4)  # raised from the rank-1 build
     assert abs(table.rows[1].params_total - linear(768, 3072).params) <= TOLERANCE * linear(768, 3072).params
+
+
+def test_a_match_that_skips_a_collapsing_rank_says_so():
+    with pytest.warns(UserWarning, match=r"r=1 gives 16 parameters but collapses expert mode\(s\) \['n1'\]"):
+        layer = MuMoE(2, 8, 2, "cp", match="linear", bias=False)
+    assert layer.experts.network.sizes["r"] == 2  # rank 1 makes both experts multiples of one matrix

@@ -1,6 +1,7 @@
 """ExpertNetwork: validation rules, spec strings and derived facts."""
 
 import math
+import time
 
 import pytest
 from hypothesis import given
@@ -143,3 +144,14 @@ def test_graph_has_one_node_per_core_and_is_connected(network):
     graph = network.graph()
     assert set(graph.nodes) == set(network.cores)
     assert nx.is_connected(graph)
+
+
+def test_a_network_with_one_wide_hyperedge_is_checked_in_linear_time():
+    width = 3000  # a graph of every pair of its cores would have 4.5 million edges
+    cores = {"A": "n1 i o h", **{f"C{k}": "h" for k in range(width)}}
+    start = time.perf_counter()
+    network = ExpertNetwork(cores, {"n1": 2, "i": 3, "o": 4, "h": 2})
+    assert time.perf_counter() - start < 1.0
+    assert network.bonds == ("h",)
+    with pytest.raises(ValueError, match="the network is disconnected"):
+        ExpertNetwork({**cores, "Z": "z", "Y": "z"}, {"n1": 2, "i": 3, "o": 4, "h": 2, "z": 2})
