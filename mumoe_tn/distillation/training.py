@@ -419,7 +419,8 @@ class _Run:
     def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimiser step of every replacement on ``rows``; the losses are read later (``read_losses``)."""
         losses = [trainer.step(*rows[block]) for (block, _), trainer in self.trainers.items()]
-        self.unread.append(torch.stack(losses))
+        device = losses[0].device  # blocks on several devices: one vector (stack promotes mixed dtypes)
+        self.unread.append(torch.stack([loss.to(device) for loss in losses]))
         self.steps += 1
 
     def read_losses(self) -> dict[str, float]:
