@@ -579,7 +579,8 @@ def distill(
         Plain data (JSON-like) on what else the run depends on — the model, the factories'
         settings — stored in the checkpoint and compared on resume.
     progress : bool, optional
-        Show a tqdm bar of trained tokens with tokens/s and each method's loss (mean over blocks).
+        Show a tqdm bar of trained tokens with tokens/s and each method's loss (mean over blocks; read
+        every ``LOSS_READ_EVERY`` steps).
 
     Returns
     -------
