@@ -62,6 +62,7 @@ __all__ = [
     "einsum_equation",
     "forward_candidates",
     "memory_bound",
+    "per_call_cost",
     "per_call_fma",
     "per_call_peak",
     "plan_contraction",
@@ -752,6 +753,30 @@ def autotune_candidates(
 INFERENCE_SCALES = (1, 1 << 16)
 #: Cached core-only intermediates may always hold this many elements (4 MiB in float32).
 INFERENCE_CACHE_ELEMENTS = 1 << 20
+#: What inference planning charges for each step a call runs, in FMAs: a step is one kernel launch,
+#: whose fixed cost (a few µs of dispatch on a CPU, a launch on an accelerator) is what a core
+#: spends on about this many FMAs in the small products of a small batch. At small batch it makes
+#: the planner take fewer, larger per-call products (see ``docs/maths.md``); at large batch FMAs rule.
+LAUNCH_FMA = 1 << 16
+
+
+def per_call_cost(plan: ContractionPlan, steps: frozenset[int], launch_fma: int = LAUNCH_FMA) -> int:
+    """What inference planning minimises: FMAs per call plus ``launch_fma`` per step a call runs.
+
+    Parameters
+    ----------
+    plan : ContractionPlan
+        The plan.
+    steps : frozenset of int
+        Its core-only steps, computed once and reused.
+    launch_fma : int, optional
+        The fixed cost of one step, in FMAs (default [`LAUNCH_FMA`][mumoe_tn.contractions.plan]; 0 counts FMAs alone).
+
+    Returns
+    -------
+    int
+    """
+    return per_call_fma(plan, steps) + launch_fma * (len(plan.steps) - len(steps))
 
 
 def plan_inference(
@@ -760,8 +785,14 @@ def plan_inference(
     *,
     max_cached: int | None = None,
     memory_limit: int | str | None = None,
+    launch_fma: int = LAUNCH_FMA,
 ) -> tuple[ContractionPlan, frozenset[int]]:
-    """Plan the forward pass for constant cores: fewest FMAs per call, core-only steps free.
+    """Plan the forward pass for constant cores: cheapest call, core-only steps free.
+
+    A call costs its FMAs plus [`LAUNCH_FMA`][mumoe_tn.contractions.plan] per step it runs
+    ([`per_call_cost`][mumoe_tn.contractions.plan.per_call_cost]): at a small batch a plan that
+    reuses a larger core-only intermediate and runs one step fewer wins, at a large batch the
+    fewest FMAs.
 
     Parameters
     ----------
@@ -777,6 +808,9 @@ def plan_inference(
         Most elements an intermediate computed per call may hold (see
         [`choose_plan`][mumoe_tn.contractions.plan.choose_plan]; the cached core-only results are bounded by
         ``max_cached``).
+    launch_fma : int, optional
+        What a step a call runs costs, in FMAs (default [`LAUNCH_FMA`][mumoe_tn.contractions.plan];
+        0: the fewest FMAs per call).
 
     Returns
     -------
@@ -812,7 +846,10 @@ def plan_inference(
         [plan for plan, _ in found],
         memory_limit,
         peak=lambda plan: per_call_peak(plan, cached[id(plan)]),
-        fma=lambda plan: (per_call_fma(plan, cached[id(plan)]), constant_elements(plan, cached[id(plan)])),
+        fma=lambda plan: (
+            per_call_cost(plan, cached[id(plan)], launch_fma),
+            constant_elements(plan, cached[id(plan)]),
+        ),
     )
     return chosen, cached[id(chosen)]
 

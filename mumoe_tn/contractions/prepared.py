@@ -21,6 +21,7 @@ a prepared plan is for calls whose cores need none.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ import torch
 from mumoe_tn.contractions.pairwise import contract_pair, matrix_product
 from mumoe_tn.contractions.plan import BATCH_LABEL, ContractionPlan, ContractionStep
 
-__all__ = ["PreparedPlan"]
+__all__ = ["InputProjection", "PreparedPlan"]
 
 Labels = tuple[str, ...]
 
@@ -117,8 +118,9 @@ class PreparedPlan:
                 self._instructions.append(self._compile(step, picked, values, out, short, ones_appended))
             slots.append(out)
         self._result = slots[0]
-        self._n_values = len(values)
-        self._constant_values = {k: tensor for k, (tensor, _) in enumerate(values) if tensor is not None}
+        # The registers as a call starts: constants in place, the rest filled as the steps run.
+        self._registers: list[Any] = [tensor for tensor, _ in values]
+        self._rows_start = len(plan.inputs) - self.n_rows_operands
 
     # ------------------------------------------------------------------ building
     def _matrix(self, key: tuple, tensor: torch.Tensor, order: tuple[int, ...] | None, split: int) -> torch.Tensor:
@@ -207,19 +209,73 @@ class PreparedPlan:
     def _operand(values: list[tuple[torch.Tensor | None, tuple | None]], k: int) -> Any:
         return values[k][0] if values[k][0] is not None else k
 
+    @functools.cached_property
+    def input_projection(self) -> InputProjection | None:
+        """The step that multiplies the input rows (the last operand) by a prepared matrix, if the plan has one.
+
+        That step reads nothing but the input and constants, so a caller that multiplies the same
+        input by another matrix (a gate's projection) can do both in one matrix product and hand
+        this step's result to the call as
+        ``projected``. None where the plan's first use of the input is no such product (it meets a
+        per-call intermediate, or needs its column of ones appended).
+        """
+        z_slot = len(self.plan.inputs) - 1
+        for position, instruction in enumerate(self._instructions):
+            left, right = instruction.left, instruction.right
+            if instruction.kind not in ("mm", "addmm") or left is None or right is None:
+                continue
+            if left.matrix is None and left.slot == z_slot and left.order is None and left.split == 1:
+                if right.matrix is None:
+                    return None
+                bias = None if instruction.bias is None else instruction.bias.reshape(-1)
+                return InputProjection(position, right.matrix, bias, instruction.shape)
+        return None
+
     # ------------------------------------------------------------------ running
-    def __call__(self, rows: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Contract the prepared cores with the per-call operands ``rows`` (coefficients, then input)."""
+    def __call__(self, rows: Sequence[torch.Tensor], projected: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Contract the prepared cores with the per-call operands ``rows`` (coefficients, then input).
+
+        ``projected``: ``(position, result)`` of the step `input_projection`
+        names, computed by the caller as ``rows[-1] @ matrix + bias`` (any ``(rows, K)`` view);
+        that step is then skipped.
+        """
         if len(rows) != self.n_rows_operands:
             raise ValueError(f"the prepared plan takes {self.n_rows_operands} operands per call, got {len(rows)}")
-        registers: list[Any] = [None] * self._n_values
-        start = len(self.plan.inputs) - self.n_rows_operands
-        registers[start : start + len(rows)] = rows
-        for slot, tensor in self._constant_values.items():
-            registers[slot] = tensor
-        for instruction in self._instructions:
-            registers[instruction.out] = _run(instruction, registers)
+        registers = self._registers.copy()
+        registers[self._rows_start : self._rows_start + len(rows)] = rows
+        if projected is None:
+            for instruction in self._instructions:
+                registers[instruction.out] = _run(instruction, registers)
+        else:
+            skipped, result = projected
+            for position, instruction in enumerate(self._instructions):
+                if position == skipped:
+                    registers[instruction.out] = result if instruction.shape is None else result.view(instruction.shape)
+                else:
+                    registers[instruction.out] = _run(instruction, registers)
         return registers[self._result]
+
+
+@dataclass(frozen=True)
+class InputProjection:
+    """A prepared plan's step ``input @ matrix (+ bias)``: where it is, and its constant factors.
+
+    Attributes
+    ----------
+    position : int
+        The step's place among the plan's instructions.
+    matrix : torch.Tensor
+        ``(I, K)``, contiguous.
+    bias : torch.Tensor or None
+        ``(K,)``: the folded bias's row (the input omits its trailing 1), or None.
+    shape : tuple of int or None
+        How the step views its ``(rows, K)`` result (None: as the matrix).
+    """
+
+    position: int
+    matrix: torch.Tensor
+    bias: torch.Tensor | None
+    shape: tuple[int, ...] | None
 
 
 def _as_matrix(side: _Side, registers: list[Any]) -> torch.Tensor:

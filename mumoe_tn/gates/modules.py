@@ -283,7 +283,7 @@ class ExpertGate(PerThreadRecords):
         self.norms = nn.ModuleDict(
             {leg: GATE_NORMS[norm](n, factory) for leg, n in zip(legs, self.expert_dims, strict=True)}
         )
-        self._inference_weights: DerivedCache[tuple[torch.Tensor, torch.Tensor | None, bool]] = DerivedCache()
+        self._inference_weights: DerivedCache[tuple[torch.Tensor, torch.Tensor | None, bool, tuple]] = DerivedCache()
         self.reset_parameters()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -337,7 +337,9 @@ class ExpertGate(PerThreadRecords):
             sources += [t for t in norm._parameters.values() if t is not None]
             sources += [t for t in norm._buffers.values() if t is not None]
 
-        def make() -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        modes = tuple(norm.training for norm in norms)  # a norm folds only in eval mode
+
+        def make() -> tuple[torch.Tensor, torch.Tensor | None, bool, tuple]:
             affine = [None if isinstance(norm, nn.Identity) else _eval_affine(norm) for norm in norms]
             foldable = all(
                 isinstance(norm, nn.Identity) or map_ is not None for norm, map_ in zip(norms, affine, strict=True)
@@ -355,18 +357,46 @@ class ExpertGate(PerThreadRecords):
                     biases.append(offset)
             has_bias = any(b is not None for b in offsets) or (foldable and any(map_ is not None for map_ in affine))
             stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
-            return stacked.contiguous(), torch.cat(biases) if has_bias else None, foldable
+            return stacked.contiguous(), torch.cat(biases) if has_bias else None, foldable, modes
 
-        return self._inference_weights.get(sources, make)
+        made = self._inference_weights.get(sources, make)
+        if made[3] != modes:  # a norm went to or from training mode since: its statistics fold differently
+            self._inference_weights.clear()
+            made = self._inference_weights.get(sources, make)
+        return made[:3]
 
     def clear_inference_cache(self) -> None:
         """Forget the folded projections (needed only after in-place edits through ``.data``)."""
         self._inference_weights.clear()
 
-    def _infer(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Coefficients of the rows ``flat`` without gradients: one matrix product, norms folded in."""
-        weight, bias, folded = self._folded_weights(flat.dtype)
-        logits = F.linear(flat, weight, bias)
+    def inference_projection(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The inference gate's one matrix product: ``(weight, bias, folded)`` in ``compute``, cached.
+
+        ``weight`` is ``(ΣN_e, I)``, the projections of every mode stacked, with each eval-mode norm
+        folded in where every norm is an affine map (``folded``; then ``z @ weight.T + bias`` are the
+        normalised logits, else the norms still apply, see
+        [`coefficients_from_logits`][mumoe_tn.gates.modules.ExpertGate.coefficients_from_logits]).
+        The same tensors come back until a projection, a norm's parameter or a running statistic
+        changes (see [`mumoe_tn.caching`][mumoe_tn.caching]), so a caller may build on them by identity.
+        Only for calls that take the inference path (eval mode, no gradient, no losses).
+        """
+        return self._folded_weights(compute)
+
+    def coefficients_from_logits(self, logits: torch.Tensor, folded: bool) -> list[torch.Tensor]:
+        """Coefficients of every mode from the rows ``z @ weight.T + bias`` of `inference_projection`.
+
+        Parameters
+        ----------
+        logits : torch.Tensor
+            ``(rows, ΣN_e)``, modes side by side (it may be a column slice of a larger product).
+        folded : bool
+            As returned with the projection: whether the norms are already applied.
+
+        Returns
+        -------
+        list of torch.Tensor
+            One ``(rows, N_e)`` tensor per expert mode.
+        """
         if not folded:
             norms = list(self.norms.values())
             if len(norms) == 1:
@@ -376,12 +406,21 @@ class ExpertGate(PerThreadRecords):
                 logits = torch.cat([norm(part) for part, norm in zip(parts, norms, strict=True)], dim=-1)
         return self._activate_modes(logits)
 
+    def inference_applies(self, z: torch.Tensor) -> bool:
+        """Whether a call on ``z`` takes the inference path (eval mode, no gradient, no losses, not traced)."""
+        return self._inference_applies(z)
+
+    def _infer(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Coefficients of the rows ``flat`` without gradients: one matrix product, norms folded in."""
+        weight, bias, folded = self._folded_weights(flat.dtype)
+        return self.coefficients_from_logits(F.linear(flat, weight, bias), folded)
+
     def _inference_applies(self, z: torch.Tensor) -> bool:
         """Whether a call may take the inference path (eval mode, no gradient, no losses to record, not traced)."""
-        if torch.is_grad_enabled() and (z.requires_grad or any(p.requires_grad for p in self.parameters())):
-            return False
         if self.training or self.balance_loss or self.z_loss or torch.compiler.is_compiling():
             return False  # training-mode norms use (masked) batch statistics: the full path
+        if torch.is_grad_enabled() and (z.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
         return not torch._C._are_functorch_transforms_active()
 
     def _stacked_projection(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -429,16 +468,31 @@ class ExpertGate(PerThreadRecords):
             if z.ndim == 2:
                 return tuple(coefficients)
             return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
-        with torch.autocast(device_type=z.device.type, enabled=False):
-            flat = z.reshape(-1, z.shape[-1]).to(compute)
-            logits = F.linear(flat, *self._stacked_projection(compute))
-            split = logits.split(self.expert_dims, dim=-1)
-            masked = mask is not None and self.norm in TOKEN_MIXING_NORMS
-            norms = zip(split, self.norms.values(), strict=True)
-            parts = [norm(part, mask) if masked else norm(part) for part, norm in norms]
-            coefficients = [self._activate(part, mode) for mode, part in enumerate(parts)]
-            self._record_losses(parts, coefficients, mask)
+        if torch.is_autocast_enabled(z.device.type):
+            with torch.autocast(device_type=z.device.type, enabled=False):
+                coefficients = self._train_coefficients(z, compute, mask)
+        else:
+            coefficients = self._train_coefficients(z, compute, mask)
+        if z.ndim == 2:
+            return tuple(coefficients)
         return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
+
+    def _train_coefficients(
+        self, z: torch.Tensor, compute: torch.dtype, mask: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """The coefficients of every mode by the general path (batch statistics, losses recorded), autocast off."""
+        flat = (z if z.ndim == 2 else z.reshape(-1, z.shape[-1])).to(compute)
+        logits = F.linear(flat, *self._stacked_projection(compute))
+        norms = self.norms.values()
+        if len(self.expert_dims) == 1:
+            split: Sequence[torch.Tensor] = (logits,)
+        else:
+            split = logits.split(self.expert_dims, dim=-1)
+        masked = mask is not None and self.norm in TOKEN_MIXING_NORMS
+        parts = [norm(part, mask) if masked else norm(part) for part, norm in zip(split, norms, strict=True)]
+        coefficients = [self._activate(part, mode) for mode, part in enumerate(parts)]
+        self._record_losses(parts, coefficients, mask)
+        return coefficients
 
     def _record_losses(
         self, logits: list[torch.Tensor], coefficients: list[torch.Tensor], mask: torch.Tensor | None

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from mumoe_tn.gates.modules import ExpertGate
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.specs import GateSpec
-from mumoe_tn.layers.experts import FactorizedExperts
-from mumoe_tn.masking import resolve_token_mask
+from mumoe_tn.layers.experts import FactorizedExperts, batch_bucket
+from mumoe_tn.layers.fused import FusedProjection, FusedProjections, LeanCoefficients
+from mumoe_tn.masking import current_token_mask, resolve_token_mask
 from mumoe_tn.validation import check_bool
 
 __all__ = ["A_LAYER", "GATE_INPUTS", "MuMoEBase"]
@@ -22,6 +25,45 @@ A_LAYER = "a μMoE layer (MuMoE, MuMoEMLP, MuMoEGatedMLP, MixtureOfDecoders)"
 
 #: What the gate of a layer reads: the experts' (normalised) input, or the raw input.
 GATE_INPUTS = ("normed", "raw")
+
+#: Input dtypes the gate computes in as they are (narrower ones are gated in float32, apart from the experts).
+_LEAN_DTYPES = (torch.float32, torch.float64)
+
+#: Most input signatures (width, dtype, device, batch bucket) a layer keeps a fused inference program for.
+_MAX_PROGRAMS = 64
+
+
+@dataclass(frozen=True)
+class _LeanProgram:
+    """One input signature's fused inference: the matrix, the gate's share of its columns, the norms' state."""
+
+    fused: FusedProjection
+    n_logits: int
+    folded: bool
+    identity: bool
+
+
+def _module_state(module: nn.Module) -> tuple | None:
+    """What identifies the current state of ``module``: its submodules, modes, parameters and buffers.
+
+    Every submodule by identity and train/eval flag, every tensor by identity, storage and version
+    (as [`mumoe_tn.caching.source_key`][mumoe_tn.caching.source_key]); None where a tensor cannot
+    be tracked (an inference tensor).
+    """
+    key: list = []
+    stack = [module]
+    try:
+        while stack:
+            current = stack.pop()
+            key += (id(current), current.training)
+            for tensors in (current._parameters, current._buffers):
+                for tensor in tensors.values():
+                    if tensor is not None:
+                        key += (id(tensor), tensor.data_ptr(), tensor._version)
+            stack.extend(child for child in current._modules.values() if child is not None)
+    except RuntimeError:
+        return None
+    return tuple(key)
 
 
 class MuMoEBase(PerThreadRecords):
@@ -64,6 +106,20 @@ class MuMoEBase(PerThreadRecords):
             raise TypeError(f"the gate descriptor {gate!r} built {type(module).__name__}, not an nn.Module")
         self.gate = module
         self.ablation: Any = None
+        self._fused = FusedProjections()
+        self._checked_inputs: set[tuple] = set()
+        self._lean_programs: dict[tuple, tuple[tuple, _LeanProgram]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state["_checked_inputs"], state["_lean_programs"] = set(), {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_fused", FusedProjections())  # pickled before the fused inference
+        self.__dict__.setdefault("_checked_inputs", set())
+        self.__dict__.setdefault("_lean_programs", {})
 
     def _gate_mask_options(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{"mask": tokens}`` for a gate whose ``forward`` takes a token mask; nothing for a token-wise one."""
@@ -94,6 +150,10 @@ class MuMoEBase(PerThreadRecords):
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         raise NotImplementedError
 
+    def _input_layers(self) -> tuple[FactorizedExperts, ...]:
+        """The expert layers that read the gate's ``z`` itself (inference fuses their first product with the gate's)."""
+        return ()
+
     def reset_parameters(self) -> None:
         """Re-initialise the gate, the input norm and the expert cores."""
         if hasattr(self.gate, "reset_parameters"):
@@ -114,6 +174,8 @@ class MuMoEBase(PerThreadRecords):
         does not track (see [`mumoe_tn.caching`][mumoe_tn.caching]); any other change of the
         weights is noticed on the next call.
         """
+        self._fused.clear()
+        self._lean_programs.clear()
         for module in self.modules():
             cache = getattr(module, "clear_inference_cache", None)
             if module is not self and callable(cache):
@@ -153,6 +215,23 @@ class MuMoEBase(PerThreadRecords):
         return losses[key]
 
     def _check_input(self, x: torch.Tensor) -> None:
+        """Validate the layer's input; a combination of width, dtype and device that passed once is not re-checked."""
+        key = None
+        if type(x) is torch.Tensor and not torch.jit.is_tracing():
+            experts = self._expert_layers()[0]
+            weight = getattr(experts, next(iter(experts.network.cores)))
+            if x.device == weight.device:  # (autocast is asked of known devices only)
+                autocast = torch.is_autocast_enabled(x.device.type)
+                key = (x.shape[-1:], x.dtype, x.device, weight.dtype, weight.device, autocast)
+                if key in self._checked_inputs:
+                    return
+        self._check_new_input(x)
+        if key is not None:
+            if len(self._checked_inputs) >= 256:
+                self._checked_inputs.clear()
+            self._checked_inputs.add(key)
+
+    def _check_new_input(self, x: torch.Tensor) -> None:
         if torch.jit.is_tracing():
             raise RuntimeError(
                 f"{type(self).__name__} cannot be traced with torch.jit.trace: its contraction plan and sparse gate "
@@ -177,6 +256,9 @@ class MuMoEBase(PerThreadRecords):
 
     def _gate(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Validate ``x``, normalise it, compute and record the coefficients, apply any ablation mask."""
+        lean = self._lean_gate(x, mask)
+        if lean is not None:
+            return lean
         self._check_input(x)
         tokens = resolve_token_mask(mask, tuple(x.shape[:-1]), x.device)
         z = self.input_norm(x)
@@ -199,9 +281,76 @@ class MuMoEBase(PerThreadRecords):
             coefficients = self.ablation.mask(coefficients)
         return z, coefficients
 
+    def _lean_gate(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, LeanCoefficients] | None:
+        """`_gate` for a plain inference call, with the gate and the input layers' first products fused.
+
+        Applies without gradients, with an [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate] in
+        eval mode, no ablation, no token mask and no autocast, when the gate computes in the
+        input's dtype (float32 or wider). The gate's projection (its eval-mode norms folded in)
+        and the prepared plans' steps that multiply ``z`` by a constant matrix (the first cores
+        the input meets, whichever network) then run as one matrix product
+        ``z @ [Gᵀ | M_1 | …]``. What a call needs beyond its input (the fused matrix, the plans)
+        is looked up once per input signature and reused while no parameter, buffer, submodule
+        or train/eval flag of the layer has changed. None: the general path.
+        """
+        if mask is not None or self.ablation is not None or torch.is_grad_enabled() or type(x) is not torch.Tensor:
+            return None
+        if x.ndim < 1 or torch.compiler.is_compiling():
+            return None
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        key = (x.shape[-1:], x.dtype, x.device, batch_bucket(rows))
+        state = _module_state(self)
+        found = self._lean_programs.get(key)
+        if found is None or found[0] != state:
+            program = self._lean_program(x, rows)
+            if program is None or state is None:
+                return None
+            if len(self._lean_programs) >= _MAX_PROGRAMS:
+                self._lean_programs.clear()
+            self._lean_programs[key] = (state, program)
+        else:
+            program = found[1]
+        if torch.is_autocast_enabled(x.device.type):  # after the program's input checks: they name bad devices
+            return None
+        lead = x.shape[:-1]
+        if current_token_mask() is not None and resolve_token_mask(None, tuple(lead), x.device) is not None:
+            return None
+        z = x if program.identity else self.input_norm(x)
+        flat = z if z.ndim == 2 else z.reshape(-1, z.shape[-1])
+        fused = program.fused
+        out = torch.mm(flat, fused.weight) if fused.bias is None else torch.addmm(fused.bias, flat, fused.weight)
+        coefficients = self.gate.coefficients_from_logits(out[:, : program.n_logits], program.folded)
+        projected = {id(layer): (plan, step, out[:, start:stop]) for layer, plan, step, start, stop in fused.heads}
+        shaped = tuple(coefficients) if z.ndim == 2 else tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
+        self._remember("coefficients", shaped)
+        self._remember("token_mask", None)
+        return z, LeanCoefficients(shaped, z, flat, tuple(coefficients), projected)
+
+    def _lean_program(self, x: torch.Tensor, rows: int) -> _LeanProgram | None:
+        """What `_lean_gate` runs for inputs like ``x`` (validated here), or None where it does not apply."""
+        self._check_input(x)
+        gate = self.gate
+        if not isinstance(gate, ExpertGate) or gate.expert_dims != self.expert_dims or rows == 0:
+            return None
+        if x.dtype not in _LEAN_DTYPES or not gate.inference_applies(x):
+            return None
+        identity = type(self.input_norm) is nn.Identity
+        if self.gate_input == "raw" and not identity:
+            return None
+        weight, bias, folded = gate.inference_projection(x.dtype)
+        executors = [(experts, experts.inference_executor(rows, self.bias)) for experts in self._input_layers()]
+        fused = self._fused.get(weight, bias, executors)
+        return _LeanProgram(fused, weight.shape[0], folded, identity)
+
     def _contract(
         self, experts: FactorizedExperts, z: torch.Tensor, coefficients: tuple[torch.Tensor, ...]
     ) -> torch.Tensor:
+        if type(coefficients) is LeanCoefficients and z is coefficients.z:
+            found = coefficients.projected.get(id(experts))
+            if found is not None:
+                executor, position, head = found
+                y = executor([*coefficients.rows, coefficients.flat], (position, head))
+                return y if z.ndim == 2 else y.reshape(*z.shape[:-1], y.shape[-1])
         y = experts(z, coefficients, append_one=self.bias)
         if self.ablation is None:
             return y

@@ -38,7 +38,7 @@ from mumoe_tn.layers.options import (
 from mumoe_tn.network import INPUT_LEG, ExpertNetwork
 from mumoe_tn.validation import check_bool, check_size
 
-__all__ = ["COMPILE_PLAN_BATCH", "MAX_PLANS", "FactorizedExperts"]
+__all__ = ["COMPILE_PLAN_BATCH", "MAX_PLANS", "FactorizedExperts", "batch_bucket"]
 
 _MAX_FAN_IN = 1 << 40
 
@@ -51,7 +51,7 @@ COMPILE_PLAN_BATCH = 1024
 MIN_PADDED_ROWS = 256
 
 
-def _batch_bucket(batch: int) -> int:
+def batch_bucket(batch: int) -> int:
     """Plans are made for the next power of two: the path depends on the batch only coarsely."""
     return 1 << max(batch - 1, 0).bit_length()
 
@@ -172,6 +172,7 @@ class FactorizedExperts(nn.Module):
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._plans_lock = threading.RLock()
         self._prepared: DerivedCache[_PreparedCores] = DerivedCache()
+        self._checked: set[tuple] = set()
         self._compile_plan = plan_forward(
             network, COMPILE_PLAN_BATCH, self._path_optimizer(), memory_limit=self.memory_limit
         )
@@ -186,6 +187,7 @@ class FactorizedExperts(nn.Module):
         state = dict(super().__getstate__())
         state.pop("_plans_lock", None)
         state["_plans"] = OrderedDict()
+        state["_checked"] = set()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -194,6 +196,7 @@ class FactorizedExperts(nn.Module):
         self.__dict__.setdefault("memory_limit", None)  # likewise
         self._plans_lock = threading.RLock()
         self._prepared = DerivedCache()
+        self._checked = set()
 
     @property
     def pad_bonds(self) -> int | None:
@@ -298,7 +301,7 @@ class FactorizedExperts(nn.Module):
         -------
         ContractionPlan
         """
-        bucket = _batch_bucket(batch_size)
+        bucket = batch_bucket(batch_size)
 
         return self._cached(("train", bucket), lambda: self._make_plan(bucket, operands, ones_appended))
 
@@ -327,7 +330,7 @@ class FactorizedExperts(nn.Module):
         [`plan_inference`][mumoe_tn.contractions.plan.plan_inference] where it caches core-only
         steps, otherwise the layer's own plan for the bucket.
         """
-        bucket = _batch_bucket(batch)
+        bucket = batch_bucket(batch)
 
         def make() -> _InferenceProgram:
             steps: frozenset[int] = frozenset()
@@ -406,7 +409,36 @@ class FactorizedExperts(nn.Module):
             return checkpoint(run, *cores.unpadded, *rows, use_reentrant=False)
         return run_plan(plan, [*cores.padded(), *rows], ones_appended=ones)
 
+    def inference_executor(self, batch: int, append_one: bool) -> PreparedPlan | None:
+        """The prepared plan an inference call on ``batch`` rows runs, or None where it takes another route.
+
+        Inference here is a call that records no gradient (``torch.no_grad``/``inference_mode``);
+        the plan is bound to the cores as they are now, and is the one ``forward`` would run
+        (not for ``optimize="autotune"``, which times candidates on the call's operands, nor for
+        chunked batches).
+        """
+        if batch < 1 or self.optimize == "autotune" or torch.compiler.is_compiling():
+            return None
+        if self.chunk_size is not None and batch > self.chunk_size:
+            return None
+        cores = [getattr(self, name) for name in self.network.cores]
+        prepared = self._prepared_cores(cores)
+        ones = INPUT_LEG if append_one else None
+        return prepared.executor(self._inference_program(batch, prepared, [], ones), ones)
+
     def _check_inputs(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], append_one: bool) -> None:
+        """Validate the operands; a combination of shapes, dtypes and devices that passed once is not re-checked."""
+        weight = getattr(self, next(iter(self.network.cores)))
+        key = _operands_key(z, coefficients, append_one, weight)
+        if key is not None and key in self._checked:
+            return
+        self._check_operands(z, coefficients, append_one)
+        if key is not None:
+            if len(self._checked) >= _MAX_CHECKED:
+                self._checked.clear()
+            self._checked.add(key)
+
+    def _check_operands(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], append_one: bool) -> None:
         net = self.network
         if not isinstance(z, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(z).__name__}")
@@ -495,6 +527,21 @@ class FactorizedExperts(nn.Module):
                 self._plans.popitem(last=False)
 
 
+#: Most operand signatures a layer remembers as checked (the set starts afresh beyond it).
+_MAX_CHECKED = 256
+
+
+def _operands_key(z: Any, coefficients: Any, append_one: bool, weight: torch.Tensor) -> tuple | None:
+    """What decides whether ``forward``'s operands are valid: shapes, dtypes, devices (None: check in full)."""
+    if type(z) is not torch.Tensor or type(coefficients) not in (tuple, list):
+        return None
+    if any(type(a) is not torch.Tensor for a in coefficients) or z.device != weight.device:
+        return None
+    autocast = torch.is_autocast_enabled(z.device.type)
+    signature = tuple((a.shape, a.dtype, a.device) for a in coefficients)
+    return (z.shape, z.dtype, z.device, signature, append_one, autocast, weight.dtype, weight.device)
+
+
 def _operand_name(position: int) -> str:
     """How errors name the forward pass's operand at ``position`` (the input, then the coefficients)."""
     return "input" if position == 0 else f"coefficients[{position - 1}]"
@@ -579,7 +626,9 @@ class _PreparedCores:
                 self._constants, self._executors = {}, {}
                 self._derived[False].clear()
                 missing = set(program.keys)
-            computed = constant_intermediates(program.plan, self.cores, missing)
+            # Every core-only step of the plan runs: a missing one may read another's result, which
+            # this plan's own steps must compute (a shared key says the same tensor, not the same step).
+            computed = constant_intermediates(program.plan, self.cores, set(program.keys))
             for number in missing:
                 self._constants[program.keys[number]] = computed[number]
         return {number: self._constants[key] for number, key in program.keys.items()}

@@ -176,6 +176,9 @@ class MuMoEMLP(_MLPBlock):
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.experts1, self.experts2)
 
+    def _input_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.experts1,)
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
 
@@ -283,6 +286,9 @@ class MuMoEGatedMLP(_MLPBlock):
 
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.gate_proj, self.up_proj, self.down_proj)
+
+    def _input_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the block to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.

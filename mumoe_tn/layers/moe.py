@@ -130,6 +130,9 @@ class MuMoE(MuMoEBase):
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.experts,)
 
+    def _input_layers(self) -> tuple[FactorizedExperts, ...]:
+        return (self.experts,)
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the layer to ``x`` of shape ``(…, in_features)``; returns ``(…, out_features)``.
 

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 from strategies import any_network, named_networks
 
 import mumoe_tn.layers.experts as layers
-from mumoe_tn.contractions import constant_steps, dense_forward, per_call_fma, plan_forward, plan_inference
+from mumoe_tn.contractions import (
+    constant_steps,
+    dense_forward,
+    per_call_cost,
+    per_call_fma,
+    plan_forward,
+    plan_inference,
+)
 from mumoe_tn.decompositions import build
 from mumoe_tn.layers import FactorizedExperts
 from mumoe_tn.network import BATCH_LABEL
@@ -35,18 +42,38 @@ def reference(module, coefficients, z):
 def test_inference_plan_costs_no_more_per_call_and_is_exact(network, batch):
     plan, steps = plan_inference(network, batch)
     assert steps == constant_steps(plan, len(network.cores))
-    assert per_call_fma(plan, steps) <= plan_forward(network, batch).fma
+    # FMAs plus a launch per step: never more than running every step of the forward plan each call.
+    assert per_call_cost(plan, steps) <= per_call_cost(plan_forward(network, batch), frozenset())
     module = FactorizedExperts(network, dtype=DTYPE).eval()
     coefficients, z = call(network, batch)
     with torch.no_grad():
         torch.testing.assert_close(module(z, coefficients), reference(module, coefficients, z))
 
 
+def test_small_batches_trade_fmas_for_fewer_steps_and_large_batches_do_not():
+    # CP, N = 16, R = 22, I = 65, O = 64: reusing V = U_n ⊙ U_o (16 × 22 × 64, computed once)
+    # spares one step per call for 21,770 more FMAs per row: less than one step's charge
+    # (LAUNCH_FMA = 65,536) at one row, far more at 64.
+    network = build("cp", (16,), 65, 64, (22,))
+    forward_steps = len(plan_forward(network, 1).steps)
+    small, small_cached = plan_inference(network, 1)
+    large, large_cached = plan_inference(network, 64)
+    assert len(small.steps) - len(small_cached) == forward_steps - 1
+    assert per_call_fma(small, small_cached) == 65 * 22 + 22 * 16 * 64 + 16 * 64  # z·U_i, then ·V, then ·a
+    assert len(large.steps) - len(large_cached) == forward_steps
+    assert per_call_fma(large, large_cached) == 64 * (65 * 22 + 16 * 22 + 22 + 22 * 64)
+    module = FactorizedExperts(network, dtype=DTYPE).eval()
+    for batch in (1, 64):
+        coefficients, z = call(network, batch)
+        with torch.no_grad():
+            torch.testing.assert_close(module(z, coefficients), reference(module, coefficients, z))
+
+
 def test_inference_saves_fmas_where_core_ranks_exceed_expert_counts():
     # Expert factors (2, 8) feed an 8×8×4×4 core: contracting them once (2×2×4×4 result)
     # beats lifting every row's coefficients to rank 8.
     network = build("tucker", (2, 2), 16, 16, (8, 8, 4, 4))
-    plan, steps = plan_inference(network, 16)
+    plan, steps = plan_inference(network, 16, launch_fma=0)  # FMAs alone (by default launches count too)
     assert steps
     assert per_call_fma(plan, steps) < plan_forward(network, 16).fma
 
