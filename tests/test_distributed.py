@@ -289,8 +289,12 @@ def test_fsdp2_float32_training_matches_one_process(job, family):
     losses, reference, state, after, before, trained = _compare(job, "fp32", family)
     assert all(not torch.equal(state[name], before[name]) for name in trained)  # every parameter trained
     torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
-    for name, value in after.items():  # summation order differs: float32 rounding only
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=2e-6, msg=name)
+    # Float32 rounding only: the summation order differs, and so does the gate's exact threshold
+    # search (a rank's half batch sorts its rows on the CPU, the whole batch takes the Newton
+    # search); Adam's step divides by the gradient's running RMS, which brings rounding in small
+    # gradients up to a few 1e-6 after the run's steps.
+    for name, value in after.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=5e-6, msg=name)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
