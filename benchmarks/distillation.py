@@ -7,17 +7,21 @@ Run from the repository root::
 
 Each replacement of the default frontier (``mumoe-tn distill``: a GPT-2-shaped block of width 64,
 every method at L0 8, 16, 32 and 64, one parameter budget) takes the training step
-[`distill`][mumoe_tn.distillation.training.distill] gives it — forward, normalised-MSE loss,
-backward, the recipe's optimiser step (the auxiliary-k term and the unit-norm projection left
-out) — on ``batch_size`` cached activation rows. The floor is the time its
-forward and backward multiply-adds take at the machine's measured matrix-multiply rate: the
-FLOPs of one step counted by ``torch.utils.flop_counter.FlopCounterMode`` (matrix products,
-``2·m·n·k`` each), divided by the FLOP/s of a square fp32 ``torch.mm`` of the measured size,
-best of its repeats. ``of floor`` is the measured tokens/s over the floor's tokens/s (1 = as fast
-as the arithmetic allows). The replacements are timed in alternating rounds, one torch thread,
-the median step of each, in wall time and in the process's CPU time: on a shared machine the
-wall time includes the time the process waits for a core, the CPU time does not (with one
-thread, the step's own work); the target reads the CPU time. The load average is recorded.
+[`distill`][mumoe_tn.distillation.training.distill] runs, its
+[`ReplacementTrainer.step`][mumoe_tn.distillation.training.ReplacementTrainer] — forward, the
+default loss terms and the replacement's own (the auxiliary-k term), backward, the unit-norm
+projection, the recipe's optimiser and warm-up — on ``batch_size`` cached activation rows. The
+floor is the time its forward and backward multiply-adds take at the machine's measured
+matrix-multiply rate: the FLOPs of one step counted by ``torch.utils.flop_counter.FlopCounterMode``
+(matrix products, ``2·m·n·k`` each), divided by the FLOP/s of a square fp32 ``torch.mm`` of the
+measured size, best of its repeats in the process's CPU time. To show what that rate means at the
+step's own shapes, the step's matrix products are recorded and replayed alone on random operands
+of the same shapes and strides (``products alone``). ``of floor`` is the measured tokens/s
+over the floor's tokens/s (1 = as fast as the arithmetic allows). The replacements are timed in
+alternating rounds, one torch thread, the median step of each, in wall time and in the process's
+CPU time: on a shared machine the wall time includes the time the process waits for a core, the
+CPU time does not (with one thread, the step's own work); the target reads the CPU time. The load
+average is recorded.
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
 from mumoe_tn.distillation.study import DEFAULT_METHODS, FrontierConfig, method_factories
-from mumoe_tn.distillation.training import RECIPES, normalised_mse
+from mumoe_tn.distillation.training import ReplacementTrainer
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,18 +53,15 @@ TARGET = 0.30
 
 
 def gemm_rate(size: int = 512, repeats: int = 20) -> float:
-    """FLOP/s of a square fp32 ``torch.mm`` of ``size`` (best of ``repeats``)."""
+    """FLOP/s of a square fp32 ``torch.mm`` of ``size`` (best of ``repeats``, in the process's CPU time).
+
+    CPU time, as the steps are read: a repeat the scheduler interrupts does not count the wait.
+    """
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     torch.mm(a, b)
-    best = min(_seconds(lambda: torch.mm(a, b)) for _ in range(repeats))
+    best = min(_both(lambda: torch.mm(a, b))[1] for _ in range(repeats))
     return 2 * size**3 / best
-
-
-def _seconds(step) -> float:
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
 
 
 def _both(step) -> tuple[float, float]:
@@ -69,29 +72,64 @@ def _both(step) -> tuple[float, float]:
 
 
 class Step:
-    """One replacement's distillation step on fixed rows (as ``distill`` trains it)."""
+    """One replacement's distillation step on fixed rows: the trainer ``distill`` gives it."""
 
     def __init__(
-        self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: str, lr: float | None
+        self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: str, lr: float | None, steps: int
     ) -> None:
-        self.module, self.x, self.y = module.train(), x, y
-        training = RECIPES[recipe]
-        parameters = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = training.build(parameters, training.lr if lr is None else lr)
+        self.module, self.x, self.y = module, x, y
+        self.trainer = ReplacementTrainer(module, recipe=recipe, steps=steps, lr=lr)
 
     def __call__(self) -> None:
-        loss = normalised_mse(self.module(self.x), self.y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        self.trainer.step(self.x, self.y)
 
     def flops(self) -> int:
-        """Multiply-add FLOPs of one forward and backward (the optimiser's elementwise work not counted)."""
+        """Multiply-add FLOPs of one step (its elementwise work, the optimiser's included, not counted)."""
         counter = FlopCounterMode(display=False)
         with counter:
-            normalised_mse(self.module(self.x), self.y).backward()
-        self.optimizer.zero_grad(set_to_none=True)
+            self()
         return int(counter.get_total_flops())
+
+    def products(self) -> list[tuple[Any, tuple]]:
+        """The matrix products of one step: each op with random operands of the step's shapes and strides."""
+        recorder = _Products()
+        with recorder:
+            self()
+        return recorder.calls
+
+
+class _Products(TorchDispatchMode):
+    """Records every matrix product (``mm``, ``addmm``, ``bmm``, ``baddbmm``) dispatched inside it."""
+
+    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default)  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Any, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS:
+            operands = tuple(_like(a) if isinstance(a, torch.Tensor) else a for a in args)
+            self.calls.append((func, operands))
+        return func(*args, **(kwargs or {}))
+
+
+def _like(tensor: torch.Tensor) -> torch.Tensor:
+    """Random values in ``tensor``'s shape and strides (a transposed operand stays transposed)."""
+    size = 1 + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return torch.randn(size, dtype=tensor.dtype).as_strided(tensor.shape, tensor.stride())
+
+
+def products_seconds(calls: list[tuple[Any, tuple]], repeats: int = 10) -> float:
+    """CPU seconds of replaying ``calls`` (best of ``repeats``): the step's matrix products alone."""
+
+    def replay() -> None:
+        for func, operands in calls:
+            func(*operands)
+
+    replay()
+    return min(_both(replay)[1] for _ in range(repeats))
 
 
 def _block(config: FrontierConfig) -> BlockInfo:
@@ -114,8 +152,12 @@ def measure(config: FrontierConfig, *, rounds: int, steps: int) -> dict:
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(config.batch_size, block.in_features, generator=generator)
     y = torch.randn(config.batch_size, block.out_features, generator=generator)
-    runs = {name: Step(factory(block), x, y, config.recipe, config.lr) for name, factory in factories.items()}
+    steps_of_run = config.tokens // config.batch_size
+    runs = {
+        name: Step(factory(block), x, y, config.recipe, config.lr, steps_of_run) for name, factory in factories.items()
+    }
     flops = {name: step.flops() for name, step in runs.items()}
+    products = {name: products_seconds(step.products()) for name, step in runs.items()}
     rate = gemm_rate()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for step in runs.values():  # warm-up: plans, allocator
@@ -134,6 +176,7 @@ def measure(config: FrontierConfig, *, rounds: int, steps: int) -> dict:
             "flops_per_token": flops[name] / config.batch_size, "step_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu,
             "tokens_per_s": config.batch_size / wall, "cpu_tokens_per_s": config.batch_size / cpu,
             "floor_tokens_per_s": config.batch_size / floor, "of_floor_wall": floor / wall, "of_floor": floor / cpu,
+            "products_ms": 1e3 * products[name], "products_rate_of_gemm": floor / products[name],
         })  # fmt: skip
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return {
@@ -155,6 +198,7 @@ def markdown(result: dict) -> str:
     """The report: one row per replacement, the median ratio against the target."""
     ratios = sorted(row["of_floor"] for row in result["rows"])
     median = statistics.median(ratios)
+    products = [row["products_rate_of_gemm"] for row in result["rows"]]
     lines = [
         "# Distillation throughput (generated by `python -m benchmarks.distillation`)",
         "",
@@ -164,23 +208,29 @@ def markdown(result: dict) -> str:
         "",
         f"Training step of each replacement of the frontier (block width {result['width']}, budget "
         f"≈{result['budget']:,} parameters) on {result['batch_size']} activation rows: forward, normalised MSE, "
-        f"backward, the {result.get('recipe', '?')} recipe's optimiser. Median of {result['rounds']} alternating "
+        f"the replacement's own terms, backward, the unit-norm projection, the {result.get('recipe', '?')} recipe's "
+        "optimiser and warm-up (`ReplacementTrainer.step`, as `distill` runs it). Median of "
+        f"{result['rounds']} alternating "
         f"rounds × {result['steps']} steps. Floor: the step's forward and backward FLOPs (FlopCounterMode) at the "
-        "measured matrix-multiply rate.",
+        "measured matrix-multiply rate (CPU time).",
         "",
         f"Median replacement: **{median:.1%} of its floor** in CPU time (target ≥ {TARGET:.0%}: "
         f"{'met' if median >= TARGET else 'missed'}); range {ratios[0]:.1%} – {ratios[-1]:.1%}; in wall time "
         f"{statistics.median(row['of_floor_wall'] for row in result['rows']):.1%}.",
         "",
+        "The floor's rate against the step's own shapes: its matrix products alone, replayed on random operands of "
+        f"the same shapes and strides (best of 10, CPU time), run at {statistics.median(products):.0%} of the square "
+        f"product's rate (median; {min(products):.0%} – {max(products):.0%}).",
+        "",
         "| replacement | params | FLOPs per token | step (ms, wall) | step (ms, CPU) | tokens/s (CPU) | floor tokens/s "
-        "| of floor (CPU) | of floor (wall) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| of floor (CPU) | of floor (wall) | products alone (ms, CPU) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         lines.append(
             f"| {row['replacement']} | {row['params']:,} | {row['flops_per_token']:,.0f} | {row['step_ms']:.2f} | "
             f"{row['cpu_ms']:.2f} | {row['cpu_tokens_per_s']:,.0f} | {row['floor_tokens_per_s']:,.0f} | "
-            f"{row['of_floor']:.1%} | {row['of_floor_wall']:.1%} |"
+            f"{row['of_floor']:.1%} | {row['of_floor_wall']:.1%} | {row['products_ms']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -28,3 +28,21 @@ def test_quick_run_reports_every_replacement_against_its_floor(tmp_path):
         assert row["of_floor"] == pytest.approx(row["cpu_tokens_per_s"] / row["floor_tokens_per_s"])
     report = (tmp_path / "distillation-cpu.md").read_text()
     assert "of its floor** in CPU time (target ≥ 30%" in report and "| transcoder@2 | 8,352 | 40,960 |" in report
+
+
+def test_the_recorded_products_are_the_ones_the_floor_counts():
+    """Replaying a step's matrix products: their 2·m·n·k, counted by hand, is the FlopCounterMode floor's count."""
+    import torch
+
+    from mumoe_tn.distillation.transcoders import Transcoder
+
+    x, y = torch.randn(16, 6), torch.randn(16, 5)
+    step = distillation.Step(Transcoder(6, 12, 5, k=3), x, y, "plain", None, 10)
+    flops = step.flops()
+    calls = step.products()
+    by_hand = 0
+    for _, operands in calls:
+        a, b = operands[-2:]  # mm(a, b), addmm(bias, a, b), bmm(a, b), baddbmm(c, a, b)
+        by_hand += 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+    assert by_hand == flops == 2 * 16 * (6 * 12 + 12 * 5) + 2 * 16 * (12 * 5 * 2 + 6 * 12)
+    assert distillation.products_seconds(calls, repeats=2) > 0

@@ -31,6 +31,7 @@ __all__ = [
     "BlockInfo",
     "TokenWindows",
     "capture_blocks",
+    "one_kernel_activation",
     "run_model",
     "select_blocks",
     "token_rows",
@@ -57,7 +58,8 @@ class BlockInfo:
     bias : bool
         Whether the block's layers have biases.
     activation : nn.Module or None
-        The block's non-linearity.
+        The block's non-linearity, as one torch kernel where one computes the same function (see
+        [`one_kernel_activation`][mumoe_tn.distillation.streaming.one_kernel_activation]).
     device : torch.device
     dtype : torch.dtype
         Where and in what dtype the block's weights live.
@@ -127,7 +129,7 @@ def select_blocks(model: nn.Module, mlps: str | Callable[[str, nn.Module], bool]
         blocks.append(
             BlockInfo(
                 name, module, parts.kind, up.in_features, up.out_features, down.out_features, bias,
-                parts.activation, up.device, up.dtype,
+                one_kernel_activation(parts.activation), up.device, up.dtype,
             )
         )  # fmt: skip
     if not blocks:
@@ -135,6 +137,24 @@ def select_blocks(model: nn.Module, mlps: str | Callable[[str, nn.Module], bool]
             f"no MLP block was selected by mlps={mlps!r}; the model's MLP blocks are found by find_mlp_blocks"
         )
     return blocks
+
+
+#: transformers' tanh-approximated GELUs, ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`` written as
+#: six elementwise ops (and as many in the backward pass): torch computes the same function in one.
+_TANH_GELUS = frozenset({"NewGELUActivation", "FastGELUActivation"})
+
+
+def one_kernel_activation(activation: nn.Module | None) -> nn.Module | None:
+    """``activation``, or torch's one-kernel module computing the same function (a replacement's hot path).
+
+    transformers' tanh-approximated GELUs (GPT-2's ``gelu_new``) become
+    ``nn.GELU(approximate="tanh")``: equal up to float rounding, and a third of the time forward and
+    backward on a step's hidden activations. Any other module is returned as it is.
+    """
+    kind = type(activation)
+    if activation is not None and kind.__module__.startswith("transformers.") and kind.__name__ in _TANH_GELUS:
+        return nn.GELU(approximate="tanh")
+    return activation
 
 
 def token_rows(batch: Batch, mask_argument: str | None) -> tuple[dict[str, Any], torch.Tensor | None]:

@@ -47,7 +47,7 @@ class TopK(nn.Module):
         """``ReLU`` of the top ``k`` entries of each row of ``x``, zeros elsewhere."""
         if x.shape[-1] < self.k:
             raise ValueError(f"TopK keeps k={self.k} entries but the input has only {x.shape[-1]}")
-        values, indices = x.topk(self.k, dim=-1)
+        values, indices = x.topk(self.k, dim=-1, sorted=False)  # the order is irrelevant to the scatter
         return torch.zeros_like(x).scatter(-1, indices, torch.relu(values))
 
     def extra_repr(self) -> str:

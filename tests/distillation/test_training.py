@@ -13,8 +13,15 @@ from mumoe_tn.costs.baselines import match_transcoder, transcoder_parameters
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.losses import AuxK
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
-from mumoe_tn.distillation.streaming import ActivationBuffer, TokenWindows, select_blocks
-from mumoe_tn.distillation.training import distill, normalised_mse, splice, spliced
+from mumoe_tn.distillation.streaming import ActivationBuffer, TokenWindows, one_kernel_activation, select_blocks
+from mumoe_tn.distillation.training import (
+    LOSS_READ_EVERY,
+    ReplacementTrainer,
+    distill,
+    normalised_mse,
+    splice,
+    spliced,
+)
 from mumoe_tn.distillation.transcoders import Transcoder
 
 
@@ -301,3 +308,100 @@ def test_bad_input_gets_clear_errors():
         Transcoder(8, 4, k=5)
     with pytest.raises(TypeError, match="mapping of method name -> factory"):
         distill(model, _batches(), [], tokens=64, progress=False)
+
+
+# ----------------------------------------------------------------------------- the step and its loss reads
+class _BreaksAfter(nn.Module):
+    """A linear replacement whose output turns NaN from its call ``after + 1`` on."""
+
+    def __init__(self, block, after):
+        super().__init__()
+        self.linear, self.after, self.calls = nn.Linear(block.in_features, block.out_features), after, 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.linear(x)
+        return out * math.nan if self.calls > self.after else out
+
+
+def test_a_non_finite_loss_is_named_at_its_step_and_never_checkpointed(tmp_path):
+    """The losses are read every few steps, but the error names the step that went wrong, before a checkpoint."""
+    assert LOSS_READ_EVERY > 5  # the bad step is read late, not at once
+    methods = {"linear": lambda block: _BreaksAfter(block, after=5), **_tc()}
+    options = dict(tokens=32 * 30, batch_size=32, buffer_tokens=160, progress=False)
+    with pytest.raises(FloatingPointError, match=r"'linear' on 'mlp' is nan at step 5\b"):
+        distill(ToyLM(), _batches(30), methods, **options)
+    path = tmp_path / "run.pt"
+    with pytest.raises(FloatingPointError, match="at step 5"):
+        distill(ToyLM(), _batches(30), methods, checkpoint=path, checkpoint_every=4, **options)
+    state = torch.load(path, weights_only=True)
+    assert state["counters"]["steps"] == 4  # the checkpoint of step 8 was refused
+    assert all(torch.isfinite(t).all() for t in state["modules"]["mlp/linear"].values())
+
+
+def test_reported_losses_are_the_means_of_the_last_50_steps():
+    """``Distillation.losses`` is the mean of the last 50 steps' losses, whatever the cadence of the reads."""
+    seen = []
+
+    class Recording(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.linear = nn.Linear(block.in_features, block.out_features)
+
+        def forward(self, x):
+            out = self.linear(x)
+            seen.append((x.detach().clone(), out.detach().clone()))
+            return out
+
+    model, steps = ToyLM(), 70  # not a multiple of the read cadence
+    result = distill(model, _batches(40), {"rec": Recording}, tokens=32 * steps, batch_size=32, buffer_tokens=160,
+                     recipe="plain", progress=False)  # fmt: skip
+    assert result.steps == steps and len(seen) == steps
+    with torch.no_grad():
+        losses = []
+        for x, prediction in seen[-50:]:  # the hand formula on the block's own output for those rows
+            y = model.mlp(x).double().numpy()
+            error = (prediction.double().numpy() - y) ** 2 / np.linalg.norm(y, axis=-1, keepdims=True)
+            losses.append(error.mean())
+    assert result.losses["mlp"]["rec"] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["plain", "mxd-paper"])
+def test_replacement_trainer_step_is_one_adam_step_on_the_loss(recipe):
+    """One step of a linear replacement: the loss by hand, and Adam's first update ``θ − lr·g/(|g| + ε)``."""
+    torch.manual_seed(0)
+    linear = nn.Linear(6, 5)
+    x, y = torch.randn(40, 6), torch.randn(40, 5)
+    weight, bias = linear.weight.detach().clone().requires_grad_(), linear.bias.detach().clone().requires_grad_()
+    hand = ((x @ weight.T + bias - y) ** 2 / y.norm(dim=-1, keepdim=True)).mean()
+    hand.backward()
+    trainer = ReplacementTrainer(linear, recipe=recipe, steps=1, lr=1e-2)
+    loss = trainer.step(x, y)
+    assert not loss.requires_grad and loss.item() == pytest.approx(hand.item(), rel=1e-6)
+    for parameter, start in ((linear.weight, weight), (linear.bias, bias)):
+        expected = start - 1e-2 * start.grad / (start.grad.abs() + 1e-8)
+        torch.testing.assert_close(parameter.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        ReplacementTrainer(nn.Linear(2, 2), recipe="authors")
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ReplacementTrainer(nn.Linear(2, 2).requires_grad_(False))
+
+
+@given(values=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=1, max_size=64))
+def test_transformers_tanh_gelus_become_one_kernel_of_the_same_function(values):
+    """GPT-2's ``gelu_new`` (and FastGELU) as torch's tanh GELU: the same values, checked against transformers."""
+    activations = pytest.importorskip("transformers.activations")
+    x = torch.tensor(values)
+    for kind in (activations.NewGELUActivation, activations.FastGELUActivation):
+        fast = one_kernel_activation(kind())
+        assert isinstance(fast, nn.GELU) and fast.approximate == "tanh"
+        torch.testing.assert_close(fast(x), kind()(x), rtol=1e-5, atol=1e-6)
+    relu = nn.ReLU()
+    assert one_kernel_activation(relu) is relu and one_kernel_activation(None) is None
+
+
+def test_a_gpt2_block_hands_its_factories_the_one_kernel_gelu():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+    (block,) = select_blocks(transformers.GPT2LMHeadModel(config), r"mlp$")
+    assert isinstance(block.activation, nn.GELU) and block.activation.approximate == "tanh"
