@@ -120,6 +120,28 @@ class Registry(Mapping[Key, Value], Generic[Key, Value]):
         self._entries[stored] = value
         return value
 
+    def register_subclass(self, cls: Any, base: type, *, name: str | None = None, replace: bool = False) -> Any:
+        """Register the subclass ``cls`` of ``base`` under ``name`` (default its ``name`` attribute).
+
+        The idiom of classes that register themselves when subclassed with ``name=`` (losses,
+        metrics): the name is checked, normalised and written back to ``cls.name``.
+
+        Raises
+        ------
+        TypeError
+            If ``cls`` is not a subclass of ``base``.
+        ValueError
+            If the name is empty, or taken and ``replace`` is False.
+        """
+        if not isinstance(cls, type) or not issubclass(cls, base):
+            raise TypeError(f"register_{self.kind}() takes a subclass of {base.__name__}, got {cls!r}")
+        given = getattr(cls, "name", None) if name is None else name
+        if not isinstance(given, str) or not given.strip():
+            raise ValueError(f"a {self.kind} needs a non-empty name, got {given!r}")
+        self.register(given, cls, replace=replace)
+        cls.name = self._key(given)
+        return cls
+
     def unregister(self, key: Any) -> None:
         """Remove the entry under ``key``; a key never registered is ignored."""
         self._entries.pop(self._key(key), None)

@@ -156,15 +156,8 @@ class Loss:
         return f"{type(self).__name__}({options})"
 
 
-def _check_loss(name: str, cls: object) -> None:
-    if not isinstance(cls, type) or not issubclass(cls, Loss):
-        raise TypeError(f"register_loss() takes a subclass of Loss, got {cls!r}")
-    if not name.strip():
-        raise ValueError("a loss needs a non-empty name")
-
-
 #: The registered loss classes by lower-case name (a [`Registry`][mumoe_tn.registry.Registry]).
-LOSSES: Registry[str, type[Loss]] = Registry("loss", normalise=str.lower, check=_check_loss)
+LOSSES: Registry[str, type[Loss]] = Registry("loss", normalise=str.lower)
 
 
 def register_loss(cls: _Class, *, name: str | None = None, replace: bool = False) -> _Class:
@@ -193,14 +186,7 @@ def register_loss(cls: _Class, *, name: str | None = None, replace: bool = False
     ValueError
         If the name is empty, or taken and ``replace`` is False.
     """
-    given = getattr(cls, "name", None) if name is None else name
-    if not isinstance(given, str) or not given.strip():
-        if not isinstance(cls, type) or not issubclass(cls, Loss):
-            raise TypeError(f"register_loss() takes a subclass of Loss, got {cls!r}")
-        raise ValueError(f"a loss needs a non-empty name, got {given!r}")
-    LOSSES.register(given, cls, replace=replace)
-    cls.name = given.lower()
-    return cls
+    return LOSSES.register_subclass(cls, Loss, name=name, replace=replace)
 
 
 def unregister_loss(name: str) -> None:

@@ -100,15 +100,8 @@ class Metric:
         return f"{type(self).__name__}()"
 
 
-def _check_metric(name: str, cls: object) -> None:
-    if not isinstance(cls, type) or not issubclass(cls, Metric):
-        raise TypeError(f"register_metric() takes a subclass of Metric, got {cls!r}")
-    if not name.strip():
-        raise ValueError("a metric needs a non-empty name")
-
-
 #: The registered metric classes by lower-case name (a [`Registry`][mumoe_tn.registry.Registry]).
-METRICS: Registry[str, type[Metric]] = Registry("metric", normalise=str.lower, check=_check_metric)
+METRICS: Registry[str, type[Metric]] = Registry("metric", normalise=str.lower)
 
 
 def register_metric(cls: _Class, *, name: str | None = None, replace: bool = False) -> _Class:
@@ -137,13 +130,7 @@ def register_metric(cls: _Class, *, name: str | None = None, replace: bool = Fal
     ValueError
         If the name is empty, or taken and ``replace`` is False.
     """
-    given = getattr(cls, "name", None) if name is None else name
-    if not isinstance(given, str) or not given.strip():
-        if not isinstance(cls, type) or not issubclass(cls, Metric):
-            raise TypeError(f"register_metric() takes a subclass of Metric, got {cls!r}")
-        raise ValueError(f"a metric needs a non-empty name, got {given!r}")
-    METRICS.register(given, cls, replace=replace)
-    cls.name = given.lower()
+    METRICS.register_subclass(cls, Metric, name=name, replace=replace)
     if not cls.column:
         cls.column = cls.name
     return cls
