@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mumoe_tn.caching import source_key
 from mumoe_tn.gates.modules import ExpertGate
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.specs import GateSpec
@@ -50,20 +51,17 @@ def _module_state(module: nn.Module) -> tuple | None:
     (as [`mumoe_tn.caching.source_key`][mumoe_tn.caching.source_key]); None where a tensor cannot
     be tracked (an inference tensor).
     """
-    key: list = []
+    modes: list = []
+    tensors: list[torch.Tensor] = []
     stack = [module]
-    try:
-        while stack:
-            current = stack.pop()
-            key += (id(current), current.training)
-            for tensors in (current._parameters, current._buffers):
-                for tensor in tensors.values():
-                    if tensor is not None:
-                        key += (id(tensor), tensor.data_ptr(), tensor._version)
-            stack.extend(child for child in current._modules.values() if child is not None)
-    except RuntimeError:
-        return None
-    return tuple(key)
+    while stack:
+        current = stack.pop()
+        modes += (id(current), current.training)
+        for group in (current._parameters, current._buffers):
+            tensors.extend(tensor for tensor in group.values() if tensor is not None)
+        stack.extend(child for child in current._modules.values() if child is not None)
+    values = source_key(tensors)
+    return None if values is None else (tuple(modes), values)
 
 
 class MuMoEBase(PerThreadRecords):
