@@ -14,7 +14,8 @@ built from the cores:
   operands like the cores;
 - what remains per call is one ``mm``/``addmm``/multiply per step and a view of its result.
 
-Steps that are no plain matrix product run as in ``run_plan`` (``torch.einsum``). The result is
+Batched products and products that sum no label run as one ``bmm`` or one broadcasting
+multiplication laid out when the plan is built; other steps run as in ``run_plan`` (``torch.einsum``). The result is
 the plan's contraction, equal to ``run_plan``'s up to rounding. Nothing here records gradients:
 a prepared plan is for calls whose cores need none.
 """
@@ -29,7 +30,14 @@ from typing import Any
 
 import torch
 
-from mumoe_tn.contractions.pairwise import contract_pair, matrix_product
+from mumoe_tn.contractions.pairwise import (
+    align_axes,
+    batched_product,
+    broadcast_product,
+    contract_pair,
+    matrix_product,
+    run_batched,
+)
 from mumoe_tn.contractions.plan import BATCH_LABEL, ContractionPlan, ContractionStep
 
 __all__ = ["InputProjection", "PreparedPlan"]
@@ -51,8 +59,10 @@ class _Side:
 class _Instruction:
     """One step of a prepared plan.
 
-    ``kind`` is ``"mm"``, ``"addmm"``, ``"mul"``, ``"einsum"`` or ``"ones"`` (einsum after appending
-    the folded bias's 1 to the operand at position ``shape[0]``).
+    ``kind`` is ``"mm"``, ``"addmm"``, ``"mul"``, ``"broadcast"`` (a product of the operands with
+    their axes aligned as ``form`` says), ``"bmm"`` (a batched product laid out as ``form`` says),
+    ``"einsum"`` or ``"ones"`` (einsum after appending the folded bias's 1 to the operand at
+    position ``shape[0]``).
     """
 
     kind: str
@@ -62,7 +72,8 @@ class _Instruction:
     bias: torch.Tensor | None = None
     shape: tuple[int, ...] | None = None  # the result's shape (-1 for the batch), or None: keep the matrix
     step: ContractionStep | None = None
-    operands: tuple[Any, ...] = ()  # einsum / mul: (slot or constant tensor) per operand
+    operands: tuple[Any, ...] = ()  # einsum / mul / broadcast / bmm: (slot or constant tensor) per operand
+    form: Any = None  # broadcast: each operand's (order, missing axes); bmm: its BatchedProduct
 
 
 class PreparedPlan:
@@ -173,6 +184,13 @@ class PreparedPlan:
                     right=self._side(values[right], right, product.right_order, n_inner),
                     shape=keep,
                 )
+            operands = tuple(self._operand(values, k) for k in picked)
+            aligned = broadcast_product(first, second, step.output)
+            if aligned is not None:
+                return _Instruction("broadcast", out, operands=operands, form=aligned)
+            batched = batched_product(first, second, step.output)
+            if batched is not None:
+                return _Instruction("bmm", out, operands=operands, form=batched)
         return _Instruction("einsum", out, step=step, operands=tuple(self._operand(values, k) for k in picked))
 
     def _affine(
@@ -302,5 +320,9 @@ def _run(instruction: _Instruction, registers: list[Any]) -> torch.Tensor:
         operands[which] = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
     if kind == "mul":
         return operands[0] * operands[1]
+    if kind == "bmm":
+        return run_batched(instruction.form, operands[0], operands[1])
+    if kind == "broadcast":
+        return align_axes(operands[0], *instruction.form[0]) * align_axes(operands[1], *instruction.form[1])
     step = instruction.step
     return contract_pair(step.operands, step.output, operands, step.equation)

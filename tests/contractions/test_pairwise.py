@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch_calls import TorchCalls
 
 from mumoe_tn.contractions import pairwise
-from mumoe_tn.contractions.pairwise import broadcast_product, contract_pair, matrix_product
+from mumoe_tn.contractions.pairwise import batched_product, broadcast_product, contract_pair, matrix_product
 
 DTYPE = torch.float64
 LABELS = "abcdefg"
@@ -95,9 +95,26 @@ def test_matrix_steps_run_one_mm_and_no_einsum():
         y = contract_pair((("b", "i"), ("o", "i")), ("b", "o"), [z, u])
     assert "mm" in calls.names and "einsum" not in calls.names
     torch.testing.assert_close(y, z @ u.T)
+
+
+def test_batched_steps_run_one_bmm_and_no_einsum():
+    gen = torch.Generator().manual_seed(6)
+    a, b = torch.randn(2, 5, 3, generator=gen, dtype=DTYPE), torch.randn(4, 3, 2, generator=gen, dtype=DTYPE)
     with TorchCalls() as calls:
-        contract_pair((("c", "b", "i"), ("c", "i", "o")), ("c", "b", "o"), [torch.ones(2, 5, 3), torch.ones(2, 3, 4)])
-    assert "einsum" in calls.names  # a batch label: torch.einsum's batched product
+        y = contract_pair((("c", "b", "i"), ("o", "i", "c")), ("o", "c", "b"), [a, b])
+    assert "bmm" in calls.names and "einsum" not in calls.names
+    torch.testing.assert_close(y, torch.einsum("cbi,oic->ocb", a, b))
+
+
+@given(pairs())
+def test_batched_form_exactly_where_the_labels_allow_it(case):
+    # By hand: a batched form needs a batch label (shared and kept), a summed shared label and no
+    # label summed within one operand.
+    first, second, output, _ = case
+    inner = set(first) & set(second) - set(output)
+    batch = set(first) & set(second) & set(output)
+    own_sum = (set(first) | set(second)) - set(output) - inner
+    assert (batched_product(first, second, output) is not None) == (bool(batch) and bool(inner) and not own_sum)
 
 
 def test_elementwise_product_is_one_multiplication():
@@ -182,6 +199,13 @@ def test_eager_calls_use_the_cached_form_and_compile_traces_the_function(monkeyp
             ("o", "b"),
             [(4, 3), (5, 2)],
             r"^contracted labels \('i',\) have sizes \(2,\) in one operand and \(3,\) in the other$",
+        ),
+        # a batch label with two sizes: a reshape into stacks of matrices would not notice
+        (
+            (("c", "b", "i"), ("c", "i", "o")),
+            ("c", "b", "o"),
+            [(2, 3, 4), (4, 3, 2)],
+            r"^shared labels \('c', 'i'\) have sizes \(2, 4\) in one operand and \(4, 3\) in the other$",
         ),
         ((("b", "i"), ("i", "o")), ("b", "o"), [(4, 3, 1), (3, 5)], r"^operand 0 has shape \(4, 3, 1\) but 2 labels"),
         ((("b", "i"),), ("b",), [(4, 3), (3,)], r"^2 tensors for 1 labelled operands"),
