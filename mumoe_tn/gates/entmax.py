@@ -57,7 +57,7 @@ from torch.autograd import Function
 
 from mumoe_tn.gates import kernels
 
-__all__ = ["entmax15", "sorted_forward", "sparsemax"]
+__all__ = ["entmax15", "inference_map", "sorted_forward", "sparsemax"]
 
 
 #: Size of the first partial sort in eager mode: supports of trained gates are small, and a
@@ -350,29 +350,77 @@ def sorted_forward(x: torch.Tensor, sparse_map: str) -> torch.Tensor:
 #: Longest support the one-row path walks element by element before it takes the vectorised steps.
 SCALAR_SUPPORT = 64
 
+#: The largest finite value of each NumPy float dtype the one-row path takes.
+_LARGEST = {
+    np.dtype(np.float32): float(np.finfo(np.float32).max),
+    np.dtype(np.float64): float(np.finfo(np.float64).max),
+}
+
+#: Most rows that take the one-row path each (a token's few expert modes) before the vectorised steps do.
+SCALAR_ROWS = 4
+
+
+def inference_map(activation: Callable[..., torch.Tensor], x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``activation`` along the last dim for logits like ``x`` without gradients, in its quickest form.
+
+    For [`entmax15`][mumoe_tn.gates.entmax.entmax15] and [`sparsemax`][mumoe_tn.gates.entmax.sparsemax]
+    on up to [`SORTED_ROWS`][mumoe_tn.gates.entmax] float32 or float64 rows on the CPU, where no
+    Triton kernel serves them, the decision that every call of those functions makes (kernels,
+    sorted path, NumPy, dtype) is taken here once: the map returned goes straight to the NumPy
+    steps of [`sorted_forward`][mumoe_tn.gates.entmax.sorted_forward] (a few microseconds less a
+    call, which is most of a one-token call's gate). Any other activation or input: ``activation``.
+
+    Parameters
+    ----------
+    activation : Callable
+        The gate's φ.
+    x : torch.Tensor
+        Logits ``(…, N)`` like those of the calls the map will serve (same shape, dtype and device).
+
+    Returns
+    -------
+    Callable
+        Maps logits like ``x`` to coefficients, equal to ``activation(logits)``.
+    """
+    if activation is entmax15 or activation is sparsemax:
+        rows = x.numel() // x.shape[-1] if x.ndim and x.shape[-1] else 0
+        quick = 0 < rows <= SORTED_ROWS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+        if quick and not kernels.gate_kernels_apply(x):
+            return functools.partial(_cpu_rows_map, entmax=activation is entmax15)
+    return activation
+
+
+def _cpu_rows_map(x: torch.Tensor, entmax: bool) -> torch.Tensor:
+    """[`sorted_forward`][mumoe_tn.gates.entmax.sorted_forward] of CPU float logits ``(…, N)`` (no gradient)."""
+    rows = x.numpy()
+    y = _numpy_sorted_map(rows.reshape(-1, rows.shape[-1]), entmax)  # (NumPy copies a strided view if it must)
+    return torch.from_numpy(y.reshape(rows.shape))
+
 
 def _numpy_sorted_map(rows: np.ndarray, entmax: bool) -> np.ndarray:
     """[`sorted_forward`][mumoe_tn.gates.entmax.sorted_forward] on a 2-D float array (a new array)."""
-    if np.isfinite(rows).all():
-        if rows.shape[0] == 1:
-            single = _single_row(rows[0], entmax)
-            if single is not None:
-                return single[None]
-        return _numpy_sorted_rows(rows, entmax)
-    with np.errstate(invalid="ignore", over="ignore"):  # NaN rows are meant; NumPy need not warn
+    if rows.shape[0] <= SCALAR_ROWS:
+        singles = [_single_row(row, entmax) for row in rows]  # None for a non-finite row too: the rows' steps
+        if all(single is not None for single in singles):
+            return singles[0][None] if len(singles) == 1 else np.stack(singles)
+    # NaN rows are meant, and x − peak of a finite row may overflow to −inf (below the floor all
+    # the same): NumPy need not warn
+    with np.errstate(invalid="ignore", over="ignore"):
         return _numpy_sorted_rows(rows, entmax)
 
 
 def _single_row(row: np.ndarray, entmax: bool) -> np.ndarray | None:
-    """One finite row, its threshold found by walking the sorted entries (None past `SCALAR_SUPPORT`).
+    """One row, its threshold found by walking the sorted entries (None past `SCALAR_SUPPORT` or not finite).
 
     The sorted-prefix rule holds for the entries of the support and fails at the first one after
     it, so the walk stops there: a trained gate's support is a few entries, which costs less than
     the vectorised steps' fixed run of calls. The sums are in float64 (Python floats).
     """
-    ordered = np.sort(row)[::-1]
+    ordered = np.sort(row)[::-1]  # NaN sorts last, so first here; -inf last
     head = ordered[:SCALAR_SUPPORT].tolist()
-    peak = head[0]
+    peak, lowest = head[0], float(ordered[-1])
+    if not (math.isfinite(peak) and math.isfinite(lowest)) or peak - lowest > _LARGEST[row.dtype]:
+        return None  # NaN or ±inf, or x − peak would overflow: the rows' steps handle those
     scale = 0.5 if entmax else 1.0
     total = total_sq = 0.0
     tau = 0.0
@@ -496,22 +544,61 @@ def _eager_twin(rule: type[Function], name: str) -> type[Function]:
     cannot run under ``torch.func`` transforms, where ``rule`` itself is used. On CPU, up to
     [`SORTED_ROWS`][mumoe_tn.gates.entmax] rows and [`SORTED_ELEMENTS`][mumoe_tn.gates.entmax] entries
     take [`sorted_forward`][mumoe_tn.gates.entmax.sorted_forward] (no aten call; the Newton search
-    is 60–90 of them) and the same closed-form backward.
+    is 60–90 of them); float32 and float64 rows there also keep, as NumPy arrays, the factors of
+    the closed-form backward (``√y`` and ``1/Σ√y`` for 1.5-entmax, the support and ``1/|S|`` for
+    sparsemax), so a backward that builds no graph is four NumPy calls on those rows instead of
+    the rule's eight torch calls (which the autograd engine runs at several times their
+    standalone cost at these sizes). A backward that builds a graph (double backward) takes the
+    rule's differentiable formula from ``y``.
     """
+    entmax = name == "entmax15"
 
     def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
         size = x.shape[dim]
+        ctx.factors = None
         if x.device.type == "cpu" and size and x.numel() // size <= SORTED_ROWS and x.numel() <= SORTED_ELEMENTS:
             last = dim == x.ndim - 1
             y = sorted_forward(x if last else x.movedim(dim, -1), name)
+            if y.dtype is torch.float32 or y.dtype is torch.float64:
+                ctx.factors = _backward_factors(y.numpy(), entmax)
             y = y if last else y.movedim(-1, dim)
         else:
             y = rule.forward(x, dim)
         rule.setup_context(ctx, (x, dim), y)
         return y
 
-    namespace = {"forward": staticmethod(forward), "backward": staticmethod(rule.backward)}
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        factors = ctx.factors
+        quick = factors is not None and not torch.is_grad_enabled() and grad.device.type == "cpu"
+        if not quick or grad.dtype != ctx.saved_tensors[0].dtype:
+            return rule.backward(ctx, grad)
+        dim = ctx.dim
+        last = dim == grad.ndim - 1
+        rows = (grad if last else grad.movedim(dim, -1)).numpy()
+        factor, scale = factors
+        scaled = rows * factor  # a new array: grad itself is never written to
+        shift = np.add.reduce(scaled, axis=-1, keepdims=True)
+        shift *= scale
+        scaled -= shift * factor  # sparsemax's (g − mean_S g)·1_S is the same form, its factor 1_S
+        result = torch.from_numpy(scaled)
+        return (result if last else result.movedim(-1, dim)), None
+
+    namespace = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
     return type(f"{rule.__name__}Eager", (Function,), namespace)
+
+
+def _backward_factors(y: np.ndarray, entmax: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(√y, 1/Σ√y)`` (1.5-entmax) or ``(1 on the support, 1/|S|)`` (sparsemax) of the rows ``y``, in NumPy.
+
+    ``√y`` as the rule's backward computes it (the square root of a square is exact). None where a
+    row is not finite (a NaN row): the rule's backward handles those.
+    """
+    with np.errstate(invalid="ignore"):
+        factor = np.sqrt(y) if entmax else (y > 0).astype(y.dtype)
+        total = np.add.reduce(factor, axis=-1, keepdims=True)
+    if not (total > 0).all():  # (NaN compares false)
+        return None
+    return factor, np.reciprocal(total, out=total)
 
 
 _SparsemaxEager = _eager_twin(_Sparsemax, "sparsemax")

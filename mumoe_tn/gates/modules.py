@@ -54,7 +54,7 @@ from torch.nn import functional as F
 from mumoe_tn.caching import DerivedCache
 from mumoe_tn.gates import kernels
 from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
-from mumoe_tn.gates.entmax import entmax15, sparsemax
+from mumoe_tn.gates.entmax import entmax15, inference_map, sparsemax
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.replicas import warn_unsynchronised
 from mumoe_tn.network import expert_leg, normalise_expert_dims
@@ -90,6 +90,9 @@ ACTIVATIONS: Registry[str, Callable[[torch.Tensor], torch.Tensor]] = Registry(
     "gate activation",
     entries={"entmax15": _entmax15_last, "sparsemax": _sparsemax_last, "softmax": _softmax_last},
 )
+
+#: The named activations that are the library's maps along the last dim (their quickest forms apply).
+_LAST_DIM_MAPS = {_entmax15_last: entmax15, _sparsemax_last: sparsemax}
 
 
 def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -405,6 +408,42 @@ class ExpertGate(PerThreadRecords):
                 parts = logits.split(self.expert_dims, dim=-1)
                 logits = torch.cat([norm(part) for part, norm in zip(parts, norms, strict=True)], dim=-1)
         return self._activate_modes(logits)
+
+    def coefficients_map(self, logits: torch.Tensor, folded: bool) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+        """`coefficients_from_logits` for logits like ``logits``, with what it decides per call decided once.
+
+        What that method decides on every call (norms to apply, modes to split, which form of φ
+        serves these rows: see [`inference_map`][mumoe_tn.gates.entmax.inference_map]) is decided
+        here, for calls with the same rows, dtype and device, for a caller that keeps the map while
+        the gate does not change (a layer's inference program).
+
+        Parameters
+        ----------
+        logits : torch.Tensor
+            ``(rows, ΣN_e)`` logits like those of the calls to serve.
+        folded : bool
+            As returned with `inference_projection`.
+
+        Returns
+        -------
+        Callable
+            Maps such logits to the list of coefficients ``coefficients_from_logits`` returns.
+        """
+        kind = type(self)
+        plain = kind._activate is ExpertGate._activate and kind._activate_modes is ExpertGate._activate_modes
+        if not (folded and plain):
+            return functools.partial(self.coefficients_from_logits, folded=folded)
+        sizes = self.expert_dims
+        phi = _LAST_DIM_MAPS.get(self._phi, self._phi)
+        if len(sizes) == 1:
+            single = inference_map(phi, logits)
+            return lambda rows: [single(rows)]
+        if len(set(sizes)) == 1:  # modes of one size: one call on the (rows, modes, N) view
+            modes, size = len(sizes), sizes[0]
+            stacked = inference_map(phi, logits.new_empty(logits.shape[0], modes, size))
+            return lambda rows: list(stacked(rows.view(rows.shape[0], modes, size)).unbind(1))
+        maps = [inference_map(phi, part) for part in logits.split(sizes, dim=-1)]
+        return lambda rows: [mode(part) for mode, part in zip(maps, rows.split(sizes, dim=-1), strict=True)]
 
     def inference_applies(self, z: torch.Tensor) -> bool:
         """Whether a call on ``z`` takes the inference path (eval mode, no gradient, no losses, not traced)."""

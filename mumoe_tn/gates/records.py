@@ -37,6 +37,15 @@ class PerThreadRecords(nn.Module):
         else:
             setattr(self._thread_records, name, value)
 
+    def _remember_all(self, **values: Any) -> None:
+        """`_remember` each of ``values``."""
+        compiling = torch.compiler.is_compiling()
+        for name, value in values.items():
+            if compiling:
+                setattr(self, f"_compiled_{name}", value)
+            else:
+                setattr(self._thread_records, name, value)
+
     def _recall(self, name: str) -> Any:
         value = getattr(self._thread_records, name, None)
         return self.__dict__.get(f"_compiled_{name}") if value is None else value

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +36,11 @@ _MAX_PROGRAMS = 64
 
 @dataclass(frozen=True)
 class _LeanProgram:
-    """One input signature's fused inference: the matrix, the gate's share of its columns, the norms' state."""
+    """One input signature's fused inference: the matrix, the gate's share of its columns, its map to coefficients."""
 
     fused: FusedProjection
     n_logits: int
-    folded: bool
+    coefficients: Callable[[torch.Tensor], list[torch.Tensor]]
     identity: bool
 
 
@@ -51,17 +51,12 @@ def _module_state(module: nn.Module) -> tuple | None:
     (as [`mumoe_tn.caching.source_key`][mumoe_tn.caching.source_key]); None where a tensor cannot
     be tracked (an inference tensor).
     """
-    modes: list = []
-    tensors: list[torch.Tensor] = []
-    stack = [module]
-    while stack:
-        current = stack.pop()
-        modes += (id(current), current.training)
-        for group in (current._parameters, current._buffers):
-            tensors.extend(tensor for tensor in group.values() if tensor is not None)
-        stack.extend(child for child in current._modules.values() if child is not None)
+    modules = [module]
+    for current in modules:  # grows as it goes: every submodule, breadth first
+        modules.extend(child for child in current._modules.values() if child is not None)
+    tensors = [t for m in modules for group in (m._parameters, m._buffers) for t in group.values() if t is not None]
     values = source_key(tensors)
-    return None if values is None else (tuple(modes), values)
+    return None if values is None else (tuple(map(id, modules)), tuple(m.training for m in modules), values)
 
 
 class MuMoEBase(PerThreadRecords):
@@ -293,12 +288,12 @@ class MuMoEBase(PerThreadRecords):
         """
         if mask is not None or self.ablation is not None or torch.is_grad_enabled() or type(x) is not torch.Tensor:
             return None
-        if x.ndim < 1 or torch.compiler.is_compiling():
-            return None
-        if _hooked(self.gate):  # the fused product never calls the gate: its hooks must see the general path
-            return None
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        key = (x.shape[-1:], x.dtype, x.device, batch_bucket(rows))
+        gate = self.gate
+        if x.ndim < 1 or gate._forward_hooks or gate._forward_pre_hooks or torch.compiler.is_compiling():
+            return None  # (the fused product never calls the gate: its hooks must see the general path)
+        width = x.shape[-1]
+        rows = x.numel() // width if width else 0
+        key = (width, x.dtype, x.device, batch_bucket(rows))
         state = _module_state(self)
         found = self._lean_programs.get(key)
         if found is None or found[0] != state:
@@ -310,20 +305,19 @@ class MuMoEBase(PerThreadRecords):
             self._lean_programs[key] = (state, program)
         else:
             program = found[1]
-        if torch.is_autocast_enabled(x.device.type):  # after the program's input checks: they name bad devices
+        if torch.is_autocast_enabled(key[2].type):  # after the program's input checks: they name bad devices
             return None
-        lead = x.shape[:-1]
-        if current_token_mask() is not None and resolve_token_mask(None, tuple(lead), x.device) is not None:
+        if current_token_mask() is not None and resolve_token_mask(None, tuple(x.shape[:-1]), x.device) is not None:
             return None
         z = x if program.identity else self.input_norm(x)
-        flat = z if z.ndim == 2 else z.reshape(-1, z.shape[-1])
+        flat = z if z.ndim == 2 else z.reshape(-1, width)
         fused = program.fused
         out = torch.mm(flat, fused.weight) if fused.bias is None else torch.addmm(fused.bias, flat, fused.weight)
-        coefficients = self.gate.coefficients_from_logits(out[:, : program.n_logits], program.folded)
+        coefficients = program.coefficients(out[:, : program.n_logits])
         projected = {id(layer): (plan, step, out[:, start:stop]) for layer, plan, step, start, stop in fused.heads}
+        lead = x.shape[:-1]
         shaped = tuple(coefficients) if z.ndim == 2 else tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
-        self._remember("coefficients", shaped)
-        self._remember("token_mask", None)
+        self._remember_all(coefficients=shaped, token_mask=None)
         return z, LeanCoefficients(shaped, z, flat, tuple(coefficients), projected)
 
     def _lean_program(self, x: torch.Tensor, rows: int) -> _LeanProgram | None:
@@ -340,7 +334,8 @@ class MuMoEBase(PerThreadRecords):
         weight, bias, folded = gate.inference_projection(x.dtype)
         executors = [(experts, experts.inference_executor(rows, self.bias)) for experts in self._input_layers()]
         fused = self._fused.get(weight, bias, executors)
-        return _LeanProgram(fused, weight.shape[0], folded, identity)
+        logits = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+        return _LeanProgram(fused, weight.shape[0], gate.coefficients_map(logits, folded), identity)
 
     def _contract(
         self, experts: FactorizedExperts, z: torch.Tensor, coefficients: tuple[torch.Tensor, ...]
@@ -355,8 +350,3 @@ class MuMoEBase(PerThreadRecords):
         if self.ablation is None:
             return y
         return self.ablation.correct(experts, z, coefficients, y, append_one=self.bias)
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether a forward hook or pre-hook is registered on ``module``."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
