@@ -728,7 +728,9 @@ def host_section(s: Sizes, extra: dict) -> Section:
                               linear.label, "infer_s", HOST_TIME["infer_s"]))  # fmt: skip
         targets.append(Target(f"{case.label} ÷ nn.Linear: host time, fwd+bwd B = {s.host_train_tokens}",
                               case.label, linear.label, "train_s", HOST_TIME["train_s"]))  # fmt: skip
-    cases = (linear, *layers.values(), *gates, mlp, *blocks)
+    floor = Case(f"CP layer, {n} experts, fewest eager calls", "fewest_calls_cp",
+                 {**layer, "expert_dims": n, "match": "linear"}, *tokens)  # fmt: skip
+    cases = (linear, *layers.values(), floor, *gates, mlp, *blocks)
     pairs = tuple((case.label, mlp.label) for case in (mlp, *blocks))
     return Section(
         "host",
@@ -744,7 +746,9 @@ def host_section(s: Sizes, extra: dict) -> Section:
         "the code path of the run's device (views, allocations and metadata left out; "
         "`benchmarks.launches.AtenCalls`); *host reads*: values the call reads back to the host (`item`, "
         "`nonzero`, `tolist`, `numpy`, copies to the CPU), each a wait for the device on an accelerator. On the "
-        "CPU, work handed to NumPy shows as one host read and no kernels.",
+        "CPU, work handed to NumPy shows as one host read and no kernels. *fewest eager calls*: the CP layer's "
+        "parameters run as the fewest PyTorch calls its arithmetic needs, with nothing else "
+        "(`benchmarks.baselines.FewestCallsCP`): the floor of what an eager layer with this gate can cost.",
         linear.label,
         cases,
         memory=False,

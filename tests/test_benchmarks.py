@@ -1,5 +1,6 @@
 """The benchmark machinery: the paper's einsums, alternation, peak memory, the smoke run."""
 
+import copy
 import json
 import math
 import sys
@@ -15,6 +16,7 @@ from benchmarks import report, run  # noqa: E402
 from benchmarks.baselines import (  # noqa: E402
     AuthorsMxD,
     Case,
+    FewestCallsCP,
     HandwrittenLayer,
     build_module,
     count_params,
@@ -455,6 +457,21 @@ def test_the_papers_mxd_equations_equal_the_mxd_block_on_the_same_weights():
     x = torch.randn(5, 7, 12)
     torch.testing.assert_close(authors(x), block(x))
     assert (block.last_coefficients[0] > 0).sum(-1).max() <= 3
+
+
+def test_the_fewest_calls_cp_layer_equals_the_library_layer_in_training_and_eval():
+    torch.manual_seed(3)
+    floor = FewestCallsCP(in_features=12, out_features=7, expert_dims=6, rank=4)
+    layer = copy.deepcopy(floor.layer)
+    x = torch.randn(9, 12)
+    for _ in range(2):  # training moves both norms' running statistics alike
+        torch.testing.assert_close(floor(x), layer(x))
+    torch.testing.assert_close(floor.layer.gate.norms["n1"].running_mean, layer.gate.norms["n1"].running_mean)
+    floor.eval()
+    layer.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(floor(x[:1]), layer(x[:1]))
+        torch.testing.assert_close(floor(x), layer(x))
 
 
 def test_report_notes_the_device_it_was_measured_on():
