@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from mumoe_tn.distillation.codes import substituted_code, unit_parameters
+from mumoe_tn.gates.selection import keep_top_k
 from mumoe_tn.registry import Registry
 from mumoe_tn.validation import check_positive_float, check_size
 
@@ -325,8 +326,7 @@ class AuxK(Loss, name="aux-k"):
             mask = mode_dead.to(logits.device)
             values = torch.relu(logits).masked_fill(~mask, 0.0)
             k = min(self.k_aux, int(mask.sum()))
-            top, indices = values.topk(k, dim=-1)
-            auxiliary.append(torch.zeros_like(values).scatter(-1, indices, top).to(part.dtype))
+            auxiliary.append(keep_top_k(values, k).to(part.dtype))
             baseline.append(torch.zeros_like(part))
         module, trained = inputs.module, unit_parameters(inputs.module)
         parameters = {name: p if name in trained else p.detach() for name, p in module.named_parameters()}

@@ -1,0 +1,160 @@
+"""Keeping each row's top ``k`` entries, fast on the CPU; and the rows holding a non-finite entry.
+
+A top-k gate or a TopK activation keeps the entries ``torch.topk(x, k, dim=-1)`` selects and
+zeroes the rest. [`keep_top_k`][mumoe_tn.gates.selection.keep_top_k] (``x`` there, 0 elsewhere,
+optionally through a ReLU), [`top_k_logits`][mumoe_tn.gates.selection.top_k_logits] (``x``
+there, ``-inf`` elsewhere: a softmax over them is the softmax over the top ``k``) and
+[`top_k_mask`][mumoe_tn.gates.selection.top_k_mask] (booleans) give the same values and
+gradients as ``topk`` → ``scatter`` (up to the sign of a zero, and the rounding of a softmax's
+sum), as one elementwise product where ``scatter`` gathers and scatters the kept entries forward
+and back.
+
+On the CPU, torch's ``topk`` selects with ``std::nth_element`` over ``(value, index)`` pairs
+(once ``64·k > N``, otherwise a heap): about 5 µs per row of 512 floats, 2 µs per row of 256 —
+the largest part of a small replacement's distillation step. NumPy's ``partition`` (a vectorised quickselect) finds
+every row's ``k``-th largest value ``t`` in about a fifth of that time; ``x ≥ t`` then marks the
+row's top ``k``, as a 0/1 factor computed from the sign of ``x − t`` (exact for finite floats:
+``x − t`` is 0 only where ``x = t``) — elementwise arithmetic, several times faster than torch's
+boolean ``where`` on the CPU. That is torch's selection whenever the selection is unique; in a row
+whose ``k``-th and ``k+1``-th largest values tie ``topk`` picks among the tied entries, so such a
+tensor, one with a non-finite entry, other dtypes and devices, and short rows take ``torch.topk``
+and ``scatter``.
+
+[`nan_rows`][mumoe_tn.gates.selection.nan_rows] marks the rows with a non-finite entry by a
+row minimum and maximum, instead of ``isfinite(x).all(-1)``'s four passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+import torch
+
+__all__ = ["keep_top_k", "nan_rows", "top_k_logits", "top_k_mask"]
+
+#: The dtypes NumPy partitions as torch orders them.
+_PARTITIONED = (torch.float32, torch.float64)
+
+#: Rows shorter than this take ``torch.topk`` (NumPy's call costs more than it saves).
+_MIN_ROW = 128
+
+
+def _partitions(x: torch.Tensor, k: int) -> bool:
+    """Whether NumPy's partition may select ``x``'s top ``k`` (faster than ``torch.topk``)."""
+    n = x.shape[-1]
+    return (
+        x.dtype in _PARTITIONED
+        and x.device.type == "cpu"
+        and x.numel() > 0
+        and n >= _MIN_ROW
+        and k < n
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _partition_factor(x: torch.Tensor, k: int, positive: bool) -> torch.Tensor | None:
+    """1 at each row's top ``k`` (and ``> 0`` with ``positive``), 0 elsewhere, in ``x``'s dtype.
+
+    None when ``x`` holds a non-finite value or a row's ``k``-th and ``k+1``-th largest tie.
+    """
+    low, high = torch.aminmax(x)
+    if not bool(torch.isfinite(low) & torch.isfinite(high)):
+        return None
+    n = x.shape[-1]
+    rows = x.reshape(-1, n).contiguous().numpy()
+    ordered = numpy.partition(rows, n - k, axis=-1)  # ordered[:, n - k]: the k-th largest of each row
+    kth = ordered[:, n - k]
+    if (ordered[:, : n - k].max(axis=-1) == kth).any():  # the k+1-th largest ties with it
+        return None
+    if positive:  # x ≥ the least positive float: x > 0, in the same comparison
+        kth = numpy.maximum(kth, numpy.nextafter(kth.dtype.type(0), kth.dtype.type(1)))
+    difference = x - torch.from_numpy(kth).reshape(*x.shape[:-1], 1)
+    return difference.sign_().add_(1).clamp_max_(1)  # sign: -1 below t, 0 at t, 1 above
+
+
+def _check_k(x: torch.Tensor, k: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max(x.shape[-1], 1):
+        raise ValueError(f"k must be an int in [1, {x.shape[-1]}] (the last dim of x), got {k!r}")
+
+
+def top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Booleans shaped as ``x``: True at the ``k`` entries of each row that ``torch.topk(x, k, dim=-1)`` selects.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(…, N)``.
+    k : int
+        Entries per row, ``1 ≤ k ≤ N``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(…, N)`` booleans.
+    """
+    _check_k(x, k)
+    x = x.detach()
+    factor = _partition_factor(x, k, False) if _partitions(x, k) else None
+    if factor is not None:
+        return factor.bool()
+    indices = torch.topk(x, k, dim=-1, sorted=False).indices
+    return torch.zeros_like(x, dtype=torch.bool).scatter_(-1, indices, True)
+
+
+def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False) -> torch.Tensor:
+    """``x`` at each row's top ``k`` entries (as ``torch.topk`` selects them), 0 elsewhere; differentiable.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(…, N)``.
+    k : int
+        Entries per row, ``1 ≤ k ≤ N``.
+    relu : bool, optional
+        Pass the kept entries through a ReLU (a negative kept entry becomes 0).
+
+    Returns
+    -------
+    torch.Tensor
+        Shaped as ``x``.
+    """
+    _check_k(x, k)
+    detached = x.detach()
+    factor = _partition_factor(detached, k, relu) if _partitions(detached, k) else None
+    if factor is not None:
+        return x * factor
+    values, indices = torch.topk(x, k, dim=-1, sorted=False)
+    return torch.zeros_like(x).scatter_(-1, indices, torch.relu(values) if relu else values)
+
+
+def top_k_logits(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` at each row's top ``k`` entries, ``-inf`` elsewhere: a softmax of it is the softmax over the top ``k``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(…, N)`` logits.
+    k : int
+        Entries per row, ``1 ≤ k ≤ N``.
+
+    Returns
+    -------
+    torch.Tensor
+        Shaped as ``x``; gradients reach the kept entries.
+    """
+    _check_k(x, k)
+    detached = x.detach()
+    factor = _partition_factor(detached, k, False) if _partitions(detached, k) else None
+    if factor is not None:  # (1 - factor)·(-max)·2: 0 where kept, -inf elsewhere (never 0·inf)
+        return x + factor.sub_(1).mul_(torch.finfo(x.dtype).max).mul_(2)
+    values, indices = torch.topk(x, k, dim=-1, sorted=False)
+    return torch.full_like(x, -math.inf).scatter_(-1, indices, values)
+
+
+def nan_rows(x: torch.Tensor) -> torch.Tensor:
+    """``(…, 1)``: 0 where the row of ``x`` is finite, NaN where it holds a NaN or an infinity (no gradient)."""
+    x = x.detach()
+    low, high = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # two passes beat aminmax's one
+    return (low - low) + (high - high)  # x - x: 0 for a finite x, NaN for ±inf and NaN
