@@ -240,6 +240,18 @@ def _recorded(value: tuple[torch.Tensor, ...] | None, what: str, term: Loss) -> 
     return value
 
 
+def _active_units(code: torch.Tensor) -> torch.Tensor:
+    """Booleans ``(units,)``: the unit is non-zero (or NaN) at some token of ``code`` ``(…, units)``.
+
+    The largest magnitude per unit, where ``(code != 0).any(0)`` takes two boolean passes that
+    torch does not vectorise (five times the time on the CPU).
+    """
+    flat = code.detach().reshape(-1, code.shape[-1])
+    if flat.shape[0] == 0:
+        return torch.zeros(flat.shape[-1], dtype=torch.bool, device=flat.device)
+    return flat.abs().amax(0) != 0
+
+
 class NormalisedMSE(Loss, name="normalised-mse"):
     """``weight · mean_{t,o} (ŷ_{t,o} − y_{t,o})² / ‖y_t‖₂`` (the Mixture of Decoders paper's loss)."""
 
@@ -308,7 +320,7 @@ class AuxK(Loss, name="aux-k"):
         code = _recorded(inputs.code, "sparse code", self)
         pre = _recorded(inputs.preactivations, "pre-activations", self)
         rows = code[0].shape[0]
-        active = torch.cat([(part.detach() != 0).reshape(-1, part.shape[-1]).any(0) for part in code]).cpu()
+        active = torch.cat([_active_units(part) for part in code]).cpu()
         idle = inputs.state.get("idle")
         idle = torch.zeros(active.numel(), dtype=torch.int64) if idle is None else idle
         idle = torch.where(active, torch.zeros_like(idle), idle + rows)

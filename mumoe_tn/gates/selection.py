@@ -11,14 +11,14 @@ and back.
 
 On the CPU, torch's ``topk`` selects with ``std::nth_element`` over ``(value, index)`` pairs
 (once ``64·k > N``, otherwise a heap): about 5 µs per row of 512 floats, 2 µs per row of 256 —
-the largest part of a small replacement's distillation step. NumPy's ``partition`` (a vectorised quickselect) finds
-every row's ``k``-th largest value ``t`` in about a fifth of that time; ``x ≥ t`` then marks the
-row's top ``k``, as a 0/1 factor computed from the sign of ``x − t`` (exact for finite floats:
-``x − t`` is 0 only where ``x = t``) — elementwise arithmetic, several times faster than torch's
-boolean ``where`` on the CPU. That is torch's selection whenever the selection is unique; in a row
-whose ``k``-th and ``k+1``-th largest values tie ``topk`` picks among the tied entries, so such a
-tensor, one with a non-finite entry, other dtypes and devices, and short rows take ``torch.topk``
-and ``scatter``.
+the largest part of a small replacement's distillation step. NumPy's ``partition`` (a
+vectorised quickselect) finds every row's ``k``-th largest value ``t`` in about a fifth of that
+time; ``x ≥ t`` then marks the row's top ``k``, read from the sign of ``x − t`` (exact for finite
+floats: ``x − t`` is 0 only where ``x = t``) and applied as a 0/1 factor or a 0/−inf term —
+elementwise arithmetic, several times faster than torch's boolean ``where`` on the CPU. That is
+torch's selection whenever the selection is unique. In a row whose ``k``-th and ``k+1``-th
+largest values tie, ``topk`` picks among the tied entries: such a tensor, one with a non-finite
+entry, other dtypes and devices, and short rows take ``torch.topk`` and ``scatter``.
 
 [`nan_rows`][mumoe_tn.gates.selection.nan_rows] marks the rows with a non-finite entry by a
 row minimum and maximum, instead of ``isfinite(x).all(-1)``'s four passes.
@@ -54,9 +54,10 @@ def _partitions(x: torch.Tensor, k: int) -> bool:
     )
 
 
-def _partition_factor(x: torch.Tensor, k: int, positive: bool) -> torch.Tensor | None:
-    """1 at each row's top ``k`` (and ``> 0`` with ``positive``), 0 elsewhere, in ``x``'s dtype.
+def _partition_sign(x: torch.Tensor, k: int, positive: bool) -> torch.Tensor | None:
+    """``sign(x − t)`` in ``x``'s dtype, ``t`` each row's ``k``-th largest value: ≥ 0 exactly at the row's top ``k``.
 
+    With ``positive``, ``t`` is at least the least positive float (the top ``k`` that are > 0).
     None when ``x`` holds a non-finite value or a row's ``k``-th and ``k+1``-th largest tie.
     """
     low, high = torch.aminmax(x)
@@ -70,8 +71,7 @@ def _partition_factor(x: torch.Tensor, k: int, positive: bool) -> torch.Tensor |
         return None
     if positive:  # x ≥ the least positive float: x > 0, in the same comparison
         kth = numpy.maximum(kth, numpy.nextafter(kth.dtype.type(0), kth.dtype.type(1)))
-    difference = x - torch.from_numpy(kth).reshape(*x.shape[:-1], 1)
-    return difference.sign_().add_(1).clamp_max_(1)  # sign: -1 below t, 0 at t, 1 above
+    return (x - torch.from_numpy(kth).reshape(*x.shape[:-1], 1)).sign_()
 
 
 def _check_k(x: torch.Tensor, k: int) -> None:
@@ -96,9 +96,9 @@ def top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     """
     _check_k(x, k)
     x = x.detach()
-    factor = _partition_factor(x, k, False) if _partitions(x, k) else None
-    if factor is not None:
-        return factor.bool()
+    sign = _partition_sign(x, k, False) if _partitions(x, k) else None
+    if sign is not None:
+        return sign >= 0
     indices = torch.topk(x, k, dim=-1, sorted=False).indices
     return torch.zeros_like(x, dtype=torch.bool).scatter_(-1, indices, True)
 
@@ -122,9 +122,9 @@ def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False) -> torch.Tensor:
     """
     _check_k(x, k)
     detached = x.detach()
-    factor = _partition_factor(detached, k, relu) if _partitions(detached, k) else None
-    if factor is not None:
-        return x * factor
+    sign = _partition_sign(detached, k, relu) if _partitions(detached, k) else None
+    if sign is not None:  # sign + 1 clamped to 1: 1 at the top k, 0 elsewhere
+        return x * sign.add_(1).clamp_max_(1)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
     return torch.zeros_like(x).scatter_(-1, indices, torch.relu(values) if relu else values)
 
@@ -146,9 +146,9 @@ def top_k_logits(x: torch.Tensor, k: int) -> torch.Tensor:
     """
     _check_k(x, k)
     detached = x.detach()
-    factor = _partition_factor(detached, k, False) if _partitions(detached, k) else None
-    if factor is not None:  # (1 - factor)·(-max)·2: 0 where kept, -inf elsewhere (never 0·inf)
-        return x + factor.sub_(1).mul_(torch.finfo(x.dtype).max).mul_(2)
+    sign = _partition_sign(detached, k, False) if _partitions(detached, k) else None
+    if sign is not None:  # min(sign, 0)·max·2: 0 at the top k, -inf elsewhere (never 0·inf)
+        return x + sign.clamp_max_(0).mul_(torch.finfo(x.dtype).max).mul_(2)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
     return torch.full_like(x, -math.inf).scatter_(-1, indices, values)
 
