@@ -57,7 +57,7 @@ from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.entmax import entmax15, sparsemax
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.replicas import warn_unsynchronised
-from mumoe_tn.gates.selection import keep_top_k, nan_rows, top_k_logits, top_k_mask
+from mumoe_tn.gates.selection import keep_top_k, top_k_logits, top_k_mask
 from mumoe_tn.network import expert_leg, normalise_expert_dims
 from mumoe_tn.registry import Registry
 
@@ -593,7 +593,7 @@ class TopKRouter(ExpertGate):
     def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
         if kernels.gate_kernels_apply(logits):
             return kernels.top_k_softmax(logits, self.k[mode])
-        return torch.softmax(top_k_logits(logits, self.k[mode]), dim=-1) + nan_rows(logits)
+        return torch.softmax(top_k_logits(logits, self.k[mode], mark_non_finite=True), dim=-1)
 
     def _activate_modes(self, logits: torch.Tensor) -> list[torch.Tensor]:
         parts = logits.split(self.expert_dims, dim=-1)
@@ -630,7 +630,7 @@ def _relu_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` largest of ``ReLU(logits)`` per row kept in place, every other entry 0 (NaN rows stay NaN)."""
     if kernels.gate_kernels_apply(logits):
         return kernels.relu_top_k(logits, k)
-    return keep_top_k(logits, k, relu=True) + nan_rows(logits)  # ReLU after the top k: the same kept values
+    return keep_top_k(logits, k, relu=True, mark_non_finite=True)  # ReLU after the top k: the same kept values
 
 
 class ReLUTopKRouter(ExpertGate):

@@ -36,6 +36,10 @@ __all__ = ["keep_top_k", "nan_rows", "top_k_logits", "top_k_mask"]
 #: The dtypes NumPy partitions as torch orders them.
 _PARTITIONED = (torch.float32, torch.float64)
 
+#: The integer type of each float width, and back.
+_INTEGERS = {4: numpy.int32, 8: numpy.int64}
+_FLOATS = {4: numpy.float32, 8: numpy.float64}
+
 #: Rows shorter than this take ``torch.topk`` (NumPy's call costs more than it saves).
 _MIN_ROW = 128
 
@@ -54,6 +58,21 @@ def _partitions(x: torch.Tensor, k: int) -> bool:
     )
 
 
+def _order_keys(values: numpy.ndarray) -> numpy.ndarray:
+    """The floats' bits as integers that order as the floats do, or back (the map is its own inverse).
+
+    IEEE 754 floats of one sign order as their bits read as integers; flipping the magnitude bits
+    of the negatives puts those in order too. NumPy partitions the integers in half the time.
+    """
+    if values.dtype.kind == "i":
+        integers, back = values, _FLOATS[values.dtype.itemsize]
+    else:
+        integers, back = values.view(_INTEGERS[values.dtype.itemsize]), None
+    magnitude = numpy.iinfo(integers.dtype).max
+    flipped = integers ^ ((integers >> (8 * integers.dtype.itemsize - 1)) & magnitude)
+    return flipped if back is None else flipped.view(back)
+
+
 def _partition_sign(x: torch.Tensor, k: int, positive: bool) -> torch.Tensor | None:
     """``sign(x − t)`` in ``x``'s dtype, ``t`` each row's ``k``-th largest value: ≥ 0 exactly at the row's top ``k``.
 
@@ -64,10 +83,10 @@ def _partition_sign(x: torch.Tensor, k: int, positive: bool) -> torch.Tensor | N
     if not bool(torch.isfinite(low) & torch.isfinite(high)):
         return None
     n = x.shape[-1]
-    rows = x.reshape(-1, n).contiguous().numpy()
-    ordered = numpy.partition(rows, n - k, axis=-1)  # ordered[:, n - k]: the k-th largest of each row
-    kth = ordered[:, n - k]
-    if (ordered[:, : n - k].max(axis=-1) == kth).any():  # the k+1-th largest ties with it
+    keys = _order_keys(x.reshape(-1, n).contiguous().numpy())
+    ordered = numpy.partition(keys, n - k, axis=-1)  # ordered[:, n - k]: the k-th largest of each row
+    kth, below = _order_keys(ordered[:, n - k]), _order_keys(ordered[:, : n - k].max(axis=-1))
+    if (below == kth).any():  # the k+1-th largest ties with the k-th (compared as floats: -0.0 == 0.0)
         return None
     if positive:  # x ≥ the least positive float: x > 0, in the same comparison
         kth = numpy.maximum(kth, numpy.nextafter(kth.dtype.type(0), kth.dtype.type(1)))
@@ -103,7 +122,7 @@ def top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(x, dtype=torch.bool).scatter_(-1, indices, True)
 
 
-def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False) -> torch.Tensor:
+def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False, mark_non_finite: bool = False) -> torch.Tensor:
     """``x`` at each row's top ``k`` entries (as ``torch.topk`` selects them), 0 elsewhere; differentiable.
 
     Parameters
@@ -114,6 +133,8 @@ def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False) -> torch.Tensor:
         Entries per row, ``1 ≤ k ≤ N``.
     relu : bool, optional
         Pass the kept entries through a ReLU (a negative kept entry becomes 0).
+    mark_non_finite : bool, optional
+        A row of ``x`` holding a NaN or an infinity comes out all NaN (a gate's rule).
 
     Returns
     -------
@@ -123,13 +144,14 @@ def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False) -> torch.Tensor:
     _check_k(x, k)
     detached = x.detach()
     sign = _partition_sign(detached, k, relu) if _partitions(detached, k) else None
-    if sign is not None:  # sign + 1 clamped to 1: 1 at the top k, 0 elsewhere
+    if sign is not None:  # sign + 1 clamped to 1: 1 at the top k, 0 elsewhere (x is finite)
         return x * sign.add_(1).clamp_max_(1)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
-    return torch.zeros_like(x).scatter_(-1, indices, torch.relu(values) if relu else values)
+    kept = torch.zeros_like(x).scatter_(-1, indices, torch.relu(values) if relu else values)
+    return kept + nan_rows(detached) if mark_non_finite else kept
 
 
-def top_k_logits(x: torch.Tensor, k: int) -> torch.Tensor:
+def top_k_logits(x: torch.Tensor, k: int, *, mark_non_finite: bool = False) -> torch.Tensor:
     """``x`` at each row's top ``k`` entries, ``-inf`` elsewhere: a softmax of it is the softmax over the top ``k``.
 
     Parameters
@@ -138,6 +160,8 @@ def top_k_logits(x: torch.Tensor, k: int) -> torch.Tensor:
         ``(…, N)`` logits.
     k : int
         Entries per row, ``1 ≤ k ≤ N``.
+    mark_non_finite : bool, optional
+        A row of ``x`` holding a NaN or an infinity comes out all NaN (so does its softmax).
 
     Returns
     -------
@@ -147,10 +171,11 @@ def top_k_logits(x: torch.Tensor, k: int) -> torch.Tensor:
     _check_k(x, k)
     detached = x.detach()
     sign = _partition_sign(detached, k, False) if _partitions(detached, k) else None
-    if sign is not None:  # min(sign, 0)·max·2: 0 at the top k, -inf elsewhere (never 0·inf)
+    if sign is not None:  # min(sign, 0)·max·2: 0 at the top k, -inf elsewhere (never 0·inf; x is finite)
         return x + sign.clamp_max_(0).mul_(torch.finfo(x.dtype).max).mul_(2)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
-    return torch.full_like(x, -math.inf).scatter_(-1, indices, values)
+    kept = torch.full_like(x, -math.inf).scatter_(-1, indices, values)
+    return kept + nan_rows(detached) if mark_non_finite else kept
 
 
 def nan_rows(x: torch.Tensor) -> torch.Tensor:

@@ -96,3 +96,24 @@ def test_nan_rows_marks_the_rows_with_a_non_finite_entry():
 def test_a_k_outside_the_row_is_refused(k):
     with pytest.raises(ValueError, match=r"k must be an int in \[1, 256\]"):
         keep_top_k(torch.zeros(2, 256), k)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("n", [16, 256])
+def test_marked_rows_with_a_non_finite_entry_come_out_nan(bad, n):
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(2))
+    x[1, 5] = bad
+    for out in (keep_top_k(x, 4, relu=True, mark_non_finite=True), top_k_logits(x, 4, mark_non_finite=True)):
+        assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    finite = torch.randn(3, n, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(keep_top_k(finite, 4, mark_non_finite=True), keep_top_k(finite, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_signed_zeros_tie_as_torch_ties_them(dtype):
+    row = [3.0, 2.0, -0.0, 0.0] + [-1.0 - i for i in range(200)]
+    for order in (row, [*row[:2], 0.0, -0.0, *row[4:]]):
+        x = torch.tensor([order, [-v for v in order]], dtype=dtype)
+        expected = torch.zeros_like(x, dtype=torch.bool).scatter(-1, _reference_indices(x, 3), True)
+        assert torch.equal(top_k_mask(x, 3), expected)
+        assert torch.equal(keep_top_k(x, 3).signbit(), _reference_keep(x, 3, relu=False).signbit())
