@@ -148,7 +148,7 @@ def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False, mark_non_finite: 
         return x * sign.add_(1).clamp_max_(1)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
     kept = torch.zeros_like(x).scatter_(-1, indices, torch.relu(values) if relu else values)
-    return kept + nan_rows(detached) if mark_non_finite else kept
+    return kept + nan_rows(detached) if mark_non_finite and _may_hold_non_finite(detached) else kept
 
 
 def top_k_logits(x: torch.Tensor, k: int, *, mark_non_finite: bool = False) -> torch.Tensor:
@@ -175,7 +175,15 @@ def top_k_logits(x: torch.Tensor, k: int, *, mark_non_finite: bool = False) -> t
         return x + sign.clamp_max_(0).mul_(torch.finfo(x.dtype).max).mul_(2)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
     kept = torch.full_like(x, -math.inf).scatter_(-1, indices, values)
-    return kept + nan_rows(detached) if mark_non_finite else kept
+    return kept + nan_rows(detached) if mark_non_finite and _may_hold_non_finite(detached) else kept
+
+
+def _may_hold_non_finite(x: torch.Tensor) -> bool:
+    """False where ``x`` is on the CPU and finite (one reduction; elsewhere reading it would wait for the device)."""
+    if x.device.type != "cpu" or x.numel() == 0 or torch.compiler.is_compiling():
+        return True
+    low, high = torch.aminmax(x)
+    return not bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def nan_rows(x: torch.Tensor) -> torch.Tensor:
