@@ -323,12 +323,12 @@ class AuxK(Loss, name="aux-k"):
         active = torch.cat([_active_units(part) for part in code]).cpu()
         idle = inputs.state.get("idle")
         idle = torch.zeros(active.numel(), dtype=torch.int64) if idle is None else idle
-        idle = torch.where(active, torch.zeros_like(idle), idle + rows)
+        idle = (idle + rows).masked_fill_(active, 0)
         inputs.state["idle"] = idle
-        dead = (idle >= self.dead_after).split([part.shape[-1] for part in code])
         zero = inputs.prediction.new_zeros(())
-        if not any(mode.any() for mode in dead):
+        if idle.numel() == 0 or int(idle.max()) < self.dead_after:  # no unit dead
             return zero
+        dead = (idle >= self.dead_after).split([part.shape[-1] for part in code])
         auxiliary, baseline = [], []
         for part, logits, mode_dead in zip(code, pre, dead, strict=True):
             if not mode_dead.any():
