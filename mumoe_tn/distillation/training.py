@@ -319,7 +319,10 @@ class ReplacementTrainer:
         for term in self.terms:
             inputs.state = self.loss_state[term.name]
             values.append(term(inputs))
-        return values[0] if len(values) == 1 else torch.stack(values).sum()
+        total = values[0]
+        for value in values[1:]:  # in order: one addition per term where stack().sum() takes two passes
+            total = total + value
+        return total
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimiser step on ``(x, y)``; returns the loss before the step (detached, not synced)."""
