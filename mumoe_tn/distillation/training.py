@@ -238,8 +238,8 @@ def project_column_gradients(parameter: torch.Tensor, dim: int) -> None:
     grad = parameter.grad
     if grad is None:
         return
-    unit = parameter / parameter.norm(dim=dim, keepdim=True).clamp_min(1e-12)
-    grad.sub_((grad * unit).sum(dim=dim, keepdim=True) * unit)
+    unit = parameter / parameter.norm(dim=dim, keepdim=True).clamp_min_(1e-12)
+    grad.addcmul_(torch.linalg.vecdot(grad, unit, dim=dim).unsqueeze(dim), unit, value=-1)
 
 
 class ReplacementTrainer:
@@ -319,12 +319,17 @@ class ReplacementTrainer:
         for term in self.terms:
             inputs.state = self.loss_state[term.name]
             values.append(term(inputs))
-        return values[0] if len(values) == 1 else torch.stack(values).sum()
+        total = values[0]
+        for value in values[1:]:  # in order: one addition per term where stack().sum() takes two passes
+            total = total + value
+        return total
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimiser step on ``(x, y)``; returns the loss before the step (detached, not synced)."""
         loss = self.loss(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
+        for group in self.optimizer.param_groups:  # zero_grad(set_to_none=True), without its profiling hooks
+            for parameter in group["params"]:
+                parameter.grad = None
         loss.backward()
         for _, parameter, dim in self.unit_norm:
             project_column_gradients(parameter, dim)

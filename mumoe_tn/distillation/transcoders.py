@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mumoe_tn.costs.baselines import transcoder_parameters
+from mumoe_tn.gates.selection import keep_top_k
 from mumoe_tn.validation import check_bool, check_size
 
 __all__ = ["TopK", "Transcoder"]
@@ -47,8 +48,7 @@ class TopK(nn.Module):
         """``ReLU`` of the top ``k`` entries of each row of ``x``, zeros elsewhere."""
         if x.shape[-1] < self.k:
             raise ValueError(f"TopK keeps k={self.k} entries but the input has only {x.shape[-1]}")
-        values, indices = x.topk(self.k, dim=-1, sorted=False)  # the order is irrelevant to the scatter
-        return torch.zeros_like(x).scatter(-1, indices, torch.relu(values))
+        return keep_top_k(x, self.k, relu=True)
 
     def extra_repr(self) -> str:
         return f"k={self.k}"

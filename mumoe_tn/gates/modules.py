@@ -57,6 +57,7 @@ from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.entmax import entmax15, inference_map, sparsemax
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.replicas import warn_unsynchronised
+from mumoe_tn.gates.selection import keep_top_k, top_k_logits, top_k_mask
 from mumoe_tn.network import expert_leg, normalise_expert_dims
 from mumoe_tn.registry import Registry
 
@@ -631,11 +632,7 @@ class TopKRouter(ExpertGate):
     def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
         if kernels.gate_kernels_apply(logits):
             return kernels.top_k_softmax(logits, self.k[mode])
-        values, indices = logits.topk(self.k[mode], dim=-1)
-        weights = torch.softmax(values, dim=-1)
-        routed = torch.zeros_like(logits).scatter(-1, indices, weights)
-        finite = torch.isfinite(logits).all(dim=-1, keepdim=True)
-        return torch.where(finite, routed, torch.nan)
+        return torch.softmax(top_k_logits(logits, self.k[mode], mark_non_finite=True), dim=-1)
 
     def _activate_modes(self, logits: torch.Tensor) -> list[torch.Tensor]:
         parts = logits.split(self.expert_dims, dim=-1)
@@ -645,8 +642,7 @@ class TopKRouter(ExpertGate):
         self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.k[mode]
-        indices = logits.topk(k, dim=-1).indices
-        dispatch = torch.zeros_like(logits).scatter(-1, indices, 1.0 / k)
+        dispatch = torch.zeros_like(logits).masked_fill_(top_k_mask(logits, k), 1.0 / k)
         return torch.softmax(logits, dim=-1), dispatch
 
     def extra_repr(self) -> str:
@@ -673,10 +669,7 @@ def _relu_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` largest of ``ReLU(logits)`` per row kept in place, every other entry 0 (NaN rows stay NaN)."""
     if kernels.gate_kernels_apply(logits):
         return kernels.relu_top_k(logits, k)
-    values, indices = torch.relu(logits).topk(k, dim=-1)
-    kept = torch.zeros_like(logits).scatter(-1, indices, values)
-    finite = torch.isfinite(logits).all(dim=-1, keepdim=True)
-    return torch.where(finite, kept, torch.nan)
+    return keep_top_k(logits, k, relu=True, mark_non_finite=True)  # ReLU after the top k: the same kept values
 
 
 class ReLUTopKRouter(ExpertGate):
