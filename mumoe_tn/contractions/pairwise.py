@@ -193,9 +193,14 @@ def run_batched(product: BatchedProduct, first: torch.Tensor, second: torch.Tens
             f"{tuple(right.shape[: nb + product.n_inner])} in the other"
         )
     size, inner = math.prod(batch), math.prod(left.shape[nb + nr :])
-    result = torch.bmm(left.reshape(size, math.prod(rows), inner), right.reshape(size, inner, math.prod(columns))).view(
-        *batch, *rows, *columns
-    )
+    stacks = (size, math.prod(rows), inner), (size, inner, math.prod(columns))
+    # (no reshape where an operand already is the stack: each is one more autograd node per call)
+    left = left if left.shape == stacks[0] else left.reshape(stacks[0])
+    right = right if right.shape == stacks[1] else right.reshape(stacks[1])
+    result = torch.bmm(left, right)
+    shape = (*batch, *rows, *columns)
+    if result.shape != shape:
+        result = result.view(shape)
     return result if product.output_order is None else result.permute(product.output_order)
 
 
