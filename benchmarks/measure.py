@@ -175,8 +175,12 @@ def alternate(
 ) -> dict[str, Timing]:
     """Time every runner in rounds A, B, C, A, B, C, … and keep all samples.
 
-    Each round runs every case ``reps`` times forward+backward and ``reps`` times forward, after
-    one untimed warm-up of each in the first round (forward only with ``train=False``). A case's
+    Each round runs every case ``reps`` times forward+backward, then ``reps`` times forward, after
+    one untimed warm-up of each in the first round (forward only with ``train=False``). The
+    forward samples follow one another as a decoding loop's calls do: a training step moves a
+    norm's running statistics, which a layer's inference caches are derived from, so a forward
+    timed right after each training step would time the caches' rebuilding, not the call (the
+    first forward of a round still does, one sample of ``reps``). A case's
     median is then taken over its samples from all rounds, so slow phases of a shared machine hit
     every case alike. ``tick`` is called after each case's turn in a round, ``done(label, timing)``
     after a case's last round.
@@ -189,10 +193,9 @@ def alternate(
                     runner.time(runner.train_step, train=True)
                 runner.time(runner.infer_step, train=False)
             timing = timings[label]
-            for _ in range(reps):
-                if train:
-                    timing.train.append(runner.time(runner.train_step, train=True))
-                timing.infer.append(runner.time(runner.infer_step, train=False))
+            if train:
+                timing.train.extend(runner.time(runner.train_step, train=True) for _ in range(reps))
+            timing.infer.extend(runner.time(runner.infer_step, train=False) for _ in range(reps))
             tick()
             if round_ == rounds - 1:
                 done(label, timing)

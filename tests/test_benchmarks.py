@@ -83,6 +83,27 @@ def test_alternate_interleaves_the_cases_and_takes_medians():
     assert Timing([1.0, 3.0], [2.0]).infer_s == 2.0
 
 
+def test_a_cases_forward_samples_follow_its_training_samples():
+    # a forward timed right after each training step would time the rebuilding of inference caches
+    calls = []
+
+    class Fake:
+        def train_step(self):
+            calls.append("train")
+
+        def infer_step(self):
+            calls.append("infer")
+
+        def time(self, step, *, train):
+            step()
+            return 1.0
+
+    alternate({"A": Fake()}, rounds=2, reps=3)
+    warm_up, first, second = calls[:2], calls[2:8], calls[8:]
+    assert warm_up == ["train", "infer"]
+    assert first == second == ["train"] * 3 + ["infer"] * 3
+
+
 def test_peak_memory_is_measured_in_fresh_processes():
     small = Case("linear", "linear", {"in_features": 8, "out_features": 4096}, 2, 1024)
     large = Case("linear", "linear", {"in_features": 8, "out_features": 4096}, 8, 1024)
