@@ -243,13 +243,14 @@ def _recorded(value: tuple[torch.Tensor, ...] | None, what: str, term: Loss) -> 
 def _active_units(code: torch.Tensor) -> torch.Tensor:
     """Booleans ``(units,)``: the unit is non-zero (or NaN) at some token of ``code`` ``(…, units)``.
 
-    The largest magnitude per unit, where ``(code != 0).any(0)`` takes two boolean passes that
-    torch does not vectorise (five times the time on the CPU).
+    The largest and the smallest entry per unit, where ``(code != 0).any(0)`` takes two boolean
+    passes that torch does not vectorise (five times the time on the CPU), and ``abs`` would write
+    a code-sized temporary on every step.
     """
     flat = code.detach().reshape(-1, code.shape[-1])
     if flat.shape[0] == 0:
         return torch.zeros(flat.shape[-1], dtype=torch.bool, device=flat.device)
-    return flat.abs().amax(0) != 0
+    return (flat.amax(0) != 0) | (flat.amin(0) != 0)
 
 
 class NormalisedMSE(Loss, name="normalised-mse"):
