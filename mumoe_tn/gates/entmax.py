@@ -399,7 +399,7 @@ def _cpu_rows_map(x: torch.Tensor, entmax: bool) -> torch.Tensor:
 
 def _numpy_sorted_map(rows: np.ndarray, entmax: bool) -> np.ndarray:
     """[`sorted_forward`][mumoe_tn.gates.entmax.sorted_forward] on a 2-D float array (a new array)."""
-    if rows.shape[0] <= SCALAR_ROWS:
+    if 0 < rows.shape[0] <= SCALAR_ROWS:
         singles = [_single_row(row, entmax) for row in rows]  # None for a non-finite row too: the rows' steps
         if all(single is not None for single in singles):
             return singles[0][None] if len(singles) == 1 else np.stack(singles)

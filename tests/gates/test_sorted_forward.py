@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch_calls import AtenCalls
 
 from mumoe_tn.gates import entmax as ours
-from mumoe_tn.gates.entmax import SORTED_ELEMENTS, SORTED_ROWS, sorted_forward
+from mumoe_tn.gates.entmax import SORTED_ELEMENTS, SORTED_ROWS, inference_map, sorted_forward
 
 REFERENCES = {"entmax15": entmax.entmax15, "sparsemax": entmax.sparsemax}
 PUBLIC = {"entmax15": ours.entmax15, "sparsemax": ours.sparsemax}
@@ -75,6 +75,33 @@ def test_public_maps_take_the_sorted_path_along_any_dim(name, monkeypatch):
     with torch.no_grad():
         PUBLIC[name](torch.randn(SORTED_ROWS + 1, 5))  # more rows: the batched search
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_no_rows_map_to_no_rows(name):
+    for x in (torch.randn(0, 5), torch.randn(0, 3, 5)):
+        assert sorted_forward(x, name).shape == x.shape
+        assert inference_map(PUBLIC[name], x)(x).shape == x.shape
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    name=st.sampled_from(sorted(REFERENCES)),
+    shape=st.sampled_from([(1, 16), (3, 7), (2, 4, 4), (64, 5), (65, 5), (1, 2, 300)]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_inference_map_equals_the_entmax_package(name, shape, dtype, seed):
+    # decided once for logits like x (the NumPy steps up to SORTED_ROWS rows, the map itself beyond),
+    # then applied to other logits of that shape, strided ones (a column slice) included
+    gen = torch.Generator().manual_seed(seed)
+    like = torch.empty(shape, dtype=dtype)
+    mapped = inference_map(PUBLIC[name], like)
+    wide = torch.randn(*shape[:-1], shape[-1] + 3, generator=gen, dtype=dtype) * 3
+    x = wide[..., : shape[-1]]
+    got = mapped(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got, REFERENCES[name](x, dim=-1))
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
