@@ -214,9 +214,11 @@ def mumoe_factory(
     aux_k : bool or AuxK, optional
         Train with the auxiliary-k loss on dead experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK],
         attached as the block's ``distillation_losses``): True for its defaults, an ``AuxK`` for
-        others, False for none. Default: on, except for a Mixture of Decoders built with its
-        authors' recipe, who train without it (with their ReLU top-k gate it raised the error,
-        as measured in the distillation guide).
+        others, False for none. Default: on for a block with one expert mode, except a Mixture of
+        Decoders built with its authors' recipe, who train without it (with their ReLU top-k gate
+        it raised the error); off for a block with several expert modes, whose per-mode top-k
+        leaves few experts dead and which the term made erratic (both measured in the
+        distillation guide).
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
@@ -271,7 +273,8 @@ def mumoe_factory(
         paper = decoders and (recipe == "mxd-paper" or (recipe is None and bool(module.expert_vectors())))
         if paper:
             mxd_paper_init(module)
-        use = not paper if aux_k is None else aux_k
+        flat = len(module.expert_dims) == 1
+        use = (flat and not paper) if aux_k is None else aux_k
         if use is not False:
             module.distillation_losses = (use if isinstance(use, AuxK) else AuxK(),)
         return module

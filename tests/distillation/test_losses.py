@@ -182,6 +182,8 @@ def test_aux_k_is_attached_by_the_factory():
     assert isinstance(mumoe_factory("cp", 8, 2, 4.0)(block).distillation_losses[0], AuxK)  # softmax top-k
     assert not hasattr(mumoe_factory("mxd", 8, 2, 4.0)(block), "distillation_losses")  # ReLU top-k
     assert not hasattr(mumoe_factory("cp", 8, 2, 4.0, aux_k=False)(block), "distillation_losses")
+    assert not hasattr(mumoe_factory("cp", (4, 4), 2, 4.0)(block), "distillation_losses")  # two modes
+    assert isinstance(mumoe_factory("tr", (4, 4), 2, 4.0, aux_k=True)(block).distillation_losses[0], AuxK)
     term = AuxK(weight=0.1)
     assert mumoe_factory("cp", 8, 2, 4.0, aux_k=term)(block).distillation_losses == (term,)
     assert isinstance(mumoe_factory("mxd", 8, 2, 4.0, aux_k=True)(block).distillation_losses[0], AuxK)
