@@ -148,7 +148,7 @@ def measure(config: FrontierConfig, *, rounds: int, steps: int) -> dict:
     budget = config.budget or transcoder_parameters(block.in_features, config.expansion * block.in_features,
                                                     block.out_features)  # fmt: skip
     factories = method_factories(config.methods, config.l0s, budget, config.experts, top_k=config.top_k,
-                                 recipe=config.recipe)  # fmt: skip
+                                 recipe=config.recipe, aux_k=config.aux_k)  # fmt: skip
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(config.batch_size, block.in_features, generator=generator)
     y = torch.randn(config.batch_size, block.out_features, generator=generator)

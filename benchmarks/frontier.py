@@ -43,6 +43,9 @@ from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 #: The methods of the claim: MxD (flat and two modes) and the hierarchical CP and TR blocks against both transcoders.
 CLAIM_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp-hier", "tr-hier")
 
+#: ``--aux-k``: the auxiliary-k term on the μMoE blocks (None: the factory's default).
+AUX_K = {"auto": None, "on": True, "off": False}
+
 #: The references every method is compared with, seed by seed.
 REFERENCES = ("transcoder", "skip-transcoder")
 
@@ -259,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="seeds run at a time, one thread each (default 2)")
     parser.add_argument("--recipe", choices=("mxd-paper", "plain"), default="mxd-paper", help="training recipe")
     parser.add_argument("--top-k", choices=("auto", "softmax", "relu"), default="auto", help="the μMoE top-k gate")
+    parser.add_argument("--aux-k", choices=tuple(AUX_K), default="auto",
+                        help="the auxiliary-k term on the μMoE blocks (auto: the factory's default)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="output folder (default benchmarks/, or a temporary one with --quick)")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds) or args.jobs < 1:
@@ -291,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         start = time.perf_counter()
         config = FrontierConfig.quick() if args.quick else FrontierConfig(methods=CLAIM_METHODS, tokens=CLAIM_TOKENS)
-        changes = {"top_k": args.top_k, "recipe": args.recipe}
+        changes = {"top_k": args.top_k, "recipe": args.recipe, "aux_k": AUX_K[args.aux_k]}
         changes.update({k: v for k, v in (("tokens", args.tokens), ("methods", args.methods), ("l0s", args.l0s))
                         if v is not None})  # fmt: skip
         for key in ("methods", "l0s"):

@@ -91,3 +91,17 @@ def test_one_command_over_seeds(tmp_path):
     assert first.config["recipe"] == "mxd-paper" and first.config["trained_tokens"] == 512
     report = (tmp_path / "frontier-cpu.md").read_text()
     assert "method − transcoder" in report and "| mxd |" in report
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("auto", None), ("on", True), ("off", False)])
+def test_the_aux_k_flag_reaches_every_seeds_config(tmp_path, monkeypatch, flag, expected):
+    seen = []
+
+    def run_seeds(config, seeds, jobs=1):
+        seen.append(config.aux_k)
+        raise SystemExit(0)  # the configuration is all this test reads
+
+    monkeypatch.setattr(frontier, "run_seeds", run_seeds)
+    with pytest.raises(SystemExit):
+        frontier.main(["--quick", "--aux-k", flag, "--out", str(tmp_path)])
+    assert seen == [expected]

@@ -89,6 +89,10 @@ class FrontierConfig:
     top_k : str
         The μMoE blocks' top-k gate: ``"auto"``, by format (ReLU for a Mixture of Decoders, the
         authors' gate; softmax otherwise), or any registered top-k gate's short name for all.
+    aux_k : bool or None
+        The auxiliary-k term on the μMoE blocks: None for the factory's default (see
+        [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]), True or False for
+        every one of them.
     """
 
     width: int = 64
@@ -113,6 +117,7 @@ class FrontierConfig:
     eval_tokens: int = 16_384
     seed: int = 0
     top_k: str = "auto"
+    aux_k: bool | None = None
 
     @classmethod
     def quick(cls) -> FrontierConfig:
@@ -162,6 +167,7 @@ def method_factories(
     *,
     top_k: str = "auto",
     recipe: str = "mxd-paper",
+    aux_k: bool | None = None,
 ) -> dict[str, Factory]:
     """The factories of a frontier, named ``"<method>@<L0>"`` (a μMoE with ``top_k`` set: ``"<method>:<top_k>@<L0>"``).
 
@@ -179,6 +185,8 @@ def method_factories(
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
     recipe : {"mxd-paper", "plain"}, optional
         ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors'.
+    aux_k : bool or None, optional
+        The auxiliary-k term on every μMoE block (None: the factory's default).
 
     Returns
     -------
@@ -196,9 +204,11 @@ def method_factories(
             initial = "plain" if recipe == "plain" else None  # None: the authors' init for a Mixture of Decoders
             if method.endswith(_HIER):
                 dims: int | tuple[int, ...] = mode_split(experts, 2)
-                factories[name] = mumoe_factory(method[: -len(_HIER)], dims, l0, budget, top_k=top_k, recipe=initial)
+                factories[name] = mumoe_factory(
+                    method[: -len(_HIER)], dims, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k
+                )
             else:
-                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k, recipe=initial)
+                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k)
     return factories
 
 
@@ -294,8 +304,9 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
                                                     first.out_features)  # fmt: skip
     factories = method_factories(
-        config.methods, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe
-    )
+        config.methods, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe,
+        aux_k=config.aux_k,
+    )  # fmt: skip
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
@@ -388,7 +399,7 @@ def load_frontier(directory: str | Path) -> tuple[nn.Module, dict[str, dict[str,
     source = directory / MODEL_DIRECTORY if config.model_dir is None else Path(config.model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()
     factories = method_factories(config.methods, config.l0s, table.config["budget"], config.experts,
-                                 top_k=config.top_k, recipe=config.recipe)  # fmt: skip
+                                 top_k=config.top_k, recipe=config.recipe, aux_k=config.aux_k)  # fmt: skip
     built = {block.name: {method: factory(block) for method, factory in factories.items()}
              for block in select_blocks(model, config.mlps)}  # fmt: skip
     return model, load_replacements(built, directory / REPLACEMENTS_FILE), table

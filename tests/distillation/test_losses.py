@@ -189,3 +189,14 @@ def test_aux_k_is_attached_by_the_factory():
     assert isinstance(mumoe_factory("mxd", 8, 2, 4.0, aux_k=True)(block).distillation_losses[0], AuxK)
     with pytest.raises(TypeError, match="aux_k must be a bool or an AuxK"):
         mumoe_factory("cp", 8, 2, 4.0, aux_k="yes")
+
+
+def test_the_frontier_factories_attach_the_aux_k_term_as_configured():
+    from mumoe_tn.distillation.study import method_factories
+
+    block = select_blocks(ToyLM(), "mlp$")[0]
+    for aux_k, flat, hierarchical in [(None, True, False), (True, True, True), (False, False, False)]:
+        factories = method_factories(("cp", "cp-hier"), (2,), 4.0, 16, aux_k=aux_k)
+        built = {name: factory(block) for name, factory in factories.items()}
+        assert hasattr(built["cp@2"], "distillation_losses") == flat, aux_k
+        assert hasattr(built["cp-hier@2"], "distillation_losses") == hierarchical, aux_k
