@@ -49,7 +49,7 @@ AUX_K = {"auto": None, "on": True, "off": False}
 #: The references every method is compared with, seed by seed.
 REFERENCES = ("transcoder", "skip-transcoder")
 
-#: Training tokens per replacement of the claim: what 3 seeds fit in 30 minutes on 2 cores (1,643 s measured).
+#: Training tokens per replacement of the claim: what 3 seeds fit in 30 minutes on 2 cores (1,108–1,643 s measured).
 CLAIM_TOKENS = 800_000
 
 HERE = Path(__file__).resolve().parent
