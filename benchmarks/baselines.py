@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from mumoe_tn import MuMoE
+from mumoe_tn.gates import entmax15
 from mumoe_tn.layers import FactorizedExperts, MixtureOfDecoders, MuMoEMLP
 
 #: Registry package that provides each peer model, for the "not installed" message.
@@ -360,8 +361,6 @@ class FewestCallsCP(nn.Module):
         self._eval_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from mumoe_tn.gates import entmax15
-
         cores, gate = self.layer.experts, self.layer.gate
         (projection,) = gate.projections.values()
         (norm,) = gate.norms.values()

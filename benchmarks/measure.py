@@ -74,8 +74,11 @@ class Runner:
         with torch.no_grad():
             self.module(*self.args)
 
+    #: Whether a sample waits for the device after the call (False: the host's time to queue it).
+    synchronise_after = True
+
     def time(self, step: Callable[[], None], *, train: bool) -> float:
-        """Seconds of one ``step`` call, synchronised."""
+        """Seconds of one ``step`` call, the device synchronised before it (and after, see `synchronise_after`)."""
         self.module.train(train)
         if train:
             self._clear()
@@ -84,7 +87,8 @@ class Runner:
         synchronize(self.device)
         start = time.perf_counter()
         step()
-        synchronize(self.device)
+        if self.synchronise_after:
+            synchronize(self.device)
         return time.perf_counter() - start
 
 
@@ -98,6 +102,8 @@ class HostRunner(Runner):
     call's kernels (on the CPU, the call's time). [`launches`][benchmarks.measure.HostRunner.launches]
     counts the kernels and host reads of one call of each.
     """
+
+    synchronise_after = False
 
     def __init__(self, case: Case, device: torch.device, *, eval_tokens: int = 1) -> None:
         self.case, self.device = case, device
@@ -117,18 +123,6 @@ class HostRunner(Runner):
         """One inference forward pass at ``eval_tokens`` tokens."""
         with torch.no_grad():
             self.module(*self.eval_args)
-
-    def time(self, step: Callable[[], None], *, train: bool) -> float:
-        """Seconds until one ``step`` call returns, the device synchronised before it only."""
-        self.module.train(train)
-        if train:
-            self._clear()
-        if self.case.threads is not None and torch.get_num_threads() != self.case.threads:
-            torch.set_num_threads(self.case.threads)
-        synchronize(self.device)
-        start = time.perf_counter()
-        step()
-        return time.perf_counter() - start
 
     def launches(self) -> dict[str, object]:
         """Kernels and host reads of one eval call and one fwd+bwd, after a warm-up call of each."""

@@ -194,6 +194,7 @@ def method_factories(
     """
     _check_methods(methods)
     _check_l0s(methods, l0s, experts)
+    _check_aux_k(aux_k)
     factories: dict[str, Factory] = {}
     for method in methods:
         for l0 in l0s:
@@ -210,6 +211,11 @@ def method_factories(
             else:
                 factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k)
     return factories
+
+
+def _check_aux_k(aux_k: object) -> None:
+    if aux_k is not None and not isinstance(aux_k, bool):
+        raise TypeError(f"aux_k must be None (the factory's default), True or False, got {aux_k!r:.80}")
 
 
 def _corpus() -> str:
@@ -290,6 +296,7 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     """
     _check_methods(config.methods)
     _check_l0s(config.methods, config.l0s, config.experts)
+    _check_aux_k(config.aux_k)
     directory = None if save is None else _save_directory(save)
     start = time.perf_counter()
     model, tokens, description = load_model(config)

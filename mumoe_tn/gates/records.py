@@ -32,10 +32,7 @@ class PerThreadRecords(nn.Module):
         self._thread_records = _ThreadStore()
 
     def _remember(self, name: str, value: Any) -> None:
-        if torch.compiler.is_compiling():
-            setattr(self, f"_compiled_{name}", value)
-        else:
-            setattr(self._thread_records, name, value)
+        self._remember_all(**{name: value})
 
     def _remember_all(self, **values: Any) -> None:
         """`_remember` each of ``values``."""

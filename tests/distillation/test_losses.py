@@ -200,3 +200,13 @@ def test_the_frontier_factories_attach_the_aux_k_term_as_configured():
         built = {name: factory(block) for name, factory in factories.items()}
         assert hasattr(built["cp@2"], "distillation_losses") == flat, aux_k
         assert hasattr(built["cp-hier@2"], "distillation_losses") == hierarchical, aux_k
+
+
+def test_a_bad_aux_k_setting_is_refused_before_any_model_is_built(monkeypatch):
+    from mumoe_tn.distillation import study
+
+    monkeypatch.setattr(study, "load_model", lambda config: pytest.fail("built a model first"))
+    with pytest.raises(TypeError, match=r"aux_k must be None \(the factory's default\), True or False, got 'yes'"):
+        study.run_frontier(study.FrontierConfig(aux_k="yes"), progress=False)
+    with pytest.raises(TypeError, match="aux_k must be None"):
+        study.method_factories(("cp",), (2,), 4.0, 16, aux_k=1)
