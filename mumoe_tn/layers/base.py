@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.caching import source_key
+from mumoe_tn.caching import ModuleState, module_state
 from mumoe_tn.gates.modules import ExpertGate
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.specs import GateSpec
@@ -42,21 +42,6 @@ class _LeanProgram:
     n_logits: int
     coefficients: Callable[[torch.Tensor], list[torch.Tensor]]
     identity: bool
-
-
-def _module_state(module: nn.Module) -> tuple | None:
-    """What identifies the current state of ``module``: its submodules, modes, parameters and buffers.
-
-    Every submodule by identity and train/eval flag, every tensor by identity, storage and version
-    (as [`mumoe_tn.caching.source_key`][mumoe_tn.caching.source_key]); None where a tensor cannot
-    be tracked (an inference tensor).
-    """
-    modules = [module]
-    for current in modules:  # grows as it goes: every submodule, breadth first
-        modules.extend(child for child in current._modules.values() if child is not None)
-    tensors = [t for m in modules for group in (m._parameters, m._buffers) for t in group.values() if t is not None]
-    values = source_key(tensors)
-    return None if values is None else (tuple(map(id, modules)), tuple(m.training for m in modules), values)
 
 
 class MuMoEBase(PerThreadRecords):
@@ -101,7 +86,7 @@ class MuMoEBase(PerThreadRecords):
         self.ablation: Any = None
         self._fused = FusedProjections()
         self._checked_inputs: set[tuple] = set()
-        self._lean_programs: dict[tuple, tuple[tuple, _LeanProgram]] = {}
+        self._lean_programs: dict[tuple, tuple[ModuleState, _LeanProgram]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
@@ -210,7 +195,7 @@ class MuMoEBase(PerThreadRecords):
     def _check_input(self, x: torch.Tensor) -> None:
         """Validate the layer's input; a combination of width, dtype and device that passed once is not re-checked."""
         key = None
-        if type(x) is torch.Tensor and not torch.jit.is_tracing():
+        if type(x) is torch.Tensor and not torch.jit.is_tracing() and not torch.compiler.is_compiling():
             experts = self._expert_layers()[0]
             weight = getattr(experts, next(iter(experts.network.cores)))
             if x.device == weight.device:  # (autocast is asked of known devices only)
@@ -283,8 +268,11 @@ class MuMoEBase(PerThreadRecords):
         and the prepared plans' steps that multiply ``z`` by a constant matrix (the first cores
         the input meets, whichever network) then run as one matrix product
         ``z @ [Gᵀ | M_1 | …]``. What a call needs beyond its input (the fused matrix, the plans)
-        is looked up once per input signature and reused while no parameter, buffer, submodule
-        or train/eval flag of the layer has changed. None: the general path.
+        is looked up once per input signature and reused while the layer's
+        [`module_state`][mumoe_tn.caching.module_state] key is unchanged (no parameter, buffer,
+        submodule, train/eval flag or hook changed, no optimiser stepped). A forward hook on any
+        submodule (the experts included) sends the call down the general path. None: the general
+        path.
         """
         if mask is not None or self.ablation is not None or torch.is_grad_enabled() or type(x) is not torch.Tensor:
             return None
@@ -294,11 +282,13 @@ class MuMoEBase(PerThreadRecords):
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
         key = (width, x.dtype, x.device, batch_bucket(rows))
-        state = _module_state(self)
+        state = module_state(self)
+        if state.hooked:
+            return None  # (the fused product never calls the experts: their hooks must see the general path)
         found = self._lean_programs.get(key)
-        if found is None or found[0] != state:
+        if found is None or found[0].key != state.key:
             program = self._lean_program(x, rows)
-            if program is None or state is None:
+            if program is None or state.key is None:
                 return None
             if len(self._lean_programs) >= _MAX_PROGRAMS:
                 self._lean_programs.clear()

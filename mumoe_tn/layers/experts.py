@@ -428,6 +428,9 @@ class FactorizedExperts(nn.Module):
 
     def _check_inputs(self, z: torch.Tensor, coefficients: Sequence[torch.Tensor], append_one: bool) -> None:
         """Validate the operands; a combination of shapes, dtypes and devices that passed once is not re-checked."""
+        if torch.compiler.is_compiling():  # checked as traced; a set changed in the region would recompile
+            self._check_operands(z, coefficients, append_one)
+            return
         weight = getattr(self, next(iter(self.network.cores)))
         key = _operands_key(z, coefficients, append_one, weight)
         if key is not None and key in self._checked:

@@ -1,0 +1,48 @@
+"""Distilled blocks report, in the process that trained them, the metrics their reloaded weights give.
+
+Flat μMoE blocks train with the auxiliary-k term, whose no-grad forward between fused optimiser
+steps once left their inference caches holding the weights of that step: the same process then
+evaluated stale weights.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from test_training import ToyLM, _batches
+
+from mumoe_tn.distillation.faithfulness import evaluate_replacements
+from mumoe_tn.distillation.losses import AuxK
+from mumoe_tn.distillation.replacements import mumoe_factory
+from mumoe_tn.distillation.streaming import select_blocks
+from mumoe_tn.distillation.training import distill
+
+
+def _metrics(model, replacements):
+    table = evaluate_replacements(model, _batches(3, seed=9), replacements)
+    return {row.method: (row.nmse, row.l0) for row in table.rows}
+
+
+def test_distilled_flat_blocks_evaluate_their_trained_weights():
+    torch.manual_seed(0)
+    model = ToyLM(width=16, hidden=64)
+    block = select_blocks(model)[0]
+    budget = 4 * block.parameters
+    factories = {
+        fmt: mumoe_factory(fmt, 64, 4, budget, aux_k=AuxK(dead_after=64)) for fmt in ("cp", "tr")
+    }  # a short dead_after: the auxiliary term (and its no-grad forward) runs from the first steps
+    run = distill(model, _batches(24), factories, tokens=24 * 64, batch_size=64, buffer_tokens=256, progress=False)
+    reported = _metrics(model, run.replacements)
+    reloaded = {}
+    for mlp, methods in run.replacements.items():
+        reloaded[mlp] = {}
+        for method, module in methods.items():
+            fresh = copy.deepcopy(module)  # a deep copy keeps no inference cache
+            fresh.load_state_dict(module.state_dict())
+            reloaded[mlp][method] = fresh
+    expected = _metrics(model, reloaded)
+    assert reported.keys() == expected.keys() == {"cp", "tr"}
+    for method, (nmse, l0) in expected.items():
+        assert abs(reported[method][0] - nmse) <= 1e-5 * max(1.0, nmse), (method, reported[method], nmse)
+        assert reported[method][1] == l0
