@@ -38,6 +38,7 @@ import csv
 import io
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -55,6 +56,7 @@ __all__ = [
     "ScoreInterval",
     "bootstrap_ce_score",
     "ce_loss_score",
+    "frontier_figure",
     "plot_frontier",
 ]
 
@@ -431,6 +433,9 @@ def plot_frontier(
 ) -> Path:
     """Save the frontier: ``y`` (default the CE-loss score) against L0, one line per method, one panel per block.
 
+    The CE-loss score is drawn with its bootstrap interval as a band, where the run measured one;
+    the title wraps to the figure's width.
+
     Parameters
     ----------
     table : FrontierTable
@@ -446,6 +451,22 @@ def plot_frontier(
     Returns
     -------
     Path
+    """
+    figure = frontier_figure(table, y=y, blocks=blocks, title=title)
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def frontier_figure(
+    table: FrontierTable, *, y: str = "score", blocks: Sequence[str] | None = None, title: str | None = None
+) -> Any:
+    """The figure [`plot_frontier`][mumoe_tn.distillation.frontier.plot_frontier] saves (a matplotlib ``Figure``).
+
+    Parameters are those of ``plot_frontier`` without the path; the caller closes the figure.
     """
     axes_names = {"score": "CE-loss score", "nmse": "normalised MSE", "explained_variance": "explained variance",
                   "ce_spliced": "CE spliced (nats)"}  # fmt: skip
@@ -465,23 +486,29 @@ def plot_frontier(
         import matplotlib.pyplot as plt
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError("plotting needs matplotlib: pip install 'mumoe_tn[plot]'") from error
-    figure, axes = plt.subplots(1, len(blocks), figsize=(4.6 * len(blocks), 3.9), squeeze=False, sharey=True)
+    width = 4.6 * len(blocks)
+    figure, axes = plt.subplots(1, len(blocks), figsize=(width, 3.9), squeeze=False, sharey=True, layout="constrained")
     families = list(dict.fromkeys(row.family for row in table.rows))
     for panel, block in zip(axes[0], blocks, strict=True):
         for family in families:
             rows = sorted((r for r in table.rows if r.block == block and r.family == family), key=lambda r: r.l0)
             if rows:
+                l0s = [r.l0 for r in rows]
                 values = [r.score if y == "score" else getattr(r, y) for r in rows]
-                panel.plot([r.l0 for r in rows], values, marker="o", markersize=4, label=family)
+                (line,) = panel.plot(l0s, values, marker="o", markersize=4, label=family)
+                if y == "score" and any(math.isfinite(r.score_low) for r in rows):
+                    # The score's bootstrap interval, where the run measured one.
+                    low = [r.score_low if math.isfinite(r.score_low) else v for r, v in zip(rows, values, strict=True)]
+                    high = [
+                        r.score_high if math.isfinite(r.score_high) else v for r, v in zip(rows, values, strict=True)
+                    ]
+                    panel.fill_between(l0s, low, high, color=line.get_color(), alpha=0.18, linewidth=0)
         panel.set_xscale("log", base=2)
         panel.set_xlabel("L0 (active units per token)")
         panel.set_title(block, fontsize=9)
         panel.grid(True, alpha=0.3)
     axes[0][0].set_ylabel(axes_names[y])
     axes[0][-1].legend(fontsize=7)
-    figure.suptitle(title or table.title(), fontsize=9)
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    # Wrapped to the figure's width (at most 12 characters an inch at 9 points): never clipped at the sides.
+    figure.suptitle(textwrap.fill(title or table.title(), width=max(int(width * 12), 40)), fontsize=9)
+    return figure

@@ -10,6 +10,7 @@ in the same pass.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,16 +25,21 @@ class ModeRecord:
     Attributes
     ----------
     histogram : torch.Tensor
-        ``(N, bins)`` counts of active coefficients in ``[0, 1]`` (larger ones in the last bin).
+        ``(N, bins)`` counts of active coefficients in ``[0, upper]``, bins of equal width.
     target_mass : torch.Tensor or None
         ``(N, V)`` — ``Σ a_n`` over the rows of each target (the token at the row, or the label).
     largest : float
         The largest coefficient seen.
+    upper : float
+        The histogram's range: 1 (a softmax's or entmax's coefficients), doubled whenever a
+        larger coefficient arrives (a ReLU gate's are unbounded). Doubling merges neighbouring
+        bins, so the counts stay exact without a second pass.
     """
 
     histogram: torch.Tensor
     target_mass: torch.Tensor | None
     largest: float = 0.0
+    upper: float = 1.0
 
     def add(self, a: torch.Tensor, targets: torch.Tensor | None, threshold: float) -> None:
         """Add coefficient rows ``a (rows, N)`` and the target id of each row."""
@@ -42,8 +48,10 @@ class ModeRecord:
         if a.numel() == 0:
             return
         self.largest = max(self.largest, float(a.max()))
+        while self.largest > self.upper and math.isfinite(self.largest):
+            self._double_range()
         active = a >= threshold
-        index = (a.clamp(0, 1) * bins).long().clamp_max(bins - 1)
+        index = (a.clamp(0, self.upper) * (bins / self.upper)).long().clamp_max(bins - 1)
         experts = torch.arange(a.shape[1]).expand_as(a)
         flat = (experts * bins + index)[active]
         self.histogram += torch.bincount(flat, minlength=self.histogram.numel()).reshape(self.histogram.shape)
@@ -51,6 +59,14 @@ class ModeRecord:
             targets = targets.reshape(-1).cpu()
             if targets.numel() == a.shape[0]:
                 self.target_mass.index_add_(1, targets, a.T)
+
+    def _double_range(self) -> None:
+        """Cover ``[0, 2·upper]`` with the same number of bins: bins ``2j`` and ``2j + 1`` become bin ``j``."""
+        bins = self.histogram.shape[1]
+        padded = torch.nn.functional.pad(self.histogram, (0, bins % 2))
+        merged = padded.reshape(padded.shape[0], -1, 2).sum(dim=2)
+        self.histogram = torch.nn.functional.pad(merged, (0, bins - merged.shape[1]))
+        self.upper *= 2
 
 
 @dataclass

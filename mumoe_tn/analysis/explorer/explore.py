@@ -172,7 +172,8 @@ def explore(
     threshold : float, optional
         A unit is active on a row when its coefficient is at least this.
     bins : int, optional
-        Histogram bins over ``[0, 1]``.
+        Histogram bins over ``[0, 1]``, or over ``[0, 2^k]`` where a coefficient exceeds 1 (a
+        ReLU gate's), the smallest such range that holds the largest coefficient.
     forward : Callable, optional
         ``forward(model, batch)`` if the model is not simply called; it must return logits (or
         an output with ``.logits``).
@@ -391,6 +392,7 @@ def _explore(model, data, path, *, labels, image_pixels, decode, class_names, la
                         "load": [_number(v) for v in mode.load_fraction],
                         "active_per_row": _number(float(mode.load.sum()) / max(mode.rows, 1)),
                         "largest": _number(rec.largest),
+                        "upper": _number(rec.upper),
                     }
                     for mode, rec in zip(stats.modes, record.modes, strict=True)
                 ],

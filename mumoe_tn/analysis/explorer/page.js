@@ -158,15 +158,15 @@ function overview() {
 }
 
 function histogram(u) {
-  const counts = u.histogram, n = counts.length;
+  const counts = u.histogram, n = counts.length, top = layer().modes[u.mode].upper || 1;
   return h("div", {}, h("h3", {}, "Coefficient histogram (active rows)"),
-    bars(counts, counts.map(() => "#2e86c1"), counts.map((c, i) => `${fmt(i / n)}–${fmt((i + 1) / n)}: ${c} rows`)),
-    axis("0", layer().modes[u.mode].largest > 1 ? "≥ 1 (larger in the last bin)" : "1", `tallest ${Math.max(...counts)} rows`));
+    bars(counts, counts.map(() => "#2e86c1"), counts.map((c, i) => `${fmt(i * top / n)}–${fmt((i + 1) * top / n)}: ${c} rows`)),
+    axis("0", fmt(top), `tallest ${Math.max(...counts)} rows`));
 }
 function tokenExample(ex) {
   const peak = Math.max(...ex.tokens.map(t => t[1] || 0), 1e-12);
   const text = h("div", {class: "text"}, ex.tokens.map(([token, c], i) => h("span", {class: "tok" + (i === ex.centre ? " centre" : ""),
-    title: `coefficient ${fmt(c)}`, style: `background:rgba(46,134,193,${((c || 0) / peak * 0.75).toFixed(3)})`}, visible(token))));
+    title: `coefficient ${fmt(c)}`, style: `background:rgba(46,134,193,${((c || 0) / peak * 0.45).toFixed(3)})`}, visible(token))));
   return h("div", {class: "example"}, h("span", {class: "where"}, `seq ${ex.sample} · pos ${ex.position}`), text, h("span", {class: "coef"}, fmt(ex.value)));
 }
 function imageExample(ex) {
