@@ -16,7 +16,7 @@ weight changes through PyTorch:
   (``AdamW(fused=True)``, ``SGD(fused=True)``, …) update parameters without bumping their version
   counters, so every key also holds the number of optimiser steps taken in the process (counted
   by a global post-step hook that the first key registers,
-  [`optimizer_steps`][mumoe_tn.caching.optimizer_steps]).
+  [`optimiser_steps`][mumoe_tn.caching.optimiser_steps]).
 
 The one route PyTorch itself does not track is an in-place operation on ``param.data``
 (``param.data.mul_(2)``) outside an optimiser: ``.data`` is a view with a version counter of its
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["DerivedCache", "ModuleState", "module_state", "optimizer_steps", "source_key"]
+__all__ = ["DerivedCache", "ModuleState", "module_state", "optimiser_steps", "source_key"]
 
 T = TypeVar("T")
 
@@ -69,7 +69,7 @@ class _StepCounter:
 _STEPS = _StepCounter()
 
 
-def optimizer_steps() -> int:
+def optimiser_steps() -> int:
     """Optimiser steps taken in this process since the library first needed to know.
 
     The first call registers a global ``torch.optim`` post-step hook (nothing is registered at
@@ -100,7 +100,7 @@ def source_key(sources: Sequence[torch.Tensor]) -> tuple | None:
         ``torch.inference_mode``, they have no version counter).
     """
     try:
-        return (optimizer_steps(), *((id(t), t.data_ptr(), t._version) for t in sources))
+        return (optimiser_steps(), *((id(t), t.data_ptr(), t._version) for t in sources))
     except RuntimeError:
         return None
 

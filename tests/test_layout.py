@@ -249,6 +249,7 @@ OWN_WORDS_IZE = re.compile(
 #: the paper's "factorized experts".
 FOREIGN_SPELLINGS = re.compile(
     r"(?i)optimiz(e|er|ers)\b|optimizers|HyperOptimizer|is_initialized|is_serializable|synchronize|minimize"
+    r"|register_optimizer_step_post_hook"
 )
 
 

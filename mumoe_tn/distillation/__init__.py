@@ -15,6 +15,8 @@
 - [`faithfulness`][mumoe_tn.distillation.faithfulness]: L0, normalised MSE and next-token loss
   with the replacements spliced in, against the clean and zero-ablated model.
 - [`frontier`][mumoe_tn.distillation.frontier]: the sparsity–accuracy table and its plot.
+- [`paired`][mumoe_tn.distillation.paired]: two methods of a block compared sequence by sequence
+  (a paired bootstrap over the held-out sequences, for one seed or many).
 - [`study`][mumoe_tn.distillation.study]: a whole frontier run, as ``mumoe-tn distill`` runs it.
 """
 
@@ -22,6 +24,7 @@ from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, ce_loss_score, plot_frontier
 from mumoe_tn.distillation.losses import AuxK, Loss, available_losses, get_loss, register_loss
 from mumoe_tn.distillation.metrics import Metric, available_metrics, register_metric
+from mumoe_tn.distillation.paired import PairedDifference, paired_difference
 from mumoe_tn.distillation.replacements import mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
 from mumoe_tn.distillation.training import RECIPES, Distillation, distill, normalised_mse, splice, spliced
@@ -36,6 +39,7 @@ __all__ = [
     "FrontierTable",
     "Loss",
     "Metric",
+    "PairedDifference",
     "Transcoder",
     "available_losses",
     "available_metrics",
@@ -45,6 +49,7 @@ __all__ = [
     "get_loss",
     "mumoe_factory",
     "normalised_mse",
+    "paired_difference",
     "plot_frontier",
     "register_loss",
     "register_metric",

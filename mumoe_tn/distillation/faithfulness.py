@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, ScoreInterval, bootstrap_ce_score
 from mumoe_tn.distillation.metrics import Metric, resolve_metrics
+from mumoe_tn.distillation.paired import SequenceLosses
 from mumoe_tn.distillation.streaming import Batch, capture_blocks, run_model, token_rows
 from mumoe_tn.distillation.training import code_module, recording_code, spliced
 from mumoe_tn.validation import check_size
@@ -404,7 +406,13 @@ def evaluate_replacements(
                                           tokens.numpy(), resamples=resamples, seed=seed)  # fmt: skip
             rows.append(tally.row(name, method, reference, interval))
     headers = {cls.name: cls.column for cls in measured if cls.row_field is None}
-    table = FrontierTable(tuple(rows), dict(config or {}), headers)
+    sequences = SequenceLosses(
+        tokens.numpy().astype(np.float64),
+        clean_sums.double().numpy(),
+        {name: torch.cat(zero[name]).double().numpy() for name in names},
+        {name: {m: torch.cat(t.ce).double().numpy() for m, t in tallies[name].items()} for name in names},
+    )
+    table = FrontierTable(tuple(rows), dict(config or {}), headers, sequences)
     for name in table.not_meaningful():
         row = next(row for row in table.rows if row.block == name)
         warnings.warn(

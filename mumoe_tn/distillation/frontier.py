@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from mumoe_tn.costs.display import FOOTNOTE_MARKS
+from mumoe_tn.distillation.paired import PairedDifference, SequenceLosses, paired_difference
 
 __all__ = [
     "DEAD_FRACTION",
@@ -286,6 +287,15 @@ class FrontierTable:
     rows: tuple[FrontierRow, ...]
     config: Mapping[str, Any] = field(default_factory=dict)
     headers: Mapping[str, str] = field(default_factory=dict)
+    sequences: SequenceLosses | None = field(default=None, compare=False, repr=False)
+
+    def paired(self, method: str, baseline: str, **options: Any) -> PairedDifference:
+        """``method − baseline`` with bootstrap intervals over the held-out sequences (paired).
+
+        See [`paired_difference`][mumoe_tn.distillation.paired.paired_difference] (its keyword
+        options apply; several seeds' tables go there directly).
+        """
+        return paired_difference(self, method, baseline, **options)
 
     def extra_columns(self) -> list[str]:
         """The names of the rows' extra metrics, in order of first appearance (after the fixed columns)."""
@@ -302,7 +312,8 @@ class FrontierTable:
         """The configuration and the rows as JSON (NaN written as null)."""
         rows = [{k: _json_value(v) for k, v in r.items()} for r in self.records()]
         headers = {"headers": dict(self.headers)} if self.headers else {}
-        return json.dumps({"config": dict(self.config), **headers, "rows": rows}, indent=2)
+        sequences = {} if self.sequences is None else {"sequences": self.sequences.to_dict()}
+        return json.dumps({"config": dict(self.config), **headers, "rows": rows, **sequences}, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> FrontierTable:
@@ -324,7 +335,9 @@ class FrontierTable:
                     raise ValueError(f"a frontier row's extra must be an object, got {values['extra']!r:.80}")
                 values["extra"] = {k: math.nan if v is None else v for k, v in values["extra"].items()}
             rows.append(FrontierRow(**values))
-        return cls(tuple(rows), data.get("config", {}), data.get("headers", {}))
+        sequences = data.get("sequences")
+        sequences = None if sequences is None else SequenceLosses.from_dict(sequences)
+        return cls(tuple(rows), data.get("config", {}), data.get("headers", {}), sequences)
 
     def to_csv(self) -> str:
         """The rows as CSV with the column keys as header (the score's interval, the KL terms, then extra metrics)."""
