@@ -108,8 +108,8 @@ def read_text(paths: str | os.PathLike | Iterable[str | os.PathLike], *, max_byt
     Raises
     ------
     ValueError
-        A path :func:`text_files` refuses, more than ``max_bytes`` bytes, a file that is not
-        UTF-8 (named, with the byte offset), or no text at all.
+        A path [`text_files`][mumoe_tn.distillation.corpus.text_files] refuses, more than
+        ``max_bytes`` bytes, a file that is not UTF-8 (named, with the byte offset), or no text.
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
         raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
