@@ -21,7 +21,7 @@ def llama(*, vocab=100, **config):
 
 
 def gpt_neox(*, vocab=256, **config):
-    """A two-layer ``GPTNeoXForCausalLM`` (Pythia's family) of width 32: a plain MLP ``dense_h_to_4h, dense_4h_to_h``."""
+    """A two-layer ``GPTNeoXForCausalLM`` (Pythia) of width 32: a plain MLP ``dense_h_to_4h, dense_4h_to_h``."""
     settings = transformers.GPTNeoXConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, **config,

@@ -14,11 +14,11 @@ from typing import Any
 
 __all__ = ["CONTEXT_FIELDS", "TOKENIZER_FILES", "context_length", "saved_tokenizer"]
 
-#: The config fields that hold a model's context length, in the order they are read.
 CONTEXT_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx", "seq_length", "max_sequence_length")
+"""The config fields that hold a model's context length, in the order they are read."""
 
-#: Files of a tokenizer saved with ``save_pretrained``: any of them beside a model means it has one.
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+"""Files of a tokenizer saved with ``save_pretrained``: any of them beside a model means it has one."""
 
 
 def context_length(config: Any) -> int:

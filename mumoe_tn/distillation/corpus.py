@@ -20,11 +20,11 @@ import torch
 
 __all__ = ["MAX_TEXT_BYTES", "TEXT_SUFFIXES", "encode_text", "read_text", "text_files"]
 
-#: The most bytes of text read by default (64 MiB).
 MAX_TEXT_BYTES = 64 * 2**20
+"""The most bytes of text read by default (64 MiB)."""
 
-#: The file name endings a directory's text files have.
 TEXT_SUFFIXES = (".txt", ".md")
+"""The file name endings (any case) of the text files a directory gives."""
 
 
 def _paths(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:

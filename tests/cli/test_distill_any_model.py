@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import hf_models  # noqa: E402
+import hf_models
 
-from mumoe_tn.cli import main  # noqa: E402
-from mumoe_tn.cli.distill_command import checkpoint_steps  # noqa: E402
+from mumoe_tn.cli import main
+from mumoe_tn.cli.distill_command import checkpoint_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = {

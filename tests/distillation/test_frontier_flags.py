@@ -1,4 +1,4 @@
-"""A CE-loss score outside [0, 1] beyond its interval is flagged in the frontier tables like the other doubtful cells."""
+"""A CE-loss score outside [0, 1] beyond its interval is flagged in the tables like the other doubtful cells."""
 
 import math
 
