@@ -29,7 +29,7 @@ import hashlib
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,8 +327,10 @@ def run_frontier(
     checkpoint_every : int, optional
         Optimiser steps between checkpoints (default 100).
     stop : Callable[[], bool], optional
-        Asked before every training step of the built model and every distillation step (see
-        ``stop`` of [`distill`][mumoe_tn.distillation.training.distill]).
+        Asked before every training step of the built model, every distillation step (see
+        ``stop`` of [`distill`][mumoe_tn.distillation.training.distill]) and every evaluation
+        batch; once it returns True the run stops (a stop during the evaluation leaves the
+        checkpoint of the finished distillation, from which a resume goes on to the evaluation).
 
     Returns
     -------
@@ -390,12 +392,31 @@ def run_frontier(
         "trained_tokens": result.tokens, "peak_buffer_rows": result.peak_buffer_rows,
         "seconds_to_distil": round(trained, 1),
     }  # fmt: skip
+    if stop is not None:  # the checkpoint holds the finished distillation: a resume goes on to the evaluation
+        stopped = DistillationStopped(None if checkpoint is None else Path(checkpoint), result.tokens, config.tokens)
+        held = _AskingBatches(held, stop, stopped)
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)
     table = FrontierTable(table.rows, {**table.config, "seconds": seconds})
     if directory is not None:
         save_frontier(directory, table, result.replacements, model if config.model_dir is None else None)
     return table
+
+
+class _AskingBatches:
+    """``batches`` that ask ``stop`` before each one and raise ``stopped`` once it says so."""
+
+    def __init__(self, batches: TokenWindows, stop: Callable[[], bool], stopped: DistillationStopped) -> None:
+        self.batches, self.stop, self.stopped = batches, stop, stopped
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for batch in self.batches:
+            if self.stop():
+                raise self.stopped
+            yield batch
 
 
 def _digest(tokens: torch.Tensor) -> str:

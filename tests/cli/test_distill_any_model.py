@@ -1,5 +1,6 @@
 """``mumoe-tn distill`` on GPT-2, Llama and GPT-NeoX models with their own text; checkpoints, signals, resume."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ BLOCKS = {
     "gpt2": (["transformer.h.0.mlp", "transformer.h.1.mlp"], "mlp"),
     "llama": (["model.layers.0.mlp", "model.layers.1.mlp"], "gated"),
     "neox": (["gpt_neox.layers.0.mlp", "gpt_neox.layers.1.mlp"], "mlp"),
+    "gemma": (["model.layers.0.mlp", "model.layers.1.mlp"], "gated"),
 }
 QUICK = ["--quick", "--methods", "transcoder", "mxd", "--l0", "2", "--eval-tokens", "256", "--no-progress"]
 
@@ -70,11 +72,18 @@ def test_distill_runs_on_each_family_with_its_own_text(tmp_path, capsys, family)
         assert row["ce_clean"] > 0 and row["ce_zero"] > 0 and row["params"] > 0, row
 
 
-@pytest.mark.parametrize("family", ["llama", "neox"])
+@pytest.mark.parametrize("family", ["llama", "neox", "gemma"])
 def test_the_blocks_of_each_family_are_found_as_they_compute(family):
+    import transformers
+
     from mumoe_tn.distillation.streaming import select_blocks
 
-    model = hf_models.llama() if family == "llama" else hf_models.gpt_neox()
+    if family == "gemma":
+        settings = transformers.GemmaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+        model = transformers.GemmaForCausalLM(settings)
+    else:
+        model = hf_models.llama() if family == "llama" else hf_models.gpt_neox()
     names, kind = BLOCKS[family]
     blocks = select_blocks(model)
     assert [block.name for block in blocks] == names and {block.kind for block in blocks} == {kind}
@@ -141,3 +150,30 @@ def test_sigint_writes_a_checkpoint_prints_the_resume_command_and_resume_complet
     assert main([*argv[:-1], "1000", "--resume"]) == 0  # in-process: the same command line
     data = json.loads(capsys.readouterr().out)
     assert data["config"]["trained_tokens"] == 4096 and len(data["rows"]) == 4
+
+
+def test_a_stop_during_the_evaluation_keeps_the_finished_distillation_to_resume(tmp_path, monkeypatch):
+    from mumoe_tn.distillation import study
+    from mumoe_tn.distillation.interruption import DistillationStopped
+
+    model = str(_saved_model(tmp_path / "model", "neox"))
+    text = (str(_text(tmp_path / "t.txt", "neox")),)
+    config = dataclasses.replace(study.FrontierConfig.quick(), model_dir=model, text=text, methods=("transcoder",),
+                                 l0s=(2,), tokens=256, eval_tokens=256)  # fmt: skip
+    evaluating = [False]
+    evaluate = study.evaluate_replacements
+
+    def evaluate_and_flag(*args, **kwargs):
+        evaluating[0] = True
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(study, "evaluate_replacements", evaluate_and_flag)
+    path = tmp_path / "run.pt"
+    with pytest.raises(DistillationStopped, match="stopped after 256 of 256 tokens") as info:
+        study.run_frontier(config, progress=False, checkpoint=path, stop=lambda: evaluating[0])
+    assert info.value.checkpoint == path and torch.load(path, weights_only=True)["counters"]["trained"] == 256
+    evaluating[0] = False
+    table = study.run_frontier(config, progress=False, checkpoint=path, resume=True, stop=lambda: False)
+    assert [row.method for row in table.rows] == ["transcoder@2", "transcoder@2"]
+    with pytest.raises(ValueError, match=r"there is no checkpoint to resume from at '.*missing.pt'"):
+        study.run_frontier(config, checkpoint=tmp_path / "missing.pt", resume=True)
