@@ -122,9 +122,7 @@ def checkpoint_steps(every: str | None, batch_size: int) -> int:
         return 100
     match = re.fullmatch(r"\s*(\d+)\s*(tok|tokens)?\s*", every)
     if match is None or int(match.group(1)) <= 0:
-        raise UsageError(
-            f"--checkpoint-every takes a positive number of steps (N) or of tokens (Ntok), got {every!r}"
-        )
+        raise UsageError(f"--checkpoint-every takes a positive number of steps (N) or of tokens (Ntok), got {every!r}")
     count = int(match.group(1))
     return math.ceil(count / batch_size) if match.group(2) else count
 
