@@ -175,5 +175,8 @@ def test_a_stop_during_the_evaluation_keeps_the_finished_distillation_to_resume(
     evaluating[0] = False
     table = study.run_frontier(config, progress=False, checkpoint=path, resume=True, stop=lambda: False)
     assert [row.method for row in table.rows] == ["transcoder@2", "transcoder@2"]
+    _text(Path(text[0]), "gpt2")  # other words at the same path: not the text the checkpoint was trained on
+    with pytest.raises(ValueError, match=r"written by a different distillation \(text_digest: checkpoint '\d+ tokens"):
+        study.run_frontier(config, progress=False, checkpoint=path, resume=True)
     with pytest.raises(ValueError, match=r"there is no checkpoint to resume from at '.*missing.pt'"):
         study.run_frontier(config, checkpoint=tmp_path / "missing.pt", resume=True)
