@@ -18,3 +18,22 @@ def llama(*, vocab=100, **config):
         num_key_value_heads=2, max_position_embeddings=64, **config,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(settings)
+
+
+def gpt_neox(*, vocab=256, **config):
+    """A two-layer ``GPTNeoXForCausalLM`` (Pythia) of width 32: a plain MLP ``dense_h_to_4h, dense_4h_to_h``."""
+    settings = transformers.GPTNeoXConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, **config,
+    )  # fmt: skip
+    return transformers.GPTNeoXForCausalLM(settings)
+
+
+def char_tokenizer(alphabet):
+    """A fast tokenizer of one token per character of ``alphabet`` (id 0 for any other), built locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{char: index + 1 for index, char in enumerate(sorted(set(alphabet)))}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")

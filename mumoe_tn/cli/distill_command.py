@@ -2,6 +2,10 @@
 
 The command line of [`run_frontier`][mumoe_tn.distillation.study.run_frontier]; its methods, budget
 and model are described in [`mumoe_tn.distillation.study`][mumoe_tn.distillation.study].
+
+SIGINT (Ctrl-C) or SIGTERM ends the current step, writes the ``--checkpoint`` file, prints the
+command that resumes the run and exits with status 130 (SIGINT) or 143 (SIGTERM); a second
+signal stops at once with the same status, keeping the checkpoint written last.
 """
 
 from __future__ import annotations
@@ -9,24 +13,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
+import re
+import shlex
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
 from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
+from mumoe_tn.distillation.interruption import DistillationStopped, StopOnSignals
 from mumoe_tn.distillation.replacements import top_k_gate_names
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 
-__all__ = ["DESCRIPTION", "HELP", "config_from", "configure", "run"]
+__all__ = ["DESCRIPTION", "HELP", "checkpoint_steps", "config_from", "configure", "resume_command", "run"]
 
 HELP = "distil a model's MLP blocks into μMoE blocks and transcoders: the sparsity-accuracy frontier"
 DESCRIPTION = (
     "Distils each MLP block of a causal language model into sparse replacements (μMoE blocks of "
     "any format, flat or hierarchical, TopK transcoders and skip transcoders) at one parameter budget and "
     "several sparsities L0, on streamed activations, then measures L0, normalised MSE, explained variance, "
-    "next-token cross-entropy clean / spliced / zero-ablated and the CE-loss score on held-out text. Without "
-    "--model a GPT-2-shaped model is built and trained on Python's pydoc_data first (needs the hf extra)."
+    "next-token cross-entropy clean / spliced / zero-ablated and the CE-loss score on held-out text (the last 10 % "
+    "of --text, by default Python's pydoc_data). Without --model a GPT-2-shaped model is built and trained on the "
+    "text first (needs the hf extra). Ctrl-C (SIGINT) or SIGTERM writes the --checkpoint after the current step, "
+    "prints the command that resumes the run and exits with status 130 or 143."
 )
 
 
@@ -36,6 +47,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="a tiny run of well under a minute")
     parser.add_argument("--model", dest="model_dir", metavar="DIR", help="a local Hugging Face causal LM (default: "
                         "build a GPT-2-shaped model and train it on pydoc_data)")  # fmt: skip
+    parser.add_argument("--text", nargs="+", metavar="PATH", help="UTF-8 text files, or directories of .txt/.md "
+                        "files (read sorted, subdirectories too), to train, distil and evaluate on (default "
+                        "Python's pydoc_data); tokenised by the tokenizer beside --model, else bytes")  # fmt: skip
     parser.add_argument("--mlps", help=f"regex of the MLP blocks to distil (default {d.mlps!r})")
     parser.add_argument("--methods", nargs="+", help=f"methods (default {' '.join(d.methods)})")
     parser.add_argument("--l0", dest="l0s", type=int, nargs="+", help=f"sparsities (default {list(d.l0s)})")
@@ -63,7 +77,10 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "top-k gate")  # fmt: skip
     parser.add_argument("--checkpoint", metavar="FILE", help="save the distillation's state here (and resume from it "
                         "with --resume)")  # fmt: skip
-    parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint")
+    parser.add_argument("--checkpoint-every", metavar="N", help="write --checkpoint every N optimiser steps (default "
+                        "100), or every N tokens with a 'tok' suffix (e.g. 50000tok)")  # fmt: skip
+    parser.add_argument("--resume", action="store_true", help="resume the distillation from --checkpoint (which must "
+                        "exist)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     add_output_formats(
         parser, json="print the table as JSON", csv="print the table as CSV",
@@ -80,11 +97,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> FrontierConfig:
     """The configuration the parsed arguments ask for."""
     config = FrontierConfig.quick() if args.quick else FrontierConfig()
-    names = ("model_dir", "mlps", "methods", "l0s", "experts", "expansion", "budget", "tokens", "eval_tokens",
+    names = ("model_dir", "text", "mlps", "methods", "l0s", "experts", "expansion", "budget", "tokens", "eval_tokens",
              "batch_size", "buffer_tokens", "recipe", "lr", "pretrain_steps", "width", "depth", "seed",
              "top_k")  # fmt: skip
     changes = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    for name in ("methods", "l0s"):
+    for name in ("methods", "l0s", "text"):
         if name in changes:
             changes[name] = tuple(changes[name])
     for name in ("experts", "expansion", "budget", "tokens", "eval_tokens", "batch_size", "buffer_tokens",
@@ -94,6 +111,39 @@ def config_from(args: argparse.Namespace) -> FrontierConfig:
     if any(l0 <= 0 for l0 in changes.get("l0s", ())):
         raise ValueError(f"--l0 values must be positive ints, got {list(changes['l0s'])}")
     return dataclasses.replace(config, **changes)
+
+
+def checkpoint_steps(every: str | None, batch_size: int) -> int:
+    """The optimiser steps between checkpoints that ``--checkpoint-every`` asks for (100 without it).
+
+    ``"N"`` is N steps; ``"Ntok"`` is N tokens, rounded up to whole steps of ``batch_size`` tokens.
+    """
+    if every is None:
+        return 100
+    match = re.fullmatch(r"\s*(\d+)\s*(tok|tokens)?\s*", every)
+    if match is None or int(match.group(1)) <= 0:
+        raise UsageError(f"--checkpoint-every takes a positive number of steps (N) or of tokens (Ntok), got {every!r}")
+    count = int(match.group(1))
+    return math.ceil(count / batch_size) if match.group(2) else count
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that resumes this run: the one given, with ``--resume``."""
+    words = list(getattr(args, "command_line", None) or sys.argv[1:])
+    if "--resume" not in words:
+        words.append("--resume")
+    return shlex.join(["mumoe-tn", *words])
+
+
+def _stopped(args: argparse.Namespace, stop: StopOnSignals, reason: str) -> int:
+    """Say where the stopped run is kept and how to resume it; the exit status of the signal."""
+    name = signal.Signals(stop.signal or signal.SIGINT).name
+    print(f"mumoe-tn distill: stopped by {name}: {reason}", file=sys.stderr)
+    if args.checkpoint and Path(args.checkpoint).is_file():
+        print(f"mumoe-tn distill: resume with: {resume_command(args)}", file=sys.stderr)
+    else:
+        print("mumoe-tn distill: no checkpoint to resume from (give --checkpoint FILE to keep one)", file=sys.stderr)
+    return stop.exit_status if stop.signal is not None else 128 + signal.SIGINT
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,11 +156,22 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--save must name a new or empty directory, got {args.save!r}")
     if args.resume and not args.checkpoint:
         raise ValueError("--resume needs --checkpoint FILE")
+    if args.checkpoint_every is not None and not args.checkpoint:
+        raise ValueError("--checkpoint-every needs --checkpoint FILE")
+    if args.resume and not Path(args.checkpoint).is_file():
+        raise ValueError(f"--resume: there is no checkpoint file at {args.checkpoint!r}")
+    every = checkpoint_steps(args.checkpoint_every, config.batch_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, args.threads))
+    stop = StopOnSignals("mumoe-tn distill: stopping after the current step (send the signal again to stop at once)")
     try:
-        table = run_frontier(config, progress=args.progress, checkpoint=args.checkpoint, resume=args.resume,
-                             save=args.save)  # fmt: skip
+        with stop:
+            table = run_frontier(config, progress=args.progress, checkpoint=args.checkpoint, resume=args.resume,
+                                 save=args.save, checkpoint_every=every, stop=stop)  # fmt: skip
+    except DistillationStopped as stopped:
+        return _stopped(args, stop, f"{stopped.trained:,} of {stopped.tokens:,} tokens distilled")
+    except KeyboardInterrupt:
+        return _stopped(args, stop, "at once, on the second signal; the checkpoint is the last one written")
     finally:
         torch.set_num_threads(threads)
     if args.plot:

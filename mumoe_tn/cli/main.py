@@ -115,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _Parser(prog="mumoe-tn").exit(2, f"mumoe-tn: error: {error}\n")
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = tuple(argv)  # what a command that can be resumed prints for doing so
     with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is shown
         try:
             return command_module(args.command).run(args)

@@ -25,8 +25,10 @@ Each row is one replacement of one MLP block, measured on held-out text as the f
 
 The tables mark what deserves a second look, with a footnote: a normalised MSE above 1 (worse
 than predicting zero), an L0 below the requested one (the number after ``@``; a ReLU top-k gate
-can leave some of its k units at zero), and dead units above
-[`DEAD_FRACTION`][mumoe_tn.distillation.frontier.DEAD_FRACTION] of the units.
+can leave some of its k units at zero), dead units above
+[`DEAD_FRACTION`][mumoe_tn.distillation.frontier.DEAD_FRACTION] of the units, and a CE-loss score
+outside [0, 1] whose whole interval is outside too (the spliced model better than the model itself,
+or worse than removing the block: usually text unlike the model's training text).
 
 A method's name may carry its sparsity setting after an ``@`` (``"transcoder@16"``): the plot
 draws one line per name before the ``@``.
@@ -200,8 +202,28 @@ class FrontierRow:
         return int(setting) if at and setting.isdigit() else None
 
     @property
+    def score_out_of_range(self) -> bool:
+        """Whether the CE-loss score lies outside [0, 1] beyond its interval (the point, without one).
+
+        A score above 1 says the spliced model predicts the held-out text better than the model
+        itself, below 0 worse than without the block: text unlike the model's training text, or
+        too few evaluation tokens. A score outside [0, 1] whose interval reaches back into it is
+        within its noise and is not flagged.
+        """
+        score = self.score
+        if not math.isfinite(score) or 0 <= score <= 1:
+            return False
+        if math.isfinite(self.score_low) and math.isfinite(self.score_high):
+            return self.score_low > 1 or self.score_high < 0
+        return True
+
+    @property
     def flags(self) -> tuple[str, ...]:
-        """The columns that deserve a second look: ``"nmse"`` above 1, ``"l0"`` below the requested, ``"dead"``."""
+        """The columns that deserve a second look.
+
+        ``"nmse"`` above 1, ``"l0"`` below the requested, ``"dead"`` units above ``DEAD_FRACTION``,
+        ``"score"`` outside [0, 1] beyond its interval (see ``score_out_of_range``).
+        """
         flagged = []
         if self.nmse > 1:
             flagged.append("nmse")
@@ -209,6 +231,8 @@ class FrontierRow:
             flagged.append("l0")
         if self.units and self.dead > DEAD_FRACTION * self.units:
             flagged.append("dead")
+        if self.score_out_of_range:
+            flagged.append("score")
         return tuple(flagged)
 
     @property
@@ -240,6 +264,11 @@ FLAG_NOTES = {
     "nmse": ("nmse", "normalised MSE above 1: worse than predicting zero"),
     "l0": ("l0", "L0 below the requested k (the number after @): some of the k chosen units are zero"),
     "dead": ("dead", f"more than {DEAD_FRACTION:.0%} of the units never fired on the evaluation tokens"),
+    "score": (
+        "score",
+        "CE-loss score outside [0, 1] beyond its interval: the spliced model does better than the model itself "
+        "(above 1) or worse than without the block (below 0); the text is likely unlike the model's training text",
+    ),
 }
 
 #: Properties of a row that its records carry beside the fields.

@@ -12,8 +12,9 @@ more than that.
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from mumoe_tn.conversion.blocks import mlp_parts
+from mumoe_tn.distillation.corpus import MAX_TEXT_BYTES, encode_text, read_text
 from mumoe_tn.masking import token_mask
 from mumoe_tn.validation import check_size
 
@@ -338,6 +340,40 @@ class TokenWindows:
         if tokens.numel() <= context:
             raise ValueError(f"the text has {tokens.numel()} tokens, not more than one window of context={context}")
         self.tokens, self.seed = tokens, seed
+
+    @classmethod
+    def from_text(
+        cls,
+        paths: str | os.PathLike | Iterable[str | os.PathLike],
+        context: int,
+        batch_size: int,
+        batches: int,
+        *,
+        tokenizer: Any = None,
+        vocab_size: int | None = None,
+        seed: int = 0,
+        max_bytes: int = MAX_TEXT_BYTES,
+    ) -> TokenWindows:
+        """Windows of the text in UTF-8 files (see [`mumoe_tn.distillation.corpus`][mumoe_tn.distillation.corpus]).
+
+        Parameters
+        ----------
+        paths : path or sequence of paths
+            Text files, and directories of ``.txt`` / ``.md`` files (read sorted).
+        context, batch_size, batches : int
+            As for the constructor.
+        tokenizer : object, optional
+            Anything with ``encode(text) -> Sequence[int]``, e.g. the model's Hugging Face
+            tokenizer; None (default) for one token per byte.
+        vocab_size : int, optional
+            The model's vocabulary, which every token id must fit.
+        seed : int, optional
+            Seed of the window positions.
+        max_bytes : int, optional
+            The most bytes of text read (default 64 MiB).
+        """
+        tokens = encode_text(read_text(paths, max_bytes=max_bytes), tokenizer, vocab_size=vocab_size)
+        return cls(tokens, context, batch_size, batches, seed=seed)
 
     def __len__(self) -> int:
         return self.batches

@@ -14,18 +14,22 @@ mode with ``∏ k_e = L0``. The budget is the parameter count of a transcoder wi
 default), or ``budget`` parameters.
 
 Without ``model_dir`` a GPT-2-shaped model (byte tokens) is built from a small config and first
-trained on Python's own ``pydoc_data`` text — nothing is downloaded; with ``model_dir`` a local
-Hugging Face causal LM (and its tokenizer, if saved) is loaded from it. Needs the ``hf``
-extra (transformers). The ``mumoe-tn distill`` command
+trained on the text — nothing is downloaded; with ``model_dir`` a local Hugging Face causal LM of
+any family (GPT-2, Llama, GPT-NeoX, Gemma, …) is loaded from it, with its tokenizer if one is saved
+beside it (else one token per byte). The text is Python's own ``pydoc_data`` topics, or the
+UTF-8 files ``text`` names (see [`mumoe_tn.distillation.corpus`][mumoe_tn.distillation.corpus]);
+its last 10 % is held out for the evaluation. Needs the ``hf`` extra (transformers). The ``mumoe-tn distill`` command
 ([`mumoe_tn.cli.distill_command`][mumoe_tn.cli.distill_command]) runs it from the command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +38,11 @@ from torch import nn
 
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.decompositions.registry import available
+from mumoe_tn.distillation.causal_lm import context_length, saved_tokenizer
+from mumoe_tn.distillation.corpus import encode_text, read_text, text_files
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable
+from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
 from mumoe_tn.distillation.training import Factory, distill, load_replacements, save_replacements
@@ -62,6 +69,9 @@ class FrontierConfig:
         Its AdamW learning rate.
     model_dir : str or None
         A local Hugging Face causal LM instead.
+    text : tuple of str or None
+        Text files and directories of ``.txt`` / ``.md`` files to train, distil and evaluate on
+        (None: Python's ``pydoc_data`` topics).
     mlps : str
         Regex of the blocks to distil.
     methods : tuple of str
@@ -103,6 +113,7 @@ class FrontierConfig:
     pretrain_batch: int = 16
     pretrain_lr: float = 3e-3
     model_dir: str | None = None
+    text: tuple[str, ...] | None = None
     mlps: str = r"mlp$"
     methods: tuple[str, ...] = DEFAULT_METHODS
     l0s: tuple[int, ...] = (8, 16, 32, 64)
@@ -224,6 +235,13 @@ def _corpus() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
+def _check_model_dir(config: FrontierConfig) -> None:
+    if config.model_dir is not None and not Path(config.model_dir).is_dir():
+        raise ValueError(
+            f"--model must be a directory holding a saved Hugging Face causal LM, got {str(config.model_dir)!r}"
+        )
+
+
 def load_model(config: FrontierConfig) -> tuple[nn.Module, torch.Tensor, str]:
     """The model, the text as a 1-D tensor of token ids, and a description of the model."""
     try:
@@ -231,20 +249,16 @@ def load_model(config: FrontierConfig) -> tuple[nn.Module, torch.Tensor, str]:
     except ImportError as error:  # pragma: no cover - depends on the environment
         raise ImportError("the frontier needs transformers: pip install 'mumoe_tn[hf]'") from error
     transformers.logging.set_verbosity_error()
-    text = _corpus()
+    _check_model_dir(config)
+    text = _corpus() if config.text is None else read_text(config.text)
     if config.model_dir is not None:
         directory = Path(config.model_dir)
-        if not directory.is_dir():
-            raise ValueError(
-                f"--model must be a directory holding a saved Hugging Face causal LM, got {str(directory)!r}"
-            )
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
-        if any((directory / name).exists() for name in ("tokenizer.json", "vocab.json", "tokenizer.model")):
-            tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
-            return model, torch.tensor(tokenizer(text)["input_ids"]), f"{type(model).__name__} from {directory}"
-        if model.config.vocab_size < 256:
-            raise ValueError(f"{directory} has no tokenizer and a vocabulary smaller than 256 bytes")
-        return model, torch.tensor(list(text.encode())), f"{type(model).__name__} from {directory} (byte tokens)"
+        tokenizer = saved_tokenizer(directory)
+        vocabulary = model.get_input_embeddings().num_embeddings
+        tokens = encode_text(text, tokenizer, vocab_size=vocabulary)
+        description = f"{type(model).__name__} from {directory}" + (" (byte tokens)" if tokenizer is None else "")
+        return model, tokens, description
     gpt2 = transformers.GPT2Config(
         vocab_size=256, n_positions=config.context, n_embd=config.width, n_layer=config.depth, n_head=config.heads,
         bos_token_id=0, eos_token_id=0,
@@ -253,11 +267,22 @@ def load_model(config: FrontierConfig) -> tuple[nn.Module, torch.Tensor, str]:
         torch.manual_seed(config.seed)
         model = transformers.GPT2LMHeadModel(gpt2)
     description = f"GPT-2 shape: {config.depth} layers, width {config.width}, {config.heads} heads, byte tokens"
-    return model, torch.tensor(list(text.encode())), description
+    return model, encode_text(text), description
 
 
-def pretrain(model: nn.Module, tokens: torch.Tensor, config: FrontierConfig, *, progress: bool) -> None:
-    """Train ``model`` on windows of ``tokens`` (AdamW) — the stand-in for pretrained weights."""
+def pretrain(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    config: FrontierConfig,
+    *,
+    progress: bool,
+    stop: Callable[[], bool] | None = None,
+) -> None:
+    """Train ``model`` on windows of ``tokens`` (AdamW) — the stand-in for pretrained weights.
+
+    ``stop`` is asked before every step: once it returns True,
+    [`DistillationStopped`][mumoe_tn.distillation.interruption.DistillationStopped] is raised.
+    """
     from tqdm.auto import tqdm
 
     data = TokenWindows(tokens, config.context, config.pretrain_batch, config.pretrain_steps, seed=config.seed)
@@ -266,6 +291,8 @@ def pretrain(model: nn.Module, tokens: torch.Tensor, config: FrontierConfig, *, 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         for x in tqdm(data, desc="training the model", disable=not progress, leave=False, mininterval=0.5):
+            if stop is not None and stop():
+                raise DistillationStopped(None, 0, config.tokens)
             loss = model(input_ids=x, labels=x).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -273,8 +300,16 @@ def pretrain(model: nn.Module, tokens: torch.Tensor, config: FrontierConfig, *, 
     model.eval()
 
 
-def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: str | None = None,
-                 resume: bool = False, save: str | Path | None = None) -> FrontierTable:  # fmt: skip
+def run_frontier(
+    config: FrontierConfig,
+    *,
+    progress: bool = True,
+    checkpoint: str | os.PathLike | None = None,
+    resume: bool = False,
+    save: str | Path | None = None,
+    checkpoint_every: int = 100,
+    stop: Callable[[], bool] | None = None,
+) -> FrontierTable:
     """Build (or load) the model, distil every block into every method and L0, and measure them.
 
     Parameters
@@ -282,30 +317,54 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     config : FrontierConfig
     progress : bool, optional
         Progress bars (tqdm) for the training, the distillation (tokens/s) and the evaluation.
-    checkpoint : str, optional
-        The distillation's checkpoint file.
+    checkpoint : str or PathLike, optional
+        The distillation's checkpoint file, written every ``checkpoint_every`` steps and at the end.
     resume : bool, optional
-        Resume the distillation from ``checkpoint``.
+        Resume the distillation from ``checkpoint``, which must exist.
     save : str or Path, optional
         A new or empty directory to write the run into (see
         [`save_frontier`][mumoe_tn.distillation.study.save_frontier]).
+    checkpoint_every : int, optional
+        Optimiser steps between checkpoints (default 100).
+    stop : Callable[[], bool], optional
+        Asked before every training step of the built model, every distillation step (see
+        ``stop`` of [`distill`][mumoe_tn.distillation.training.distill]) and every evaluation
+        batch; once it returns True the run stops (a stop during the evaluation leaves the
+        checkpoint of the finished distillation, from which a resume goes on to the evaluation).
 
     Returns
     -------
     FrontierTable
+
+    Raises
+    ------
+    DistillationStopped
+        When ``stop()`` returned True (with the checkpoint written, if any).
     """
     _check_methods(config.methods)
     _check_l0s(config.methods, config.l0s, config.experts)
     _check_aux_k(config.aux_k)
+    if resume and checkpoint is None:
+        raise ValueError("resume=True needs checkpoint= (the file to resume from)")
+    if resume and not Path(checkpoint).is_file():
+        raise ValueError(f"there is no checkpoint to resume from at {str(checkpoint)!r}")
+    _check_model_dir(config)
+    if config.text is not None:
+        text_files(config.text)  # a missing file is named before any model is built
     directory = None if save is None else _save_directory(save)
     start = time.perf_counter()
     model, tokens, description = load_model(config)
     split = int(0.9 * tokens.numel())
     train, held_out = tokens[:split], tokens[split:]
+    context = config.context if config.model_dir is None else min(config.context, context_length(model.config))
+    if held_out.numel() <= context:
+        raise ValueError(
+            f"the text is {tokens.numel():,} tokens long: its held-out last 10 % must be longer than one window of "
+            f"{context} tokens, so give at least {10 * (context + 1):,} tokens of text"
+        )
     if config.model_dir is None:
-        pretrain(model, train, config, progress=progress)
+        pretrain(model, train, config, progress=progress, stop=stop)
     model.eval()
-    context = config.context if config.model_dir is None else min(config.context, model.config.n_positions)
     blocks = select_blocks(model, config.mlps)
     first = blocks[0]
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
@@ -320,8 +379,8 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
     result = distill(
         model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
         buffer_tokens=config.buffer_tokens, recipe=config.recipe, lr=config.lr, seed=config.seed,
-        checkpoint=checkpoint, resume=resume, run_config={"model": description, **dataclasses.asdict(config)},
-        progress=progress,
+        checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, progress=progress, stop=stop,
+        run_config={"model": description, "text_digest": _digest(tokens), **dataclasses.asdict(config)},
     )  # fmt: skip
     trained = time.perf_counter() - start
     eval_windows = 8
@@ -333,12 +392,37 @@ def run_frontier(config: FrontierConfig, *, progress: bool = True, checkpoint: s
         "trained_tokens": result.tokens, "peak_buffer_rows": result.peak_buffer_rows,
         "seconds_to_distil": round(trained, 1),
     }  # fmt: skip
+    if stop is not None:  # the checkpoint holds the finished distillation: a resume goes on to the evaluation
+        stopped = DistillationStopped(None if checkpoint is None else Path(checkpoint), result.tokens, config.tokens)
+        held = _AskingBatches(held, stop, stopped)
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)
     table = FrontierTable(table.rows, {**table.config, "seconds": seconds})
     if directory is not None:
         save_frontier(directory, table, result.replacements, model if config.model_dir is None else None)
     return table
+
+
+class _AskingBatches:
+    """``batches`` that ask ``stop`` before each one and raise ``stopped`` once it says so."""
+
+    def __init__(self, batches: TokenWindows, stop: Callable[[], bool], stopped: DistillationStopped) -> None:
+        self.batches, self.stop, self.stopped = batches, stop, stopped
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for batch in self.batches:
+            if self.stop():
+                raise self.stopped
+            yield batch
+
+
+def _digest(tokens: torch.Tensor) -> str:
+    """The token count and a SHA-256 of the token ids: a resumed run must read the same text."""
+    ids = tokens.to(torch.int64).contiguous().numpy().tobytes()
+    return f"{tokens.numel()} tokens, sha256 {hashlib.sha256(ids).hexdigest()}"
 
 
 #: The files of a saved frontier run, in its directory.

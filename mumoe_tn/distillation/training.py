@@ -48,6 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mumoe_tn.distillation.codes import code_module, recording_code, recording_preactivations
+from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.losses import L1, Loss, LossInputs, normalised_mse, resolve_losses
 from mumoe_tn.distillation.streaming import (
     ActivationBuffer,
@@ -522,6 +523,7 @@ def distill(
     resume: bool = False,
     run_config: Mapping[str, Any] | None = None,
     progress: bool = True,
+    stop: Callable[[], bool] | None = None,
 ) -> Distillation:
     """Train a replacement of each chosen MLP block of ``model`` on the block's streamed activations.
 
@@ -586,10 +588,21 @@ def distill(
     progress : bool, optional
         Show a tqdm bar of trained tokens with tokens/s and each method's loss (mean over blocks; read
         every ``LOSS_READ_EVERY`` steps).
+    stop : Callable[[], bool], optional
+        Asked after every optimiser step and before every batch is read: once it returns True the
+        run writes ``checkpoint`` (if given) and raises
+        [`DistillationStopped`][mumoe_tn.distillation.interruption.DistillationStopped]; resume from
+        it with ``resume=True``. [`StopOnSignals`][mumoe_tn.distillation.interruption.StopOnSignals]
+        stops on SIGINT / SIGTERM.
 
     Returns
     -------
     Distillation
+
+    Raises
+    ------
+    DistillationStopped
+        When ``stop()`` returned True.
 
     Notes
     -----
@@ -624,6 +637,8 @@ def distill(
     path = None if checkpoint is None else Path(checkpoint)
     if resume and path is None:
         raise ValueError("resume=True needs checkpoint= (the file to resume from)")
+    if stop is not None and not callable(stop):
+        raise TypeError(f"stop must be a callable () -> bool, got {stop!r:.80}")
     if resume and iter(batches) is batches:
         raise TypeError("resume=True needs re-iterable batches (a list, TokenWindows), not a one-shot iterator")
     blocks = select_blocks(model, mlps)
@@ -658,7 +673,16 @@ def distill(
                 bar.set_postfix({method: f"{value:.3g}" for method, value in loss.items()}, refresh=False)
             if checkpoint_now:
                 _save(run.state_dict(config), path)
+            stop_if_asked()
         run.draining = None
+
+    def stop_if_asked() -> None:
+        """Once ``stop()`` says so: read the losses, write the checkpoint and raise DistillationStopped."""
+        if stop is not None and stop():
+            run.read_losses()
+            if path is not None:
+                _save(run.state_dict(config), path)
+            raise DistillationStopped(path, run.trained, tokens)
 
     try:
         stream = iter(batches)
@@ -668,6 +692,7 @@ def distill(
             train_until(run.draining)
         with capture_blocks(model, names) as captured, torch.no_grad():
             while run.trained < tokens:
+                stop_if_asked()
                 batch = next(stream, None)
                 if batch is None:
                     break
