@@ -203,26 +203,22 @@ class FrontierRow:
 
     @property
     def score_out_of_range(self) -> bool:
-        """Whether the CE-loss score lies outside [0, 1] beyond its interval (the point, without one).
+        """Whether the CE-loss score lies outside [0, 1].
 
         A score above 1 says the spliced model predicts the held-out text better than the model
         itself, below 0 worse than without the block: text unlike the model's training text, or
-        too few evaluation tokens. A score outside [0, 1] whose interval reaches back into it is
-        within its noise and is not flagged.
+        too few evaluation tokens. The cell's interval says whether the excess is within the
+        sequences' noise; the flag asks for a second look either way.
         """
         score = self.score
-        if not math.isfinite(score) or 0 <= score <= 1:
-            return False
-        if math.isfinite(self.score_low) and math.isfinite(self.score_high):
-            return self.score_low > 1 or self.score_high < 0
-        return True
+        return math.isfinite(score) and not 0 <= score <= 1
 
     @property
     def flags(self) -> tuple[str, ...]:
         """The columns that deserve a second look.
 
         ``"nmse"`` above 1, ``"l0"`` below the requested, ``"dead"`` units above ``DEAD_FRACTION``,
-        ``"score"`` outside [0, 1] beyond its interval (see ``score_out_of_range``).
+        ``"score"`` outside [0, 1] (see ``score_out_of_range``).
         """
         flagged = []
         if self.nmse > 1:
@@ -266,8 +262,9 @@ FLAG_NOTES = {
     "dead": ("dead", f"more than {DEAD_FRACTION:.0%} of the units never fired on the evaluation tokens"),
     "score": (
         "score",
-        "CE-loss score outside [0, 1] beyond its interval: the spliced model does better than the model itself "
-        "(above 1) or worse than without the block (below 0); the text is likely unlike the model's training text",
+        "CE-loss score outside [0, 1]: the spliced model does better than the model itself (above 1) or worse "
+        "than without the block (below 0); the text is likely unlike the model's training text, or too short "
+        "(an interval that reaches back into [0, 1] says the excess is within the noise)",
     ),
 }
 
