@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -36,7 +35,15 @@ import torch
 from torch import nn
 
 from mumoe_tn.conversion.configs import check_config
-from mumoe_tn.conversion.files import FileBytes, Headers, check_unchanged, member_file, read_once, read_weights
+from mumoe_tn.conversion.files import (
+    FileBytes,
+    Headers,
+    check_unchanged,
+    member_file,
+    read_once,
+    read_weights,
+    weight_files,
+)
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.distillation.frontier import FrontierTable
@@ -56,7 +63,10 @@ __all__ = [
     "REPLACEMENTS_FILE",
     "RUN_FORMAT",
     "TABLE_FILE",
+    "SavedRun",
     "load_frontier",
+    "read_record",
+    "run_record",
     "save_frontier",
 ]
 
@@ -80,7 +90,6 @@ BUDGET_RATIO = 4
 
 _BLOCK_FIELDS = ("kind", "in_features", "hidden_features", "out_features", "bias", "parameters", "methods")
 _RECORD_FIELDS = ("format", "model", "blocks", "methods")
-_NAME = re.compile(r"[A-Za-z0-9_.:@+\-]+")
 
 
 # ----------------------------------------------------------------------------- saving
@@ -184,10 +193,10 @@ def run_record(
 
 
 def _check_name(field: str, name: object) -> str:
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_RUN_NAME or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_RUN_NAME or "/" in name or not name.isprintable():
         raise ValueError(
-            f"{field} = {name!r:.120} is invalid: a block or method name is 1 to {MAX_RUN_NAME} of the characters "
-            "A-Z a-z 0-9 _ . : @ + -"
+            f"{field} = {name!r:.120} is invalid: a block or method name is 1 to {MAX_RUN_NAME} printable characters "
+            "without '/'"
         )
     return name
 
@@ -231,7 +240,19 @@ def _object(field: str, value: object, names: tuple[str, ...]) -> Mapping[str, A
 
 
 @dataclasses.dataclass(frozen=True)
-class _Run:
+class SavedRun:
+    """A run's checked record: what rebuilds its replacements.
+
+    Attributes
+    ----------
+    model : str or None
+        The model's directory, relative to the run (None: the run saved no model).
+    blocks : dict
+        Block name -> its recorded ``kind``, sizes, ``bias``, ``parameters`` and ``methods``.
+    methods : dict of str to ReplacementSpec
+        Method name -> the spec that builds it.
+    """
+
     model: str | None
     blocks: dict[str, dict[str, Any]]
     methods: dict[str, ReplacementSpec]
@@ -251,7 +272,7 @@ def _model_path(field: str, value: object) -> str | None:
     return value
 
 
-def read_record(data: object, field: str = "saved_run") -> _Run:
+def read_record(data: object, field: str = "saved_run") -> SavedRun:
     """The checked record of a run (see the module's notes); every refusal names its field."""
     if data is None:
         raise ValueError(
@@ -289,7 +310,7 @@ def read_record(data: object, field: str = "saved_run") -> _Run:
         if unknown:
             raise ValueError(f"{where}.methods names {unknown[0]!r:.80}, which {field}.methods does not describe")
         blocks[name] = dict(entry)
-    return _Run(model, blocks, methods)
+    return SavedRun(model, blocks, methods)
 
 
 def _difference(a: object, b: object, field: str) -> str | None:
@@ -322,7 +343,7 @@ def _read_member(root: Path, name: str, reads: list[FileBytes], *, limit: int | 
     return read
 
 
-def _stored(run: _Run, headers: Headers) -> dict[tuple[str, str], int]:
+def _stored(run: SavedRun, headers: Headers) -> dict[tuple[str, str], int]:
     """Elements stored per ``(block, method)``: every key must belong to a recorded pair, every pair hold some."""
     pairs = {(block, method): 0 for block, entry in run.blocks.items() for method in entry["methods"]}
     for key, (shape, _) in headers.items():
@@ -343,7 +364,7 @@ def _stored(run: _Run, headers: Headers) -> dict[tuple[str, str], int]:
     return pairs
 
 
-def _check_budgets(run: _Run, stored: Mapping[tuple[str, str], int]) -> None:
+def _check_budgets(run: SavedRun, stored: Mapping[tuple[str, str], int]) -> None:
     """Each method's budget against the parameters stored for it, before anything is built."""
     for (block, method), count in stored.items():
         spec, entry = run.methods[method], run.blocks[block]
@@ -377,10 +398,18 @@ def _read_model(root: Path, relative: str, reads: list[FileBytes]) -> nn.Module:
                     f"{relative}/config.json")  # fmt: skip
     if not isinstance(config, dict):
         raise ValueError(f"{relative}/config.json is invalid: it must be a JSON object")
-    weights = f"{relative}/model.safetensors"
-    if not os.path.lexists(root / weights):
-        raise ValueError(f"{weights} is missing: a run's model is saved as one safetensors file")
-    state, headers, _ = read_weights(_read_member(root, weights, reads))
+    state: dict[str, torch.Tensor] = {}
+    headers: Headers = {}
+    for file in weight_files(resolved, reads):  # one file, or the shards a checked index names
+        name = file.relative_to(root).as_posix()
+        if file.suffix != ".safetensors":
+            raise ValueError(f"{name} is not a safetensors file: a run's model is saved with save_pretrained")
+        found, found_headers, _ = read_weights(_read_member(root, name, reads))
+        for key in found:
+            if key in state:
+                raise ValueError(f"{name}: tensor {key!r:.120} is stored in two weight files of the model")
+        state.update(found)
+        headers.update(found_headers)
     check_config(config, headers)
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
@@ -403,11 +432,11 @@ def _read_model(root: Path, relative: str, reads: list[FileBytes]) -> nn.Module:
                                                                           "mismatched_keys")}  # fmt: skip
     problems = {name: keys[:5] for name, keys in problems.items() if keys}
     if problems:
-        raise ValueError(f"{weights} does not fit its config.json: {problems}")
+        raise ValueError(f"the weights of {relative}/ do not fit its config.json: {problems}")
     return model.eval()
 
 
-def _blocks(run: _Run, model: nn.Module) -> list[BlockInfo]:
+def _blocks(run: SavedRun, model: nn.Module) -> list[BlockInfo]:
     """The model's blocks of the recorded names, checked against the recorded shapes."""
     found = {block.name: block for block in select_blocks(model, lambda name, _: name in run.blocks)}
     for name, entry in run.blocks.items():
@@ -422,7 +451,7 @@ def _blocks(run: _Run, model: nn.Module) -> list[BlockInfo]:
     return [found[name] for name in run.blocks]
 
 
-def _check_shapes(run: _Run, blocks: list[BlockInfo], headers: Headers) -> None:
+def _check_shapes(run: SavedRun, blocks: list[BlockInfo], headers: Headers) -> None:
     """Every replacement built on the meta device (no memory) against the stored shapes."""
     meta = torch.device("meta")
     for block in blocks:

@@ -132,6 +132,17 @@ def test_a_run_without_its_model_needs_the_model(run, tmp_path):
     assert all(torch.equal(loaded[b][m].state_dict()[k], v) for (b, m, k), v in _snapshot(replacements).items())
 
 
+def test_a_sharded_model_of_the_run_loads(run, tmp_path):
+    directory = _copy(run, tmp_path)
+    shutil.rmtree(directory / "model")
+    run[1].save_pretrained(directory / "model", max_shard_size="8KB")
+    assert len(list((directory / "model").glob("*.safetensors"))) > 1
+    model, _, _ = load_frontier(directory)
+    ids = _batches(1, seed=4)[0]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, run[1](ids).logits)
+
+
 @pytest.mark.parametrize("name", ["frontier.json", "model", "model/config.json", "replacements.safetensors"])
 def test_a_file_linked_out_of_the_run_is_refused_unread(run, tmp_path, monkeypatch, name):
     directory = _copy(run, tmp_path)
@@ -196,7 +207,8 @@ def _set(path, value):
         (("methods", "transcoder@4", "shape"), 1, r"methods\['transcoder@4'\] is invalid: .*unknown \['shape'\]"),
         (("blocks", "transformer.h.0.mlp", "in_features"), True, r"\.in_features = True is invalid"),
         (("blocks", "transformer.h.0.mlp", "methods"), ["gone@1"], r"names 'gone@1', which .*methods does not"),
-        (("blocks", "transformer.h.0.mlp(.*)*"), {}, r"saved_run.blocks = 'transformer.h.0.mlp\(\.\*\)\*' is"),
+        (("blocks", "h/0"), {}, r"saved_run.blocks = 'h/0' is invalid: a block or method name is 1 to 256 printable"),
+        (("blocks", "transformer.h.0.mlp(.*)*"), {}, r"blocks\['transformer.h.0.mlp\(\.\*\)\*'\] is invalid: it must"),
     ],
 )
 def test_every_field_of_the_record_is_checked_and_named(run, tmp_path, path, value, message):
@@ -250,11 +262,18 @@ def test_records_that_disagree_are_refused_naming_the_field(run, tmp_path):
         load_frontier(directory)
 
 
-def test_a_budget_that_disagrees_with_the_stored_tensors_is_refused_before_anything_is_built(run, tmp_path):
+def test_a_budget_that_disagrees_with_the_stored_tensors_is_refused_before_anything_is_built(
+    run, tmp_path, monkeypatch
+):
     directory = _copy(run, tmp_path)
     _edit_record(directory, _set(("methods", "mxd@4", "budget"), 400_000_000))
+    import mumoe_tn.distillation.run_files as run_files
+
+    built = []
+    monkeypatch.setattr(run_files, "factory_from_spec", lambda spec: built.append(spec) or factory_from_spec(spec))
     with pytest.raises(ValueError, match=r"methods\['mxd@4'\].budget = 400000000 is invalid: .*400,000,000 param"):
         load_frontier(directory)
+    assert built == []  # not even on the meta device
 
 
 def test_a_spec_that_builds_other_shapes_is_refused(run, tmp_path):
