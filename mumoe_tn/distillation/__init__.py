@@ -16,6 +16,10 @@
   with the replacements spliced in, against the clean and zero-ablated model.
 - [`frontier`][mumoe_tn.distillation.frontier]: the sparsity–accuracy table and its plot.
 - [`study`][mumoe_tn.distillation.study]: a whole frontier run, as ``mumoe-tn distill`` runs it.
+- [`run_files`][mumoe_tn.distillation.run_files]: a run saved to a directory that describes how to
+  rebuild its replacements ([`replacement_specs`][mumoe_tn.distillation.replacement_specs]), loaded
+  back as data; [`replacement_files`][mumoe_tn.distillation.replacement_files]: replacements in one
+  safetensors file, loaded all or nothing.
 """
 
 from mumoe_tn.distillation.faithfulness import evaluate_replacements

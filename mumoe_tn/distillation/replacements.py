@@ -25,6 +25,14 @@ A Mixture of Decoders is built with its authors' recipe by default
 ([`mxd_paper_init`][mumoe_tn.distillation.replacements.mxd_paper_init]: unit-norm expert vectors,
 zero decoder); every other μMoE block trains with the auxiliary-k loss on dead experts
 ([`AuxK`][mumoe_tn.distillation.losses.AuxK]) by default.
+
+Given plain arguments (a registered format's name, expert counts, ``k``, a budget, a top-k gate's
+name, a recipe, ``aux_k`` as a bool; no ``layer=``, ``gate=`` or block options), every module
+these factories build carries ``replacement_spec``, a
+[`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] of those arguments;
+[`factory_from_spec`][mumoe_tn.distillation.replacements.factory_from_spec] gives the factory back,
+so a saved run ([`save_frontier`][mumoe_tn.distillation.run_files.save_frontier]) rebuilds its
+replacements from data.
 """
 
 from __future__ import annotations

@@ -420,14 +420,16 @@ def _read_model(root: Path, relative: str, reads: list[FileBytes]) -> nn.Module:
     if config_class not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"{relative}/config.json: model_type = {model_type!r:.80} is not a causal language model")
     transformers.logging.set_verbosity_error()
-    malformed = (TypeError, ValueError, KeyError, AttributeError)
     settings = {key: value for key, value in config.items() if key not in ("auto_map", "quantization_config")}
-    try:
-        model_config = config_class.from_dict(settings)
-    except malformed as error:
-        raise ValueError(f"{relative}/config.json is invalid ({type(error).__name__}: {str(error)[:200]})") from None
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
-    model, info = cls.from_pretrained(None, config=model_config, state_dict=state, output_loading_info=True)
+    try:  # transformers raises many kinds for a malformed config: its own validation errors, KeyError, RuntimeError
+        model_config = config_class.from_dict(settings)
+        model, info = cls.from_pretrained(None, config=model_config, state_dict=state, output_loading_info=True)
+    except Exception as error:
+        raise ValueError(
+            f"{relative}/config.json does not describe the model its weights hold ({type(error).__name__}: "
+            f"{str(error)[:200]})"
+        ) from None
     problems = {name: sorted(map(str, info.get(name) or ())) for name in ("missing_keys", "unexpected_keys",
                                                                           "mismatched_keys")}  # fmt: skip
     problems = {name: keys[:5] for name, keys in problems.items() if keys}

@@ -240,6 +240,25 @@ def test_malformed_json_gets_the_library_error(run, tmp_path, text, message):
         load_frontier(directory)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("tie_word_embeddings", "x", r"model/config.json does not describe the model its weights hold"),
+        ("n_positions", 17, r"model/config.json does not describe the model its weights hold"),
+        ("activation_function", "", r"model/config.json does not describe the model its weights hold"),
+        ("model_type", "no-such-model", r"model_type = 'no-such-model' names no model type"),
+        ("n_embd", 1 << 30, r"n_embd"),
+    ],
+)
+def test_a_crafted_model_config_gets_the_library_error(run, tmp_path, field, value, message):
+    directory = _copy(run, tmp_path)
+    config = json.loads((directory / "model" / "config.json").read_text())
+    config[field] = value
+    (directory / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_frontier(directory)
+
+
 def test_a_row_of_the_wrong_type_is_named(run, tmp_path):
     directory = _copy(run, tmp_path)
     _edit_json(directory, lambda data: data["rows"][2].__setitem__("params", "many"))
