@@ -328,7 +328,7 @@ def test_catastrophic_fields_are_refused_in_bounded_time(run, tmp_path):
         except ValueError as error:
             print("refused:", str(error)[:200])
         model, replacements, table = load_frontier({str(regex)!r})  # the config's mlps is never compiled
-        print("loaded", sorted(replacements), round(time.perf_counter() - start, 1))
+        print("loaded", sorted(replacements), round(time.perf_counter() - start, 2))
         print("peak MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
     """)  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
