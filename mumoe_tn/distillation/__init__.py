@@ -18,6 +18,10 @@
 - [`paired`][mumoe_tn.distillation.paired]: two methods of a block compared sequence by sequence
   (a paired bootstrap over the held-out sequences, for one seed or many).
 - [`study`][mumoe_tn.distillation.study]: a whole frontier run, as ``mumoe-tn distill`` runs it.
+- [`run_files`][mumoe_tn.distillation.run_files]: a run saved to a directory that describes how to
+  rebuild its replacements ([`replacement_specs`][mumoe_tn.distillation.replacement_specs]), loaded
+  back as data; [`replacement_files`][mumoe_tn.distillation.replacement_files]: replacements in one
+  safetensors file, loaded all or nothing.
 """
 
 from mumoe_tn.distillation.faithfulness import evaluate_replacements

@@ -279,6 +279,47 @@ def _json_value(value: Any) -> Any:
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
+_TEXT_FIELDS = ("block", "method")
+_COUNT_FIELDS = ("params", "dead", "units", "tokens")
+
+
+def _number(field: str, value: object) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{field} = {value!r:.80} is invalid: it must be a number or null")
+    return float(value)
+
+
+def _row_from_data(record: object, field: str) -> FrontierRow:
+    """One row from parsed JSON (NaN written as null); derived columns (``score``, …) are ignored."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{field} = {record!r:.80} is invalid: a frontier row is an object")
+    required = [f.name for f in fields(FrontierRow) if f.default is MISSING]
+    missing = [name for name in required if name not in record]
+    if missing:
+        raise ValueError(f"{field} lacks {missing}: {record!r:.120}")
+    values: dict[str, Any] = {}
+    for spec in fields(FrontierRow):
+        if spec.name not in record:
+            continue
+        value, where = record[spec.name], f"{field}.{spec.name}"
+        if spec.name in _TEXT_FIELDS:
+            if not isinstance(value, str) or len(value) > 1024:
+                raise ValueError(f"{where} = {value!r:.80} is invalid: it must be a string of at most 1,024 characters")
+        elif spec.name in _COUNT_FIELDS:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where} = {value!r:.80} is invalid: it must be an int >= 0")
+        elif spec.name == "extra":
+            if not isinstance(value, dict):
+                raise ValueError(f"{where} = {value!r:.80} is invalid: a frontier row's extra must be an object")
+            value = {str(k): _number(f"{where}[{k!r:.40}]", v) for k, v in value.items()}
+        else:
+            value = _number(where, value)
+        values[spec.name] = value
+    return FrontierRow(**values)
+
+
 def _cell(key: str, value: Any, record: Mapping[str, Any] | None = None) -> str:
     if isinstance(value, str):
         return value
@@ -342,28 +383,49 @@ class FrontierTable:
         return json.dumps({"config": dict(self.config), **headers, "rows": rows, **sequences}, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> FrontierTable:
-        """A table from [`to_json`][mumoe_tn.distillation.frontier.FrontierTable.to_json]'s text."""
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes) -> FrontierTable:
+        """A table from [`to_json`][mumoe_tn.distillation.frontier.FrontierTable.to_json]'s text.
+
+        Raises
+        ------
+        ValueError
+            Text that is not JSON, or a field of the wrong type (see ``from_data``), named.
+        """
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as error:
+            raise ValueError(f"frontier JSON is not valid JSON ({type(error).__name__}: {str(error)[:120]})") from None
+        return cls.from_data(data)
+
+    @classmethod
+    def from_data(cls, data: object, source: str = "frontier JSON") -> FrontierTable:
+        """A table from parsed JSON: every row's fields checked by type, errors naming the field.
+
+        Parameters
+        ----------
+        data : object
+            ``{"config": {...}, "headers": {...}, "rows": [...]}`` as parsed.
+        source : str, optional
+            Where the data comes from (quoted in errors).
+
+        Raises
+        ------
+        ValueError
+            A missing or unknown field, or a value of the wrong type, named (``rows[3].params``).
+        """
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-            raise ValueError("frontier JSON must be an object with a 'rows' list")
-        required = [f.name for f in fields(FrontierRow) if f.default is MISSING]
-        optional = [f.name for f in fields(FrontierRow) if f.default is not MISSING]
-        rows = []
-        for record in data["rows"]:
-            missing = [name for name in required if name not in record]
-            if missing:
-                raise ValueError(f"a frontier row lacks {missing}: {record!r:.120}")
-            values = {name: record[name] for name in required + optional if name in record}
-            values = {k: math.nan if v is None else v for k, v in values.items()}
-            if "extra" in values:
-                if not isinstance(values["extra"], dict):
-                    raise ValueError(f"a frontier row's extra must be an object, got {values['extra']!r:.80}")
-                values["extra"] = {k: math.nan if v is None else v for k, v in values["extra"].items()}
-            rows.append(FrontierRow(**values))
+            raise ValueError(f"{source} must be an object with a 'rows' list")
+        config, headers = data.get("config", {}), data.get("headers", {})
+        if not isinstance(config, dict) or not all(isinstance(key, str) for key in config):
+            raise ValueError(f"{source}: config = {config!r:.80} is invalid: it must be an object")
+        if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise ValueError(f"{source}: headers = {headers!r:.80} is invalid: it must map names to strings")
+        rows = tuple(_row_from_data(record, f"{source}: rows[{i}]") for i, record in enumerate(data["rows"]))
         sequences = data.get("sequences")
         sequences = None if sequences is None else SequenceLosses.from_dict(sequences)
-        return cls(tuple(rows), data.get("config", {}), data.get("headers", {}), sequences)
+        return cls(rows, config, headers, sequences)
 
     def to_csv(self) -> str:
         """The rows as CSV with the column keys as header (the score's interval, the KL terms, then extra metrics)."""

@@ -25,6 +25,14 @@ A Mixture of Decoders is built with its authors' recipe by default
 ([`mxd_paper_init`][mumoe_tn.distillation.replacements.mxd_paper_init]: unit-norm expert vectors,
 zero decoder); every other μMoE block trains with the auxiliary-k loss on dead experts
 ([`AuxK`][mumoe_tn.distillation.losses.AuxK]) by default.
+
+Given plain arguments (a registered format's name, expert counts, ``k``, a budget, a top-k gate's
+name, a recipe, ``aux_k`` as a bool; no ``layer=``, ``gate=`` or block options), every module
+these factories build carries ``replacement_spec``, a
+[`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] of those arguments;
+[`factory_from_spec`][mumoe_tn.distillation.replacements.factory_from_spec] gives the factory back,
+so a saved run ([`save_frontier`][mumoe_tn.distillation.run_files.save_frontier]) rebuilds its
+replacements from data.
 """
 
 from __future__ import annotations
@@ -40,8 +48,10 @@ from torch import nn
 
 from mumoe_tn.costs.baselines import match_transcoder, transcoder_parameters
 from mumoe_tn.costs.matching import resolve_target
+from mumoe_tn.decompositions.registry import available
 from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.distillation.losses import AuxK
+from mumoe_tn.distillation.replacement_specs import ReplacementSpec
 from mumoe_tn.distillation.streaming import BlockInfo
 from mumoe_tn.distillation.training import Factory
 from mumoe_tn.distillation.transcoders import Transcoder
@@ -53,6 +63,7 @@ from mumoe_tn.validation import check_size
 __all__ = [
     "PAPER_EXPANSION",
     "RECIPES",
+    "factory_from_spec",
     "mode_split",
     "mumoe_factory",
     "mxd_paper_init",
@@ -255,6 +266,12 @@ def mumoe_factory(
             f"format {fmt.name!r} names the top-k gate {chosen!r}, which is not registered; "
             f"registered top-k gates: {sorted(gates)}"
         )
+    plain = isinstance(decomposition, str) and decomposition.lower() in available() and layer is None
+    described = plain and not options and not isinstance(aux_k, AuxK)
+    spec = None
+    if described:
+        ks = k if isinstance(k, int) else tuple(k)
+        spec = ReplacementSpec("mumoe", ks, budget, False, decomposition, dims, top_k, recipe, aux_k)  # type: ignore[arg-type]
     gate = options.pop("gate", None) or gates[chosen](k=k)
 
     def build(block: BlockInfo) -> nn.Module:
@@ -277,6 +294,8 @@ def mumoe_factory(
         use = (flat and not paper) if aux_k is None else aux_k
         if use is not False:
             module.distillation_losses = (use if isinstance(use, AuxK) else AuxK(),)
+        if spec is not None:
+            module.replacement_spec = spec
         return module
 
     return build
@@ -303,11 +322,36 @@ def transcoder_factory(k: int | None, budget: int | float | None = None, *, skip
     def build(block: BlockInfo) -> nn.Module:
         target = paper_budget(block) if budget is None else _budget(budget, block)
         latents = match_transcoder(target, block.in_features, block.out_features, skip=skip)
-        return Transcoder(
+        module = Transcoder(
             block.in_features, latents, block.out_features, k=k, skip=skip, device=block.device, dtype=block.dtype
         )
+        module.replacement_spec = spec
+        return module
 
+    spec = ReplacementSpec("transcoder", k, budget, skip)
     return build
+
+
+def factory_from_spec(spec: ReplacementSpec) -> Factory:
+    """The factory a [`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] describes.
+
+    Parameters
+    ----------
+    spec : ReplacementSpec
+        As a factory of this module attached it to what it built (``module.replacement_spec``),
+        or as read by [`spec_from_data`][mumoe_tn.distillation.replacement_specs.spec_from_data].
+
+    Returns
+    -------
+    Factory
+        A factory that builds the same module again (its weights freshly initialised).
+    """
+    if not isinstance(spec, ReplacementSpec):
+        raise TypeError(f"spec must be a ReplacementSpec, got {type(spec).__name__}")
+    if spec.kind == "transcoder":
+        return transcoder_factory(spec.k, spec.budget, skip=spec.skip)  # type: ignore[arg-type]
+    return mumoe_factory(spec.format, spec.experts, spec.k, spec.budget, top_k=spec.top_k, recipe=spec.recipe,
+                         aux_k=spec.aux_k)  # type: ignore[arg-type]  # fmt: skip
 
 
 def __getattr__(name: str) -> object:

@@ -29,7 +29,7 @@ import hashlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +44,9 @@ from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable
 from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
+from mumoe_tn.distillation.run_files import load_frontier, save_frontier
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
-from mumoe_tn.distillation.training import Factory, distill, load_replacements, save_replacements
+from mumoe_tn.distillation.training import Factory, distill
 
 __all__ = ["FrontierConfig", "load_frontier", "method_factories", "run_frontier", "save_frontier"]
 
@@ -323,7 +324,7 @@ def run_frontier(
         Resume the distillation from ``checkpoint``, which must exist.
     save : str or Path, optional
         A new or empty directory to write the run into (see
-        [`save_frontier`][mumoe_tn.distillation.study.save_frontier]).
+        [`save_frontier`][mumoe_tn.distillation.run_files.save_frontier]).
     checkpoint_every : int, optional
         Optimiser steps between checkpoints (default 100).
     stop : Callable[[], bool], optional
@@ -399,7 +400,7 @@ def run_frontier(
     seconds = round(time.perf_counter() - start, 1)
     table = FrontierTable(table.rows, {**table.config, "seconds": seconds})
     if directory is not None:
-        save_frontier(directory, table, result.replacements, model if config.model_dir is None else None)
+        save_frontier(directory, table, result.replacements, model, save_model=config.model_dir is None)
     return table
 
 
@@ -425,72 +426,9 @@ def _digest(tokens: torch.Tensor) -> str:
     return f"{tokens.numel()} tokens, sha256 {hashlib.sha256(ids).hexdigest()}"
 
 
-#: The files of a saved frontier run, in its directory.
-TABLE_FILE, REPLACEMENTS_FILE, MODEL_DIRECTORY = "frontier.json", "replacements.safetensors", "model"
-
-
 def _save_directory(path: str | Path) -> Path:
     """``path`` as a directory to write a run into: new or empty, checked before any work."""
     directory = Path(path)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ValueError(f"save= must be a new or empty directory, got {str(directory)!r}")
     return directory
-
-
-def save_frontier(
-    directory: str | Path,
-    table: FrontierTable,
-    replacements: Mapping[str, Mapping[str, nn.Module]],
-    model: nn.Module | None = None,
-) -> Path:
-    """Write a frontier run to ``directory``: its table, its trained replacements and, if given, the model.
-
-    ``frontier.json`` holds the table and the run's configuration,
-    ``replacements.safetensors`` every replacement (see
-    [`save_replacements`][mumoe_tn.distillation.training.save_replacements]) and ``model/`` the
-    model the run built and trained (``save_pretrained``), so
-    [`load_frontier`][mumoe_tn.distillation.study.load_frontier] can splice them back.
-
-    Returns
-    -------
-    Path
-        The directory.
-    """
-    directory = _save_directory(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / TABLE_FILE).write_text(table.to_json() + "\n")
-    save_replacements(replacements, directory / REPLACEMENTS_FILE)
-    if model is not None:
-        model.save_pretrained(directory / MODEL_DIRECTORY)
-    return directory
-
-
-def load_frontier(directory: str | Path) -> tuple[nn.Module, dict[str, dict[str, nn.Module]], FrontierTable]:
-    """The model, the trained replacements (``block -> method -> module``) and the table of a saved run.
-
-    The replacements are rebuilt by the run's factories (from the configuration in its table) and
-    loaded from ``replacements.safetensors``; splice one in with
-    [`splice`][mumoe_tn.distillation.training.splice]. The model is the one saved with the run, or
-    the ``--model`` directory it named.
-
-    Raises
-    ------
-    ValueError
-        A directory without a saved run, or files that do not fit each other.
-    """
-    import transformers
-
-    directory = Path(directory)
-    if not (directory / TABLE_FILE).is_file():
-        raise ValueError(f"{str(directory)!r} holds no saved frontier run (no {TABLE_FILE})")
-    table = FrontierTable.from_json((directory / TABLE_FILE).read_text())
-    names = {f.name for f in dataclasses.fields(FrontierConfig)}
-    settings = {key: value for key, value in table.config.items() if key in names}
-    config = FrontierConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
-    source = directory / MODEL_DIRECTORY if config.model_dir is None else Path(config.model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(source, local_files_only=True).eval()
-    factories = method_factories(config.methods, config.l0s, table.config["budget"], config.experts,
-                                 top_k=config.top_k, recipe=config.recipe, aux_k=config.aux_k)  # fmt: skip
-    built = {block.name: {method: factory(block) for method, factory in factories.items()}
-             for block in select_blocks(model, config.mlps)}  # fmt: skip
-    return model, load_replacements(built, directory / REPLACEMENTS_FILE), table

@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from mumoe_tn.distillation.codes import code_module, recording_code, recording_preactivations
 from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.losses import L1, Loss, LossInputs, normalised_mse, resolve_losses
+from mumoe_tn.distillation.replacement_files import load_replacements, save_replacements
 from mumoe_tn.distillation.streaming import (
     ActivationBuffer,
     Batch,
@@ -797,93 +798,3 @@ def spliced(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator
         yield model
     finally:
         splice(model, old)
-
-
-def save_replacements(
-    replacements: Mapping[str, Mapping[str, nn.Module]],
-    path: str | os.PathLike,
-    *,
-    metadata: Mapping[str, str] | None = None,
-) -> Path:
-    """Write trained replacements to one ``.safetensors`` file: key ``"<block>/<method>/<tensor>"``.
-
-    Parameters
-    ----------
-    replacements : Mapping
-        ``block name -> method -> module`` (``Distillation.replacements``).
-    path : str or PathLike
-        The file.
-    metadata : Mapping[str, str], optional
-        Strings stored in the file's header (e.g. the run's configuration as JSON).
-
-    Returns
-    -------
-    Path
-    """
-    from safetensors.torch import save_file
-
-    tensors = {
-        f"{block}/{method}/{key}": tensor.detach().cpu().contiguous().clone()
-        for block, methods in replacements.items()
-        for method, module in methods.items()
-        for key, tensor in module.state_dict().items()
-    }
-    path = Path(path)
-    save_file(tensors, str(path), metadata={"format": "mumoe_tn.replacements/1", **dict(metadata or {})})
-    return path
-
-
-def load_replacements(
-    replacements: Mapping[str, Mapping[str, nn.Module]], path: str | os.PathLike
-) -> dict[str, dict[str, nn.Module]]:
-    """Load what [`save_replacements`][mumoe_tn.distillation.training.save_replacements] wrote into built modules.
-
-    Every key and shape is checked against the file's header before any weight is read; the
-    modules are changed only when all fit.
-
-    Parameters
-    ----------
-    replacements : Mapping
-        ``block name -> method -> module`` built as the saved ones were (the same factories).
-    path : str or PathLike
-
-    Returns
-    -------
-    dict
-        The same modules, holding the saved weights, in eval mode.
-
-    Raises
-    ------
-    ValueError
-        A file that is not saved replacements, or a key or shape that differs (named).
-    """
-    from safetensors.torch import load_file
-
-    from mumoe_tn.conversion.files import read_headers, regular_file
-
-    path = regular_file(Path(path), "replacements file")
-    headers, metadata = read_headers(path)
-    if metadata.get("format") != "mumoe_tn.replacements/1":
-        raise ValueError(f"{str(path)!r} holds no saved replacements (format {metadata.get('format')!r})")
-    expected = {
-        f"{block}/{method}/{key}": tuple(tensor.shape)
-        for block, methods in replacements.items()
-        for method, module in methods.items()
-        for key, tensor in module.state_dict().items()
-    }
-    saved = {key: shape for key, (shape, _) in headers.items()}
-    if set(saved) != set(expected):
-        missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
-        raise ValueError(f"{str(path)!r} does not hold these replacements: missing {missing[:5]}, extra {extra[:5]}")
-    wrong = [f"{key}: {saved[key]} saved, {shape} built" for key, shape in expected.items() if saved[key] != shape]
-    if wrong:
-        raise ValueError(f"{str(path)!r} holds replacements of other shapes: {'; '.join(wrong[:5])}")
-    tensors = load_file(str(path))
-    out: dict[str, dict[str, nn.Module]] = {}
-    for block, methods in replacements.items():
-        out[block] = {}
-        for method, module in methods.items():
-            prefix = f"{block}/{method}/"
-            module.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
-            out[block][method] = module.eval()
-    return out

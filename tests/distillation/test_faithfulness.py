@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 from torch import nn
 
@@ -185,7 +186,11 @@ def test_distill_command_on_a_saved_model(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()  # stdout is not a terminal here: Markdown
     assert lines[2].startswith("| block | method | params | L0 |") and lines[3].startswith("|---|---|---:|")
     assert {line.split(" | ")[1] for line in lines[4:6]} == {"transcoder@4", "cp-hier@4"}
-    model, replacements, table = load_frontier(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"the run saved no model \(the table names '.*model'\).*model="):
+        load_frontier(tmp_path / "run")  # a --model directory lies outside the run: it is not read
+    given = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    model, replacements, table = load_frontier(tmp_path / "run", model=given)
+    assert model is given
     row = next(row for row in table.rows if row.method == "cp-hier@4")
     reloaded = replacements[row.block][row.method]
     batches = [torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))]
