@@ -187,6 +187,8 @@ def _versioned(saved: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tenso
 
 
 def _short(value: object) -> str:
+    if isinstance(value, torch.Tensor):  # its values are not read (the first pass has none)
+        return f"a tensor of shape {tuple(value.shape)}"
     return f"{value!r:.80}"
 
 
@@ -265,7 +267,11 @@ class _Check:
 
     # ------------------------------------------------------------------ the checkpoint, field by field
     def checkpoint(self, state: object) -> None:
-        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        if (
+            not isinstance(state, dict)
+            or not isinstance(state.get("format"), str)
+            or state["format"] != CHECKPOINT_FORMAT
+        ):
             found = state.get("format") if isinstance(state, dict) else type(state).__name__
             raise ValueError(
                 f"{self.path} is not a distillation checkpoint ({CHECKPOINT_FORMAT}; found {_short(found)})"
@@ -353,7 +359,12 @@ class _Check:
             ):
                 where = f"{field} param_groups[{index}]"
                 group = self.mapping(where, group, live_group)
-                if group["params"] != live_group["params"] or not all(_whole(i) for i in group["params"]):
+                numbers = group["params"]
+                if (
+                    not isinstance(numbers, list)
+                    or not all(_whole(i) for i in numbers)
+                    or numbers != live_group["params"]
+                ):
                     self.refuse(f"{where} 'params'", f"{_short(group['params'])} but the group's parameters are "
                                 f"{_short(live_group['params'])}")  # fmt: skip
                 for name, value in live_group.items():
@@ -362,6 +373,7 @@ class _Check:
                 parameters.update(zip(live_group["params"], params["params"], strict=True))
                 flags.update(dict.fromkeys(live_group["params"], bool(live_group.get("amsgrad"))))
             state = self.mapping(f"{field} state", saved["state"])
+            adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)  # its state's keys are known
             keys = None
             for number, entry in state.items():
                 if not _whole(number) or number not in parameters:
@@ -370,7 +382,7 @@ class _Check:
                     )
                 where = f"{field} parameter {number}"
                 entry = self.mapping(where, entry)
-                if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+                if adam:
                     expected = ("step", *_ADAM_MOMENTS, *(("max_exp_avg_sq",) if flags[number] else ()))
                     self.mapping(where, entry, expected)
                 elif keys is None:
@@ -380,9 +392,13 @@ class _Check:
                 for name, value in entry.items():
                     if name == "step":
                         self.step(f"{where} 'step'", value)
-                    else:
+                    elif isinstance(value, torch.Tensor) or adam:
                         self.tensor(f"{where} {_short(name)}", value, "the parameter", parameters[number])
                         self.finite(f"{where} {_short(name)}", value)
+                    elif not (value is None or isinstance(value, bool) or (_number(value) and math.isfinite(value))):
+                        self.refuse(
+                            f"{where} {_short(name)}", f"{_short(value)} where a tensor or a finite number belongs"
+                        )
 
     def step(self, field: str, value: object) -> None:
         """A finite whole number of steps, at most the run's: a 0-dim float tensor or a number."""

@@ -121,8 +121,12 @@ def test_a_genuine_checkpoint_resumes(genuine, tmp_path):
 
 
 _CHILD = """
-import resource, sys
+import os, resource, sys
 from test_resume_files import resume
+if os.path.exists("/proc/self/status"):  # 1 GiB more address space: a regression fails, not the machine
+    with open("/proc/self/status") as status:
+        size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
 for path in sys.argv[1:]:
     message, unchanged = resume(path)
     print("REFUSED" if message else "RESUMED", unchanged, message, flush=True)
@@ -256,6 +260,9 @@ _FIELDS = {
                     "param_groups[0] 'lr': inf where a finite number"),
     "amsgrad flipped": (_set("optimizers", "mlp/tc", "param_groups", 0, "amsgrad", value=True),
                         "param_groups[0] 'amsgrad': True but the live run has False"),
+    "tensor ids": (_set("optimizers", "mlp/tc", "param_groups", 0, "params", value=torch.arange(4)),
+                   "param_groups[0] 'params': a tensor of shape (4,) but the group's parameters are [0, 1, 2, 3]"),
+    "tensor format": (_set("format", value=torch.ones(3)), "is not a distillation checkpoint"),
     "two groups": (lambda state: state["optimizers"]["mlp/tc"]["param_groups"].append({}),
                    "param_groups: [{'lr'"),
     "module dtype": (_set("modules", "mlp/tc", "encoder.bias", value=torch.zeros(32, dtype=torch.float64)),
