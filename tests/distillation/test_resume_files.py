@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_training import ToyLM, _batches
+from test_training import ToyLM, _batches, _Failing, _Interrupted
 
+from mumoe_tn.distillation.losses import AuxK
+from mumoe_tn.distillation.replacements import mumoe_factory
 from mumoe_tn.distillation.training import distill
 from mumoe_tn.distillation.transcoders import Transcoder
 
@@ -293,3 +295,17 @@ def test_a_malformed_field_gets_the_library_error_naming_it(genuine, tmp_path, f
     assert message is not None and expected in message, message
     assert len(message) <= 700
     assert unchanged
+
+
+def test_a_loss_terms_state_for_other_units_gets_the_library_error_when_it_runs(tmp_path):
+    """The aux-k term's idle counters pass the generic checks (a whole tensor, fewer entries than parameters)."""
+    methods = {"cp": mumoe_factory("cp", 8, 2, 600, aux_k=AuxK(dead_after=64))}
+    options = {**OPTIONS, "tokens": 192}
+    path = tmp_path / "distill.pt"
+    with pytest.raises(_Interrupted):
+        distill(ToyLM(), _Failing(_batches(), 2), methods, checkpoint=path, checkpoint_every=1, **options)
+    _tampered(path, path, _set("losses", "mlp/cp", "aux-k", "idle", value=torch.zeros(3, dtype=torch.int64)))
+    with pytest.raises(
+        ValueError, match=r"'aux-k' term's state 'idle' has shape \(3,\), but the replacement has 8 units"
+    ):
+        distill(ToyLM(), _batches(), methods, checkpoint=path, resume=True, **options)
