@@ -229,8 +229,9 @@ class _Check:
             self.refuse(field, f"a {type(value).__name__} where a mapping belongs")
         if keys is not None:
             expected = list(keys)
+            known = set(expected)
             missing = [key for key in expected if key not in value]
-            extra = [key for key in value if key not in expected]
+            extra = [key for key in value if key not in known]
             if missing or extra:
                 self.refuse(
                     field, f"missing {_short(missing[:5])}, unexpected {_short(extra[:5])}: expected {_short(expected)}"

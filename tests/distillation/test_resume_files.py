@@ -238,6 +238,7 @@ _FIELDS = {
     "tensor in config": (_set("config", "seed", value=torch.ones(3)),
                          "config['seed']: a Tensor: the configuration is plain data"),
     "draining nan": (_set("draining", value="nan"), "draining: 'nan' where a whole number in [-1, 63] belongs"),
+    "draining huge": (_set("draining", value=2**200), f"draining: {2**200} where a whole number"),
     "draining bool": (_set("draining", value=True), "draining: True where a whole number"),
     "short generator": (_set("generator", value=torch.zeros(3, dtype=torch.uint8)),
                         "generator: dtype torch.uint8, shape (3,) where torch's CPU generator state (uint8, (5056,))"),
