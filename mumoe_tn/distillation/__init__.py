@@ -7,7 +7,8 @@
   of any registered or custom network (a Mixture of Decoders for ``mxd``), TopK and skip
   transcoders — all at one parameter budget.
 - [`training`][mumoe_tn.distillation.training]: the training loop over streamed activations
-  (resumable, seeded, a named recipe), splicing replacements into the model.
+  (resumable, seeded, a named recipe), splicing replacements into the model;
+  [`resume_checks`][mumoe_tn.distillation.resume_checks]: a resume file read as data.
 - [`losses`][mumoe_tn.distillation.losses]: the registered loss terms (normalised MSE, FVU, L1,
   auxiliary-k on dead units); [`codes`][mumoe_tn.distillation.codes]: a replacement's sparse code.
 - [`metrics`][mumoe_tn.distillation.metrics]: the registered block-level metrics (L0, normalised

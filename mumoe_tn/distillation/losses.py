@@ -323,6 +323,11 @@ class AuxK(Loss, name="aux-k"):
         rows = code[0].shape[0]
         active = torch.cat([_active_units(part) for part in code]).cpu()
         idle = inputs.state.get("idle")
+        if idle is not None and tuple(idle.shape) != (active.numel(),):  # a resumed state of another replacement
+            raise ValueError(
+                f"the {self.name!r} term's state 'idle' has shape {tuple(idle.shape)}, but the replacement has "
+                f"{active.numel()} units"
+            )
         idle = torch.zeros(active.numel(), dtype=torch.int64) if idle is None else idle
         idle = (idle + rows).masked_fill_(active, 0)
         inputs.state["idle"] = idle

@@ -51,6 +51,7 @@ from mumoe_tn.distillation.codes import code_module, recording_code, recording_p
 from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.losses import L1, Loss, LossInputs, normalised_mse, resolve_losses
 from mumoe_tn.distillation.replacement_files import load_replacements, save_replacements
+from mumoe_tn.distillation.resume_checks import CHECKPOINT_FORMAT, read_checkpoint
 from mumoe_tn.distillation.streaming import (
     ActivationBuffer,
     Batch,
@@ -85,9 +86,6 @@ __all__ = [
 
 #: Builds a replacement for a block: any module mapping the block's input ``(…, I)`` to ``(…, O)``.
 Factory = Callable[[BlockInfo], nn.Module]
-
-#: The version tag of a distillation checkpoint.
-CHECKPOINT_FORMAT = "mumoe_tn.distill/1"
 
 
 @dataclass
@@ -400,20 +398,11 @@ class _Run:
             "draining": -1 if self.draining is None else self.draining,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any], path: Path) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Hold a checkpoint's state (checked against this run by ``read_checkpoint``)."""
         for (block, method), trainer in self.trainers.items():
             key = f"{block}/{method}"
-            saved = state["modules"][key]
-            for name, tensor in trainer.module.state_dict().items():
-                old = saved.get(name)
-                if old is None or old.shape != tensor.shape:
-                    found = "no such tensor" if old is None else f"shape {tuple(old.shape)}"
-                    raise ValueError(
-                        f"the checkpoint {path} was written by a different distillation: the replacement "
-                        f"{method!r} of {block!r} has {name} of shape {tuple(tensor.shape)} now, {found} in the "
-                        "checkpoint"
-                    )
-            trainer.module.load_state_dict(saved)
+            trainer.module.load_state_dict(state["modules"][key])
             trainer.optimizer.load_state_dict(state["optimizers"][key])
             trainer.schedule.load_state_dict(state["schedules"][key])
             trainer.loss_state = {name: dict(values) for name, values in state["losses"][key].items()}
@@ -483,24 +472,6 @@ def _save(state: Mapping[str, Any], path: Path) -> None:
     temporary = path.with_name(path.name + ".tmp")
     torch.save(dict(state), temporary)
     os.replace(temporary, path)
-
-
-def _load(path: Path, config: Mapping[str, Any]) -> dict[str, Any]:
-    """Read a checkpoint with torch's allow-list loader and check it belongs to this run."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a corrupt or foreign file: say which
-        raise ValueError(
-            f"{path} is not a readable distillation checkpoint ({type(error).__name__}: {error})"
-        ) from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a distillation checkpoint ({CHECKPOINT_FORMAT})")
-    saved = state["config"]
-    different = {key: (saved.get(key), value) for key, value in config.items() if saved.get(key) != value}
-    if different:
-        listed = ", ".join(f"{key}: checkpoint {old!r}, now {new!r}" for key, (old, new) in sorted(different.items()))
-        raise ValueError(f"the checkpoint {path} was written by a different distillation ({listed})")
-    return state
 
 
 def distill(
@@ -652,7 +623,7 @@ def distill(
     run = _Run(blocks, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
                optimizer=optimizer, capacity=capacity)  # fmt: skip
     if resume and path is not None and path.exists():
-        run.load_state_dict(_load(path, config), path)
+        run.load_state_dict(read_checkpoint(path, config, run.trainers, blocks))
     was_training = model.training
     model.eval()
     bar = tqdm(total=tokens, initial=min(run.trained, tokens), unit="tok", unit_scale=True, desc="distilling",
