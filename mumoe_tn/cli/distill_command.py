@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import math
 import re
 import shlex
@@ -24,6 +25,7 @@ import torch
 
 from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
 from mumoe_tn.distillation.interruption import DistillationStopped, StopOnSignals
+from mumoe_tn.distillation.paired import paired_against
 from mumoe_tn.distillation.replacements import top_k_gate_names
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 
@@ -176,12 +178,24 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     if args.plot:
         table.plot(args.plot)
+    paired = paired_against(table)
     if args.json:
-        print(table.to_json())
-    elif args.markdown:
-        print(table.title() + "\n\n" + table.to_markdown())
+        data = json.loads(table.to_json())
+        differences = [
+            {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in dataclasses.asdict(d).items()}
+            for d in paired
+        ]
+        print(json.dumps({**data, "paired": differences}, indent=2))
     elif args.csv:
         sys.stdout.write(table.to_csv())
     else:
-        table.show()
+        if args.markdown:
+            print(table.title() + "\n\n" + table.to_markdown())
+        else:
+            table.show()
+        if paired:
+            print("\nAgainst the transcoders, paired over the held-out sequences (method − transcoder, 95 % interval):")
+            for difference in paired:
+                print(f"  {difference}{'  *' if difference.decided else ''}")
+            print("  * the CE difference's interval excludes 0")
     return 0

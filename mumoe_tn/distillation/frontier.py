@@ -376,11 +376,19 @@ class FrontierTable:
         return self.headers.get(name, name)
 
     def to_json(self) -> str:
-        """The configuration and the rows as JSON (NaN written as null)."""
+        """The configuration and the rows as JSON (NaN written as null).
+
+        ``columns`` maps each row field to the header the tables print for it (``"nmse"`` →
+        ``"normalised MSE"``); it is derived and ignored on reading. With per-sequence losses, they
+        follow as ``sequences``.
+        """
         rows = [{k: _json_value(v) for k, v in r.items()} for r in self.records()]
         headers = {"headers": dict(self.headers)} if self.headers else {}
         sequences = {} if self.sequences is None else {"sequences": self.sequences.to_dict()}
-        return json.dumps({"config": dict(self.config), **headers, "rows": rows, **sequences}, indent=2)
+        keys = [key for key in (rows[0] if rows else COLUMNS) if key != "extra"]
+        columns = {key: COLUMNS.get(key, key) for key in keys} | {n: self._header(n) for n in self.extra_columns()}
+        body = {"config": dict(self.config), **headers, "columns": columns, "rows": rows, **sequences}
+        return json.dumps(body, indent=2)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> FrontierTable:

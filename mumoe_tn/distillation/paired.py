@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_SEQUENCES", "PairedDifference", "SequenceLosses", "paired_difference"]
+__all__ = ["MAX_SEQUENCES", "PairedDifference", "SequenceLosses", "paired_against", "paired_difference"]
 
 #: Most held-out sequences a table keeps per-sequence losses of (a saved table is read back as data).
 MAX_SEQUENCES = 1_000_000
@@ -244,3 +244,39 @@ def paired_difference(
         block, method, baseline, len(group), n,
         score, float(score_low), float(score_high), ce, float(ce_low), float(ce_high), level,
     )  # fmt: skip
+
+
+def paired_against(
+    table: Any, baselines: Sequence[str] = ("transcoder", "skip-transcoder"), **options: Any
+) -> list[PairedDifference]:
+    """Every other method of every block against each baseline at the same requested L0.
+
+    Parameters
+    ----------
+    table : FrontierTable
+        An evaluation that kept its per-sequence losses.
+    baselines : Sequence[str], optional
+        Method families (the name before ``@``) to compare against (default the transcoders).
+    **options
+        Passed to [`paired_difference`][mumoe_tn.distillation.paired.paired_difference].
+
+    Returns
+    -------
+    list of PairedDifference
+        In the table's row order; empty where the table has no baseline or no per-sequence losses.
+    """
+    if not isinstance(getattr(table, "sequences", None), SequenceLosses):
+        return []
+    found = []
+    for row in table.rows:
+        if row.family in baselines or row.requested_l0 is None:
+            continue
+        for baseline in baselines:
+            reference = next(
+                (r for r in table.rows if r.block == row.block and r.family == baseline
+                 and r.requested_l0 == row.requested_l0),
+                None,
+            )  # fmt: skip
+            if reference is not None:
+                found.append(paired_difference(table, row.method, reference.method, block=row.block, **options))
+    return found

@@ -70,23 +70,23 @@ __all__ = [
     "save_frontier",
 ]
 
-#: The files of a saved frontier run, in its directory.
 TABLE_FILE, REPLACEMENTS_FILE, MODEL_DIRECTORY = "frontier.json", "replacements.safetensors", "model"
+"""The files of a saved frontier run, in its directory."""
 
-#: The ``format`` of a saved run's record.
 RUN_FORMAT = "mumoe_tn.frontier-run/1"
+"""The ``format`` of a saved run's record."""
 
-#: Largest ``frontier.json`` or ``model/config.json`` read (a table of thousands of rows is a few MB).
 MAX_RUN_JSON_BYTES = 16 << 20
+"""Largest ``frontier.json`` or ``model/config.json`` read (a table of thousands of rows is a few MB)."""
 
-#: Deepest nesting of objects and lists in those files (a run's is at most 5).
 MAX_JSON_DEPTH = 32
+"""Deepest nesting of objects and lists in those files (a run's is at most 5)."""
 
-#: Most blocks and most methods a run's record may name, and the longest name.
 MAX_RUN_BLOCKS, MAX_RUN_METHODS, MAX_RUN_NAME = 4096, 1024, 256
+"""Most blocks and most methods a run's record may name, and the longest name."""
 
-#: A recorded budget and the parameters stored for it may be at most this factor apart.
 BUDGET_RATIO = 4
+"""A recorded budget and the parameters stored for it may be at most this factor apart."""
 
 _BLOCK_FIELDS = ("kind", "in_features", "hidden_features", "out_features", "bias", "parameters", "methods")
 _RECORD_FIELDS = ("format", "model", "blocks", "methods")

@@ -163,6 +163,13 @@ def test_distill_command_quick_run(tmp_path, capsys):
         assert row["l0"] == k if softmax_top_k else 0 < row["l0"] <= k  # a ReLU may cut some of the top k
         assert np.isfinite(row["ce_spliced"]) and row["ce_zero"] > row["ce_clean"]
     assert plot.stat().st_size > 1000
+    paired = data["paired"]  # 6 methods against 2 transcoders at 2 L0s on 2 blocks
+    assert len(paired) == 6 * 2 * 2 * 2
+    assert {p["baseline"].split("@")[0] for p in paired} == {"transcoder", "skip-transcoder"}
+    spliced = {(r["block"], r["method"]): r["ce_spliced"] for r in rows}
+    for p in paired:
+        expected = spliced[p["block"], p["method"]] - spliced[p["block"], p["baseline"]]
+        assert p["ce"] == pytest.approx(expected, rel=1e-6, abs=1e-9) and p["ce_low"] <= p["ce"] <= p["ce_high"]
 
 
 def test_distill_command_bad_input(capsys):

@@ -1,5 +1,6 @@
 """Paired comparisons: point estimates from the paper's score formula, intervals that pair the noise."""
 
+import json
 import math
 import warnings
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, bootstrap_ce_score, ce_loss_score
-from mumoe_tn.distillation.paired import SequenceLosses, paired_difference
+from mumoe_tn.distillation.paired import SequenceLosses, paired_against, paired_difference
 
 BLOCK = "h.0.mlp"
 
@@ -132,3 +133,15 @@ def test_evaluate_replacements_keeps_the_losses_of_every_sequence():
     found = table.paired("most", "half", block=name)
     assert found.sequences == 6
     assert found.ce == pytest.approx(rows["most"].ce_spliced - rows["half"].ce_spliced, rel=1e-9)
+
+
+def test_the_json_names_each_field_s_column_and_pairs_against_the_transcoders():
+    tokens, clean, zero, spliced = _shared_noise(n=50)
+    spliced = {"cp@8": spliced["better"], "transcoder@8": spliced["worse"], "mxd@16": spliced["worse"]}
+    table = _table(spliced, clean, zero, tokens)
+    data = json.loads(table.to_json())
+    assert data["columns"]["nmse"] == "normalised MSE" and data["columns"]["score"].startswith("CE-loss score")
+    assert data["columns"]["dead"] == "dead units"
+    assert FrontierTable.from_json(table.to_json()).rows == table.rows
+    (found,) = paired_against(table)  # mxd@16 has no transcoder at 16
+    assert (found.method, found.baseline) == ("cp@8", "transcoder@8") and found.decided
