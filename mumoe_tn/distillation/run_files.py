@@ -141,7 +141,7 @@ def save_frontier(
     record = run_record(replacements, model, MODEL_DIRECTORY if save_model else None)
     text = json.dumps(record, sort_keys=True)
     directory.mkdir(parents=True, exist_ok=True)
-    saved = FrontierTable(table.rows, {**table.config, "saved_run": record}, table.headers)
+    saved = dataclasses.replace(table, config={**table.config, "saved_run": record})
     (directory / TABLE_FILE).write_text(saved.to_json() + "\n")
     save_replacements(replacements, directory / REPLACEMENTS_FILE, metadata={"saved_run": text})
     if save_model:
