@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -308,15 +307,3 @@ def transcoder_factory(k: int | None, budget: int | float | None = None, *, skip
         )
 
     return build
-
-
-def __getattr__(name: str) -> object:
-    if name == "TOP_K_GATES":  # a constant before every registered top-k gate was offered
-        warnings.warn(
-            "mumoe_tn.distillation.replacements.TOP_K_GATES is now top_k_gate_names() (every registered top-k "
-            "gate); the constant is removed in mumoe_tn 0.4",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return top_k_gate_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

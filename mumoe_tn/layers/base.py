@@ -108,12 +108,6 @@ class MuMoEBase(PerThreadRecords):
         state["_checked_inputs"], state["_lean_programs"] = set(), {}
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_fused", FusedProjections())  # pickled before the fused inference
-        self.__dict__.setdefault("_checked_inputs", set())
-        self.__dict__.setdefault("_lean_programs", {})
-
     def _gate_mask_options(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{"mask": tokens}`` for a gate whose ``forward`` takes a token mask; nothing for a token-wise one."""
         parameters = inspect.signature(self.gate.forward).parameters
