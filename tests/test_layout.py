@@ -258,3 +258,10 @@ def test_names_follow_one_spelling():
     assert offenders == [], "British -ise spellings for the project's own words (CONTRIBUTING.md):\n" + "\n".join(
         offenders
     )
+
+
+def test_the_tests_readme_lists_every_test_file():
+    tests = ROOT.parent / "tests"
+    listed = set(re.findall(r"`((?:[a-z_]+/)?test_[a-z0-9_]+\.py)`", (tests / "README.md").read_text()))
+    files = {path.relative_to(tests).as_posix() for path in tests.rglob("test_*.py")}
+    assert sorted(files - listed) == []

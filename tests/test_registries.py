@@ -1,4 +1,4 @@
-"""Registered formats and gates reach every tool: a toy format joins the design search, a toy gate reaches distill."""
+"""Registered formats and gates reach every tool, and every registry refuses a taken name unless told to replace it."""
 
 from dataclasses import dataclass
 from functools import partial
