@@ -27,7 +27,6 @@ from mumoe_tn.contractions.plan import (
     plan_inference,
     resolve_optimizer,
 )
-from mumoe_tn.deprecation import moved_names
 
 _LAZY = {
     "run_plan": "mumoe_tn.contractions.execute",
@@ -64,13 +63,7 @@ __all__ = [
 ]
 
 
-def _lazy(name: str) -> Any:
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mumoe_tn.contractions' has no attribute {name!r}")
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = moved_names(
-    "mumoe_tn.contractions", {"materialize": "mumoe_tn.contractions.dense:materialise"}, fallback=_lazy
-)

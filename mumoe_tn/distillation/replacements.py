@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -352,15 +351,3 @@ def factory_from_spec(spec: ReplacementSpec) -> Factory:
         return transcoder_factory(spec.k, spec.budget, skip=spec.skip)  # type: ignore[arg-type]
     return mumoe_factory(spec.format, spec.experts, spec.k, spec.budget, top_k=spec.top_k, recipe=spec.recipe,
                          aux_k=spec.aux_k)  # type: ignore[arg-type]  # fmt: skip
-
-
-def __getattr__(name: str) -> object:
-    if name == "TOP_K_GATES":  # a constant before every registered top-k gate was offered
-        warnings.warn(
-            "mumoe_tn.distillation.replacements.TOP_K_GATES is now top_k_gate_names() (every registered top-k "
-            "gate); the constant is removed in mumoe_tn 0.4",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return top_k_gate_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -192,8 +192,6 @@ class FactorizedExperts(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_pad_bonds", PAD_MULTIPLE)  # pickled before the option existed
-        self.__dict__.setdefault("memory_limit", None)  # likewise
         self._plans_lock = threading.RLock()
         self._prepared = DerivedCache()
         self._checked = set()
