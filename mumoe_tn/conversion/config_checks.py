@@ -122,7 +122,7 @@ def listed(keys: Iterable[object], limit: int = MAX_LISTED_KEYS) -> str:
     shown, more = [], 0
     for key in keys:
         if len(shown) < limit:
-            shown.append(shorten(str(key), 200))
+            shown.append(shorten(key, 200) if isinstance(key, str) else key)
         else:
             more += 1
     return f"{shown}" + (f" and {more:,} more" if more else "")
@@ -157,6 +157,7 @@ def check_config_fields(config: Any, *, default_rope_type: str = "default") -> N
         Naming the first field that breaks its rule.
     """
     fields = config_fields(config)
+    _check_labels(fields)  # first: on the stock path transformers has made a label map of num_labels entries
     _check_entries(fields)
     for name in ("dtype", "torch_dtype"):
         value = fields.get(name)
@@ -168,7 +169,6 @@ def check_config_fields(config: Any, *, default_rope_type: str = "default") -> N
         value = fields.get(name)
         if value is not None and (not _is_count(value) or value < 0):
             raise _refuse(name, value, "a layer count or size is a non-negative int")
-    _check_labels(fields)
     _check_names_and_heads(fields, "", default_rope_type)
 
 
@@ -261,7 +261,7 @@ def _check_names_and_heads(fields: Mapping[str, Any], where: str, default_rope_t
 
 
 def _implementations(name: str) -> frozenset[str]:
-    """transformers' built-in attention (or experts) implementations: never a Hub repository ``org/name``."""
+    """The built-in attention (or experts) implementations of transformers: never a Hub repository ``org/name``."""
     if name == "attn_implementation":
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as registry
     else:
