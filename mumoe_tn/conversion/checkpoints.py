@@ -23,11 +23,12 @@ A checkpoint is data (see the threat model in ``docs/reliability.md``). Loading 
 regular files inside its directory (``config.json``, ``generation_config.json``, index entries:
 relative, inside after resolving links), each once through one descriptor, and builds the model
 from those bytes alone (transformers reads no file of it again); it checks the record field by
-field, the model class against the config's ``model_type`` and every tensor the record implies
-against the checkpoint's tensors before any module is made, fails if a file read was replaced
-before the load ended, and changes a given model only when everything fits: a failed load
-leaves it as it was. Every refusal is a ``ValueError`` naming the field or file and quoting the
-value.
+field, the model class against the config's ``model_type``, ``config.json`` field by field against
+the weights' headers (see [`mumoe_tn.conversion.config_checks`][mumoe_tn.conversion.config_checks])
+and every tensor the record implies against the checkpoint's tensors before any module is made,
+fails if a file read was replaced before the load ended, and changes a given model only when
+everything fits: a failed load leaves it as it was. Every refusal is a ``ValueError`` naming the
+field or file and quoting the value.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ import mumoe_tn  # registers the hook (when transformers' quantizer registry loa
 model = AutoModelForCausalLM.from_pretrained("converted")  # the converted model, its weights loaded
 ```
 
-The hook replays the record with
+The hook checks ``config.json`` field by field when transformers asks for a quantizer (before the
+model is built) and against the weights' headers on the skeleton (see
+[`mumoe_tn.conversion.config_checks`][mumoe_tn.conversion.config_checks]), then replays the record with
 [`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
@@ -185,10 +187,11 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
 def check_stock_config(config: Any, quantization_config: Any = None) -> None:
     """What stock ``from_pretrained`` does with a config that carries a conversion record.
 
-    Nothing for a config without a record. With one: a config with no ``quantization_config``
-    is given the method's (``{"quant_method": "mumoe_tn"}``), so the record is replayed and the
-    converted model loads; a ``quantization_config`` that is not the method's, or another
-    method's config asked for at load, is refused.
+    Nothing for a config without a record. With one: its fields are checked (see
+    [`check_config_fields`][mumoe_tn.conversion.config_checks.check_config_fields]); a config with
+    no ``quantization_config`` is given the method's (``{"quant_method": "mumoe_tn"}``), so the
+    record is replayed and the converted model loads; a ``quantization_config`` that is not the
+    method's, or another method's config asked for at load, is refused.
 
     Parameters
     ----------
@@ -200,7 +203,8 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
     Raises
     ------
     ValueError
-        If the record's model would otherwise load as a dense model or be quantized by another method.
+        If a field of the config breaks its rule, or the record's model would otherwise load as a
+        dense model or be quantized by another method.
     """
     if getattr(config, RECORD_KEY, None) is None:
         return
