@@ -234,15 +234,15 @@ def _check_state(model: nn.Module, headers: Headers, source: str, *, strict: boo
     ]
     problems = []
     if mismatched:
-        problems.append(f"shapes differ for {mismatched[:5]}")
+        problems.append(f"shapes differ for {listed(mismatched, 5)}")
     if kinds:
-        problems.append(f"dtypes of another kind for {kinds[:5]}")
+        problems.append(f"dtypes of another kind for {listed(kinds, 5)}")
     if strict and missing:
-        problems.append(f"the checkpoint lacks {len(missing)} key(s) of the model, e.g. {missing[:5]}")
+        problems.append(f"the checkpoint lacks {len(missing)} key(s) of the model, e.g. {listed(missing, 5)}")
     if strict and unexpected:
-        problems.append(f"the checkpoint has {len(unexpected)} key(s) the model lacks, e.g. {unexpected[:5]}")
+        problems.append(f"the checkpoint has {len(unexpected)} key(s) the model lacks, e.g. {listed(unexpected, 5)}")
     if problems:
-        raise ValueError(f"the weights in {source!r} do not fit the converted model: " + "; ".join(problems))
+        raise ValueError(shorten(f"the weights in {source!r} do not fit the converted model: " + "; ".join(problems)))
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories
@@ -275,7 +275,7 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
         del read
         for key, tensor in found.items():
             if key in headers:
-                raise ValueError(f"{str(file)!r}: tensor {key!r} is stored in two weight files of the checkpoint")
+                raise ValueError(f"{str(file)!r}: tensor {key!r:.200} is stored in two weight files of the checkpoint")
             headers[key] = found_headers[key]
             state[key] = tensor.clone()  # own memory: the parsed tensors view the read's bytes
         del found

@@ -337,7 +337,9 @@ _DTYPES = {
 def _dtype(name: str, file: Path, key: str) -> torch.dtype:
     dtype = _DTYPES.get(str(name).upper())
     if dtype is None:
-        raise ValueError(f"{str(file)!r}: tensor {key!r} has dtype {name!r}, which mumoe_tn checkpoints never hold")
+        raise ValueError(
+            f"{str(file)!r}: tensor {key!r:.200} has dtype {name!r:.80}, which mumoe_tn checkpoints never hold"
+        )
     return dtype
 
 
@@ -353,6 +355,6 @@ def read_all_headers(files: Sequence[Path]) -> Headers:
         found, _ = read_headers(file)
         for key, value in found.items():
             if key in headers:
-                raise ValueError(f"{str(file)!r}: tensor {key!r} is stored in two weight files of the checkpoint")
+                raise ValueError(f"{str(file)!r}: tensor {key!r:.200} is stored in two weight files of the checkpoint")
             headers[key] = value
     return headers

@@ -106,7 +106,7 @@ class MuMoEConfig(QuantizationConfigMixin):
         if unknown:
             key = sorted(unknown)[0]
             raise ValueError(
-                f"config.json: quantization_config[{key!r}] = {unknown[key]!r:.80} is invalid: the mumoe_tn method "
+                f"config.json: quantization_config[{key!r:.80}] = {unknown[key]!r:.80} is invalid: the mumoe_tn method "
                 "takes only 'quant_method'"
             )
         self.quant_method = METHOD

@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
-from test_hostile_checkpoints import _copy, _rewrite, _size, refused
+from test_hostile_checkpoints import _converted, _copy, _plain, _rewrite, _size, refused
 
-from mumoe_tn.conversion.checkpoints import load_converted
+from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.config_checks import MAX_CONFIG_BYTES, MAX_CONFIG_FIELDS, MAX_LABELS, MAX_LISTED_KEYS
 from mumoe_tn.conversion.convert import convert
 from mumoe_tn.conversion.record import MAX_MESSAGE_CHARS, ConversionRecord
@@ -297,6 +297,22 @@ def test_a_load_error_lists_at_most_ten_keys(gpt2_dir, tmp_path):
         folder,
     )
     assert str(error).count("'extra.") == MAX_LISTED_KEYS
+
+
+def test_a_load_error_quoting_huge_keys_stays_short(tmp_path):
+    save_converted(_converted(), tmp_path / "good.safetensors")
+    state = safetensors_torch.load_file(str(tmp_path / "good.safetensors"))
+    record = safetensors_torch.safe_open(str(tmp_path / "good.safetensors"), "pt").metadata()
+    huge = {f"{k}" + "k" * 1_000_000: torch.zeros(1) for k in range(5)}  # five unexpected keys of 1 MB each
+    safetensors_torch.save_file({**state, **huge}, str(tmp_path / "huge.safetensors"), metadata=record)
+    model = _plain()
+    error = refused(
+        lambda: load_converted(model, tmp_path / "huge.safetensors"),
+        r"the checkpoint has 5 key\(s\) the model lacks, e\.g\. \['\dk{10}",
+        model=model,
+        size=(tmp_path / "huge.safetensors").stat().st_size,
+    )
+    assert len(str(error)) <= MAX_MESSAGE_CHARS
 
 
 # ----------------------------------------------------------------------------- genuine models
