@@ -82,15 +82,18 @@ def _both_paths(cls, folder, pattern):
 
 @pytest.fixture
 def blocks_built(monkeypatch):
-    """How many GPT-2 blocks are constructed (on any device)."""
+    """How many GPT-2 and Llama layers are constructed (on any device)."""
     built = []
-    original = transformers.models.gpt2.modeling_gpt2.GPT2Block.__init__
+    for layer in (
+        transformers.models.gpt2.modeling_gpt2.GPT2Block,
+        transformers.models.llama.modeling_llama.LlamaDecoderLayer,
+    ):
 
-    def counting(self, *args, **kwargs):
-        built.append(1)
-        original(self, *args, **kwargs)
+        def counting(self, *args, original=layer.__init__, **kwargs):
+            built.append(type(self).__name__)
+            original(self, *args, **kwargs)
 
-    monkeypatch.setattr(transformers.models.gpt2.modeling_gpt2.GPT2Block, "__init__", counting)
+        monkeypatch.setattr(layer, "__init__", counting)
     return built
 
 
@@ -167,9 +170,10 @@ def test_every_declared_width_equals_the_stored_shape_that_receives_it(gpt2_dir,
         ({"id2label": {"0": "a", "1": "b"}, "label2id": {"a": 0, "b": 9}}, r"label2id\['b'\] = 9 is invalid"),
     ],
 )
-def test_label_maps_are_bounded_and_consistent(gpt2_dir, tmp_path, change, pattern):
+def test_label_maps_are_bounded_and_consistent(gpt2_dir, tmp_path, blocks_built, change, pattern):
     folder = _tampered(gpt2_dir, tmp_path / "labels", lambda c: c.update(change))
     _refused_quickly(lambda: load_converted(transformers.GPT2LMHeadModel, folder), pattern, folder)
+    assert blocks_built == [], "a layer was built before the refusal"
 
 
 def test_stock_from_pretrained_refuses_a_label_map_beyond_the_bound(gpt2_dir, tmp_path):
@@ -184,7 +188,7 @@ def test_stock_from_pretrained_refuses_a_label_map_beyond_the_bound(gpt2_dir, tm
 @pytest.mark.parametrize(
     "value", ["kernels-community/flash-attn", "kernels-community/flash-attn@main:fn", "nope", 3, {"": "org/name"}]
 )
-def test_attention_implementations_are_transformers_built_in_ones(gpt2_dir, tmp_path, monkeypatch, value):
+def test_attention_implementations_are_transformers_built_in_ones(gpt2_dir, tmp_path, monkeypatch, blocks_built, value):
     import transformers.integrations.hub_kernels as hub_kernels
 
     def never(*args, **kwargs):
@@ -198,6 +202,7 @@ def test_attention_implementations_are_transformers_built_in_ones(gpt2_dir, tmp_
         r"config\.json: attn_implementation = .* is invalid: it must be null or one of transformers' built-in "
         r"implementations \['eager', .*'sdpa'\]",
     )
+    assert blocks_built == [], "a layer was built before the refusal"
 
 
 def test_a_built_in_attention_implementation_still_loads(gpt2_dir, tmp_path):
@@ -232,13 +237,16 @@ BOTH, LOAD_CONVERTED = ("load_converted", "stock"), ("load_converted",)
         ("llama", {"head_dim": 0}, r"head_dim = 0 is invalid: a head width is a positive int", BOTH),
     ],
 )
-def test_names_and_head_arithmetic_get_the_library_error(gpt2_dir, llama_dir, tmp_path, model, change, pattern, paths):
+def test_names_and_head_arithmetic_get_the_library_error(
+    gpt2_dir, llama_dir, tmp_path, blocks_built, model, change, pattern, paths
+):
     source, cls = (gpt2_dir, transformers.GPT2LMHeadModel) if model == "gpt2" else (llama_dir[0], None)
     cls = cls or transformers.LlamaForCausalLM
     folder = _tampered(source, tmp_path / "names", lambda c: c.update(change))
     loads = {"load_converted": lambda: load_converted(cls, folder), "stock": lambda: cls.from_pretrained(folder)}
     for path in paths:
         _refused_quickly(loads[path], rf"config\.json: {pattern}", folder)
+    assert blocks_built == [], "a layer was built before the refusal"
 
 
 def test_rope_scaling_with_an_unknown_type_is_refused_before_transformers_reads_it(llama_dir, tmp_path):
