@@ -236,6 +236,8 @@ def _label_id(key: object) -> int:
 def _check_names_and_heads(fields: Mapping[str, Any], where: str, default_rope_type: str) -> None:
     for name in ATTENTION_FIELDS:
         value = fields.get(name)
+        if value is None:
+            continue
         choices = _implementations(name)
         values = value.values() if isinstance(value, Mapping) else (value,)  # per sub-config, or one for all
         for one in values:
