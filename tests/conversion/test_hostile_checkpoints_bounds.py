@@ -204,9 +204,12 @@ def test_a_record_that_does_not_fit_the_weights_is_refused_before_a_module_is_bu
 def test_config_sizes_are_held_against_the_weights_before_the_model_is_built(hf_dir, tmp_path):
     cases = {
         "vocab_size": (16_000_000, r"config\.json: vocab_size = 16000000 is invalid: no stored tensor has a dimension"),
-        "n_layer": (6000, r"config\.json: n_layer = 6000 is invalid: the weights hold 1 numbered layer"),
+        "n_layer": (
+            6000,
+            r"config\.json: n_layer = 6000 is invalid: the weights hold 1 layer\(s\) of 'transformer\.h'",
+        ),
         "n_positions": (10**7, r"config\.json: n_positions = 10000000 is invalid"),
-        "n_embd": (-1, r"config\.json: n_embd = -1 is invalid: a size is a non-negative int"),
+        "n_embd": (-1, r"config\.json: n_embd = -1 is invalid: a layer count or size is a non-negative int"),
     }
     for number, (field, (value, pattern)) in enumerate(cases.items()):
         folder = _copy(hf_dir, tmp_path / f"size{number}")
