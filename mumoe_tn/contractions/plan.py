@@ -42,11 +42,11 @@ import importlib.util
 import math
 import string
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
-from mumoe_tn.contractions.search import PEAK_FACTOR, candidate_paths, find_path
+from mumoe_tn.contractions.search import PEAK_FACTOR, bounded_candidates, bounded_path
 from mumoe_tn.network import BATCH_LABEL, ExpertNetwork
 
 __all__ = [
@@ -100,6 +100,8 @@ SIZE_AWARE = ("auto", "autotune")
 PEAK_SLACK = 1.5
 #: Version of the dictionaries written by `ContractionPlan.to_dict`.
 PLAN_FORMAT = 1
+#: Longest note a saved plan may carry.
+MAX_NOTE_CHARS = 4096
 
 #: torch.einsum accepts only these subscripts: symbols are assigned per pairwise step.
 EINSUM_SYMBOLS = string.ascii_letters
@@ -158,6 +160,9 @@ class ContractionPlan:
         The pairwise (or single-operand) steps in execution order.
     path : tuple of tuple of int
         The opt_einsum path the steps follow.
+    note : str
+        Why a path search asked for was not run (its expected effort was above its bound, see
+        ``mumoe_tn.contractions.effort``), or ``""``. Not part of the plan's identity.
     """
 
     inputs: tuple[Labels, ...]
@@ -165,6 +170,7 @@ class ContractionPlan:
     sizes: Mapping[str, int]
     steps: tuple[ContractionStep, ...]
     path: tuple[tuple[int, ...], ...]
+    note: str = field(default="", compare=False)
 
     @property
     def fma(self) -> int:
@@ -189,6 +195,7 @@ class ContractionPlan:
             "sizes": {label: int(size) for label, size in self.sizes.items()},
             "path": [list(step) for step in self.path],
             "steps": [{"positions": list(step.positions), "output": list(step.output)} for step in self.steps],
+            **({"note": self.note} if self.note else {}),
         }
 
     @classmethod
@@ -240,12 +247,16 @@ class ContractionPlan:
             current.append(result)
         if laid_out[-1].output != output:
             raise ValueError(f"a saved plan ends in {laid_out[-1].output}, not the output {output}")
-        return cls(inputs, output, dict(sizes), tuple(laid_out), path)
+        note = data.get("note", "")
+        if not isinstance(note, str) or len(note) > MAX_NOTE_CHARS:
+            raise ValueError(f"a saved plan's note must be a string of at most {MAX_NOTE_CHARS} characters")
+        return cls(inputs, output, dict(sizes), tuple(laid_out), path, note)
 
     def __repr__(self) -> str:
         output = " ".join("…" if x == BATCH_LABEL else x for x in self.output)
         lines = [f"ContractionPlan({len(self.inputs)} operands -> ({output}), {self.fma:,} FMA)"]
         lines += [f"  {k}: {step.describe()}  {step.fma:,} FMA" for k, step in enumerate(self.steps)]
+        lines += [f"  note: {line}" for line in self.note.splitlines()]
         return "\n".join(lines)
 
 
@@ -534,10 +545,12 @@ def candidate_plans(
     _check_labels(inputs, output, sizes)
     plans, problems = [], []
     limit = _limit_elements(memory_limit, inputs, sizes)
-    found = candidate_paths(inputs, output, sizes, thorough=thorough, memory_limit=limit, smallest_peak=smallest_peak)
+    found, notes = bounded_candidates(
+        inputs, output, sizes, thorough=thorough, memory_limit=limit, smallest_peak=smallest_peak
+    )
     for path in found:
         try:
-            plans.append(_layout(inputs, output, sizes, path, lead))
+            plans.append(replace(_layout(inputs, output, sizes, path, lead), note=_left_out(notes)))
         except ValueError as problem:  # a step torch.einsum cannot express; other paths may do
             problems.append(problem)
     if not plans:
@@ -595,11 +608,12 @@ def plan_contraction(
         return choose_plan(plans, memory_limit)
     _check_labels(inputs, output, sizes)
     check_memory_limit(memory_limit)
+    note = ""
     if isinstance(optimizer, tuple):
         path = _check_path(optimizer, len(inputs))
     else:
-        path = find_path(inputs, output, sizes, optimizer)
-    plan = _layout(inputs, output, sizes, path, lead)
+        path, note = bounded_path(inputs, output, sizes, optimizer)
+    plan = replace(_layout(inputs, output, sizes, path, lead), note=note)
     if memory_limit is not None:
         choose_plan([plan], memory_limit)  # refuses a path beyond the limit
     return plan
@@ -830,9 +844,10 @@ def plan_inference(
     for scale in INFERENCE_SCALES:
         scaled = {**sizes, BATCH_LABEL: batch_size * scale}
         bound = _limit_elements(memory_limit, inputs, sizes) if scale == 1 else None
-        for path in candidate_paths(inputs, output, scaled, memory_limit=bound):
+        paths, notes = bounded_candidates(inputs, output, scaled, memory_limit=bound)
+        for path in paths:
             try:
-                plan = _layout(inputs, output, sizes, path, BATCH_LABEL)
+                plan = replace(_layout(inputs, output, sizes, path, BATCH_LABEL), note=_left_out(notes))
             except ValueError:
                 continue
             steps = constant_steps(plan, len(network.cores))
@@ -871,6 +886,11 @@ def plan_dense(network: ExpertNetwork, optimize: Any = "auto") -> ContractionPla
         return _cached_dense_plan(network, optimize)
     inputs, output = network.dense_equation()
     return plan_contraction(inputs, output, network.sizes, optimize)
+
+
+def _left_out(notes: Sequence[str]) -> str:
+    """The note of a plan chosen among candidates when some finders were left out for their effort."""
+    return "\n".join(f"left out {note}" for note in notes)
 
 
 def _size(labels: Sequence[str] | set[str], sizes: Mapping[str, int]) -> int:
