@@ -42,6 +42,7 @@ __all__ = [
     "ENUMERATION_CAP",
     "EXHAUSTIVE_MAX_OPERANDS",
     "GREEDY_EFFORT_BOUND",
+    "SMALLEST_PEAK_EFFORT_BOUND",
     "dp_effort",
     "greedy_effort",
     "search_refusal",
@@ -55,7 +56,12 @@ EXHAUSTIVE_MAX_OPERANDS = 8
 BRANCH_TWO_MAX_OPERANDS = 16
 #: Most pair comparisons × cost-cap sweeps a dynamic-programming search may be expected to make
 #: (a clique of 10 cores, 12 operands: 4.6 million, 0.4 s).
-DP_EFFORT_BOUND = 3_000_000
+DP_EFFORT_BOUND = 2_000_000
+#: The same for the search for the smallest peak, asked only where no other candidate fits the memory
+#: bound (Tucker over 8·8·8·8·4·4 experts at 1,024 tokens: 1.3·10⁷, 0.5 s).
+SMALLEST_PEAK_EFFORT_BOUND = 16_000_000
+#: A comparison handles the labels of two sub-networks: each further this many labels count it once more.
+LABELS_PER_WEIGHT = 32
 #: Most sub-networks counted to estimate a dynamic-programming search (beyond: over the bound).
 ENUMERATION_CAP = 1 << 16
 #: Most trials × adjacent operand pairs × labels a greedy-based search may be expected to take
@@ -196,6 +202,7 @@ def dp_effort(
     outer: bool,
     most_cost: int,
     memory_limit: int | None = None,
+    bound: int = 0,
 ) -> int | None:
     """Expected effort of opt_einsum's dynamic programming on this contraction, in pair comparisons.
 
@@ -218,6 +225,9 @@ def dp_effort(
         The cost a known path reaches (its FMAs; its peak for a search minimising the peak).
     memory_limit : int, optional
         The search's memory limit (elements).
+    bound : int, optional
+        Below this, the sub-networks are not counted one by one where every subset of operands
+        taken as one would stay below it too (a quicker, looser answer; default 0: always count).
 
     Returns
     -------
@@ -227,8 +237,9 @@ def dp_effort(
     used = {x for operand in inputs for x in operand}
     caps = cost_caps(output, sizes, used, most_cost)
     n = len(inputs)
-    if len(caps) * _pairs([math.comb(n, k) for k in range(n + 1)]) <= DP_EFFORT_BOUND:
-        return len(caps) * _pairs([math.comb(n, k) for k in range(n + 1)])  # small: no need to count
+    every_subset = len(caps) * _pairs([math.comb(n, k) for k in range(n + 1)]) * _label_weight(used)
+    if every_subset <= bound:
+        return every_subset
     network = _Network(inputs, output, sizes)
     if outer:
         if n > ENUMERATION_CAP.bit_length() - 1:
@@ -237,6 +248,7 @@ def dp_effort(
     else:
         groups = [network.connected_subsets(component) for component in network.components()]
     ceiling = caps[-1] if memory_limit is None else min(caps[-1], memory_limit)
+    weight = _label_weight(used)
     total = seen = 0
     for subsets in groups:
         first_sweep = [[0] * (n + 1) for _ in caps]  # sub-networks of k operands first kept at each sweep
@@ -255,7 +267,12 @@ def dp_effort(
         for added in first_sweep:
             kept = [a + b for a, b in zip(kept, added, strict=True)]
             total += _pairs(kept)
-    return total
+    return total * weight
+
+
+def _label_weight(used: set[str]) -> int:
+    """How much dearer a comparison is for the labels it handles: one more per `LABELS_PER_WEIGHT` labels."""
+    return -(-len(used) // LABELS_PER_WEIGHT)
 
 
 def greedy_effort(inputs: Sequence[Labels], output: Labels, trials: int) -> int:
@@ -307,9 +324,11 @@ def search_refusal(
         return _named(name, inputs, output, sizes, most_cost, memory_limit, shown="'auto-hq'")
     if name == "DynamicProgramming":
         outer = bool(getattr(optimizer, "search_outer", False))
-        minimise = "the peak" if getattr(optimizer, "minimize", "flops") == "size" else "FMAs"
-        shown = f"dynamic programming ({'with' if outer else 'without'} outer products, fewest {minimise})"
-        return _dp(inputs, output, sizes, outer, most_cost, memory_limit, shown)
+        peak = getattr(optimizer, "minimize", "flops") == "size"
+        fewest = "peak" if peak else "FMAs"
+        shown = f"dynamic programming ({'with' if outer else 'without'} outer products, fewest {fewest})"
+        bound = SMALLEST_PEAK_EFFORT_BOUND if peak else DP_EFFORT_BOUND
+        return _dp(inputs, output, sizes, outer, most_cost, memory_limit, shown, bound)
     if name == "RandomGreedy":
         trials = getattr(optimizer, "max_repeats", RANDOM_GREEDY_TRIALS["random-greedy-128"])
         return _greedy(inputs, output, int(trials), f"a randomised greedy search of {trials} trials")
@@ -359,12 +378,13 @@ def _dp(
     most_cost: int,
     memory_limit: int | None,
     shown: str,
+    bound: int = DP_EFFORT_BOUND,
 ) -> str | None:
-    effort = dp_effort(inputs, output, sizes, outer=outer, most_cost=most_cost, memory_limit=memory_limit)
-    if effort is not None and effort <= DP_EFFORT_BOUND:
+    effort = dp_effort(inputs, output, sizes, outer=outer, most_cost=most_cost, memory_limit=memory_limit, bound=bound)
+    if effort is not None and effort <= bound:
         return None
     found = f"more than {ENUMERATION_CAP:,} sub-networks to search" if effort is None else f"about {effort:.1e}"
-    return f"{shown} over {len(inputs)} operands: {found} comparisons, above the bound {DP_EFFORT_BOUND:.1e}"
+    return f"{shown} over {len(inputs)} operands: {found} comparisons, above the bound {bound:.1e}"
 
 
 def _greedy(inputs: Sequence[Labels], output: Labels, trials: int, shown: str) -> str | None:
@@ -372,4 +392,3 @@ def _greedy(inputs: Sequence[Labels], output: Labels, trials: int, shown: str) -
     if effort <= GREEDY_EFFORT_BOUND:
         return None
     return f"{shown} over {len(inputs)} operands: about {effort:.1e} steps, above the bound {GREEDY_EFFORT_BOUND:.1e}"
-
