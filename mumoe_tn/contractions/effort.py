@@ -17,16 +17,21 @@ Exhaustive searches (``"optimal"``, ``"branch-all"``)
 ``"branch-2"``
     At most `BRANCH_TWO_MAX_OPERANDS` operands (16: 0.17 s; 18 take 0.5 s).
 Dynamic programming (``"dp"``, ``"auto-hq"`` from 6 operands, the searches ``"auto"`` asks)
-    At most `DP_EFFORT_BOUND` pair comparisons: the pairs of candidate sub-networks one sweep
-    may compare (connected sub-networks without outer products, any with them; with a memory
-    limit, only those whose intermediate fits), times the sweeps of its rising cost cap. The
-    sub-networks are counted up to `ENUMERATION_CAP`; a network with more is over the bound.
+    At most `DP_EFFORT_BOUND` pair comparisons (`SMALLEST_PEAK_EFFORT_BOUND` for the search for
+    the smallest peak, asked only where nothing else fits the memory bound): the pairs of
+    sub-networks each sweep of its rising cost cap may compare (connected sub-networks without
+    outer products, any with them; only those whose intermediate fits the memory limit and the
+    sweep's cap), summed over the sweeps up to the cost of a known path, once more per
+    `LABELS_PER_WEIGHT` labels. The sub-networks are counted up to `ENUMERATION_CAP`; a network
+    with more is over the bound. The count is an upper bound: met on the clique, loose on chains.
 Randomised and one-branch greedy searches (``"random-greedy"``, ``"random-greedy-128"``, ``"branch-1"``)
     At most `GREEDY_EFFORT_BOUND`: trials × pairs of operands sharing a summed label × labels.
 ``"greedy"``
     Always: it is what every other search falls back to.
 
-Optimizer objects (opt_einsum's, cotengra's, a callable) are the caller's code and run as given.
+opt_einsum's optimizer objects are counted as the searches they are. Other objects (cotengra's, a
+callable) are the caller's code and run as given; ``"cotengra"`` builds a hyper-optimiser of 32
+greedy trials.
 This module does not import torch.
 """
 
@@ -55,7 +60,7 @@ EXHAUSTIVE_MAX_OPERANDS = 8
 #: Most operands for ``"branch-2"`` (it keeps two branches at each of its steps).
 BRANCH_TWO_MAX_OPERANDS = 16
 #: Most pair comparisons × cost-cap sweeps a dynamic-programming search may be expected to make
-#: (a clique of 10 cores, 12 operands: 4.6 million, 0.4 s).
+#: (a clique of 9 cores, 11 operands, counts 2.4 million: 0.4 s; a clique of 10 cores, 6.7 million: 1 s).
 DP_EFFORT_BOUND = 2_000_000
 #: The same for the search for the smallest peak, asked only where no other candidate fits the memory
 #: bound (Tucker over 8·8·8·8·4·4 experts at 1,024 tokens: 1.3·10⁷, 0.5 s).
@@ -65,7 +70,7 @@ LABELS_PER_WEIGHT = 32
 #: Most sub-networks counted to estimate a dynamic-programming search (beyond: over the bound).
 ENUMERATION_CAP = 1 << 16
 #: Most trials × adjacent operand pairs × labels a greedy-based search may be expected to take
-#: (about 0.07 µs each: 32 trials over a chain of 256 cores, 12 million, 1 s).
+#: (about 0.06 µs each: 32 trials over a chain of 256 cores, 511 operands, count 16.7 million: 1 s).
 GREEDY_EFFORT_BOUND = 16_000_000
 #: Trials of opt_einsum's named randomised searches.
 RANDOM_GREEDY_TRIALS = {"random-greedy": 32, "random-greedy-128": 128}

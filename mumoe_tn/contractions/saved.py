@@ -163,6 +163,13 @@ def _check_memory(
     memory_limit: int | str | None,
 ) -> None:
     """Refuse a saved plan whose per-call intermediates or cached results exceed their bounds."""
+    cache = max(4 * network.n_params, INFERENCE_CACHE_ELEMENTS)
+    if constant and constant_elements(plan, constant) > cache:
+        raise ValueError(
+            f"saved inference plan {number} (batch {batch}) caches {constant_elements(plan, constant):,} elements "
+            f"of core-only results, above the bound of {cache:,} (4x the parameters, at least "
+            f"{INFERENCE_CACHE_ELEMENTS:,}); plan this layer afresh rather than load it"
+        )
     bound = loaded_plan_bound(network, batch, memory_limit)
     for step_number, step in enumerate(plan.steps):
         if step_number in constant:
@@ -180,13 +187,6 @@ def _check_memory(
                 f"intermediate of {elements:,} elements, above the bound of {bound:,} ({rule}); "
                 "plan this layer afresh rather than load it"
             )
-    cache = max(4 * network.n_params, INFERENCE_CACHE_ELEMENTS)
-    if constant and constant_elements(plan, constant) > cache:
-        raise ValueError(
-            f"saved inference plan {number} (batch {batch}) caches {constant_elements(plan, constant):,} elements "
-            f"of core-only results, above the bound of {cache:,} (4x the parameters, at least "
-            f"{INFERENCE_CACHE_ELEMENTS:,}); plan this layer afresh rather than load it"
-        )
 
 
 def _keys(saved: object) -> str:

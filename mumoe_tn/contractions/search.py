@@ -33,6 +33,10 @@ where every path without outer products builds a ``batch × R^(E+1)`` intermedia
 only then because its search time explodes on networks with many free legs (a chain of 14
 matrices each keeping a leg: 35 s), where the other candidates already fit.
 
+Each finder runs only where its expected effort, counted from the network before it runs, is
+within its bound (see ``mumoe_tn.contractions.effort``); `bounded_candidates` says which finders
+it left out. On densely bonded networks (a clique of cores) that leaves the greedy paths.
+
 Every finder is deterministic: the same network, shapes and optimizer give the same path in
 every process (see [`find_path`][mumoe_tn.contractions.search.find_path]: labels are handed to
 opt_einsum as ints, whose set order does not depend on the process's string hashing; the

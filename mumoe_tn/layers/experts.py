@@ -512,7 +512,7 @@ class FactorizedExperts(nn.Module):
         """Put plans written by ``export_plans`` into the plan cache.
 
         Every plan is checked against this layer's network and memory bound first (a ``ValueError``
-        names the first that does not fit, see [`read_plans`][mumoe_tn.contractions.saved.read_plans]);
+        names the first that does not fit, see ``mumoe_tn.contractions.saved``);
         nothing is loaded unless all fit.
         """
         entries = read_plans(self.network, saved, memory_limit=self.memory_limit)

@@ -22,7 +22,7 @@ from mumoe_tn.contractions.effort import (
     exhaustive_orders,
     search_refusal,
 )
-from mumoe_tn.contractions.plan import ContractionPlan
+from mumoe_tn.contractions.plan import ContractionPlan, constant_elements, constant_steps
 from mumoe_tn.contractions.saved import LOADED_PEAK_FACTOR, loaded_plan_bound
 from mumoe_tn.contractions.search import bounded_candidates, bounded_path, find_path
 from mumoe_tn.conversion.record import execution_from_data
@@ -243,10 +243,15 @@ def cores_first_path(n_cores, n_operands):
     return tuple(path)
 
 
-def worst_order_plans(network, batch):
+def worst_order_plans(network, batch, kind="train"):
+    """Saved plans (as ``export_plans`` writes them) holding one plan in the cores-first order."""
     inputs, output, sizes = forward(network, batch)
-    plan = plan_contraction(inputs, output, sizes, cores_first_path(len(network.cores), len(inputs)), lead=BATCH_LABEL)
-    return {"format": 1, "network": network.to_spec(), "plans": [{"kind": "train", "batch": batch, "plan": plan.to_dict()}]}
+    path = cores_first_path(len(network.cores), len(inputs))
+    plan = plan_contraction(inputs, output, sizes, path, lead=BATCH_LABEL)
+    entry = {"kind": kind, "batch": batch, "plan": plan.to_dict()}
+    if kind == "inference":
+        entry["constant"] = sorted(constant_steps(plan, len(network.cores)))
+    return {"format": 1, "network": network.to_spec(), "plans": [entry]}
 
 
 def test_a_saved_plan_in_the_worst_order_is_refused_and_the_layer_plans_within_the_bound():
@@ -271,14 +276,29 @@ def test_a_saved_plan_is_held_to_the_layers_memory_limit():
     first = FactorizedExperts(network, dtype=DTYPE)
     first.plan(64)
     saved = first.export_plans()
-    peak = first.plan(64).largest_intermediate
-    FactorizedExperts(network, dtype=DTYPE, memory_limit=peak).load_plans(saved)  # fits: loads
-    limited = FactorizedExperts(network, dtype=DTYPE, memory_limit=64 * 128)
-    if peak > 64 * 128:
-        with pytest.raises(ValueError, match=r"above the bound of 8,192 \(memory_limit=8192\)"):
-            limited.load_plans(saved)
-    with pytest.raises(ValueError, match="memory_limit=8192"):
-        limited.load_plans(worst_order_plans(network, 64))
+    assert first.plan(64).largest_intermediate == 64 * 128  # the output: every path allocates it
+    FactorizedExperts(network, dtype=DTYPE, memory_limit=64 * 128).load_plans(saved)  # fits: loads
+    # At batch 4: the core meets both expert factors first, (n1 n2 s_i s_o) = 16·16·4·4 elements,
+    # above the output (4·128) but within the default bound.
+    inputs, output, sizes = forward(network, 4)
+    path = ((0, 1), (0, 6), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1))
+    plan = plan_contraction(inputs, output, sizes, path, lead=BATCH_LABEL)
+    assert plan.largest_intermediate == 16 * 16 * 4 * 4
+    data = {**saved, "plans": [{"kind": "train", "batch": 4, "plan": plan.to_dict()}]}
+    assert plan.largest_intermediate <= loaded_plan_bound(network, 4)
+    FactorizedExperts(network, dtype=DTYPE).load_plans(data)
+    with pytest.raises(ValueError, match=r"step 1 .* 4,096 elements, above the bound of 2,048 \(memory_limit=2048\)"):
+        FactorizedExperts(network, dtype=DTYPE, memory_limit=2048).load_plans(data)
+
+
+def test_an_inference_plan_caching_the_dense_weight_is_refused():
+    network = build("tucker", (16, 16), 128, 128, 4)
+    saved = worst_order_plans(network, 1, kind="inference")
+    plan = ContractionPlan.from_dict(saved["plans"][0]["plan"])
+    assert saved["plans"][0]["constant"] == [0, 1, 2, 3]  # every core, into W (16·16·128·128 elements)
+    assert constant_elements(plan, frozenset(range(4))) > max(4 * network.n_params, 1 << 20)
+    with pytest.raises(ValueError, match=r"saved inference plan 0 \(batch 1\) caches [\d,]+ elements of core-only"):
+        FactorizedExperts(network, dtype=DTYPE).load_plans(saved)
 
 
 def test_the_layers_own_plans_always_load_back():
