@@ -675,7 +675,7 @@ def autotune_candidates(
     chosen = [plan for plan in plans if plan.fma <= AUTOTUNE_FMA_SLACK * cheapest][:AUTOTUNE_CANDIDATES]
     found: dict[tuple[ContractionStep, ...], ContractionPlan] = {}
     for plan in chosen:
-        for variant in (plan, _layout(plan.inputs, plan.output, plan.sizes, plan.path, None)):
+        for variant in (plan, replace(_layout(plan.inputs, plan.output, plan.sizes, plan.path, None), note=plan.note)):
             found.setdefault(variant.steps, variant)
     return list(found.values())
 
