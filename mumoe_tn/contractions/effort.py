@@ -316,7 +316,8 @@ def search_refusal(
     Returns
     -------
     str or None
-        E.g. ``"'optimal' over 10 operands (exhaustive searches: at most 8)"``.
+        E.g. ``"'optimal' is an exhaustive search over 9 operands (about 5.7e+07 orders); exhaustive
+        searches run on at most 8"``.
     """
     n = len(inputs)
     if n <= 2:
@@ -388,8 +389,9 @@ def _dp(
     effort = dp_effort(inputs, output, sizes, outer=outer, most_cost=most_cost, memory_limit=memory_limit, bound=bound)
     if effort is not None and effort <= bound:
         return None
-    found = f"more than {ENUMERATION_CAP:,} sub-networks to search" if effort is None else f"about {effort:.1e}"
-    return f"{shown} over {len(inputs)} operands: {found} comparisons, above the bound {bound:.1e}"
+    if effort is None:
+        return f"{shown} over {len(inputs)} operands: more than {ENUMERATION_CAP:,} sub-networks to count"
+    return f"{shown} over {len(inputs)} operands: about {effort:.1e} comparisons, above the bound {bound:.1e}"
 
 
 def _greedy(inputs: Sequence[Labels], output: Labels, trials: int, shown: str) -> str | None:
