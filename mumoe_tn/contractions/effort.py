@@ -29,9 +29,10 @@ Randomised and one-branch greedy searches (``"random-greedy"``, ``"random-greedy
 ``"greedy"``
     Always: it is what every other search falls back to.
 
-opt_einsum's optimizer objects are counted as the searches they are. Other objects (cotengra's, a
-callable) are the caller's code and run as given; ``"cotengra"`` builds a hyper-optimiser of 32
-greedy trials.
+opt_einsum's optimizer objects are counted as the searches they are, and a cotengra
+``HyperOptimizer`` (what ``"cotengra"`` builds: 32 greedy trials) as a randomised greedy search of
+its trials. Other objects (a callable, a cotengra optimizer of another kind) are the caller's code
+and run as given.
 This module does not import torch.
 """
 
@@ -335,9 +336,11 @@ def search_refusal(
         shown = f"dynamic programming ({'with' if outer else 'without'} outer products, fewest {fewest})"
         bound = SMALLEST_PEAK_EFFORT_BOUND if peak else DP_EFFORT_BOUND
         return _dp(inputs, output, sizes, outer, most_cost, memory_limit, shown, bound)
-    if name == "RandomGreedy":
+    if name in ("RandomGreedy", "HyperOptimizer"):  # opt_einsum's, and the one "cotengra" builds
         trials = getattr(optimizer, "max_repeats", RANDOM_GREEDY_TRIALS["random-greedy-128"])
-        return _greedy(inputs, output, int(trials), f"a randomised greedy search of {trials} trials")
+        if not isinstance(trials, int) or isinstance(trials, bool):
+            return None
+        return _greedy(inputs, output, trials, f"a randomised search of {trials} trials")
     if name == "BranchBound":
         branches = getattr(optimizer, "nbranch", None)
         name = {None: "branch-all", 1: "branch-1", 2: "branch-2"}.get(branches, "branch-all")

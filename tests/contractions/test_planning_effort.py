@@ -201,6 +201,17 @@ def test_a_randomised_search_over_a_large_clique_falls_back_to_greedy():
     assert f"above the bound {GREEDY_EFFORT_BOUND:.1e}" in note and note.endswith("planned with 'greedy'")
 
 
+def test_a_hyper_optimiser_is_counted_by_its_trials():
+    # What optimize="cotengra" builds (cotengra.HyperOptimizer), stood in for by an object of that name.
+    hyper_optimizer = type("HyperOptimizer", (), {})
+    inputs, output, sizes = forward(clique(40), 4)
+    few, many = hyper_optimizer(), hyper_optimizer()
+    few.max_repeats, many.max_repeats = 1, 128
+    assert search_refusal(few, inputs, output, sizes, most_cost=1) is None
+    refusal = search_refusal(many, inputs, output, sizes, most_cost=1)
+    assert "a randomised search of 128 trials over 42 operands" in refusal
+
+
 def test_dynamic_programming_on_the_clique_is_refused_and_on_a_chain_is_run():
     inputs, output, sizes = forward(clique(12), 64)
     path, note = bounded_path(inputs, output, sizes, "dp")
