@@ -512,10 +512,11 @@ class FactorizedExperts(nn.Module):
     def load_plans(self, saved: Mapping[str, Any]) -> None:
         """Put plans written by ``export_plans`` into the plan cache.
 
-        Every plan is checked against this layer's network first (a ``ValueError`` names the
-        first that does not fit); nothing is loaded unless all fit.
+        Every plan is checked against this layer's network and memory bound first (a ``ValueError``
+        names the first that does not fit, see ``mumoe_tn.contractions.saved``);
+        nothing is loaded unless all fit.
         """
-        entries = read_plans(self.network, saved)
+        entries = read_plans(self.network, saved, memory_limit=self.memory_limit)
         with self._plans_lock:
             for kind, bucket, plan, constant in entries:
                 if kind == "train":

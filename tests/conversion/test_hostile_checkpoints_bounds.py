@@ -173,6 +173,36 @@ def test_a_network_beyond_the_work_budget_is_refused_before_it_is_built(saved):
     )
 
 
+def _clique(record, cores):
+    """Every pair of ``cores`` cores bonded at size 1: within the work budget, and once a planning stall."""
+    network = record["modules"][1]["networks"][0][1]
+    labels = [[f"C{k}", []] for k in range(cores)]
+    sizes = {"n1": 3, "n2": 4, "i": 13, "o": 12}
+    for a in range(cores):
+        for b in range(a + 1, cores):
+            labels[a][1].append(f"b{a}_{b}")
+            labels[b][1].append(f"b{a}_{b}")
+            sizes[f"b{a}_{b}"] = 1
+    for k, leg in enumerate(("n1", "n2", "i", "o")):
+        labels[k][1].append(leg)
+    network.update(name="clique", format=None, cores=labels, sizes=sizes)
+    record["modules"][1]["execution"]["optimize"] = "optimal"
+
+
+def test_a_clique_record_with_a_recorded_optimal_builds_and_runs_in_seconds(saved):
+    _, record, _ = saved
+    crafted = _edit(record, lambda r: _clique(r, 12))
+    model = _plain()
+    start = time.perf_counter()
+    apply_conversion(model, crafted)  # builds and calibrates the clique's layer
+    with torch.no_grad():
+        y = model(torch.randn(4, 12))
+    assert time.perf_counter() - start < 4 * QUICK  # over 90 s before planning was bounded
+    assert torch.isfinite(y).all()
+    plan = model[1].experts.plan(4)
+    assert "'optimal' is an exhaustive search over 15 operands" in plan.note
+
+
 def _renamed_core(record):
     network = record["modules"][1]["networks"][0][1]
     network.update(format=None, cores=[["Q", ["n1", "r"]], *network["cores"][1:]])
