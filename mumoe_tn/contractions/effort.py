@@ -219,12 +219,8 @@ def dp_effort(
 
     Parameters
     ----------
-    inputs : Sequence of tuple of str
-        Labels of each operand.
-    output : tuple of str
-        Labels of the result.
-    sizes : Mapping[str, int]
-        Size of every label.
+    inputs, output, sizes
+        Each operand's labels, the result's, and every label's size.
     outer : bool
         Whether the search considers outer products.
     most_cost : int
