@@ -23,14 +23,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mumoe_tn.contractions.plan import (
-    INFERENCE_CACHE_ELEMENTS,
-    ContractionPlan,
-    constant_elements,
-    constant_steps,
-    memory_bound,
-    plan_contraction,
-)
+from mumoe_tn.contractions.inference_plan import INFERENCE_CACHE_ELEMENTS, constant_elements, constant_steps
+from mumoe_tn.contractions.plan import ContractionPlan, memory_bound, plan_contraction
 from mumoe_tn.contractions.search import PEAK_FACTOR
 from mumoe_tn.network import BATCH_LABEL, ExpertNetwork
 

@@ -17,6 +17,7 @@ from mumoe_tn.caching import DerivedCache
 from mumoe_tn.contractions.autotune import fastest_plan
 from mumoe_tn.contractions.dense import expert_matrix, materialise
 from mumoe_tn.contractions.execute import constant_intermediates, run_plan
+from mumoe_tn.contractions.inference_plan import plan_inference
 from mumoe_tn.contractions.padding import PAD_MULTIPLE, bond_padding, pad_cores
 from mumoe_tn.contractions.plan import (
     BATCH_LABEL,
@@ -24,7 +25,6 @@ from mumoe_tn.contractions.plan import (
     autotune_candidates,
     check_memory_limit,
     plan_forward,
-    plan_inference,
     resolve_optimizer,
 )
 from mumoe_tn.contractions.prepared import PreparedPlan
@@ -325,7 +325,7 @@ class FactorizedExperts(nn.Module):
         """How inference contracts ``batch``'s bucket: its plan, cached steps and core layouts (made once).
 
         One cache slot per bucket: with ``precontract`` the plan of
-        [`plan_inference`][mumoe_tn.contractions.plan.plan_inference] where it caches core-only
+        [`plan_inference`][mumoe_tn.contractions.inference_plan.plan_inference] where it caches core-only
         steps, otherwise the layer's own plan for the bucket.
         """
         bucket = batch_bucket(batch)

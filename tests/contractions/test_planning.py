@@ -33,7 +33,8 @@ from mumoe_tn.contractions import (
     run_plan,
 )
 from mumoe_tn.contractions.autotune import fastest_plan
-from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK, constant_elements, einsum_equation
+from mumoe_tn.contractions.inference_plan import constant_elements
+from mumoe_tn.contractions.plan import AUTOTUNE_CANDIDATES, AUTOTUNE_FMA_SLACK, einsum_equation
 from mumoe_tn.contractions.search import RANDOM_GREEDY_REPEATS, candidate_paths
 from mumoe_tn.decompositions import build, get_format, tt
 from mumoe_tn.layers import FactorizedExperts

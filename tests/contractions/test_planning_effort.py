@@ -22,7 +22,8 @@ from mumoe_tn.contractions.effort import (
     exhaustive_orders,
     search_refusal,
 )
-from mumoe_tn.contractions.plan import ContractionPlan, constant_elements, constant_steps
+from mumoe_tn.contractions.inference_plan import constant_elements, constant_steps
+from mumoe_tn.contractions.plan import ContractionPlan
 from mumoe_tn.contractions.saved import LOADED_PEAK_FACTOR, loaded_plan_bound
 from mumoe_tn.contractions.search import bounded_candidates, bounded_path, find_path
 from mumoe_tn.conversion.record import execution_from_data
