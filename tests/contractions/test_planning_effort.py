@@ -322,3 +322,34 @@ def test_the_layers_own_plans_always_load_back():
             with torch.no_grad():
                 first(torch.randn(batch, 128, dtype=DTYPE), [torch.rand(batch, n, dtype=DTYPE) for n in dims])
         FactorizedExperts(network, dtype=DTYPE).load_plans(json.loads(json.dumps(first.export_plans())))
+
+
+def _timed(make, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        made = make()
+        best = min(best, time.perf_counter() - start)
+    return best, made
+
+
+if __name__ == "__main__":  # python tests/contractions/test_planning_effort.py: the planning-time figures of the docs
+    torch.set_num_threads(1)
+    print("search (what runs)                                   seconds  note")
+    for cores in range(6, 17, 2):
+        start = time.perf_counter()
+        try:
+            note = repr(plan_forward(clique(cores), 64).note[:60])
+        except ValueError as refused:  # a step beyond einsum's 52 labels: refused, in bounded time too
+            note = f"refused: {str(refused)[:50]}"
+        seconds = time.perf_counter() - start
+        print(f"clique of {cores:2d} cores, 'auto'                           {seconds:7.3f}  {note}")
+    for label, network, optimizer in [
+        ("'optimal' at its bound (8 operands)", clique(5, modes=2), "optimal"),
+        ("'branch-2' at its bound (16 operands)", clique(13, modes=2), "branch-2"),
+        ("'dp' on a TT layer of 8 expert modes (19 operands)", build("tt", (2,) * 8, 3, 4, 2), "dp"),
+        ("'greedy' on a 256-core chain (511 operands)", build("tt", (2,) * 254, 3, 4, 2), "greedy"),
+    ]:
+        inputs, output, sizes = forward(network, 64)
+        seconds, (_, note) = _timed(lambda i=inputs, o=output, s=sizes, opt=optimizer: bounded_path(i, o, s, opt), 1)
+        print(f"{label:52s} {seconds:7.3f}  {note[:60]!r} ({len(inputs)} operands)")

@@ -33,16 +33,6 @@ from mumoe_tn.network import ExpertNetwork, physical_sizes
 IN, HIDDEN, OUT = 6, 8, 5
 
 
-class BridgeFormat(Format, name="coherence_bridge"):
-    """A user's format: ``A: n… i a, B: a o`` — every expert mode meets the input in one core."""
-
-    def network(self, expert_dims, in_features, out_features, rank, **options):
-        (a,) = normalise_ranks(self.name, rank, 1)
-        sizes = physical_sizes(expert_dims, in_features, out_features)
-        modes = " ".join(f"n{e + 1}" for e in range(len(expert_dims)))
-        return ExpertNetwork({"A": f"{modes} i a", "B": "a o"}, {**sizes, "a": a})
-
-
 @dataclass(frozen=True)
 class CoherenceTopKGate(TopKGate):
     """A user's registered gate: the softmax top-k router under a name of its own."""
@@ -52,7 +42,15 @@ class CoherenceTopKGate(TopKGate):
 
 @pytest.fixture(scope="module", autouse=True)
 def toy_registrations():
-    BridgeFormat.get()
+    class BridgeFormat(Format, name="coherence_bridge"):  # registered here: only while this module runs
+        """A user's format: ``A: n… i a, B: a o`` — every expert mode meets the input in one core."""
+
+        def network(self, expert_dims, in_features, out_features, rank, **options):
+            (a,) = normalise_ranks(self.name, rank, 1)
+            sizes = physical_sizes(expert_dims, in_features, out_features)
+            modes = " ".join(f"n{e + 1}" for e in range(len(expert_dims)))
+            return ExpertNetwork({"A": f"{modes} i a", "B": "a o"}, {**sizes, "a": a})
+
     register_gate(CoherenceTopKGate)
     yield
     unregister_gate(CoherenceTopKGate)
