@@ -1,0 +1,197 @@
+"""Distillation across processes: each process of a ``torchrun`` job trains its share of the replacements.
+
+Under an initialised ``torch.distributed`` process group of more than one process,
+[`distill`][mumoe_tn.distillation.training.distill] splits the work by replacement: the
+``(block, method)`` pairs, in the order of the one-process run (blocks in model order, methods in
+the order given), go round-robin to the ranks — pair ``i`` to rank ``i mod world_size``
+([`assign_replacements`][mumoe_tn.distillation.process_shares.assign_replacements]). Every process
+streams the same batches through its own copy of the frozen model, keeps the activations of the
+blocks its pairs need, and trains its pairs; the trained state dicts, losses and counters are
+gathered on rank 0, which rebuilds every replacement with its factory and loads its state.
+
+A replacement's training depends only on its own seed (``seed`` and its block and method names),
+the buffered rows (the same rows, shuffled by the same generator, in every process) and its own
+optimiser, never on the other replacements a process trains: the gathered replacements equal
+those of one process, parameter for parameter.
+
+Every process writes its own checkpoint, ``FILE.rank<r>-of-<n>``
+([`process_checkpoint`][mumoe_tn.distillation.process_shares.process_checkpoint]), and resumes
+from it; a run resumes with the same number of processes. When one process fails or stops, the
+others learn it when they finish their share and raise as well, rather than wait for it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from mumoe_tn.distillation.interruption import DistillationStopped
+
+__all__ = [
+    "ProcessWorld",
+    "assign_replacements",
+    "gather_replacements",
+    "outcomes_shared",
+    "process_checkpoint",
+    "process_world",
+]
+
+#: ``(rank, world_size)`` of this process.
+ProcessWorld = tuple[int, int]
+
+
+def process_world() -> ProcessWorld | None:
+    """``(rank, world_size)`` of an initialised process group of more than one process, else None."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    size = dist.get_world_size()
+    return (dist.get_rank(), size) if size > 1 else None
+
+
+def assign_replacements(pairs: Sequence[tuple[str, str]], world_size: int) -> list[list[tuple[str, str]]]:
+    """The pairs each rank trains: pair ``i`` to rank ``i mod world_size``, each rank's in the given order.
+
+    Parameters
+    ----------
+    pairs : Sequence of (str, str)
+        The ``(block, method)`` pairs in the one-process run's order.
+    world_size : int
+        The number of processes.
+
+    Returns
+    -------
+    list of list of (str, str)
+        Rank ``r``'s pairs at index ``r``.
+
+    Raises
+    ------
+    ValueError
+        If ``world_size`` is not a positive int, or is larger than the number of pairs (a process
+        would have nothing to train).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if world_size > len(pairs):
+        raise ValueError(
+            f"{world_size} processes for {len(pairs)} replacements (blocks × methods): run at most {len(pairs)} "
+            "processes, so that each trains at least one"
+        )
+    return [list(pairs[rank::world_size]) for rank in range(world_size)]
+
+
+def process_checkpoint(path: str | os.PathLike, world: ProcessWorld | None = None) -> Path:
+    """The checkpoint file of this process: ``path`` alone, ``path.rank<r>-of-<n>`` in a group of ``n``.
+
+    ``world`` defaults to [`process_world`][mumoe_tn.distillation.process_shares.process_world]().
+    """
+    path = Path(path)
+    world = process_world() if world is None else world
+    if world is None:
+        return path
+    rank, size = world
+    return path.with_name(f"{path.name}.rank{rank}-of-{size}")
+
+
+@contextmanager
+def outcomes_shared(
+    world: ProcessWorld | None, *, checkpoint: Path | None, tokens: int, trained: Callable[[], int]
+) -> Iterator[None]:
+    """Run a process's share, then tell every process how every other one ended.
+
+    A process whose share raised tells the others, then raises its error. A process that
+    finished raises when another did not: ``DistillationStopped`` (its own checkpoint, holding its
+    finished share) when one stopped on request, else a ``RuntimeError`` naming the rank and
+    its error. Without a group (``world`` None) the block just runs.
+    """
+    if world is None:
+        yield
+        return
+    try:
+        yield
+    except DistillationStopped:
+        _exchange(("stopped", ""))
+        raise
+    except Exception as error:
+        _exchange(("failed", f"{type(error).__name__}: {error}"))
+        raise
+    outcomes = _exchange(("finished", ""))
+    failed = [(rank, message) for rank, (kind, message) in enumerate(outcomes) if kind == "failed"]
+    if failed:
+        rank, message = failed[0]
+        raise RuntimeError(f"the distillation failed in the process of rank {rank}: {message}")
+    if any(kind == "stopped" for kind, _ in outcomes):
+        raise DistillationStopped(checkpoint, trained(), tokens)
+
+
+def _exchange(outcome: tuple[str, str]) -> list[tuple[str, str]]:
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    return outcomes
+
+
+def gather_replacements(
+    world: ProcessWorld,
+    modules: Mapping[tuple[str, str], nn.Module],
+    losses: Mapping[tuple[str, str], float],
+    counters: Mapping[str, int],
+    build: Callable[[str, str], nn.Module],
+) -> tuple[dict[tuple[str, str], nn.Module], dict[tuple[str, str], float], list[dict[str, int]]] | None:
+    """Gather every process's trained replacements, losses and counters on rank 0.
+
+    Parameters
+    ----------
+    world : ProcessWorld
+    modules : Mapping
+        ``(block, method) -> trained module`` of this process.
+    losses : Mapping
+        ``(block, method) -> loss`` of this process.
+    counters : Mapping
+        This process's ``tokens``, ``steps``, ``peak_buffer_rows`` and ``buffer_bytes``.
+    build : Callable
+        ``build(block, method)`` makes a replacement as its factory does, for a state to load into.
+
+    Returns
+    -------
+    tuple or None
+        On rank 0: every pair's module (its own, and the others' rebuilt and loaded), every pair's
+        loss and every rank's counters; None on the other ranks.
+
+    Raises
+    ------
+    ValueError
+        On every rank, when the processes trained on different numbers of tokens (they were
+        given different batches).
+    """
+    rank, size = world
+    summaries: list[Any] = [None] * size
+    dist.all_gather_object(summaries, dict(counters))
+    trained = [summary["tokens"] for summary in summaries]
+    if len(set(trained)) > 1:
+        raise ValueError(
+            f"the processes trained on different numbers of tokens ({trained} by rank): every process must be "
+            "given the same batches (do not split the data by rank)"
+        )
+    states = {
+        "/".join(pair): {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
+        for pair, module in modules.items()
+    }
+    shares: list[Any] | None = [None] * size if rank == 0 else None
+    dist.gather_object({"states": states, "losses": {"/".join(k): v for k, v in losses.items()}}, shares, dst=0)
+    if rank != 0 or shares is None:
+        return None
+    gathered = dict(modules)
+    gathered_losses = dict(losses)
+    for share in shares[1:]:
+        for key, state in share["states"].items():
+            block, method = key.rsplit("/", 1)
+            module = build(block, method)
+            module.load_state_dict(state)
+            gathered[block, method] = module
+        gathered_losses.update({tuple(key.rsplit("/", 1)): value for key, value in share["losses"].items()})
+    return gathered, gathered_losses, summaries
