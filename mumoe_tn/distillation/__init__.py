@@ -9,6 +9,8 @@
 - [`training`][mumoe_tn.distillation.training]: the training loop over streamed activations
   (resumable, seeded, a named recipe), splicing replacements into the model;
   [`resume_checks`][mumoe_tn.distillation.resume_checks]: a resume file read as data.
+- [`process_shares`][mumoe_tn.distillation.process_shares]: distillation across the processes of a
+  ``torchrun`` job, each training its share of the replacements.
 - [`losses`][mumoe_tn.distillation.losses]: the registered loss terms (normalised MSE, FVU, L1,
   auxiliary-k on dead units); [`codes`][mumoe_tn.distillation.codes]: a replacement's sparse code.
 - [`metrics`][mumoe_tn.distillation.metrics]: the registered block-level metrics (L0, normalised

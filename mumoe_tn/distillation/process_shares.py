@@ -37,6 +37,7 @@ __all__ = [
     "ProcessWorld",
     "assign_replacements",
     "gather_replacements",
+    "joined_process_group",
     "outcomes_shared",
     "process_checkpoint",
     "process_world",
@@ -96,6 +97,34 @@ def process_checkpoint(path: str | os.PathLike, world: ProcessWorld | None = Non
         return path
     rank, size = world
     return path.with_name(f"{path.name}.rank{rank}-of-{size}")
+
+
+@contextmanager
+def joined_process_group(environ: Mapping[str, str] | None = None) -> Iterator[ProcessWorld | None]:
+    """The process group ``torchrun`` describes in the environment, joined for the block, then left.
+
+    With ``WORLD_SIZE`` above 1 and no group yet, a gloo group is initialised from the environment
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and destroyed after the block; a
+    group the caller initialised is used and left alone. Yields ``(rank, world_size)``, or None for
+    one process.
+
+    Raises
+    ------
+    ValueError
+        If ``WORLD_SIZE`` is not a positive int.
+    """
+    environ = os.environ if environ is None else environ
+    size = environ.get("WORLD_SIZE", "1")
+    if not size.strip().isdigit() or int(size) < 1:
+        raise ValueError(f"the environment's WORLD_SIZE must be a positive int, got {size!r}")
+    joined = int(size) > 1 and dist.is_available() and not dist.is_initialized()
+    if joined:
+        dist.init_process_group("gloo")
+    try:
+        yield process_world()
+    finally:
+        if joined:
+            dist.destroy_process_group()
 
 
 @contextmanager

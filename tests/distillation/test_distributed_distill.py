@@ -7,6 +7,7 @@ one rank that the other reports instead of waiting.
 """
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,12 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from mumoe_tn.distillation.interruption import DistillationStopped
-from mumoe_tn.distillation.process_shares import assign_replacements, process_checkpoint, process_world
+from mumoe_tn.distillation.process_shares import (
+    assign_replacements,
+    joined_process_group,
+    process_checkpoint,
+    process_world,
+)
 from mumoe_tn.distillation.replacements import mumoe_factory
 from mumoe_tn.distillation.training import distill
 from mumoe_tn.distillation.transcoders import Transcoder
@@ -70,7 +76,9 @@ def _flat(result):
         for method, module in methods.items()
         for name, tensor in module.state_dict().items()
     }
-    losses = {f"{block}/{method}": value for block, methods in result.losses.items() for method, value in methods.items()}
+    losses = {
+        f"{block}/{method}": value for block, methods in result.losses.items() for method, value in methods.items()
+    }
     return {"states": states, "losses": losses, "tokens": result.tokens, "steps": result.steps}
 
 
@@ -92,10 +100,19 @@ class _FailAfter(_StopAfter):
         return False
 
 
-def _worker(rank, world, init_file, directory):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank, world, port, directory):
+    """Every check in one pair of processes, which join the group from the environment as under torchrun."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    results = {"world": process_world(), "whole": _flat(_run())}
+    with joined_process_group() as joined:
+        results = _checks(rank, joined, directory)
+        dist.barrier()  # no rank leaves the group while another still talks to it
+    results["left"] = dist.is_initialized()
+    torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
+
+
+def _checks(rank, joined, directory):
+    results = {"world": joined, "whole": _flat(_run())}
     checkpoint = os.path.join(directory, "run.pt")
     # rank 1 stops early; rank 0 finishes its share, then learns of the stop and stops too
     try:
@@ -107,16 +124,22 @@ def _worker(rank, world, init_file, directory):
         _run(stop=_FailAfter(4) if rank == 1 else None)
     except RuntimeError as error:
         results["failure"] = str(error)
-    torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    with joined_process_group() as again:  # a group already joined is used and left alone
+        results["again"] = (again, dist.is_initialized())
+    return results
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """The ranks' results (one dict per rank) and the job's folder."""
     directory = tmp_path_factory.mktemp("distributed-distill")
-    mp.spawn(_worker, args=(WORLD, str(directory / "init"), str(directory)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, _free_port(), str(directory)), nprocs=WORLD, join=True)
     return [torch.load(directory / f"rank{r}.pt", weights_only=True) for r in range(WORLD)], directory
 
 
@@ -142,6 +165,7 @@ def _assert_same(got, want, *, losses=True):
 def test_two_processes_train_the_replacements_of_one(job, one_process):
     (first, second), _ = job
     assert first["world"] == (0, WORLD) and second["world"] == (1, WORLD)
+    assert first["again"] == ((0, WORLD), True) and not first["left"] and not second["left"]
     _assert_same(first["whole"], one_process)
     # rank 1 keeps its own share only: the pairs 1, 3, 5 of the one-process order
     shared = {key.rsplit("/", 1)[0] for key in second["whole"]["states"]}
@@ -161,7 +185,9 @@ def test_a_stop_in_one_process_stops_both_and_both_resume_to_the_same_replacemen
 def test_a_failure_in_one_process_is_raised_in_the_other(job):
     (first, second), _ = job
     assert second["failure"] == "the data source went away"
-    assert first["failure"] == "the distillation failed in the process of rank 1: RuntimeError: the data source went away"
+    assert (
+        first["failure"] == "the distillation failed in the process of rank 1: RuntimeError: the data source went away"
+    )
 
 
 # ----------------------------------------------------------------------------- the share of each rank
@@ -201,3 +227,12 @@ def test_each_process_has_its_own_checkpoint_file(tmp_path):
     assert process_world() is None  # no process group in this process
     assert process_checkpoint(tmp_path / "run.pt") == tmp_path / "run.pt"
     assert process_checkpoint(tmp_path / "run.pt", (1, 4)) == tmp_path / "run.pt.rank1-of-4"
+
+
+def test_one_process_joins_no_group_and_a_bad_world_size_is_refused():
+    with joined_process_group({"WORLD_SIZE": "1"}) as world:
+        assert world is None and not dist.is_initialized()
+    for bad in ("0", "two", "-2"):
+        with pytest.raises(ValueError, match=f"WORLD_SIZE must be a positive int, got '{bad}'"):
+            with joined_process_group({"WORLD_SIZE": bad}):
+                pass
