@@ -111,13 +111,15 @@ def joined_process_group(environ: Mapping[str, str] | None = None) -> Iterator[P
     Raises
     ------
     ValueError
-        If ``WORLD_SIZE`` is not a positive int.
+        If ``WORLD_SIZE`` is not a positive int, or above 1 without ``torch.distributed``.
     """
     environ = os.environ if environ is None else environ
     size = environ.get("WORLD_SIZE", "1")
     if not size.strip().isdigit() or int(size) < 1:
         raise ValueError(f"the environment's WORLD_SIZE must be a positive int, got {size!r}")
-    joined = int(size) > 1 and dist.is_available() and not dist.is_initialized()
+    if int(size) > 1 and not dist.is_available():
+        raise ValueError(f"WORLD_SIZE is {size} but this build of torch has no torch.distributed")
+    joined = int(size) > 1 and not dist.is_initialized()
     if joined:
         dist.init_process_group("gloo")
     try:

@@ -646,10 +646,11 @@ def distill(
     if world is not None:
         config["processes"] = {"rank": world[0], "world_size": world[1]}
         path = None if path is None else process_checkpoint(path, world)
-    run = _Run(own, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
-               optimizer=optimizer, capacity=capacity, pairs=share)  # fmt: skip
-    if resume and path is not None and path.exists():
-        run.load_state_dict(read_checkpoint(path, config, run.trainers, own))
+    with outcomes_shared(world, checkpoint=path, tokens=tokens, trained=lambda: 0):  # no process left waiting
+        run = _Run(own, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
+                   optimizer=optimizer, capacity=capacity, pairs=share)  # fmt: skip
+        if resume and path is not None and path.exists():
+            run.load_state_dict(read_checkpoint(path, config, run.trainers, own))
     was_training = model.training
     model.eval()
     bar = tqdm(total=tokens, initial=min(run.trained, tokens), unit="tok", unit_scale=True, desc="distilling",

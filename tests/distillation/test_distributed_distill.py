@@ -124,6 +124,16 @@ def _checks(rank, joined, directory):
         _run(stop=_FailAfter(4) if rank == 1 else None)
     except RuntimeError as error:
         results["failure"] = str(error)
+
+    def unbuildable(block):  # fails in rank 1, before any process streams a batch
+        if rank == 1:
+            raise ValueError(f"no replacement for {block.name}")
+        return Transcoder(block.in_features, 16, block.out_features, k=2)
+
+    try:
+        distill(TwoBlockLM(), _batches(), {"tc4": _methods()["tc4"], "bad": unbuildable}, **SETTINGS)
+    except (ValueError, RuntimeError) as error:
+        results["unbuilt"] = str(error)
     with joined_process_group() as again:  # a group already joined is used and left alone
         results["again"] = (again, dist.is_initialized())
     return results
@@ -184,6 +194,8 @@ def test_a_stop_in_one_process_stops_both_and_both_resume_to_the_same_replacemen
 
 def test_a_failure_in_one_process_is_raised_in_the_other(job):
     (first, second), _ = job
+    assert second["unbuilt"] == "no replacement for mlp1"
+    assert first["unbuilt"] == "the distillation failed in the process of rank 1: ValueError: no replacement for mlp1"
     assert second["failure"] == "the data source went away"
     assert (
         first["failure"] == "the distillation failed in the process of rank 1: RuntimeError: the data source went away"
