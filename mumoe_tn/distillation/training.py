@@ -1,4 +1,4 @@
-"""Distil the MLP blocks of a trained model into sparse replacements, and splice them in.
+"""Distil the MLP blocks of a trained model into sparse replacements (spliced in by ``splicing``).
 
 Each chosen block is a function ``x ↦ y`` of its input; a replacement — any module a factory
 builds from the block: a μMoE block of any format, a transcoder, a user's own — is trained to
@@ -36,8 +36,8 @@ import math
 import os
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -59,6 +59,7 @@ from mumoe_tn.distillation.process_shares import (
 )
 from mumoe_tn.distillation.replacement_files import load_replacements, save_replacements
 from mumoe_tn.distillation.resume_checks import CHECKPOINT_FORMAT, read_checkpoint
+from mumoe_tn.distillation.splicing import splice, spliced
 from mumoe_tn.distillation.streaming import (
     ActivationBuffer,
     Batch,
@@ -730,50 +731,3 @@ def distill(
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
-
-
-def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    parent, _, child = name.rpartition(".")
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        raise ValueError(f"{name!r} is not a module of the model") from None
-    return (model.get_submodule(parent) if parent else model), child
-
-
-def splice(model: nn.Module, replacements: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
-    """Put each replacement in place of the module of that name, in place; returns the replaced modules.
-
-    Parameters
-    ----------
-    model : nn.Module
-    replacements : Mapping[str, nn.Module]
-        Qualified module name -> new module (e.g. ``Distillation.replacements[name][method]``).
-
-    Returns
-    -------
-    dict of str to nn.Module
-        The modules taken out, by name (``splice(model, old)`` puts them back).
-    """
-    if not isinstance(replacements, Mapping):
-        raise TypeError(f"replacements must be a mapping of module name -> module, got {type(replacements).__name__}")
-    for name, module in replacements.items():
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"the replacement of {name!r} must be an nn.Module, got {type(module).__name__}")
-    places = {name: _parent(model, name) for name in replacements}
-    old = {}
-    for name, module in replacements.items():
-        parent, child = places[name]
-        old[name] = getattr(parent, child)
-        setattr(parent, child, module)
-    return old
-
-
-@contextmanager
-def spliced(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator[nn.Module]:
-    """[`splice`][mumoe_tn.distillation.training.splice] for the duration of the block, then put the originals back."""
-    old = splice(model, replacements)
-    try:
-        yield model
-    finally:
-        splice(model, old)
