@@ -23,17 +23,20 @@ others learn it when they finish their share and raise as well, rather than wait
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from mumoe_tn.distillation.interruption import DistillationStopped
 
 __all__ = [
+    "BatchDigest",
     "ProcessWorld",
     "assign_replacements",
     "gather_replacements",
@@ -97,6 +100,34 @@ def process_checkpoint(path: str | os.PathLike, world: ProcessWorld | None = Non
         return path
     rank, size = world
     return path.with_name(f"{path.name}.rank{rank}-of-{size}")
+
+
+class BatchDigest:
+    """A CRC-32 of the batches a process read, to tell whether every process was given the same ones.
+
+    Each tensor of a batch (of a mapping, in key order, with its key) adds its dtype, shape and
+    bytes; other values of a mapping add their key only.
+
+    Parameters
+    ----------
+    enabled : bool, optional
+        False: ``update`` does nothing (one process has no other to compare with).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.value, self.enabled = 0, enabled
+
+    def update(self, batch: object) -> None:
+        """Add ``batch`` (a tensor, or a mapping of the model's keyword arguments); None adds nothing."""
+        if not self.enabled or batch is None:
+            return
+        items = sorted(batch.items(), key=lambda item: str(item[0])) if isinstance(batch, Mapping) else [("", batch)]
+        for key, value in items:
+            self.value = zlib.crc32(str(key).encode(), self.value)
+            if isinstance(value, torch.Tensor):
+                tensor = value.detach().cpu().contiguous()
+                self.value = zlib.crc32(f"{tensor.dtype}{tuple(tensor.shape)}".encode(), self.value)
+                self.value = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), self.value)
 
 
 @contextmanager
@@ -183,7 +214,9 @@ def gather_replacements(
     losses : Mapping
         ``(block, method) -> loss`` of this process.
     counters : Mapping
-        This process's ``tokens``, ``steps``, ``peak_buffer_rows`` and ``buffer_bytes``.
+        This process's ``tokens``, ``steps``, ``peak_buffer_rows``, ``buffer_bytes`` and
+        ``batches`` (the [`BatchDigest`][mumoe_tn.distillation.process_shares.BatchDigest] of the
+        batches it trained on).
     build : Callable
         ``build(block, method)`` makes a replacement as its factory does, for a state to load into.
 
@@ -196,17 +229,19 @@ def gather_replacements(
     Raises
     ------
     ValueError
-        On every rank, when the processes trained on different numbers of tokens (they were
-        given different batches).
+        On every rank, when the processes trained on different numbers of tokens or different
+        batches.
     """
     rank, size = world
     summaries: list[Any] = [None] * size
     dist.all_gather_object(summaries, dict(counters))
     trained = [summary["tokens"] for summary in summaries]
-    if len(set(trained)) > 1:
+    digests = [summary["batches"] for summary in summaries]
+    if len(set(trained)) > 1 or len(set(digests)) > 1:
+        found = f"{trained} tokens" if len(set(trained)) > 1 else f"batches of CRC-32 {digests}"
         raise ValueError(
-            f"the processes trained on different numbers of tokens ({trained} by rank): every process must be "
-            "given the same batches (do not split the data by rank)"
+            f"the processes trained on different data ({found} by rank): every process must be given the same "
+            "batches (do not split the data by rank)"
         )
     states = {
         "/".join(pair): {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}

@@ -326,7 +326,7 @@ def harvest(
     done: Callable[[], bool],
     make_room: Callable[[int], None],
     before_batch: Callable[[], None],
-    added: Callable[[], None],
+    added: Callable[[Batch], None],
 ) -> None:
     """Run ``model`` on the batches of ``stream`` and add the blocks' real rows to ``buffer``, until ``done()``.
 
@@ -348,9 +348,9 @@ def harvest(
         next batch does not fit.
     before_batch : Callable[[], None]
         Called before every batch is read (a stop request raises from it).
-    added : Callable[[], None]
-        Called after every batch is added to the buffer (a checkpoint written by ``make_room``
-        counts the batches read).
+    added : Callable[[Batch], None]
+        Called with every batch added to the buffer (a checkpoint written by ``make_room`` counts
+        the batches read).
 
     Raises
     ------
@@ -381,7 +381,7 @@ def harvest(
             if missing:
                 raise ValueError(f"the blocks {missing} did not run in the model's forward pass")
             buffer.add({name: _real_rows(captured[name], mask) for name in names})
-            added()
+            added(batch)
 
 
 def _real_rows(pair: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

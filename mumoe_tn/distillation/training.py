@@ -51,6 +51,7 @@ from mumoe_tn.distillation.codes import code_module, recording_code, recording_p
 from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.losses import L1, Loss, LossInputs, normalised_mse, resolve_losses
 from mumoe_tn.distillation.process_shares import (
+    BatchDigest,
     assign_replacements,
     gather_replacements,
     outcomes_shared,
@@ -684,15 +685,19 @@ def distill(
                 _save(run.state_dict(config), path)
             raise DistillationStopped(path, run.trained, tokens)
 
+    def added(batch: Batch) -> None:
+        run.count_batch()
+        digest.update(batch)
+
     try:
         with outcomes_shared(world, checkpoint=path, tokens=tokens, trained=lambda: run.trained):
-            stream = iter(batches)
+            stream, digest = iter(batches), BatchDigest(enabled=world is not None)
             for _ in range(run.harvested):  # the batches already in the buffer or trained on
-                next(stream, None)
+                digest.update(next(stream, None))
             if run.draining is not None:  # resumed inside a drain: finish it as the interrupted run did
                 train_until(run.draining)
             harvest(model, stream, names, run.buffer, mask_argument=mask_argument, make_room=train_until,
-                    done=lambda: run.trained >= tokens, before_batch=stop_if_asked, added=run.count_batch)  # fmt: skip
+                    done=lambda: run.trained >= tokens, before_batch=stop_if_asked, added=added)  # fmt: skip
             train_until(0)
             bar.close()
             if run.trained < tokens:
@@ -709,7 +714,7 @@ def distill(
     modules = {(block, method): run.modules[block][method] for block, method in share}
     losses = {pair: _mean(run.recent.get(pair, [])) for pair in share}
     counters = [{"tokens": run.trained, "steps": run.steps, "peak_buffer_rows": run.buffer.peak_rows,
-                 "buffer_bytes": run.buffer.allocated_bytes}]  # fmt: skip
+                 "buffer_bytes": run.buffer.allocated_bytes, "batches": digest.value}]  # fmt: skip
     if world is not None:
         by_name = {block.name: block for block in blocks}
 

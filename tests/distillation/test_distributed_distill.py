@@ -18,6 +18,7 @@ from torch import nn
 
 from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.process_shares import (
+    BatchDigest,
     assign_replacements,
     joined_process_group,
     process_checkpoint,
@@ -50,8 +51,8 @@ class TwoBlockLM(nn.Module):
         return self.head(h + self.mlp2(h))
 
 
-def _batches(count=12):
-    generator = torch.Generator().manual_seed(0)
+def _batches(count=12, seed=0):
+    generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 32, (4, 16), generator=generator) for _ in range(count)]
 
 
@@ -134,6 +135,10 @@ def _checks(rank, joined, directory):
         distill(TwoBlockLM(), _batches(), {"tc4": _methods()["tc4"], "bad": unbuildable}, **SETTINGS)
     except (ValueError, RuntimeError) as error:
         results["unbuilt"] = str(error)
+    try:  # the data split by rank: as many tokens, other ones
+        distill(TwoBlockLM(), _batches(seed=rank), _methods(), **SETTINGS)
+    except ValueError as error:
+        results["split"] = str(error)
     with joined_process_group() as again:  # a group already joined is used and left alone
         results["again"] = (again, dist.is_initialized())
     return results
@@ -202,6 +207,13 @@ def test_a_failure_in_one_process_is_raised_in_the_other(job):
     )
 
 
+def test_processes_given_different_batches_are_refused(job):
+    (first, second), _ = job
+    for results in (first, second):
+        assert results["split"].startswith("the processes trained on different data (batches of CRC-32 [")
+        assert "every process must be given the same batches (do not split the data by rank)" in results["split"]
+
+
 # ----------------------------------------------------------------------------- the share of each rank
 def test_pairs_go_round_robin_to_the_ranks():
     pairs = [(block, method) for block in ("a", "b", "c") for method in ("x", "y")]
@@ -248,3 +260,24 @@ def test_one_process_joins_no_group_and_a_bad_world_size_is_refused():
         with pytest.raises(ValueError, match=f"WORLD_SIZE must be a positive int, got '{bad}'"):
             with joined_process_group({"WORLD_SIZE": bad}):
                 pass
+
+
+def _digest(*batches, enabled=True):
+    digest = BatchDigest(enabled)
+    for batch in batches:
+        digest.update(batch)
+    return digest.value
+
+
+def test_the_batch_digest_tells_batches_apart():
+    ids = torch.arange(12).reshape(3, 4)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    assert _digest(ids) == _digest(ids.clone()) != 0
+    assert _digest(ids) != _digest(ids + 1)
+    assert _digest(ids) != _digest(ids.reshape(4, 3))  # the same bytes in another shape
+    assert _digest(ids) != _digest(ids.to(torch.int32))
+    assert _digest(ids, ids + 1) != _digest(ids + 1, ids)  # order counts
+    assert _digest({"input_ids": ids, "attention_mask": mask}) == _digest({"attention_mask": mask, "input_ids": ids})
+    assert _digest({"input_ids": ids}) != _digest({"labels": ids})
+    assert _digest(ids, None) == _digest(ids)
+    assert _digest(ids, enabled=False) == 0
