@@ -7,7 +7,9 @@ the order given), go round-robin to the ranks — pair ``i`` to rank ``i mod wor
 ([`assign_replacements`][mumoe_tn.distillation.process_shares.assign_replacements]). Every process
 streams the same batches through its own copy of the frozen model, keeps the activations of the
 blocks its pairs need, and trains its pairs; the trained state dicts, losses and counters are
-gathered on rank 0, which rebuilds every replacement with its factory and loads its state.
+gathered on rank 0, which rebuilds every replacement with its factory and loads its state. A
+[`BatchDigest`][mumoe_tn.distillation.process_shares.BatchDigest] of the batches each process
+trained on, compared at the gather, refuses a run whose processes were given different data.
 
 A replacement's training depends only on its own seed (``seed`` and its block and method names),
 the buffered rows (the same rows, shuffled by the same generator, in every process) and its own
@@ -106,7 +108,7 @@ class BatchDigest:
     """A CRC-32 of the batches a process read, to tell whether every process was given the same ones.
 
     Each tensor of a batch (of a mapping, in key order, with its key) adds its dtype, shape and
-    bytes; other values of a mapping add their key only.
+    bytes (read on the host); other values of a mapping add their key only.
 
     Parameters
     ----------
@@ -244,20 +246,18 @@ def gather_replacements(
             "batches (do not split the data by rank)"
         )
     states = {
-        "/".join(pair): {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
+        pair: {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
         for pair, module in modules.items()
-    }
+    }  # on the host: a process's device means nothing to rank 0
     shares: list[Any] | None = [None] * size if rank == 0 else None
-    dist.gather_object({"states": states, "losses": {"/".join(k): v for k, v in losses.items()}}, shares, dst=0)
+    dist.gather_object({"states": states, "losses": dict(losses)}, shares, dst=0)
     if rank != 0 or shares is None:
         return None
-    gathered = dict(modules)
-    gathered_losses = dict(losses)
+    gathered, gathered_losses = dict(modules), dict(losses)
     for share in shares[1:]:
-        for key, state in share["states"].items():
-            block, method = key.rsplit("/", 1)
+        for (block, method), state in share["states"].items():
             module = build(block, method)
             module.load_state_dict(state)
             gathered[block, method] = module
-        gathered_losses.update({tuple(key.rsplit("/", 1)): value for key, value in share["losses"].items()})
+        gathered_losses.update(share["losses"])
     return gathered, gathered_losses, summaries

@@ -604,6 +604,12 @@ def distill(
     [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]): they are
     renormalised when built and after every step, and the gradient component parallel to each
     slice is removed before every optimiser step (the Mixture of Decoders' expert vectors).
+
+    Across processes: in an initialised process group of several processes (``torchrun``) each
+    process trains its share of the ``(block, method)`` pairs (round-robin), on the same
+    ``batches``, into its own checkpoint file; rank 0 returns every replacement, equal to a
+    one-process run's, the other ranks their own share (see
+    [`mumoe_tn.distillation.process_shares`][mumoe_tn.distillation.process_shares]).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
