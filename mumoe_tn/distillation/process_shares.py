@@ -28,6 +28,7 @@ import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
     "BatchDigest",
     "ProcessWorld",
     "assign_replacements",
+    "check_resume_files",
     "gather_replacements",
     "joined_process_group",
     "outcomes_shared",
@@ -102,6 +104,37 @@ def process_checkpoint(path: str | os.PathLike, world: ProcessWorld | None = Non
         return path
     rank, size = world
     return path.with_name(f"{path.name}.rank{rank}-of-{size}")
+
+
+def check_resume_files(path: str | os.PathLike, world: ProcessWorld | None) -> None:
+    """Refuse to start afresh where the checkpoint of another number of processes lies beside ``path``.
+
+    ``distill(resume=True)`` starts afresh when this process's file
+    ([`process_checkpoint`][mumoe_tn.distillation.process_shares.process_checkpoint]) is missing;
+    when files of another number of processes are there instead, that is a resume with the wrong
+    number of processes, not a new run.
+
+    Raises
+    ------
+    ValueError
+        Naming the files found and the number of processes that wrote them.
+    """
+    path = Path(path)
+    if process_checkpoint(path, world).exists():
+        return
+    size = 1 if world is None else world[1]
+    found = [path] if world is not None and path.exists() else []
+    if path.parent.is_dir():
+        found += sorted(
+            other for other in path.parent.glob(f"{glob_escape(path.name)}.rank*-of-*")
+            if not other.name.endswith(f"-of-{size}")
+        )  # fmt: skip
+    if found:
+        wrote = "one process" if found[0] == path else f"{found[0].name.rpartition('-of-')[2]} processes"
+        raise ValueError(
+            f"there is no checkpoint for a run of {size} process(es) at {str(process_checkpoint(path, world))!r}, but "
+            f"{str(found[0])!r} was written by {wrote}: resume with as many processes"
+        )
 
 
 class BatchDigest:

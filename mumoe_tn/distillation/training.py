@@ -53,6 +53,7 @@ from mumoe_tn.distillation.losses import L1, Loss, LossInputs, normalised_mse, r
 from mumoe_tn.distillation.process_shares import (
     BatchDigest,
     assign_replacements,
+    check_resume_files,
     gather_replacements,
     outcomes_shared,
     process_checkpoint,
@@ -657,6 +658,8 @@ def distill(
     with outcomes_shared(world, checkpoint=path, tokens=tokens, trained=lambda: 0):  # no process left waiting
         run = _Run(own, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
                    optimizer=optimizer, capacity=capacity, pairs=share)  # fmt: skip
+        if resume and checkpoint is not None:
+            check_resume_files(checkpoint, world)
         if resume and path is not None and path.exists():
             run.load_state_dict(read_checkpoint(path, config, run.trainers, own))
     was_training = model.training

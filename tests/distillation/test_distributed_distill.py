@@ -20,6 +20,7 @@ from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.process_shares import (
     BatchDigest,
     assign_replacements,
+    check_resume_files,
     joined_process_group,
     process_checkpoint,
     process_world,
@@ -281,3 +282,19 @@ def test_the_batch_digest_tells_batches_apart():
     assert _digest({"input_ids": ids}) != _digest({"labels": ids})
     assert _digest(ids, None) == _digest(ids)
     assert _digest(ids, enabled=False) == 0
+
+
+def test_a_resume_with_another_number_of_processes_is_refused(tmp_path):
+    plain, shard = tmp_path / "run.pt", tmp_path / "run.pt.rank1-of-2"
+    shard.write_bytes(b"")
+    one = r"for a run of 1 process\(es\) at '.*/run\.pt', but '.*/run\.pt\.rank1-of-2' was written by 2 processes"
+    with pytest.raises(ValueError, match=one + ": resume with as many processes"):
+        _run(checkpoint=plain, resume=True)
+    check_resume_files(plain, (1, 2))  # this process's own file is there
+    check_resume_files(plain, (0, 2))  # another rank's only: this one starts afresh
+    with pytest.raises(ValueError, match=r"/run\.pt\.rank1-of-2' was written by 2 processes"):
+        check_resume_files(plain, (0, 3))
+    plain.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"at '.*/run\.pt\.rank0-of-3', but '.*/run\.pt' was written by one process"):
+        check_resume_files(plain, (0, 3))
+    check_resume_files(tmp_path / "new" / "run.pt", (0, 2))  # nothing there: a new run
