@@ -105,7 +105,8 @@ class Distillation:
     blocks : list of BlockInfo
         The distilled blocks.
     replacements : dict
-        ``block name -> method -> trained module`` (in eval mode).
+        ``block name -> method -> trained module`` (in eval mode); in a process group, every one
+        on rank 0 and each other rank's own share there.
     tokens : int
         Tokens every replacement trained on.
     steps : int
@@ -115,7 +116,7 @@ class Distillation:
     peak_buffer_rows : int
         The most tokens the activation buffer held.
     buffer_bytes : int
-        Bytes of the buffer's storage.
+        Bytes of the buffer's storage (on rank 0 of a process group: of every process's buffer).
     """
 
     blocks: list[BlockInfo]
