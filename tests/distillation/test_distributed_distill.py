@@ -66,8 +66,13 @@ def _methods():
     }
 
 
-def _run(**options):
-    return distill(TwoBlockLM(), _batches(), _methods(), **SETTINGS, **options)
+def _run(methods=None, **options):
+    return distill(TwoBlockLM(), _batches(), methods or _methods(), **SETTINGS, **options)
+
+
+def _one_method():
+    """One method over two blocks: each rank streams and trains one block."""
+    return {"tc4": _methods()["tc4"]}
 
 
 def _flat(result):
@@ -115,6 +120,8 @@ def _worker(rank, world, port, directory):
 
 def _checks(rank, joined, directory):
     results = {"world": joined, "whole": _flat(_run())}
+    by_block = _run(_one_method())
+    results["by_block"] = {**_flat(by_block), "buffer_bytes": by_block.buffer_bytes}
     checkpoint = os.path.join(directory, "run.pt")
     # rank 1 stops early; rank 0 finishes its share, then learns of the stop and stops too
     try:
@@ -186,6 +193,21 @@ def test_two_processes_train_the_replacements_of_one(job, one_process):
     # rank 1 keeps its own share only: the pairs 1, 3, 5 of the one-process order
     shared = {key.rsplit("/", 1)[0] for key in second["whole"]["states"]}
     assert shared == {"mlp1/tc2", "mlp2/tc4", "mlp2/cp"}
+
+
+def test_a_process_streams_only_the_blocks_of_its_share(job):
+    (first, second), _ = job
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = _run(_one_method())
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same(first["by_block"], _flat(alone))
+    assert {key.rsplit("/", 1)[0] for key in second["by_block"]["states"]} == {"mlp2/tc4"}
+    # rank 0 sums the buffers: one block's rows in each process, both blocks' in one
+    assert first["by_block"]["buffer_bytes"] == alone.buffer_bytes
+    assert second["by_block"]["buffer_bytes"] == alone.buffer_bytes // 2  # the blocks are as wide
 
 
 def test_a_stop_in_one_process_stops_both_and_both_resume_to_the_same_replacements(job, one_process):
