@@ -15,7 +15,6 @@ from typing import Any as _Any
 
 from mumoe_tn import decompositions
 from mumoe_tn.decompositions import Format, register
-from mumoe_tn.deprecation import moved_names as _moved_names
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.plugins import install_transformers_hook as _install_transformers_hook
 
@@ -58,14 +57,10 @@ _install_transformers_hook()
 __all__ = ["ExpertNetwork", "Format", "decompositions", "register", *sorted(_LAZY)]
 
 
-def _lazy(name: str) -> _Any:
+def __getattr__(name: str) -> _Any:
     if name in _LAZY:
         return getattr(_import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mumoe_tn' has no attribute {name!r}")
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = _moved_names("mumoe_tn", {"materialize": "mumoe_tn.contractions.dense:materialise"}, fallback=_lazy)
 
 
 def __dir__() -> list[str]:

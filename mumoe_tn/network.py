@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from mumoe_tn.deprecation import moved_names
 from mumoe_tn.validation import check_size
 
 if TYPE_CHECKING:
@@ -566,7 +565,3 @@ def normalise_expert_dims(expert_dims: int | Sequence[int]) -> tuple[int, ...]:
     if isinstance(expert_dims, str) or not isinstance(expert_dims, Sequence) or not expert_dims:
         raise TypeError(f"expert_dims must be an int or a non-empty sequence of ints, got {expert_dims!r}")
     return tuple(check_size(f"expert_dims[{m}]", size) for m, size in enumerate(expert_dims))
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = moved_names("mumoe_tn.network", {"normalize_expert_dims": "mumoe_tn.network:normalise_expert_dims"})

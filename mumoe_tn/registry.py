@@ -5,8 +5,9 @@ each held in a [`Registry`][mumoe_tn.registry.Registry]: a read-only mapping fro
 was registered, written only through [`register`][mumoe_tn.registry.Registry.register] (a call, or a
 decorator) and [`unregister`][mumoe_tn.registry.Registry.unregister]. A look-up of an unknown name
 ([`lookup`][mumoe_tn.registry.Registry.lookup]) raises the library's ``ValueError`` listing the
-registered names. Each registry is reached by the
-package that owns it:
+registered names. A name already taken by another entry raises ``ValueError`` at every front door
+unless it is given ``replace=True`` (a keyword of each registering function, and of the class
+statement where subclassing registers). Each registry is reached by the package that owns it:
 
 | what | registry | front door |
 |---|---|---|
@@ -37,7 +38,6 @@ ValueError: unknown colour 'blue'; registered: ['red']
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -176,13 +176,10 @@ class Registry(Mapping[Key, Value], Generic[Key, Value]):
         return len(self._entries)
 
     def __setitem__(self, key: Any, value: Value) -> None:
-        # Registries were plain dicts before: item assignment still registers, with a warning.
-        warnings.warn(
-            f"assigning to the {self.kind} registry is deprecated; use .register({key!r}, value)",
-            DeprecationWarning,
-            stacklevel=2,
+        raise TypeError(
+            f"the {self.kind} registry is written through register(): use .register({key!r}, value) "
+            "(replace=True to replace an entry)"
         )
-        self.register(key, value, replace=True)
 
     def __repr__(self) -> str:
         return f"<{self.kind} registry: {self.names()}>"

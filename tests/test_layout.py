@@ -24,7 +24,6 @@ FLOORS = {
     "validation": 0,
     "registry": 0,
     "caching": 0,
-    "deprecation": 0,
     "network": 1,
     "decompositions": 2,
     "gates": 2,
@@ -36,7 +35,6 @@ FLOORS = {
     "analysis": 6,
     "distillation": 6,
     "design": 7,
-    "experiments": 7,
     "cli": 8,
     "plugins": 8,
 }
@@ -128,55 +126,54 @@ def test_distill_and_explore_are_reachable_from_the_top_level():
     assert mumoe_tn.explore is explore
 
 
-#: Public names at their 0.2 paths, each with the module that holds it now (and its new name, if renamed).
-MOVED = {
-    "mumoe_tn.conversion.distill:distill": "mumoe_tn.distillation.training",
-    "mumoe_tn.conversion.distill:splice": "mumoe_tn.distillation.training",
-    "mumoe_tn.conversion.streaming:select_blocks": "mumoe_tn.distillation.streaming",
-    "mumoe_tn.conversion.replacements:mumoe_factory": "mumoe_tn.distillation.replacements",
-    "mumoe_tn.conversion.faithfulness:evaluate_replacements": "mumoe_tn.distillation.faithfulness",
-    "mumoe_tn.costs.frontier:FrontierTable": "mumoe_tn.distillation.frontier",
-    "mumoe_tn.costs.transcoders:transcoder_parameters": "mumoe_tn.costs.baselines",
-    "mumoe_tn.layers.transcoders:Transcoder": "mumoe_tn.distillation.transcoders",
-    "mumoe_tn.experiments.frontier:run_frontier": "mumoe_tn.distillation.study",
-    "mumoe_tn.conversion:select_blocks": "mumoe_tn.distillation.streaming",
-    "mumoe_tn.conversion:evaluate_replacements": "mumoe_tn.distillation.faithfulness",
-    "mumoe_tn.layers:Transcoder": "mumoe_tn.distillation.transcoders",
-    "mumoe_tn.experiments.frontier:config_from": "mumoe_tn.cli.distill_command",
-    "mumoe_tn.experiments.frontier:configure_parser": "mumoe_tn.cli.distill_command:configure",
-    "mumoe_tn.experiments.demo:run_demo": "mumoe_tn.cli.demo_command",
-    "mumoe_tn.experiments.specialisation:run_experiment": "mumoe_tn.cli.specialisation_command",
-    "mumoe_tn.experiments.specialisation:configure_parser": "mumoe_tn.cli.specialisation_command:configure",
-    "mumoe_tn.design.command:run": "mumoe_tn.cli.design_command",
-    "mumoe_tn.design.command:configure_parser": "mumoe_tn.cli.design_command:configure",
-    "mumoe_tn.analysis.explorer.command:load_target": "mumoe_tn.cli.explore_command",
-    "mumoe_tn.design.search:design": "mumoe_tn.design.structure_search",
-    "mumoe_tn.gates.options:GATE_INITS": "mumoe_tn.gates.choices",
-    "mumoe_tn.network:normalize_expert_dims": "mumoe_tn.network:normalise_expert_dims",
-    "mumoe_tn.decompositions:normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks",
-    "mumoe_tn.decompositions.registry:normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks",
-    "mumoe_tn.contractions.dense:materialize": "mumoe_tn.contractions.dense:materialise",
-    "mumoe_tn.contractions:materialize": "mumoe_tn.contractions.dense:materialise",
-    "mumoe_tn:materialize": "mumoe_tn.contractions.dense:materialise",
-    "mumoe_tn.costs.flops:materialize_fma": "mumoe_tn.costs.flops:materialise_fma",
-    "mumoe_tn.costs:materialize_fma": "mumoe_tn.costs.flops:materialise_fma",
-}
+#: Modules at their 0.2 paths, which 0.3 kept with a DeprecationWarning and 0.4 removed.
+REMOVED_MODULES = [
+    "mumoe_tn.analysis.explorer.command",
+    "mumoe_tn.analysis.validation",
+    "mumoe_tn.conversion.distill",
+    "mumoe_tn.conversion.faithfulness",
+    "mumoe_tn.conversion.replacements",
+    "mumoe_tn.conversion.streaming",
+    "mumoe_tn.costs.frontier",
+    "mumoe_tn.costs.transcoders",
+    "mumoe_tn.deprecation",
+    "mumoe_tn.design.command",
+    "mumoe_tn.design.search",
+    "mumoe_tn.experiments",
+    "mumoe_tn.gates.options",
+    "mumoe_tn.layers.transcoders",
+]
+#: Names at their 0.2 paths or spellings, likewise removed.
+REMOVED_NAMES = [
+    "mumoe_tn:materialize",
+    "mumoe_tn.contractions:materialize",
+    "mumoe_tn.contractions.dense:materialize",
+    "mumoe_tn.conversion:distill",
+    "mumoe_tn.conversion:select_blocks",
+    "mumoe_tn.costs:materialize_fma",
+    "mumoe_tn.costs.flops:materialize_fma",
+    "mumoe_tn.decompositions:normalize_ranks",
+    "mumoe_tn.decompositions.registry:normalize_ranks",
+    "mumoe_tn.design.space:FAMILIES",
+    "mumoe_tn.distillation.replacements:TOP_K_GATES",
+    "mumoe_tn.layers:Transcoder",
+    "mumoe_tn.network:normalize_expert_dims",
+]
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_paths_still_import_with_a_deprecation_warning(old):
+@pytest.mark.parametrize("old", REMOVED_MODULES)
+def test_the_modules_0_3_deprecated_are_gone(old):
+    path = ROOT.parent.joinpath(*old.split("."))
+    assert not path.with_suffix(".py").exists() and not path.is_dir()
+    assert old not in _modules()
+
+
+@pytest.mark.parametrize("old", REMOVED_NAMES)
+def test_the_names_0_3_deprecated_are_gone(old):
     module_name, name = old.split(":")
-    new_module, _, new_name = MOVED[old].partition(":")
-    new_name = new_name or name
-    new = importlib.import_module(new_module)
-    with pytest.warns(DeprecationWarning, match=rf"moved to {re.escape(new_module)}\.{new_name}"):
-        value = getattr(importlib.import_module(module_name), name)
-    assert value is getattr(new, new_name)
-
-
-def _is_stub(path):
-    """A module left at an old path: it only forwards to the new one (see mumoe_tn.deprecation)."""
-    return "moved_module(" in path.read_text()
+    module = importlib.import_module(module_name)
+    with pytest.raises(AttributeError, match=name):
+        getattr(module, name)
 
 
 #: Basenames used with one meaning in several places: ``registry`` is the registry type
@@ -188,7 +185,7 @@ def test_module_names_are_unique_across_the_package():
     seen = {}
     for name, path in _modules().items():
         basename = name.rsplit(".", 1)[-1]
-        if path.name == "__init__.py" or _is_stub(path) or basename in SAME_MEANING:
+        if path.name == "__init__.py" or basename in SAME_MEANING:
             continue
         seen.setdefault(basename, []).append(name)
     assert {base: names for base, names in seen.items() if len(names) > 1} == {}
@@ -264,13 +261,8 @@ def test_names_follow_one_spelling():
     )
 
 
-def test_the_old_distill_spelling_still_calls_the_function_after_its_module_is_imported():
-    import mumoe_tn.conversion.distill  # noqa: F401  (the stub module now shadows the package's function)
-    from mumoe_tn.conversion import distill
-    from mumoe_tn.distillation.training import distill as function
-
-    with pytest.warns(DeprecationWarning, match=r"mumoe_tn\.distillation\.training\.distill"):
-        with pytest.raises((TypeError, ValueError)) as raised:
-            distill(None, None)
-    with pytest.raises(type(raised.value)):
-        function(None, None)
+def test_the_tests_readme_lists_every_test_file():
+    tests = ROOT.parent / "tests"
+    listed = set(re.findall(r"`((?:[a-z_]+/)?test_[a-z0-9_]+\.py)`", (tests / "README.md").read_text()))
+    files = {path.relative_to(tests).as_posix() for path in tests.rglob("test_*.py")}
+    assert sorted(files - listed) == []

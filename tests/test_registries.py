@@ -1,6 +1,7 @@
-"""Registered formats and gates reach every tool: a toy format joins the design search, a toy gate reaches distill."""
+"""Registered formats and gates reach every tool, and every registry refuses a taken name unless told to replace it."""
 
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -178,9 +179,9 @@ def test_a_registry_registers_looks_up_and_refuses_clearly():
     registry.unregister("spoke")
     registry.unregister("spoke")
     assert list(registry) == ["hub"] and len(registry) == 1
-    with pytest.warns(DeprecationWarning, match=r"\.register\('rim', value\)"):
+    with pytest.raises(TypeError, match=r"\.register\('rim', value\)"):
         registry["rim"] = 7
-    assert registry.lookup("rim") == 7
+    assert "rim" not in registry
 
 
 def test_a_registered_activation_is_a_gate_activation():
@@ -196,3 +197,166 @@ def test_a_registered_activation_is_a_gate_activation():
         ACTIVATIONS.unregister("uniform_test")
     with pytest.raises(ValueError, match="uniform_test"):
         resolve_activation("uniform_test")
+
+
+# ----------------------------------------------------------------------------- one rule for duplicates
+#: The name every front door below registers (and removes again).
+DUPLICATE = "toy_duplicate"
+
+
+class _NamedFormat(Format):
+    """A format whose instances carry a name without being registered by the class statement."""
+
+    name = DUPLICATE
+
+
+class _Layer(nn.Module):
+    """A layer class a user teaches conversion to read."""
+
+
+def _gate_class():
+    """A new gate class of the same qualified name on every call (a module defining it run twice)."""
+
+    @dataclass(frozen=True)
+    class DuplicateGate(TopKGate):
+        pass
+
+    return DuplicateGate
+
+
+def _function():
+    def entry(*args):
+        return args
+
+    return entry
+
+
+def _subclass(base, replace, **keywords):
+    """A class that registers itself by the ``name=`` keyword of its class statement."""
+
+    class Entry(base, name=DUPLICATE, replace=replace, **keywords):
+        pass
+
+    return Entry
+
+
+def _registered(register, value, replace):
+    register(value, replace=replace)
+    return value
+
+
+def _front_doors():
+    """Per front door: ``register(replace) -> the new entry``, ``current() -> the entry held``, ``remove()``."""
+    from mumoe_tn.conversion.adapters import ADAPTERS, LayerAdapter, register_adapter
+    from mumoe_tn.conversion.blocks import GATED_LAYOUTS, PACKED_GATED_CLASSES, GatedNames, register_gated_names
+    from mumoe_tn.decompositions.registry import FORMATS
+    from mumoe_tn.decompositions.registry import register as register_format
+    from mumoe_tn.distillation.losses import LOSSES, Loss, register_loss, unregister_loss
+    from mumoe_tn.distillation.metrics import METRICS, Metric, register_metric, unregister_metric
+    from mumoe_tn.gates.modules import ACTIVATIONS, GATE_NORMS
+    from mumoe_tn.gates.registry import GATES, gate_class_name
+    from mumoe_tn.layers.mlp_blocks import MLP_BLOCKS, register_mlp_block, unregister_mlp_block
+
+    layout = ("toy_gate", "toy_up", "toy_down", "toy_act")
+    gate_name = gate_class_name(_gate_class())
+    return {
+        "Format subclass name=": (
+            lambda replace: _subclass(Format, replace),
+            lambda: type(FORMATS[DUPLICATE]),
+            lambda: unregister(DUPLICATE),
+        ),
+        "decompositions.register": (
+            lambda replace: _registered(register_format, _NamedFormat(), replace),
+            lambda: FORMATS[DUPLICATE],
+            lambda: unregister(DUPLICATE),
+        ),
+        "register_gate": (
+            lambda replace: register_gate(_gate_class(), replace=replace),
+            lambda: GATES[gate_name],
+            lambda: GATES.unregister(gate_name),
+        ),
+        "ACTIVATIONS.register": (
+            lambda replace: ACTIVATIONS.register(DUPLICATE, _function(), replace=replace),
+            lambda: ACTIVATIONS[DUPLICATE],
+            lambda: ACTIVATIONS.unregister(DUPLICATE),
+        ),
+        "GATE_NORMS.register": (
+            lambda replace: GATE_NORMS.register(DUPLICATE, _function(), replace=replace),
+            lambda: GATE_NORMS[DUPLICATE],
+            lambda: GATE_NORMS.unregister(DUPLICATE),
+        ),
+        "register_adapter": (
+            lambda replace: _registered(partial(register_adapter, _Layer), LayerAdapter(), replace),
+            lambda: ADAPTERS[_Layer],
+            lambda: ADAPTERS.unregister(_Layer),
+        ),
+        "register_gated_names": (
+            lambda replace: _registered(register_gated_names, GatedNames(*layout), replace),
+            lambda: GATED_LAYOUTS[GatedNames(*layout)],
+            lambda: GATED_LAYOUTS.unregister(GatedNames(*layout)),
+        ),
+        "PACKED_GATED_CLASSES.register": (
+            lambda replace: PACKED_GATED_CLASSES.register(DUPLICATE, GatedNames(*layout), replace=replace),
+            lambda: PACKED_GATED_CLASSES[DUPLICATE],
+            lambda: PACKED_GATED_CLASSES.unregister(DUPLICATE),
+        ),
+        "register_mlp_block": (
+            lambda replace: register_mlp_block(DUPLICATE, _function(), replace=replace).build,
+            lambda: MLP_BLOCKS[DUPLICATE].build,
+            lambda: unregister_mlp_block(DUPLICATE),
+        ),
+        "Loss subclass name=": (
+            lambda replace: _subclass(Loss, replace),
+            lambda: LOSSES[DUPLICATE],
+            lambda: unregister_loss(DUPLICATE),
+        ),
+        "register_loss": (
+            lambda replace: register_loss(type("Entry", (Loss,), {}), name=DUPLICATE, replace=replace),
+            lambda: LOSSES[DUPLICATE],
+            lambda: unregister_loss(DUPLICATE),
+        ),
+        "Metric subclass name=": (
+            lambda replace: _subclass(Metric, replace, column="toy"),
+            lambda: METRICS[DUPLICATE],
+            lambda: unregister_metric(DUPLICATE),
+        ),
+        "register_metric": (
+            lambda replace: register_metric(type("Entry", (Metric,), {}), name=DUPLICATE, replace=replace),
+            lambda: METRICS[DUPLICATE],
+            lambda: unregister_metric(DUPLICATE),
+        ),
+    }
+
+
+FRONT_DOORS = _front_doors()
+
+
+@pytest.mark.parametrize("door", sorted(FRONT_DOORS))
+def test_a_name_registered_twice_raises_unless_replace_is_passed(door):
+    register, current, remove = FRONT_DOORS[door]
+    try:
+        first = register(False)
+        assert current() is first
+        with pytest.raises(ValueError, match=r"registered.*replace=True"):
+            register(False)
+        assert current() is first  # the refused entry changed nothing
+        second = register(True)
+        assert second is not first and current() is second
+    finally:
+        remove()
+
+
+#: The Llama layout the library ships (layouts are tried newest first).
+LLAMA_LAYOUT = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def test_a_layout_registered_again_with_replace_is_tried_first():
+    from mumoe_tn.conversion.blocks import GATED_LAYOUTS, GatedNames, register_gated_names
+
+    toy, llama = GatedNames("toy_gate", "toy_up", "toy_down", "toy_act"), GatedNames(*LLAMA_LAYOUT)
+    register_gated_names(toy)
+    try:
+        register_gated_names(llama, replace=True)
+        assert list(GATED_LAYOUTS)[-1] == llama and toy in GATED_LAYOUTS
+    finally:
+        GATED_LAYOUTS.unregister(toy)

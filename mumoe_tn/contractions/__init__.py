@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from mumoe_tn.contractions.inference_plan import constant_steps, per_call_cost, per_call_fma, plan_inference
 from mumoe_tn.contractions.plan import (
     OPTIMIZERS,
     ContractionPlan,
@@ -16,18 +17,13 @@ from mumoe_tn.contractions.plan import (
     candidate_plans,
     check_memory_limit,
     choose_plan,
-    constant_steps,
     forward_candidates,
     memory_bound,
-    per_call_cost,
-    per_call_fma,
     plan_contraction,
     plan_dense,
     plan_forward,
-    plan_inference,
     resolve_optimizer,
 )
-from mumoe_tn.deprecation import moved_names
 
 _LAZY = {
     "run_plan": "mumoe_tn.contractions.execute",
@@ -64,13 +60,7 @@ __all__ = [
 ]
 
 
-def _lazy(name: str) -> Any:
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'mumoe_tn.contractions' has no attribute {name!r}")
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = moved_names(
-    "mumoe_tn.contractions", {"materialize": "mumoe_tn.contractions.dense:materialise"}, fallback=_lazy
-)

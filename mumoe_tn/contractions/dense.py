@@ -11,7 +11,6 @@ import torch
 
 from mumoe_tn.contractions.execute import run_plan
 from mumoe_tn.contractions.plan import ContractionPlan, plan_contraction, plan_dense
-from mumoe_tn.deprecation import moved_names
 from mumoe_tn.network import INPUT_LEG, OUTPUT_LEG, ExpertNetwork
 
 __all__ = ["dense_forward", "expert_matrix", "materialise", "squared_norm", "squared_norm_plan"]
@@ -167,7 +166,3 @@ def dense_forward(weight: torch.Tensor, coefficients: Sequence[torch.Tensor], z:
     for a in coefficients:
         outputs = torch.einsum("bn,bn...->b...", a, outputs)
     return outputs
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = moved_names("mumoe_tn.contractions.dense", {"materialize": "mumoe_tn.contractions.dense:materialise"})

@@ -14,8 +14,7 @@
 - [`interop`][mumoe_tn.conversion.interop]: tensorly-torch factorized tensors.
 
 Distillation — MLP blocks of a trained model distilled into sparse replacements — lives in
-[`mumoe_tn.distillation`][mumoe_tn.distillation]; its names are still reachable here, deprecated,
-until 0.4.
+[`mumoe_tn.distillation`][mumoe_tn.distillation].
 """
 
 from mumoe_tn.conversion.adapters import LayerAdapter, LinearView, linear_view, register_adapter
@@ -23,7 +22,6 @@ from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import ConversionReport, Replacement, convert, find_mlp_blocks, is_causal_model
 from mumoe_tn.conversion.record import ConversionRecord, ConvertedModule, apply_conversion, conversion_record
 from mumoe_tn.conversion.upcycling import UpcycleWarning, decompose_dense, upcycle_experts, upcycle_linear
-from mumoe_tn.deprecation import moved_names
 
 __all__ = [
     "ConversionRecord",
@@ -46,19 +44,3 @@ __all__ = [
     "upcycle_experts",
     "upcycle_linear",
 ]
-
-__getattr__ = moved_names(
-    __name__,
-    {
-        "BlockInfo": "mumoe_tn.distillation.streaming",
-        "Distillation": "mumoe_tn.distillation.training",
-        "distill": "mumoe_tn.distillation.training",
-        "evaluate_replacements": "mumoe_tn.distillation.faithfulness",
-        "mumoe_factory": "mumoe_tn.distillation.replacements",
-        "normalised_mse": "mumoe_tn.distillation.training",
-        "select_blocks": "mumoe_tn.distillation.streaming",
-        "splice": "mumoe_tn.distillation.training",
-        "spliced": "mumoe_tn.distillation.training",
-        "transcoder_factory": "mumoe_tn.distillation.replacements",
-    },
-)

@@ -163,7 +163,7 @@ ADAPTERS: Registry[type | str, LayerAdapter] = Registry(
 )
 
 
-def register_adapter(layer_type: type | str, adapter: LayerAdapter) -> None:
+def register_adapter(layer_type: type | str, adapter: LayerAdapter, *, replace: bool = False) -> None:
     """Teach `linear_view` (hence `convert`) to read a layer class.
 
     Parameters
@@ -173,8 +173,17 @@ def register_adapter(layer_type: type | str, adapter: LayerAdapter) -> None:
         ``"package.module.Class"`` (so the library need not be imported).
     adapter : LayerAdapter
         How to read it.
+    replace : bool, optional
+        Replace the adapter already registered for ``layer_type`` (default: raise).
+
+    Raises
+    ------
+    TypeError
+        If ``layer_type`` is not an ``nn.Module`` subclass or a name, or ``adapter`` not a ``LayerAdapter``.
+    ValueError
+        If another adapter is registered for ``layer_type`` and ``replace`` is False.
     """
-    ADAPTERS.register(layer_type, adapter, replace=True)
+    ADAPTERS.register(layer_type, adapter, replace=replace)
 
 
 def adapter_for(module: nn.Module) -> LayerAdapter | None:

@@ -84,16 +84,27 @@ PACKED_GATED_CLASSES: Registry[str, GatedNames] = Registry(
 )
 
 
-def register_gated_names(names: GatedNames) -> None:
-    """Recognise a further gated MLP layout by its child names.
+def register_gated_names(names: GatedNames, *, replace: bool = False) -> None:
+    """Recognise a further gated MLP layout by its child names; the layout registered last is tried first.
 
     Parameters
     ----------
     names : GatedNames
         The child names of the layout (see [`GatedNames`][mumoe_tn.conversion.blocks.GatedNames]).
+    replace : bool, optional
+        Register a layout that is already registered again, so that it is tried first (default: raise).
+
+    Raises
+    ------
+    TypeError
+        If ``names`` is not a ``GatedNames``.
+    ValueError
+        If the layout is already registered and ``replace`` is False.
     """
     if not isinstance(names, GatedNames):
         raise TypeError(f"names must be a GatedNames, got {type(names).__name__}")
+    if names in GATED_LAYOUTS and not replace:
+        raise ValueError(f"the gated MLP layout {names!r} is already registered; pass replace=True")
     GATED_LAYOUTS.unregister(names)  # registered again, it is tried first
     GATED_LAYOUTS.register(names, names)
 

@@ -195,13 +195,15 @@ def check_json_files(root: Path, names: Sequence[str] = JSON_FILES) -> None:
                 raise ValueError(f"{name} is {size:,} bytes, more than the {MAX_JSON_BYTES:,} it may have")
 
 
-def read_json(file: Path, field: str, reads: list[FileBytes] | None = None) -> Any:
-    """The JSON content of a checkpoint's ``file`` (at most ``MAX_JSON_BYTES``); ``field`` names it in errors.
+def read_json(file: Path, field: str, reads: list[FileBytes] | None = None, *, limit: int | None = None) -> Any:
+    """The JSON content of a checkpoint's ``file`` (at most ``limit`` bytes, default ``MAX_JSON_BYTES``).
+
+    ``field`` names it in errors.
 
     The file is read once (see [`read_once`][mumoe_tn.conversion.files.read_once]); ``reads``, if
     given, collects the read for [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged].
     """
-    read = read_once(file, field, limit=MAX_JSON_BYTES, follow=False)
+    read = read_once(file, field, limit=MAX_JSON_BYTES if limit is None else min(limit, MAX_JSON_BYTES), follow=False)
     if reads is not None:
         reads.append(read)
     return parse_json(read.data, field)
@@ -335,7 +337,9 @@ _DTYPES = {
 def _dtype(name: str, file: Path, key: str) -> torch.dtype:
     dtype = _DTYPES.get(str(name).upper())
     if dtype is None:
-        raise ValueError(f"{str(file)!r}: tensor {key!r} has dtype {name!r}, which mumoe_tn checkpoints never hold")
+        raise ValueError(
+            f"{str(file)!r}: tensor {key!r:.200} has dtype {name!r:.80}, which mumoe_tn checkpoints never hold"
+        )
     return dtype
 
 
@@ -351,6 +355,6 @@ def read_all_headers(files: Sequence[Path]) -> Headers:
         found, _ = read_headers(file)
         for key, value in found.items():
             if key in headers:
-                raise ValueError(f"{str(file)!r}: tensor {key!r} is stored in two weight files of the checkpoint")
+                raise ValueError(f"{str(file)!r}: tensor {key!r:.200} is stored in two weight files of the checkpoint")
             headers[key] = value
     return headers

@@ -11,7 +11,9 @@ import mumoe_tn  # registers the hook (when transformers' quantizer registry loa
 model = AutoModelForCausalLM.from_pretrained("converted")  # the converted model, its weights loaded
 ```
 
-The hook replays the record with
+The hook checks ``config.json`` field by field when transformers asks for a quantizer (before the
+model is built) and against the weights' headers on the skeleton (see
+[`mumoe_tn.conversion.config_checks`][mumoe_tn.conversion.config_checks]), then replays the record with
 [`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
@@ -50,6 +52,12 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from mumoe_tn.conversion.config_checks import (
+    check_config_fields,
+    check_config_layout,
+    check_config_widths,
+    model_layout,
+)
 from mumoe_tn.conversion.files import (
     FileBytes,
     check_json_files,
@@ -60,7 +68,13 @@ from mumoe_tn.conversion.files import (
     read_all_headers,
     regular_file,
 )
-from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, commit_conversion, replay_conversion
+from mumoe_tn.conversion.record import (
+    QUANT_METHOD,
+    RECORD_KEY,
+    ConversionRecord,
+    commit_conversion,
+    replay_conversion,
+)
 
 __all__ = [
     "METHOD",
@@ -92,7 +106,7 @@ class MuMoEConfig(QuantizationConfigMixin):
         if unknown:
             key = sorted(unknown)[0]
             raise ValueError(
-                f"config.json: quantization_config[{key!r}] = {unknown[key]!r:.80} is invalid: the mumoe_tn method "
+                f"config.json: quantization_config[{key!r:.80}] = {unknown[key]!r:.80} is invalid: the mumoe_tn method "
                 "takes only 'quant_method'"
             )
         self.quant_method = METHOD
@@ -111,14 +125,14 @@ class MuMoEQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
 
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: Any = None, **kwargs: Any) -> Any:
-        shapes = getattr(self.quantization_config, "checkpoint_shapes", None)  # handed over by load_converted
-        self.checked_files = convert_skeleton(model, checkpoint_files, shapes=shapes)
+        handed = vars(self.quantization_config)  # by load_converted, which checked the config and read the files
+        shapes, record = handed.pop("checkpoint_shapes", None), handed.pop("checkpoint_record", None)
+        self.checked_files = convert_skeleton(model, checkpoint_files, shapes=shapes, record=record)
         return model
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         # The weights transformers loaded are those whose headers were checked, or the load fails.
         check_unchanged(getattr(self, "checked_files", ()), "from_pretrained")
-        vars(self.quantization_config).pop("checkpoint_shapes", None)
         # Nothing is quantized: drop transformers' marks so the model casts (.half(), .to(dtype)) and trains as usual.
         model.hf_quantizer = None
         model.is_quantized = False
@@ -173,10 +187,11 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
 def check_stock_config(config: Any, quantization_config: Any = None) -> None:
     """What stock ``from_pretrained`` does with a config that carries a conversion record.
 
-    Nothing for a config without a record. With one: a config with no ``quantization_config``
-    is given the method's (``{"quant_method": "mumoe_tn"}``), so the record is replayed and the
-    converted model loads; a ``quantization_config`` that is not the method's, or another
-    method's config asked for at load, is refused.
+    Nothing for a config without a record. With one: its fields are checked (see
+    [`check_config_fields`][mumoe_tn.conversion.config_checks.check_config_fields]); a config with
+    no ``quantization_config`` is given the method's (``{"quant_method": "mumoe_tn"}``), so the
+    record is replayed and the converted model loads; a ``quantization_config`` that is not the
+    method's, or another method's config asked for at load, is refused.
 
     Parameters
     ----------
@@ -188,10 +203,12 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
     Raises
     ------
     ValueError
-        If the record's model would otherwise load as a dense model or be quantized by another method.
+        If a field of the config breaks its rule, or the record's model would otherwise load as a
+        dense model or be quantized by another method.
     """
     if getattr(config, RECORD_KEY, None) is None:
         return
+    check_config_fields(config, default_rope_type=getattr(config, "default_rope_type", "default"))
     if quantization_config is not None and not isinstance(quantization_config, MuMoEConfig):
         raise ValueError(
             f"from_pretrained(quantization_config={quantization_config!r:.120}): this checkpoint carries a mumoe_tn "
@@ -216,6 +233,7 @@ def convert_skeleton(
     checkpoint_files: Sequence[str | os.PathLike] | None,
     *,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
+    record: ConversionRecord | None = None,
 ) -> list[FileBytes]:
     """Replay a checkpoint's record on the model transformers built for it, checked against its weight files.
 
@@ -234,8 +252,12 @@ def convert_skeleton(
     checkpoint_files : sequence of path-like, optional
         The weight files transformers found.
     shapes : Mapping, optional
-        The checkpoint's tensor shapes, when the caller read the files itself
-        ([`load_converted`][mumoe_tn.conversion.checkpoints.load_converted] does): no file is read.
+        The checkpoint's tensor shapes, when the caller read the files itself and checked the
+        config against them ([`load_converted`][mumoe_tn.conversion.checkpoints.load_converted]
+        does): no file is read. Otherwise the config is checked against the files' headers (see
+        [`check_config_layout`][mumoe_tn.conversion.config_checks.check_config_layout]).
+    record : ConversionRecord, optional
+        The config's record, already validated by the caller (it is not validated again).
 
     Returns
     -------
@@ -272,9 +294,13 @@ def convert_skeleton(
         checked = [file_identity(file) for file in files]
         shapes = header_shapes(read_all_headers(files))
         check_unchanged(checked, "from_pretrained")  # the headers read are those of the files checked
+        record = ConversionRecord.from_dict(data)
+        check_config_widths(config, shapes)
+        skip = [path for module in record.modules for path in module.paths]
+        check_config_layout(config, model_layout(type(model), config), shapes, skip)
     delattr(config, RECORD_KEY)  # the replay writes it back
     try:
-        rebuilt, record = replay_conversion(model, data, shapes=shapes)
+        rebuilt, record = replay_conversion(model, data if record is None else record, shapes=shapes)
         commit_conversion(model, rebuilt, record)
     except BaseException:
         setattr(config, RECORD_KEY, data)

@@ -16,10 +16,11 @@ field and quoting its value. A gate descriptor is rebuilt only from a class in t
 [`mumoe_tn.gates.registry`][mumoe_tn.gates.registry], looked up by name without importing anything,
 and only from fields the class declares; a format only from the format registry; execution
 options are names and numbers checked against their rules (the recorded path optimizer runs
-when the layer first plans, never while loading). Sizes are bounded here only by their rule; how
-large a record's layers may be is checked against the checkpoint's own tensors by
-[`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] (``shapes=``) before any
-tensor is made.
+when the layer first plans, never while loading, and only within the effort bound of
+``mumoe_tn.contractions.effort``: beyond it the plan is greedy's and its note says why). Sizes
+are bounded here only by their rule; how large a record's layers may be is checked against the
+checkpoint's own tensors by [`apply_conversion`][mumoe_tn.conversion.record.apply_conversion]
+(``shapes=``) before any tensor is made.
 """
 
 from __future__ import annotations

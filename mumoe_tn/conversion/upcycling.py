@@ -158,8 +158,6 @@ def upcycle_linear(
         ``‖W − Ŵ‖_F / ‖W‖_F`` of every expert matrix.
     """
     matrix = linear_matrix(linear)
-    if isinstance(rank, str) and rank != "exact" and match is None:  # the deprecated rank="linear"
-        rank, match = None, rank
     if match is not None and rank == "exact":
         rank = None
     if isinstance(decomposition, ExpertNetwork) and match is None and rank in (None, "exact"):

@@ -23,7 +23,6 @@ from mumoe_tn.costs.matching import (
 from mumoe_tn.costs.params import ParameterCount, block_parameters, layer_parameters
 from mumoe_tn.costs.rank import collapsed_expert_modes, min_cut, rank_bound
 from mumoe_tn.costs.table import COLUMNS, CostRow, CostTable, compare
-from mumoe_tn.deprecation import moved_names
 
 __all__ = [
     "COLUMNS",
@@ -61,7 +60,3 @@ __all__ = [
     "sparse_moe",
     "upcycle_capacity",
 ]
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = moved_names("mumoe_tn.costs", {"materialize_fma": "mumoe_tn.costs.flops:materialise_fma"})

@@ -14,7 +14,6 @@ from typing import Any
 
 from mumoe_tn.contractions.plan import plan_dense, plan_forward
 from mumoe_tn.costs.params import layer_in_features
-from mumoe_tn.deprecation import moved_names
 from mumoe_tn.gates.specs import GateSpec, gate_fma_per_token
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_size
@@ -143,7 +142,3 @@ def layer_flops(
         hand_order=None if hand is None else batch * hand,
         peak_elements=plan.largest_intermediate,
     )
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = moved_names("mumoe_tn.costs.flops", {"materialize_fma": "mumoe_tn.costs.flops:materialise_fma"})

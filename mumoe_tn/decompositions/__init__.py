@@ -29,7 +29,6 @@ from mumoe_tn.decompositions.resolve import (
 from mumoe_tn.decompositions.tr import TRFormat, tr
 from mumoe_tn.decompositions.tt import TTFormat, tt
 from mumoe_tn.decompositions.tucker import TuckerFormat, tucker
-from mumoe_tn.deprecation import moved_names
 
 __all__ = [
     "CPFormat",
@@ -57,9 +56,3 @@ __all__ = [
     "tucker",
     "unregister",
 ]
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = moved_names(
-    "mumoe_tn.decompositions", {"normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks"}
-)

@@ -55,7 +55,8 @@ class Format:
     Subclass it with ``class MyFormat(Format, name="mine")`` and implement
     [`network`][mumoe_tn.decompositions.format.Format.network]; the subclass is instantiated and registered under that
     (lower-cased) name, so ``MuMoE(…, decomposition="mine")``, [`mumoe_tn.costs.compare`][mumoe_tn.costs.table.compare]
-    and ``mumoe-tn compare`` know it at once. Every other method is optional and has a documented default; overriding
+    and ``mumoe-tn compare`` know it at once; a name already registered raises ``ValueError`` unless the class also
+    says ``replace=True``. Every other method is optional and has a documented default; overriding
     one replaces the generic path of that tool for networks of this format.
 
     Attributes
@@ -94,7 +95,7 @@ class Format:
     in_search: ClassVar[bool] = True
     top_k_gate: ClassVar[str] = "softmax"
 
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, name: str | None = None, replace: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if name is None:
             return
@@ -103,7 +104,7 @@ class Format:
         if not isinstance(name, str) or not name.strip():
             raise ValueError(f"a format needs a non-empty name, got {name!r}")
         cls.name = name.lower()
-        register(cls())
+        register(cls(), replace=replace)
 
     @classmethod
     def get(cls) -> Format:

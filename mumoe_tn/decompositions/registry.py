@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mumoe_tn.deprecation import moved_names
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.registry import Registry
 from mumoe_tn.validation import check_size
@@ -159,9 +158,3 @@ def normalise_ranks(decomposition: str, rank: int | Sequence[int], count: int) -
     if len(rank) != count:
         raise ValueError(f"{decomposition} needs {count} ranks (one per bond), got {len(rank)}: {tuple(rank)}")
     return tuple(check_size(f"{decomposition} rank[{k}]", r) for k, r in enumerate(rank))
-
-
-#: Old spellings, kept with a DeprecationWarning until mumoe_tn 0.4.
-__getattr__ = moved_names(
-    "mumoe_tn.decompositions.registry", {"normalize_ranks": "mumoe_tn.decompositions.registry:normalise_ranks"}
-)

@@ -31,7 +31,6 @@ Everything here is torch-free.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -377,15 +376,3 @@ def search_space(
         if len(dims) <= topology_modes:
             shapes += [s for s in topology_shapes(dims, expert_ranks, hadamard) if s.family in chosen]
     return deduplicate(shapes)
-
-
-def __getattr__(name: str) -> object:
-    if name == "FAMILIES":  # a constant before formats joined the search from the registry
-        warnings.warn(
-            "mumoe_tn.design.space.FAMILIES is now the function families() (registered formats join the search); "
-            "the constant is removed in mumoe_tn 0.4",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return families()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -122,8 +122,9 @@ class LossInputs:
 class Loss:
     """A term of the distillation loss: ``term(inputs) -> scalar``.
 
-    Subclass with ``name=`` to register (``class MyLoss(Loss, name="my-loss")``) and implement
-    ``__call__``. Set ``needs_code`` / ``needs_preactivations`` to receive the sparse code / its
+    Subclass with ``name=`` to register (``class MyLoss(Loss, name="my-loss")``; a name already
+    registered raises ``ValueError`` unless ``replace=True`` is given too) and implement ``__call__``.
+    Set ``needs_code`` / ``needs_preactivations`` to receive the sparse code / its
     pre-activations in [`LossInputs`][mumoe_tn.distillation.losses.LossInputs].
 
     Parameters
@@ -136,10 +137,10 @@ class Loss:
     needs_code: ClassVar[bool] = False
     needs_preactivations: ClassVar[bool] = False
 
-    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, name: str | None = None, replace: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if name is not None:
-            register_loss(cls, name=name)
+            register_loss(cls, name=name, replace=replace)
 
     def __init__(self, weight: float = 1.0) -> None:
         self.weight = check_positive_float("weight", weight, allow_zero=True)

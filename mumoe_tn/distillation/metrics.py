@@ -71,7 +71,8 @@ class Metric:
     """A block-level metric of one replacement: ``update`` per batch, then ``value``.
 
     Subclass with ``name=`` (and optionally ``column=``, the table's header; default the name) to
-    register (``class MyMetric(Metric, name="my-metric")``), set the running state in
+    register (``class MyMetric(Metric, name="my-metric")``; a name already registered raises
+    ``ValueError`` unless ``replace=True`` is given too), set the running state in
     ``__init__`` (called without arguments, once per replacement) and implement ``update`` and
     ``value``.
     """
@@ -81,12 +82,14 @@ class Metric:
     #: The FrontierRow field a shipped metric fills; None (a user's metric) puts it in ``extra``.
     row_field: ClassVar[str | None] = None
 
-    def __init_subclass__(cls, *, name: str | None = None, column: str | None = None, **kwargs: Any) -> None:
+    def __init_subclass__(
+        cls, *, name: str | None = None, column: str | None = None, replace: bool = False, **kwargs: Any
+    ) -> None:
         super().__init_subclass__(**kwargs)
         if column is not None:
             cls.column = column
         if name is not None:
-            register_metric(cls, name=name)
+            register_metric(cls, name=name, replace=replace)
 
     def update(self, prediction: torch.Tensor, target: torch.Tensor, codes: Code) -> None:
         """Add one batch: ``prediction`` and ``target`` float64 ``(rows, O)`` at the real tokens; the sparse code."""

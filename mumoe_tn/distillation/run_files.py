@@ -34,11 +34,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.configs import check_config
+from mumoe_tn.conversion.config_checks import (
+    check_config_fields,
+    check_config_layout,
+    check_config_widths,
+    model_layout,
+)
 from mumoe_tn.conversion.files import (
     FileBytes,
     Headers,
     check_unchanged,
+    header_shapes,
     member_file,
     read_once,
     read_weights,
@@ -141,7 +147,7 @@ def save_frontier(
     record = run_record(replacements, model, MODEL_DIRECTORY if save_model else None)
     text = json.dumps(record, sort_keys=True)
     directory.mkdir(parents=True, exist_ok=True)
-    saved = FrontierTable(table.rows, {**table.config, "saved_run": record}, table.headers)
+    saved = dataclasses.replace(table, config={**table.config, "saved_run": record})
     (directory / TABLE_FILE).write_text(saved.to_json() + "\n")
     save_replacements(replacements, directory / REPLACEMENTS_FILE, metadata={"saved_run": text})
     if save_model:
@@ -410,7 +416,9 @@ def _read_model(root: Path, relative: str, reads: list[FileBytes]) -> nn.Module:
                 raise ValueError(f"{name}: tensor {key!r:.120} is stored in two weight files of the model")
         state.update(found)
         headers.update(found_headers)
-    check_config(config, headers)
+    shapes = header_shapes(headers)
+    check_config_fields(config)
+    check_config_widths(config, shapes)  # cheap bounds first: the layout check builds the class on the meta device
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ValueError(
@@ -424,6 +432,12 @@ def _read_model(root: Path, relative: str, reads: list[FileBytes]) -> nn.Module:
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
     try:  # transformers raises many kinds for a malformed config: its own validation errors, KeyError, RuntimeError
         model_config = config_class.from_dict(settings)
+    except Exception as error:
+        raise ValueError(
+            f"{relative}/config.json does not describe a model ({type(error).__name__}: {str(error)[:200]})"
+        ) from None
+    check_config_layout(config, model_layout(cls, model_config), shapes)
+    try:
         model, info = cls.from_pretrained(None, config=model_config, state_dict=state, output_loading_info=True)
     except Exception as error:
         raise ValueError(

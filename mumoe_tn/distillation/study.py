@@ -409,7 +409,7 @@ def run_frontier(
         held = _AskingBatches(held, stop, stopped)
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)
-    table = FrontierTable(table.rows, {**table.config, "seconds": seconds})
+    table = dataclasses.replace(table, config={**table.config, "seconds": seconds})
     if directory is not None:
         save_frontier(directory, table, result.replacements, model, save_model=config.model_dir is None)
     return table

@@ -290,11 +290,6 @@ class ExpertGate(PerThreadRecords):
         self._inference_weights: DerivedCache[tuple[torch.Tensor, torch.Tensor | None, bool, tuple]] = DerivedCache()
         self.reset_parameters()
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        self.__dict__.setdefault("_inference_weights", DerivedCache())  # pickled before inference caching
-        self.__dict__.setdefault("bias", False)  # pickled before projection biases
-
     def reset_parameters(self) -> None:
         """Re-initialise the projections (by ``init``) and the norms' running statistics."""
         for projection in self.projections.values():

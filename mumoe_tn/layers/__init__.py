@@ -16,7 +16,6 @@
   groups for the gates, the expert-mode cores and the rest.
 """
 
-from mumoe_tn.deprecation import moved_names
 from mumoe_tn.layers.base import GATE_INPUTS, MuMoEBase
 from mumoe_tn.layers.decoders import MixtureOfDecoders, decoder_block_parameters
 from mumoe_tn.layers.experts import COMPILE_PLAN_BATCH, FactorizedExperts
@@ -41,6 +40,3 @@ __all__ = [
     "parameter_groups",
     "resolve_network",
 ]
-
-# The transcoders moved to mumoe_tn.distillation.transcoders.
-__getattr__ = moved_names(__name__, {"Transcoder": "mumoe_tn.distillation.transcoders"})

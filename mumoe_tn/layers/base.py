@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from mumoe_tn.caching import ModuleState, module_state
 from mumoe_tn.gates.modules import ExpertGate
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.specs import GateSpec
 from mumoe_tn.layers.experts import FactorizedExperts, batch_bucket
-from mumoe_tn.layers.fused import FusedProjection, FusedProjections, LeanCoefficients
+from mumoe_tn.layers.fused import LeanCoefficients
+from mumoe_tn.layers.program import LayerProgram, ProgramEntry
 from mumoe_tn.masking import current_token_mask, resolve_token_mask
 from mumoe_tn.validation import check_bool
 
@@ -29,19 +28,6 @@ GATE_INPUTS = ("normed", "raw")
 
 #: Input dtypes the gate computes in as they are (narrower ones are gated in float32, apart from the experts).
 _LEAN_DTYPES = (torch.float32, torch.float64)
-
-#: Most input signatures (width, dtype, device, batch bucket) a layer keeps a fused inference program for.
-_MAX_PROGRAMS = 64
-
-
-@dataclass(frozen=True)
-class _LeanProgram:
-    """One input signature's fused inference: the matrix, the gate's share of its columns, its map to coefficients."""
-
-    fused: FusedProjection
-    n_logits: int
-    coefficients: Callable[[torch.Tensor], list[torch.Tensor]]
-    identity: bool
 
 
 class MuMoEBase(PerThreadRecords):
@@ -84,20 +70,13 @@ class MuMoEBase(PerThreadRecords):
             raise TypeError(f"the gate descriptor {gate!r} built {type(module).__name__}, not an nn.Module")
         self.gate = module
         self.ablation: Any = None
-        self._fused = FusedProjections()
-        self._checked_inputs: set[tuple] = set()
-        self._lean_programs: dict[tuple, tuple[ModuleState, _LeanProgram]] = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(super().__getstate__())
-        state["_checked_inputs"], state["_lean_programs"] = set(), {}
-        return state
+        self._program = LayerProgram()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        for derived in ("_fused", "_checked_inputs", "_lean_programs"):  # what a 0.3 layer pickled instead
+            state.pop(derived, None)
         super().__setstate__(state)
-        self.__dict__.setdefault("_fused", FusedProjections())  # pickled before the fused inference
-        self.__dict__.setdefault("_checked_inputs", set())
-        self.__dict__.setdefault("_lean_programs", {})
+        self.__dict__.setdefault("_program", LayerProgram())
 
     def _gate_mask_options(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """``{"mask": tokens}`` for a gate whose ``forward`` takes a token mask; nothing for a token-wise one."""
@@ -152,8 +131,7 @@ class MuMoEBase(PerThreadRecords):
         does not track (see [`mumoe_tn.caching`][mumoe_tn.caching]); any other change of the
         weights is noticed on the next call.
         """
-        self._fused.clear()
-        self._lean_programs.clear()
+        self._program.clear()
         for module in self.modules():
             cache = getattr(module, "clear_inference_cache", None)
             if module is not self and callable(cache):
@@ -201,13 +179,11 @@ class MuMoEBase(PerThreadRecords):
             if x.device == weight.device:  # (autocast is asked of known devices only)
                 autocast = torch.is_autocast_enabled(x.device.type)
                 key = (x.shape[-1:], x.dtype, x.device, weight.dtype, weight.device, autocast)
-                if key in self._checked_inputs:
+                if key in self._program.checked:
                     return
         self._check_new_input(x)
         if key is not None:
-            if len(self._checked_inputs) >= 256:
-                self._checked_inputs.clear()
-            self._checked_inputs.add(key)
+            self._program.remember_checked(key)
 
     def _check_new_input(self, x: torch.Tensor) -> None:
         if torch.jit.is_tracing():
@@ -268,9 +244,10 @@ class MuMoEBase(PerThreadRecords):
         and the prepared plans' steps that multiply ``z`` by a constant matrix (the first cores
         the input meets, whichever network) then run as one matrix product
         ``z @ [Gᵀ | M_1 | …]``. What a call needs beyond its input (the fused matrix, the plans)
-        is looked up once per input signature and reused while the layer's
-        [`module_state`][mumoe_tn.caching.module_state] key is unchanged (no parameter, buffer,
-        submodule, train/eval flag or hook changed, no optimiser stepped). A forward hook on any
+        is the layer's [`LayerProgram`][mumoe_tn.layers.program.LayerProgram] entry for the input's
+        signature, valid while the layer's [`module_state`][mumoe_tn.caching.module_state] key is
+        unchanged (no parameter, buffer, submodule, train/eval flag or hook changed, no optimiser
+        stepped). A forward hook on any
         submodule (the experts included) sends the call down the general path. None: the general
         path.
         """
@@ -282,19 +259,12 @@ class MuMoEBase(PerThreadRecords):
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
         key = (width, x.dtype, x.device, batch_bucket(rows))
-        state = module_state(self)
+        state = self._program.current(self)
         if state.hooked:
             return None  # (the fused product never calls the experts: their hooks must see the general path)
-        found = self._lean_programs.get(key)
-        if found is None or found[0].key != state.key:
-            program = self._lean_program(x, rows)
-            if program is None or state.key is None:
-                return None
-            if len(self._lean_programs) >= _MAX_PROGRAMS:
-                self._lean_programs.clear()
-            self._lean_programs[key] = (state, program)
-        else:
-            program = found[1]
+        program = self._program.entry(key, lambda: self._program_entry(x, rows))
+        if program is None:
+            return None
         if torch.is_autocast_enabled(key[2].type):  # after the program's input checks: they name bad devices
             return None
         if current_token_mask() is not None and resolve_token_mask(None, tuple(x.shape[:-1]), x.device) is not None:
@@ -310,7 +280,7 @@ class MuMoEBase(PerThreadRecords):
         self._remember_all(coefficients=shaped, token_mask=None)
         return z, LeanCoefficients(shaped, z, flat, tuple(coefficients), projected)
 
-    def _lean_program(self, x: torch.Tensor, rows: int) -> _LeanProgram | None:
+    def _program_entry(self, x: torch.Tensor, rows: int) -> ProgramEntry | None:
         """What `_lean_gate` runs for inputs like ``x`` (validated here), or None where it does not apply."""
         self._check_input(x)
         gate = self.gate
@@ -323,9 +293,9 @@ class MuMoEBase(PerThreadRecords):
             return None
         weight, bias, folded = gate.inference_projection(x.dtype)
         executors = [(experts, experts.inference_executor(rows, self.bias)) for experts in self._input_layers()]
-        fused = self._fused.get(weight, bias, executors)
+        fused = self._program.fused.get(weight, bias, executors)
         logits = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-        return _LeanProgram(fused, weight.shape[0], gate.coefficients_map(logits, folded), identity)
+        return ProgramEntry(fused, weight.shape[0], gate.coefficients_map(logits, folded), identity)
 
     def _contract(
         self, experts: FactorizedExperts, z: torch.Tensor, coefficients: tuple[torch.Tensor, ...]

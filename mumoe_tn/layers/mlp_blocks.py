@@ -69,27 +69,38 @@ class MLPBlockKind:
 MLP_BLOCKS: Registry[str, MLPBlockKind] = Registry("MLP block kind")
 
 
-def register_mlp_block(key: str, build: Callable[..., nn.Module], *, dense_encoder: bool = False) -> MLPBlockKind:
+def register_mlp_block(
+    key: str, build: Callable[..., nn.Module], *, dense_encoder: bool = False, replace: bool = False
+) -> MLPBlockKind:
     """Register the builder of an MLP block kind under ``key`` (what a format's ``mlp_block`` names).
 
     Parameters
     ----------
     key : str
-        The key; a key registered again is replaced.
+        The key.
     build : Callable
         See [`MLPBlockKind`][mumoe_tn.layers.mlp_blocks.MLPBlockKind].
     dense_encoder : bool, optional
         Whether the block's encoder stays dense (upcycling copies it).
+    replace : bool, optional
+        Replace the block kind already registered under ``key`` (default: raise).
 
     Returns
     -------
     MLPBlockKind
+
+    Raises
+    ------
+    ValueError
+        If ``key`` is not a non-empty string, or is taken and ``replace`` is False.
+    TypeError
+        If ``build`` is not callable.
     """
     if not isinstance(key, str) or not key:
         raise ValueError(f"an MLP block kind needs a non-empty string key, got {key!r}")
     if not callable(build):
         raise TypeError(f"build must be callable, got {build!r}")
-    return MLP_BLOCKS.register(key, MLPBlockKind(key, build, dense_encoder=bool(dense_encoder)), replace=True)
+    return MLP_BLOCKS.register(key, MLPBlockKind(key, build, dense_encoder=bool(dense_encoder)), replace=replace)
 
 
 def unregister_mlp_block(key: str) -> None:

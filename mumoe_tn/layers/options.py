@@ -13,7 +13,6 @@ network, ranks and parameter budget.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -215,7 +214,7 @@ def resolve_network(
 
 
 def split_rank_and_match(rank: object, match: object, layer: str) -> tuple[object, object]:
-    """Separate ``rank=`` from ``match=``; the old ``rank="linear"/"mlp"`` still works, with a warning.
+    """Separate ``rank=`` from ``match=``: ``rank=`` takes ranks or ``"exact"``, and no other string.
 
     Parameters
     ----------
@@ -234,19 +233,11 @@ def split_rank_and_match(rank: object, match: object, layer: str) -> tuple[objec
             raise ValueError(f"{layer}: rank='exact' chooses the ranks; give it without match={match!r}")
         return None, EXACT
     if isinstance(rank, str):
-        if rank not in ("linear", "mlp", "match"):
-            raise ValueError(
-                f"rank must be ranks (int, sequence or mapping) or 'exact', got the string {rank!r}; "
-                "use match= to match parameters"
-            )
-        warnings.warn(
-            f"rank={rank!r} is deprecated: pass match={rank!r} (rank= now only takes ranks)",
-            DeprecationWarning,
-            stacklevel=3,
+        target = f"match={rank!r}" if rank in ("linear", "mlp", "match") else "match="
+        raise ValueError(
+            f"{layer}: rank must be ranks (int, sequence or mapping) or 'exact', got the string {rank!r}; "
+            f"use {target} to match parameters"
         )
-        if match is not None:
-            raise ValueError(f"{layer}: give match= once (rank={rank!r} is its deprecated spelling)")
-        return None, rank
     return rank, match
 
 

@@ -209,7 +209,7 @@ def test_the_examples_progress_bars_never_show_a_step_before_its_count(monkeypat
 def test_the_specialisation_bar_advances_with_its_postfix(monkeypatch):
     import tqdm
 
-    from mumoe_tn.cli.specialisation_command import ExperimentConfig, run_experiment
+    from mumoe_tn.analysis.specialisation_study import ExperimentConfig, run_experiment
 
     frames = _Frames(3600.0)
     monkeypatch.setattr(tqdm, "tqdm", frames.tqdm)

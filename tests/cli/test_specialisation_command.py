@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from mumoe_tn import MuMoE
 from mumoe_tn.analysis import class_polysemanticity
+from mumoe_tn.analysis.specialisation_study import ExperimentConfig, expert_ablation_effects, make_features
 from mumoe_tn.cli import main as cli_main
-from mumoe_tn.cli.specialisation_command import ExperimentConfig, expert_ablation_effects, make_features
 
 DTYPE = torch.float64
 

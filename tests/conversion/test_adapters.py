@@ -10,7 +10,7 @@ from torch import nn
 
 from mumoe_tn import dense_forward
 from mumoe_tn.conversion.adapters import LayerAdapter, adapter_for, linear_view, register_adapter
-from mumoe_tn.conversion.blocks import GatedNames, mlp_parts, register_gated_names
+from mumoe_tn.conversion.blocks import GATED_LAYOUTS, GatedNames, mlp_parts, register_gated_names
 from mumoe_tn.conversion.convert import convert, find_mlp_blocks
 from mumoe_tn.costs import linear
 from mumoe_tn.layers import MuMoE, MuMoEMLP
@@ -148,7 +148,11 @@ def test_registered_gated_names():
 
     assert mlp_parts(Mixtral()) is None  # three linears, names unknown
     register_gated_names(GatedNames("w1", "w3", "w2", "act"))
-    assert mlp_parts(Mixtral()).kind == "gated"
+    try:
+        assert mlp_parts(Mixtral()).kind == "gated"
+    finally:
+        GATED_LAYOUTS.unregister(GatedNames("w1", "w3", "w2", "act"))
+    assert mlp_parts(Mixtral()) is None
     with pytest.raises(TypeError, match=r"names must be a GatedNames"):
         register_gated_names(("w1", "w3", "w2", "act"))
 

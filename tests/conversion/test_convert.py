@@ -58,7 +58,7 @@ def test_layer_rank_errors():
     with pytest.raises(ValueError, match=r"match='mlp' is not a target here; use 'linear'"):
         MuMoE(4, 6, 3, "cp", match="mlp")
     assert MuMoE(8, 8, 4, "cp", 3, match="linear").network.sizes["r"] != 3  # match= rescales what rank= set
-    with pytest.deprecated_call(match=r"pass match='linear'"):
+    with pytest.raises(ValueError, match=r"^MuMoE: rank must be ranks .* got the string 'linear'; use match='linear'"):
         MuMoE(8, 8, 4, "cp", "linear")
     for layer in (MuMoE, MuMoEMLP):
         with pytest.raises(TypeError, match=r"bias must be a bool, got 1"):

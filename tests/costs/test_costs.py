@@ -224,8 +224,10 @@ def test_match_layer_within_one_rank_step(network, factor):
         # a network without bonds is matched by its number of experts, which may collapse (O = 1)
         refused = "below the smallest possible count" in str(error)
         assert refused or (not network.bonds and "collapse" in str(error)), error
-        return
-    assert abs(matched.params - matched.target) <= matched.step
+        assume(False)  # a target this network cannot reach: drawn again, not counted as checked
+    # A closer count whose ranks would collapse an expert mode is skipped, and the match says so.
+    skipped = any("collapses expert mode" in problem for problem in matched.problems)
+    assert abs(matched.params - matched.target) <= matched.step or skipped, matched
     assert layer_parameters(matched.networks[0]).total == matched.params
 
 

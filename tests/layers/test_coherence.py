@@ -25,6 +25,8 @@ from torch import nn
 
 from mumoe_tn import Gate, MixtureOfDecoders, MuMoE, MuMoEGatedMLP, MuMoEMLP, ReLUTopKGate, TopKGate
 from mumoe_tn.decompositions import Format, normalise_ranks, unregister
+from mumoe_tn.distillation.losses import AuxK
+from mumoe_tn.distillation.training import ReplacementTrainer
 from mumoe_tn.gates.registry import register_gate, unregister_gate
 from mumoe_tn.network import ExpertNetwork, physical_sizes
 
@@ -93,6 +95,8 @@ def _builder(block: str, fmt: str, dims: int | tuple[int, ...], gate: str) -> Ca
 
 OPERATIONS = (
     "fused adamw step",
+    "distillation step",
+    "distillation step with aux-k",
     "foreach sgd step",
     "eval forward",
     "train no-grad forward",
@@ -141,6 +145,14 @@ def _apply(operation: str, layer: nn.Module, build: Callable[[], nn.Module], x: 
     """Do ``operation`` to ``layer`` (checking what it returns where it returns something); the layer after it."""
     if operation == "fused adamw step":
         _step(layer, torch.optim.AdamW(layer.parameters(), lr=0.05, fused=True), x)
+    elif operation in ("distillation step", "distillation step with aux-k"):
+        # The distillation trainer: fused AdamW, and with the auxiliary-k term a functional call and a
+        # no-grad forward with substituted codes between the backward and the step (every unit dead).
+        losses = ["normalised-mse", AuxK(dead_after=1, k_aux=2)] if operation.endswith("aux-k") else "normalised-mse"
+        training = layer.training
+        trainer = ReplacementTrainer(layer, recipe="plain", steps=1, losses=losses)
+        trainer.step(x, torch.randn(x.shape[0], OUT, generator=torch.Generator().manual_seed(7)))
+        layer.train(training)
     elif operation == "foreach sgd step":
         _step(layer, torch.optim.SGD(layer.parameters(), lr=0.5, foreach=True), x)
     elif operation == "eval forward":

@@ -149,7 +149,7 @@ def test_matching_messages_name_the_layer(name):
     make = LAYER_MAKERS[name]
     with pytest.raises(ValueError, match=rf"^{name}: match='other' is not a target here"):
         make(match="other")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=rf"^{name}: give match= once"):
+    with pytest.raises(ValueError, match=rf"^{name}: rank must be ranks .* got the string 'match'; use match='match'"):
         make(rank="match", match=100)
 
 

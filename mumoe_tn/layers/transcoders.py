@@ -1,8 +1,0 @@
-"""Deprecated: this module moved to [`mumoe_tn.distillation.transcoders`][mumoe_tn.distillation.transcoders].
-
-The old path is removed in mumoe_tn 0.4.
-"""
-
-from mumoe_tn.deprecation import moved_module
-
-__getattr__, __dir__ = moved_module("mumoe_tn.layers.transcoders", "mumoe_tn.distillation.transcoders")
