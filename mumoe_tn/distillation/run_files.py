@@ -490,7 +490,7 @@ def load_frontier(
 
     The replacements are rebuilt from the run's record (see the module's notes) and filled from
     ``replacements.safetensors``; splice one in with
-    [`splice`][mumoe_tn.distillation.training.splice].
+    [`splice`][mumoe_tn.distillation.splicing.splice].
 
     Parameters
     ----------
