@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mumoe_tn.conversion.record import parse_json
-from mumoe_tn.conversion.storage import check_file_holds
+from mumoe_tn.conversion.storage import check_file_holds, check_pickled_archive
 
 __all__ = [
     "JSON_FILES",
@@ -92,7 +92,7 @@ def _one_link(path: Path, what: str, links: int | None = None) -> Path:
             raise ValueError(f"{what} {str(path)!r} cannot be read ({error.strerror})") from None
     if links != 1:
         raise ValueError(
-            f"{what} {str(path)!r} has {links} hard links: a checkpoint's file has one (another may lie outside "
+            f"{what} has {links} hard links ({str(path)!r}): a checkpoint's file has one (another may lie outside "
             "its directory; copy the file instead)"
         )
     return path
@@ -273,6 +273,7 @@ def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
     file = Path(file)
     headers: Headers = {}
     if file.suffix == ".bin":
+        check_pickled_archive(file, repr(str(file)))
         try:
             state = torch.load(file, map_location="meta", weights_only=True)
         except Exception as error:  # torch raises many kinds for a malformed pickle
@@ -312,6 +313,7 @@ def read_weights(read: FileBytes) -> tuple[dict[str, torch.Tensor], Headers, dic
     """
     file = read.path
     if file.suffix == ".bin":
+        check_pickled_archive(read.data, repr(str(file)))
         for location in ("meta", "cpu"):  # declared sizes checked on the meta device before any is allocated
             try:
                 state = torch.load(io.BytesIO(read.data), map_location=location, weights_only=True)

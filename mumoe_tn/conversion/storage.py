@@ -6,15 +6,25 @@ loading it into a parameter of that size, casting it or running it allocates the
 [`check_stored`][mumoe_tn.conversion.storage.check_stored] refuses a tensor whose elements do not
 each own their bytes, and [`check_file_holds`][mumoe_tn.conversion.storage.check_file_holds] a
 file whose tensors declare more bytes than the file could store, before anything is allocated.
+
+A pickled weight file is read only in torch's zip format with every entry stored uncompressed
+([`check_pickled_archive`][mumoe_tn.conversion.storage.check_pickled_archive]): torch then holds a
+storage's declared size against its entry before allocating it, so a file's storages together
+hold at most its own bytes. A compressed entry would expand to its declared size (a 1 MB entry to
+1 GiB), and the legacy format allocates each declared storage before reading it (a truncated file
+declaring 256 MiB costs 256 MiB): both are refused before torch reads them.
 """
 
 from __future__ import annotations
 
+import io
+import os
+import zipfile
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["SHARED_ALLOWANCE", "check_file_holds", "check_stored"]
+__all__ = ["SHARED_ALLOWANCE", "check_file_holds", "check_pickled_archive", "check_stored"]
 
 #: How many times its own size a weight file's tensors may declare together: tied weights (one
 #: storage at two keys, as an embedding shared with the output layer) count twice.
@@ -83,3 +93,45 @@ def check_file_holds(tensors: Mapping[str, torch.Tensor], file_bytes: int, sourc
             f"{source}: its tensors declare {declared:,} bytes, more than a file of {file_bytes:,} bytes holds "
             f"(tied weights counted {SHARED_ALLOWANCE} times at most): their declared storage sizes are not the file's"
         )
+
+
+def check_pickled_archive(archive: bytes | os.PathLike, source: str) -> None:
+    """Refuse a pickled weight file that is not a zip archive of uncompressed entries, before torch reads it.
+
+    Parameters
+    ----------
+    archive : bytes or path-like
+        The file's bytes, or its path (only its first bytes and its zip directory are read).
+    source : str
+        The file (quoted in the error).
+
+    Raises
+    ------
+    ValueError
+        If the file is not in torch's zip format (the legacy format, or not a pickle archive at
+        all), or an entry is compressed.
+    """
+    try:
+        if isinstance(archive, bytes):
+            start, handle = archive[:4], io.BytesIO(archive)
+        else:
+            with open(archive, "rb") as stream:
+                start = stream.read(4)
+            handle = archive
+        if start != b"PK\x03\x04":
+            raise ValueError(
+                f"{source} is not in torch's zip format (what torch.save writes since torch 1.6): a pickled weight "
+                "file in the legacy format allocates what it declares before it is read, so it is not loaded "
+                "(re-save it with torch.save)"
+            )
+        with zipfile.ZipFile(handle) as zipped:
+            entries = zipped.infolist()
+    except (OSError, zipfile.BadZipFile, EOFError) as error:
+        raise ValueError(f"{source} is not a valid weight file ({type(error).__name__})") from None
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
+            raise ValueError(
+                f"{source}: entry {entry.filename[:200]!r} is compressed ({entry.compress_size:,} bytes holding "
+                f"{entry.file_size:,}): torch.save stores entries uncompressed, and a compressed storage expands to "
+                "whatever it declares"
+            )

@@ -6,8 +6,12 @@ model unchanged) on ``load_converted`` and, where transformers reads the files, 
 ``from_pretrained``.
 """
 
+import encodings.cp437  # noqa: F401  (zipfile decodes the crafted files' entry names with it)
+import functools
+import io
 import os
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -53,7 +57,7 @@ def test_a_file_hard_linked_from_outside_is_refused(hf_dir, tmp_path, loader, na
     outside = tmp_path / "outside"
     (folder / name).rename(outside)
     os.link(outside, folder / name)  # the same inode outside the directory: what it holds is not the checkpoint's
-    refused(lambda: LOADERS[loader](folder), rf"{name} '.*{name}' has 2 hard links: a checkpoint's file has one")
+    refused(lambda: LOADERS[loader](folder), rf"{name} has 2 hard links \('.*{name}'\): a checkpoint's file has one")
 
 
 @pytest.mark.parametrize("loader", sorted(LOADERS))
@@ -73,3 +77,59 @@ def test_weights_that_are_not_a_regular_file_get_the_library_error(hf_dir, tmp_p
     (folder / "model.safetensors").unlink()
     make(folder / "model.safetensors")
     refused(lambda: LOADERS[loader](folder), rule)
+
+
+# ----------------------------------------------------------------------------- pickled records that expand
+SMALL = 70_000  # a storage's element count, pickled as a 4-byte int that a crafted file rewrites
+
+
+def _pickled_dir(source, target):
+    """A copy of ``source`` without its weights: the crafted ``pytorch_model.bin`` goes in next."""
+    folder = _copy(source, target)
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def _declaring(data: bytes, elements: int) -> bytes:
+    """Pickled bytes with the storage of ``SMALL`` elements declared to hold ``elements``."""
+    small = b"J" + SMALL.to_bytes(4, "little")
+    assert data.count(small) == 1
+    return data.replace(small, b"J" + elements.to_bytes(4, "little"))
+
+
+def _view_of_storage():
+    return {"transformer.wte.weight": torch.zeros(SMALL, dtype=torch.uint8)[:1]}  # one element of a larger storage
+
+
+def test_a_compressed_pickled_record_is_refused_before_it_expands(hf_dir, tmp_path):
+    folder = _pickled_dir(hf_dir, tmp_path / "deflated")
+    saved = io.BytesIO()
+    torch.save(_view_of_storage(), saved)
+    expanded = 160 << 20  # 160 MiB of zeros, deflated to about 160 KB
+    with zipfile.ZipFile(saved) as honest, zipfile.ZipFile(folder / "pytorch_model.bin", "w") as crafted:
+        for entry in honest.infolist():
+            data = honest.read(entry)
+            if entry.filename.endswith("data.pkl"):
+                crafted.writestr(entry, _declaring(data, expanded))
+            elif entry.filename.endswith("data/0"):
+                entry.compress_type = zipfile.ZIP_DEFLATED
+                with crafted.open(entry, "w", force_zip64=True) as record:
+                    for _ in range(expanded >> 20):
+                        record.write(bytes(1 << 20))
+            else:
+                crafted.writestr(entry, data)
+    size = (folder / "pytorch_model.bin").stat().st_size
+    assert size < 1 << 20
+    for load in LOADERS.values():
+        refused(functools.partial(load, folder), r"pytorch_model\.bin.*: entry '.*data/0' is compressed", size=size)
+
+
+def test_a_truncated_legacy_pickle_is_refused_before_its_storages_are_allocated(hf_dir, tmp_path):
+    folder = _pickled_dir(hf_dir, tmp_path / "legacy")
+    saved = io.BytesIO()
+    torch.save(_view_of_storage(), saved, _use_new_zipfile_serialization=False)
+    data = _declaring(saved.getvalue(), 256 << 20)  # 256 MiB declared, 70 KB stored
+    (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    size = len(data) // 2
+    for load in LOADERS.values():
+        refused(functools.partial(load, folder), r"pytorch_model\.bin' is not in torch's zip format", size=size)
