@@ -50,8 +50,19 @@ def check_stored(key: str, tensor: torch.Tensor, source: str) -> None:
     Raises
     ------
     ValueError
-        If two of its elements share bytes, or its view reaches past its storage.
+        If it is not dense (sparse, nested), two of its elements share bytes, or its view reaches
+        past its storage.
+    TypeError
+        If it is not a tensor.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{source}: {key[:200]!r} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_nested or tensor.layout != torch.strided:
+        layout = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+        raise ValueError(
+            f"{source}: tensor {key[:200]!r} is {layout}: a checkpoint's tensor is dense (strided), as saving a "
+            "model writes it"
+        )
     if tensor.numel() == 0:
         return
     reach = 1  # elements spanned by the dimensions seen so far, smallest stride first
