@@ -6,6 +6,7 @@ model unchanged) on ``load_converted`` and, where transformers reads the files, 
 ``from_pretrained``.
 """
 
+import copy
 import encodings.cp437  # noqa: F401  (zipfile decodes the crafted files' entry names with it)
 import functools
 import io
@@ -15,10 +16,10 @@ import zipfile
 
 import pytest
 import torch
-from test_hostile_checkpoints import refused
+from test_hostile_checkpoints import _converted, _plain, _write, refused
 
-from mumoe_tn.conversion.checkpoints import load_converted
-from mumoe_tn.conversion.convert import convert
+from mumoe_tn.conversion.checkpoints import load_converted, save_converted
+from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -133,3 +134,66 @@ def test_a_truncated_legacy_pickle_is_refused_before_its_storages_are_allocated(
     size = len(data) // 2
     for load in LOADERS.values():
         refused(functools.partial(load, folder), r"pytorch_model\.bin' is not in torch's zip format", size=size)
+
+
+# ----------------------------------------------------------------------------- records and shapes
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A converted model's safetensors file, its record and its tensors; one good load first (imports settle)."""
+    folder = tmp_path_factory.mktemp("records")
+    model = _converted()
+    save_converted(model, folder / "good.safetensors")
+    load_converted(_plain(), folder / "good.safetensors")
+    return folder, conversion_record(model).to_dict(), safetensors_torch.load_file(str(folder / "good.safetensors"))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta", "ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize(
+    ("value", "pattern"),
+    [
+        (lambda: "abc", r"shapes\['0\.fc1\.weight'\] = 'abc' is invalid: give a tensor or a shape"),
+        (lambda: 5, r"shapes\['0\.fc1\.weight'\] = 5 is invalid: give a tensor or a shape"),
+        (lambda: (24, -1), r"shapes\['0\.fc1\.weight'\] = \(24, -1\) is invalid"),
+        (lambda: torch.eye(3).to_sparse_csr(), r"shapes: tensor '0\.fc1\.weight' is sparse_csr: a checkpoint's tensor"),
+        (
+            lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]),
+            r"shapes: tensor '0\.fc1\.weight' is nested: a checkpoint's tensor is dense",
+        ),
+    ],
+    ids=["string", "int", "negative", "sparse", "nested"],
+)
+def test_shapes_that_are_not_shapes_or_dense_tensors_get_the_library_error(saved, value, pattern):
+    _, record, state = saved
+    model = _plain()
+    shapes = {**state, "0.fc1.weight": value()}
+    refused(lambda: apply_conversion(model, record, shapes=shapes), pattern, model=model)
+
+
+def test_a_pickled_checkpoint_holding_a_sparse_tensor_gets_the_library_error(hf_dir, tmp_path):
+    folder = _pickled_dir(hf_dir, tmp_path / "sparse")
+    state = safetensors_torch.load_file(str(hf_dir / "model.safetensors"))
+    torch.save(
+        {**state, "transformer.wte.weight": state["transformer.wte.weight"].to_sparse()}, folder / "pytorch_model.bin"
+    )
+    size = (folder / "pytorch_model.bin").stat().st_size
+    for load in LOADERS.values():
+        refused(functools.partial(load, folder), r"tensor 'transformer\.wte\.weight' is sparse_coo", size=size)
+
+
+def test_a_record_replacing_a_module_and_one_inside_it_is_refused(saved):
+    folder, record, state = saved
+    inner = copy.deepcopy(record["modules"][1])  # the 'linear' entry, moved inside the recorded block '0'
+    inner["paths"] = ["0.fc1"]
+    path = _write(folder, {**record, "modules": [*record["modules"], inner]}, state)
+    model = _plain()
+    pattern = r"record\.modules\[2\]\.paths = '0\.fc1' is invalid: it lies inside '0', which record\.modules\[0\]"
+    refused(lambda: load_converted(model, path), pattern, model=model, size=path.stat().st_size)
+
+
+def test_a_mask_argument_that_is_the_models_input_is_refused_at_load(saved):
+    folder, record, state = saved
+    path = _write(folder, {**record, "mask_argument": "input"}, state)
+    model = _plain()
+    pattern = r"record\.mask_argument = 'input' is invalid: Sequential\.forward's 'input' is not an optional argument"
+    refused(lambda: load_converted(model, path), pattern, model=model, size=path.stat().st_size)
+    assert load_converted(model, folder / "good.safetensors")(torch.randn(2, 12)).shape == (2, 12)
