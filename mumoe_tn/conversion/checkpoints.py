@@ -315,7 +315,8 @@ def _build_hf(
     problems = {name: info.get(name) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     problems = {name: sorted(map(str, keys)) for name, keys in problems.items() if keys}
     if strict and problems:
-        raise ValueError(f"the weights in {str(path)!r} do not fit the converted model: {problems}")
+        found = "; ".join(f"{len(keys):,} {name}, e.g. {keys[:5]}" for name, keys in problems.items())
+        raise ValueError(f"the weights in {str(path)!r} do not fit the converted model: {found}")
     if dtype is not None:
         model.to(dtype)
     return model.eval()

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mumoe_tn.conversion.record import parse_json
-from mumoe_tn.conversion.storage import check_file_holds, check_pickled_archive
+from mumoe_tn.conversion.storage import check_file_holds, check_pickled_archive, check_tensor_count
 
 __all__ = [
     "JSON_FILES",
@@ -289,6 +289,7 @@ def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
     try:
         with safe_open(str(file), framework="pt") as handle:
             metadata = handle.metadata() or {}
+            check_tensor_count(len(handle.keys()), repr(str(file)))
             for key in handle.keys():
                 piece = handle.get_slice(key)
                 headers[key] = (tuple(piece.get_shape()), _dtype(piece.get_dtype(), file, key))
@@ -332,6 +333,7 @@ def read_weights(read: FileBytes) -> tuple[dict[str, torch.Tensor], Headers, dic
             state = load(read.data)
         except Exception as error:  # safetensors' own error types
             raise ValueError(f"{str(file)!r} is not a valid safetensors file ({type(error).__name__})") from None
+        check_tensor_count(len(state), repr(str(file)))
         length = int.from_bytes(read.data[:8], "little")  # the format: a little-endian u64, then the JSON header
         metadata = parse_json(read.data[8 : 8 + length], f"header of {str(file)!r}").get("__metadata__") or {}
     allowed = set(_DTYPES.values())

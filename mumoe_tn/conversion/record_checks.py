@@ -11,7 +11,7 @@ is built:
   the model's input;
 - [`checkpoint_shapes`][mumoe_tn.conversion.record_checks.checkpoint_shapes]: the ``shapes=``
   a record is held against are dense tensors that store their elements, or shapes of
-  non-negative ints, at most [`MAX_CHECKPOINT_TENSORS`][mumoe_tn.conversion.record_checks].
+  non-negative ints, at most [`MAX_CHECKPOINT_TENSORS`][mumoe_tn.conversion.storage].
 
 Each refusal is a ``ValueError`` (a ``TypeError`` for an argument of the wrong type) naming the
 field and quoting the value, shortened.
@@ -27,13 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.storage import check_stored
+from mumoe_tn.conversion.storage import check_stored, check_tensor_count
 
-__all__ = ["MAX_CHECKPOINT_TENSORS", "check_mask_argument", "check_nested_paths", "checkpoint_shapes"]
-
-#: Most tensors one checkpoint may hold (a converted 70B-parameter model holds a few thousand):
-#: every key costs time to unpickle, check and match, whatever its size.
-MAX_CHECKPOINT_TENSORS = 1 << 16
+__all__ = ["check_mask_argument", "check_nested_paths", "checkpoint_shapes"]
 
 
 def check_nested_paths(paths: Iterable[tuple[str, int]]) -> None:
@@ -103,10 +99,7 @@ def checkpoint_shapes(shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """
     if not isinstance(shapes, Mapping):
         raise TypeError(f"shapes must be a mapping of state-dict key -> tensor or shape, got {type(shapes).__name__}")
-    if len(shapes) > MAX_CHECKPOINT_TENSORS:
-        raise ValueError(
-            f"shapes holds {len(shapes):,} tensors, more than the {MAX_CHECKPOINT_TENSORS:,} a checkpoint may hold"
-        )
+    check_tensor_count(len(shapes), "shapes")
     sized = {}
     for key, value in shapes.items():
         if isinstance(value, torch.Tensor):

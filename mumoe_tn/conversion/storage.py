@@ -24,7 +24,23 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["SHARED_ALLOWANCE", "check_file_holds", "check_pickled_archive", "check_stored"]
+__all__ = [
+    "MAX_CHECKPOINT_TENSORS",
+    "MAX_PICKLE_BYTES",
+    "SHARED_ALLOWANCE",
+    "check_file_holds",
+    "check_pickled_archive",
+    "check_stored",
+    "check_tensor_count",
+]
+
+#: Most tensors one weight file or checkpoint may hold (a converted 70B-parameter model holds a few
+#: thousand): every key costs time to unpickle, check and match, whatever its size.
+MAX_CHECKPOINT_TENSORS = 1 << 16
+
+#: Largest pickle a pickled weight file may hold (about 150 bytes a tensor: ``MAX_CHECKPOINT_TENSORS``
+#: fit); unpickling takes time in its length before any tensor can be counted.
+MAX_PICKLE_BYTES = 16 << 20
 
 #: How many times its own size a weight file's tensors may declare together: tied weights (one
 #: storage at two keys, as an embedding shared with the output layer) count twice.
@@ -93,8 +109,10 @@ def check_file_holds(tensors: Mapping[str, torch.Tensor], file_bytes: int, sourc
     Raises
     ------
     ValueError
-        If a tensor does not store its elements, or the tensors declare more than the file can hold.
+        If the file holds more than ``MAX_CHECKPOINT_TENSORS`` tensors, a tensor does not store its
+        elements, or the tensors declare more than the file can hold.
     """
+    check_tensor_count(len(tensors), source)
     declared = 0
     for key, tensor in tensors.items():
         check_stored(key, tensor, source)
@@ -103,6 +121,14 @@ def check_file_holds(tensors: Mapping[str, torch.Tensor], file_bytes: int, sourc
         raise ValueError(
             f"{source}: its tensors declare {declared:,} bytes, more than a file of {file_bytes:,} bytes holds "
             f"(tied weights counted {SHARED_ALLOWANCE} times at most): their declared storage sizes are not the file's"
+        )
+
+
+def check_tensor_count(count: int, source: str) -> None:
+    """Refuse ``count`` tensors from ``source`` if they are more than ``MAX_CHECKPOINT_TENSORS``."""
+    if count > MAX_CHECKPOINT_TENSORS:
+        raise ValueError(
+            f"{source} holds {count:,} tensors, more than the {MAX_CHECKPOINT_TENSORS:,} a checkpoint may hold"
         )
 
 
@@ -120,7 +146,7 @@ def check_pickled_archive(archive: bytes | os.PathLike, source: str) -> None:
     ------
     ValueError
         If the file is not in torch's zip format (the legacy format, or not a pickle archive at
-        all), or an entry is compressed.
+        all), an entry is compressed, or its pickle is longer than ``MAX_PICKLE_BYTES``.
     """
     try:
         if isinstance(archive, bytes):
@@ -145,4 +171,9 @@ def check_pickled_archive(archive: bytes | os.PathLike, source: str) -> None:
                 f"{source}: entry {entry.filename[:200]!r} is compressed ({entry.compress_size:,} bytes holding "
                 f"{entry.file_size:,}): torch.save stores entries uncompressed, and a compressed storage expands to "
                 "whatever it declares"
+            )
+        if entry.filename.endswith(".pkl") and entry.file_size > MAX_PICKLE_BYTES:
+            raise ValueError(
+                f"{source}: its pickle {entry.filename[:200]!r} is {entry.file_size:,} bytes, more than the "
+                f"{MAX_PICKLE_BYTES:,} a checkpoint's may have"
             )

@@ -12,6 +12,7 @@ import functools
 import io
 import os
 import shutil
+import time
 import zipfile
 
 import pytest
@@ -20,6 +21,7 @@ from test_hostile_checkpoints import _converted, _plain, _write, refused
 
 from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
+from mumoe_tn.conversion.storage import MAX_CHECKPOINT_TENSORS
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -197,3 +199,21 @@ def test_a_mask_argument_that_is_the_models_input_is_refused_at_load(saved):
     pattern = r"record\.mask_argument = 'input' is invalid: Sequential\.forward's 'input' is not an optional argument"
     refused(lambda: load_converted(model, path), pattern, model=model, size=path.stat().st_size)
     assert load_converted(model, folder / "good.safetensors")(torch.randn(2, 12)).shape == (2, 12)
+
+
+def test_a_checkpoint_of_too_many_tensors_is_refused_quickly(hf_dir, tmp_path):
+    folder = _pickled_dir(hf_dir, tmp_path / "many")
+    state = safetensors_torch.load_file(str(hf_dir / "model.safetensors"))
+    one = torch.zeros(1)  # one 4-byte storage under every extra key
+    torch.save(
+        {**state, **{f"extra.{number}": one for number in range(MAX_CHECKPOINT_TENSORS)}}, folder / "pytorch_model.bin"
+    )
+    size = (folder / "pytorch_model.bin").stat().st_size
+    for load in LOADERS.values():
+        start = time.perf_counter()
+        refused(
+            functools.partial(load, folder),
+            rf"holds {MAX_CHECKPOINT_TENSORS + len(state):,} tensors, more than",
+            size=size,
+        )
+        assert time.perf_counter() - start < 5.0
