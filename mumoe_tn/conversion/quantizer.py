@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,15 @@ __all__ = [
     "MuMoEConfig",
     "MuMoEQuantizer",
     "check_stock_config",
+    "check_stock_files",
     "convert_skeleton",
     "register_with_transformers",
 ]
 
 #: The ``quant_method`` that selects the hook.
 METHOD = QUANT_METHOD
+#: The unsharded weight files transformers looks for in a directory (a shard index is one of ``JSON_FILES``).
+STOCK_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class MuMoEConfig(QuantizationConfigMixin):
@@ -178,10 +182,34 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_hf_quantizer(config: Any, quantization_config: Any, *args: Any, **kwargs: Any) -> Any:
         check_stock_config(config, quantization_config)
+        # from_pretrained looks for the weight files next: a converted checkpoint's are checked first
+        stock = getattr(config, RECORD_KEY, None) is not None and not hasattr(quantization_config, "checkpoint_shapes")
+        _stock_load.converted = stock
+        loading = sys.modules.get("transformers.modeling_utils")
+        finder = getattr(loading, "_get_resolved_checkpoint_files", None)
+        if stock and finder is not None and not getattr(finder, "checks_conversion_records", False):
+            loading._get_resolved_checkpoint_files = _checking_files(finder)
         return original(config, quantization_config, *args, **kwargs)
 
     get_hf_quantizer.checks_conversion_records = True
     return get_hf_quantizer
+
+
+#: Whether the ``from_pretrained`` running in this thread loads a converted checkpoint through the stock path.
+_stock_load = threading.local()
+
+
+def _checking_files(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def find_checkpoint_files(pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_stock_load, "converted", False) and pretrained_model_name_or_path is not None:
+            _stock_load.converted = False
+            subfolder = (kwargs.get("download_kwargs") or {}).get("subfolder") or ""
+            check_stock_files(Path(str(pretrained_model_name_or_path)) / subfolder)
+        return original(pretrained_model_name_or_path, *args, **kwargs)
+
+    find_checkpoint_files.checks_conversion_records = True
+    return find_checkpoint_files
 
 
 def check_stock_config(config: Any, quantization_config: Any = None) -> None:
@@ -226,6 +254,28 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
                 f"conversion record, whose checkpoint has {{'quant_method': {METHOD!r}}} (a dense load would leave its "
                 "MLP weights random)"
             )
+
+
+def check_stock_files(root: Path) -> None:
+    """The files of a converted checkpoint's directory, checked before stock ``from_pretrained`` looks for them.
+
+    transformers looks for the weight files by name after it chose a quantizer: each file it may
+    read that is present (even a dangling link) must be a regular file of one hard link inside
+    ``root``, a JSON file of at most [`MAX_JSON_BYTES`][mumoe_tn.conversion.files] (see
+    [`member_file`][mumoe_tn.conversion.files.member_file]). Nothing is checked when ``root`` is
+    not a directory (a hub name).
+
+    Raises
+    ------
+    ValueError
+        Naming the first file that breaks its rule.
+    """
+    if not root.is_dir():
+        return
+    check_json_files(root)
+    for name in STOCK_WEIGHT_FILES:
+        if os.path.lexists(root / name):
+            member_file(root, name, name)
 
 
 def convert_skeleton(
