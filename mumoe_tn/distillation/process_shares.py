@@ -236,9 +236,9 @@ def gather_replacements(
     world: ProcessWorld,
     modules: Mapping[tuple[str, str], nn.Module],
     losses: Mapping[tuple[str, str], float],
-    counters: Mapping[str, int],
+    counters: Mapping[str, Any],
     build: Callable[[str, str], nn.Module],
-) -> tuple[dict[tuple[str, str], nn.Module], dict[tuple[str, str], float], list[dict[str, int]]] | None:
+) -> tuple[dict[tuple[str, str], nn.Module], dict[tuple[str, str], float], list[dict[str, Any]]] | None:
     """Gather every process's trained replacements, losses and counters on rank 0.
 
     Parameters
@@ -251,7 +251,7 @@ def gather_replacements(
     counters : Mapping
         This process's ``tokens``, ``steps``, ``peak_buffer_rows``, ``buffer_bytes`` and
         ``batches`` (the [`BatchDigest`][mumoe_tn.distillation.process_shares.BatchDigest] of the
-        batches it trained on).
+        batches it trained on), and ``throughput`` (``"block/method" ->`` tokens per second).
     build : Callable
         ``build(block, method)`` makes a replacement as its factory does, for a state to load into.
 

@@ -47,9 +47,17 @@ from mumoe_tn.distillation.process_shares import process_checkpoint, process_wor
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.run_files import load_frontier, save_frontier
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
-from mumoe_tn.distillation.training import Factory, distill
+from mumoe_tn.distillation.training import Distillation, Factory, distill
 
-__all__ = ["FrontierConfig", "load_frontier", "method_factories", "run_frontier", "save_frontier"]
+__all__ = [
+    "THROUGHPUT_COLUMN",
+    "FrontierConfig",
+    "load_frontier",
+    "method_factories",
+    "run_frontier",
+    "save_frontier",
+    "with_throughput",
+]
 
 #: The methods of the default frontier.
 DEFAULT_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp", "cp-hier", "tr", "tr-hier")
@@ -409,10 +417,40 @@ def run_frontier(
         held = _AskingBatches(held, stop, stopped)
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)
-    table = dataclasses.replace(table, config={**table.config, "seconds": seconds})
+    table = with_throughput(dataclasses.replace(table, config={**table.config, "seconds": seconds}), result)
     if directory is not None:
         save_frontier(directory, table, result.replacements, model, save_model=config.model_dir is None)
     return table
+
+
+#: The extra column of a frontier table that holds each replacement's training throughput.
+THROUGHPUT_COLUMN = "train_tokens_per_s"
+
+
+def with_throughput(table: FrontierTable, result: Distillation) -> FrontierTable:
+    """``table`` with each row's training throughput (tokens per second of its own steps) as a column.
+
+    Parameters
+    ----------
+    table : FrontierTable
+        The evaluation of ``result``'s replacements.
+    result : Distillation
+        The run that trained them (its ``throughput``).
+
+    Returns
+    -------
+    FrontierTable
+        Rows with ``extra["train_tokens_per_s"]`` (NaN where the run did not time the pair), headed
+        ``train tokens/s``.
+    """
+    rows = tuple(
+        dataclasses.replace(
+            row,
+            extra={**row.extra, THROUGHPUT_COLUMN: result.throughput.get(row.block, {}).get(row.method, math.nan)},
+        )
+        for row in table.rows
+    )
+    return dataclasses.replace(table, rows=rows, headers={**table.headers, THROUGHPUT_COLUMN: "train tokens/s"})
 
 
 class _AskingBatches:

@@ -62,6 +62,7 @@ from mumoe_tn.distillation.process_shares import (
 from mumoe_tn.distillation.replacement_files import load_replacements, save_replacements
 from mumoe_tn.distillation.resume_checks import CHECKPOINT_FORMAT, read_checkpoint
 from mumoe_tn.distillation.splicing import splice, spliced
+from mumoe_tn.distillation.step_clock import StepClock
 from mumoe_tn.distillation.streaming import (
     ActivationBuffer,
     Batch,
@@ -117,6 +118,9 @@ class Distillation:
         The most tokens the activation buffer held.
     buffer_bytes : int
         Bytes of the buffer's storage (on rank 0 of a process group: of every process's buffer).
+    throughput : dict
+        ``block name -> method -> ``tokens trained per second of that replacement's own steps
+        (forward, loss terms, backward, optimiser; since the run's start or its resume).
     """
 
     blocks: list[BlockInfo]
@@ -126,6 +130,7 @@ class Distillation:
     losses: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_buffer_rows: int = 0
     buffer_bytes: int = 0
+    throughput: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def _seed(seed: int, *parts: str) -> int:
@@ -401,6 +406,7 @@ class _Run:
         self.draining: int | None = None  # the rows a drain in progress stops at
         self.recent: dict[tuple[str, str], list[float]] = {}
         self.unread: list[torch.Tensor] = []  # one (replacements,) loss vector per step not yet read
+        self.clock = StepClock()
 
     def state_dict(self, config: Mapping[str, Any]) -> dict[str, Any]:
         trainers = {f"{b}/{m}": trainer for (b, m), trainer in self.trainers.items()}
@@ -437,10 +443,24 @@ class _Run:
 
     def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimiser step of every replacement on ``rows``; the losses are read later (``read_losses``)."""
-        losses = [trainer.step(*rows[block]) for (block, _), trainer in self.trainers.items()]
+        losses = []
+        for key, trainer in self.trainers.items():
+            x, y = rows[key[0]]
+            with self.clock.timing(key, y.device, y.shape[0]):
+                losses.append(trainer.step(x, y))
         device = losses[0].device  # blocks on several devices: one vector (stack promotes mixed dtypes)
         self.unread.append(torch.stack([loss.to(device) for loss in losses]))
         self.steps += 1
+
+    def method_throughput(self) -> dict[str, float]:
+        """Tokens per second of each method's own steps, over the blocks (total tokens ÷ total seconds)."""
+        self.clock.settle()
+        tokens: dict[str, int] = {}
+        seconds: dict[str, float] = {}
+        for key in self.trainers:
+            tokens[key[1]] = tokens.get(key[1], 0) + self.clock.tokens.get(key, 0)
+            seconds[key[1]] = seconds.get(key[1], 0.0) + self.clock.seconds.get(key, 0.0)
+        return {m: tokens[m] / seconds[m] if seconds[m] > 0 else math.nan for m in tokens}
 
     def read_losses(self) -> dict[str, float]:
         """Read the unread steps' losses on the host (one sync); each method's loss of the last (mean over blocks).
@@ -453,6 +473,7 @@ class _Run:
         if not self.unread:
             return {}
         values = torch.stack(self.unread).tolist()
+        self.clock.settle()  # the device is idle now: its timing events read without a wait
         first = self.steps - len(values)
         self.unread = []
         keys = list(self.trainers)
@@ -681,7 +702,9 @@ def distill(
             checkpoint_now = path is not None and run.steps % checkpoint_every == 0
             if checkpoint_now or run.steps % LOSS_READ_EVERY == 0 or run.trained >= tokens:
                 loss = run.read_losses()  # raises on a non-finite loss before a checkpoint could keep it
-                bar.set_postfix({method: f"{value:.3g}" for method, value in loss.items()}, refresh=False)
+                speeds = run.method_throughput()
+                bar.set_postfix({m: f"{v:.3g} ({speeds.get(m, math.nan):,.0f} tok/s)" for m, v in loss.items()},
+                                refresh=False)  # fmt: skip
             if checkpoint_now:
                 _save(run.state_dict(config), path)
             stop_if_asked()
@@ -723,8 +746,10 @@ def distill(
         model.train(was_training)
     modules = {(block, method): run.modules[block][method] for block, method in share}
     losses = {pair: _mean(run.recent.get(pair, [])) for pair in share}
+    speeds = {f"{block}/{method}": run.clock.tokens_per_second((block, method)) for block, method in share}
     counters = [{"tokens": run.trained, "steps": run.steps, "peak_buffer_rows": run.buffer.peak_rows,
-                 "buffer_bytes": run.buffer.allocated_bytes, "batches": digest.value}]  # fmt: skip
+                 "buffer_bytes": run.buffer.allocated_bytes, "batches": digest.value,
+                 "throughput": speeds}]  # fmt: skip
     if world is not None:
         by_name = {block.name: block for block in blocks}
 
@@ -741,7 +766,9 @@ def distill(
             replacements.setdefault(block, {})[method] = modules[block, method].eval()
             losses_of.setdefault(block, {})[method] = losses[block, method]
     peak, allocated = max(c["peak_buffer_rows"] for c in counters), sum(c["buffer_bytes"] for c in counters)
-    return Distillation(blocks, replacements, run.trained, run.steps, losses_of, peak, allocated)
+    measured = {key: value for c in counters for key, value in c.get("throughput", {}).items()}
+    throughput = {b: {m: measured.get(f"{b}/{m}", math.nan) for m in ms} for b, ms in replacements.items()}
+    return Distillation(blocks, replacements, run.trained, run.steps, losses_of, peak, allocated, throughput)
 
 
 def _mean(values: list[float]) -> float:
