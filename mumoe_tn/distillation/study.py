@@ -98,7 +98,7 @@ class FrontierConfig:
         Distillation tokens, tokens per step, activation buffer.
     recipe : {"mxd-paper", "plain"}
         The training recipe of every replacement (see
-        [`RECIPES`][mumoe_tn.distillation.training]); a Mixture of Decoders is also
+        [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]); a Mixture of Decoders is also
         initialised by its authors' recipe with ``"mxd-paper"``.
     lr : float or None
         The learning rate for every replacement (default the recipe's).

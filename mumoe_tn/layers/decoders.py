@@ -239,7 +239,7 @@ class MixtureOfDecoders(MuMoEBase):
 
         A core whose legs are one expert mode and the output ``o`` holds one vector ``c_n ∈ R^O``
         per expert (the ``"mxd"`` format's ``C``); the Mixture of Decoders authors keep each at norm
-        1 (see [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]).
+        1 (see [`unit_norm_parameters`][mumoe_tn.distillation.trainer.unit_norm_parameters]).
         Empty for a decoder without such cores (a CP or TR decoder).
         """
         network = self.network
