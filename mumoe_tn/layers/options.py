@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mumoe_tn.contractions.padding import PAD_MULTIPLE
 from mumoe_tn.costs.matching import match_exact, resolve_target
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.decompositions.resolve import resolve_network as resolve_decomposition
@@ -101,6 +102,15 @@ class LayerOptions:
         training and one in inference (default 64, every bucket from 1 to 2⁶³).
     memory_limit : int or "max_input", optional
         Most elements any intermediate of the contraction may hold (default: the planner's bound).
+    chunk_size : int, optional
+        Contract at most this many rows at a time (default: the whole batch at once).
+    recompute : bool, optional
+        Recompute the contraction's intermediates in backward instead of saving them (default False).
+    precontract : bool, optional
+        In inference, reuse the results of a plan's core-only steps (default True).
+    pad_bonds : int or None, optional
+        Zero-pad every bond of at least 256 to a multiple of this in execution (default 16; None:
+        none). These four are as in [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
     device, dtype : optional
         Factory arguments.
     """
@@ -119,6 +129,10 @@ class LayerOptions:
     optimize: Any = "auto"
     max_plans: int = MAX_PLANS
     memory_limit: int | str | None = None
+    chunk_size: int | None = None
+    recompute: bool = False
+    precontract: bool = True
+    pad_bonds: int | None = PAD_MULTIPLE
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
 
@@ -163,6 +177,10 @@ class LayerOptions:
             "optimize": self.optimize,
             "max_plans": self.max_plans,
             "memory_limit": self.memory_limit,
+            "chunk_size": self.chunk_size,
+            "recompute": self.recompute,
+            "precontract": self.precontract,
+            "pad_bonds": self.pad_bonds,
             **self.factory(),
         }
 
