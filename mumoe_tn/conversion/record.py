@@ -43,7 +43,7 @@ from mumoe_tn.conversion.building import Choice, build_block, install, join_path
 from mumoe_tn.conversion.storage import check_stored
 from mumoe_tn.decompositions import available, get_format
 from mumoe_tn.gates.registry import gate_class, gate_class_name, registered_gates
-from mumoe_tn.layers import FactorizedExperts
+from mumoe_tn.layers import GATE_INPUTS, FactorizedExperts
 from mumoe_tn.masking import accepts_argument, install_mask_hook
 from mumoe_tn.network import ExpertNetwork
 
@@ -105,8 +105,6 @@ MAX_MESSAGE_CHARS = 2000
 ROLES = {"linear": ("layer",), "mlp": ("up", "down"), "split": ("up", "down"), "gated": ("gate", "up", "down")}
 #: The roles of a block whose encoders stay dense (a Mixture of Decoders): its decoder alone.
 DECODER_ROLES = ("down",)
-#: What a recorded gate may read.
-GATE_INPUTS = ("normed", "raw")
 
 _short = reprlib.Repr()
 _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlevel = 80, 80, 6, 6, 3
@@ -877,14 +875,12 @@ def _rebuild(
 ) -> tuple[nn.Module, dict[str, FactorizedExperts]]:
     """The μMoE module of a record entry, with the recorded networks (checked) and options."""
     path = entry.paths[0]
+    # The recorded optimizer is a checked name, resolved only when the layer first plans.
+    execution = {**execution_from_data(entry.execution), "lazy_optimizer": True}
     try:
         networks = {role: network_from_data(data) for role, data in entry.networks}
-        options = {
-            "gate": gate_from_data(entry.gate),
-            "gate_input": entry.gate_input,
-            "input_norm": entry.input_norm,
-            "optimize": "auto",  # the recorded optimizer plans later, when the layer first runs
-        }
+        gating = {"gate": gate_from_data(entry.gate), "gate_input": entry.gate_input, "input_norm": entry.input_norm}
+        options = {**gating, **execution}
         first = next(iter(networks.values()))
         new, layers = build_block(choice, first.expert_dims, first, None, options, device=device)
     except (ValueError, TypeError) as error:
@@ -899,8 +895,4 @@ def _rebuild(
                     f"{network!r}, the model gives {found!r}"
                 )
             )
-    execution = execution_from_data(entry.execution)
-    for experts in layers.values():
-        for option, value in execution.items():
-            setattr(experts, option, value)
     return new, layers

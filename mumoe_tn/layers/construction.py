@@ -45,7 +45,7 @@ class ExecutionOptions:
     ----------
     init, expert_noise, optimize, max_plans, memory_limit
         As in [`LayerOptions`][mumoe_tn.layers.options.LayerOptions].
-    chunk_size, recompute, precontract, pad_bonds
+    chunk_size, recompute, precontract, pad_bonds, lazy_optimizer
         As in [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
     """
 
@@ -58,6 +58,7 @@ class ExecutionOptions:
     recompute: bool = False
     precontract: bool = True
     pad_bonds: int | None = PAD_MULTIPLE
+    lazy_optimizer: bool = False
 
     @classmethod
     def from_options(cls, options: LayerOptions) -> ExecutionOptions:

@@ -20,6 +20,7 @@ from mumoe_tn.contractions.execute import constant_intermediates, run_plan
 from mumoe_tn.contractions.padding import PAD_MULTIPLE, bond_padding, pad_cores
 from mumoe_tn.contractions.plan import (
     BATCH_LABEL,
+    OPTIMIZERS,
     ContractionPlan,
     autotune_candidates,
     check_memory_limit,
@@ -119,6 +120,9 @@ class FactorizedExperts(nn.Module):
         matrix products of aligned sizes run faster. None pads nothing. Parameters, costs and
         the plan keep the true sizes. Inference pads only batches of at least
         [`MIN_PADDED_ROWS`][mumoe_tn.layers.experts] rows.
+    lazy_optimizer : bool, optional
+        Only check that ``optimize`` is a name now and resolve it when the layer first plans (the
+        ``torch.compile`` plan uses ``"auto"``): a replayed record's optimizer is data (default False).
     device, dtype : optional
         Factory arguments for the parameters.
     """
@@ -137,6 +141,7 @@ class FactorizedExperts(nn.Module):
         recompute: bool = False,
         precontract: bool = True,
         pad_bonds: int | None = PAD_MULTIPLE,
+        lazy_optimizer: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -161,7 +166,10 @@ class FactorizedExperts(nn.Module):
             raise ValueError(f"fan_in={fan_in} is too large (at most {_MAX_FAN_IN - 1:,}); it is a layer's input width")
         self.fan_in = fan_in
         self.expert_noise = None if expert_noise is None else check_expert_noise(expert_noise, network.n_expert_modes)
-        resolve_optimizer(optimize)  # validates; names are resolved afresh for every plan
+        if not check_bool("lazy_optimizer", lazy_optimizer):
+            resolve_optimizer(optimize)  # validates; names are resolved afresh for every plan
+        elif not isinstance(optimize, str) or optimize not in OPTIMIZERS:
+            raise ValueError(f"lazy_optimizer=True takes an optimizer name of {list(OPTIMIZERS)}, got {optimize!r}")
         self.optimize = optimize
         self.max_plans = max_plans
         self.memory_limit = check_memory_limit(memory_limit)
@@ -173,9 +181,8 @@ class FactorizedExperts(nn.Module):
         self._plans_lock = threading.RLock()
         self._prepared: DerivedCache[_PreparedCores] = DerivedCache()
         self._checked: set[tuple] = set()
-        self._compile_plan = plan_forward(
-            network, COMPILE_PLAN_BATCH, self._path_optimizer(), memory_limit=self.memory_limit
-        )
+        optimizer = "auto" if lazy_optimizer else self._path_optimizer()
+        self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, optimizer, memory_limit=self.memory_limit)
         for name, shape in network.core_shapes.items():
             if hasattr(self, name):
                 raise ValueError(f"core name {name!r} clashes with an attribute of FactorizedExperts; rename the core")

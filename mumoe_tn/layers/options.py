@@ -110,7 +110,10 @@ class LayerOptions:
         In inference, reuse the results of a plan's core-only steps (default True).
     pad_bonds : int or None, optional
         Zero-pad every bond of at least 256 to a multiple of this in execution (default 16; None:
-        none). These four are as in [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
+        none).
+    lazy_optimizer : bool, optional
+        Check a named ``optimize`` now and resolve it only when the layer first plans (default
+        False). These five are as in [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
     device, dtype : optional
         Factory arguments.
     """
@@ -133,6 +136,7 @@ class LayerOptions:
     recompute: bool = False
     precontract: bool = True
     pad_bonds: int | None = PAD_MULTIPLE
+    lazy_optimizer: bool = False
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
 
@@ -181,6 +185,7 @@ class LayerOptions:
             "recompute": self.recompute,
             "precontract": self.precontract,
             "pad_bonds": self.pad_bonds,
+            "lazy_optimizer": self.lazy_optimizer,
             **self.factory(),
         }
 
