@@ -50,6 +50,9 @@ class MuMoEBase(PerThreadRecords):
     #: The example of ``hidden_activation`` the error about a wrong one names.
     activation_example = "nn.GELU()"
 
+    #: Whether the factorized layers' leg ``i`` holds the bias column.
+    folds_bias = True
+
     #: The roles of the factorized layers, in order (the ``networks`` of a spec this class builds from).
     spec_roles: tuple[str, ...] = ()
 

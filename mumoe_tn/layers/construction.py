@@ -114,6 +114,9 @@ class NetworkResolver(Protocol):
     #: The example of ``hidden_activation`` named in the error about a wrong one.
     activation_example: str
 
+    #: Whether the networks' leg ``i`` holds the bias column (False: the biases are layers of their own).
+    folds_bias: bool
+
     def resolve_networks(self, arguments: LayerArguments) -> tuple[tuple[tuple[str, ExpertNetwork], ...], int | None]:
         """``((role, network), …)`` in the layer's order, and the parameter budget matched (None: not matched)."""
         ...
@@ -216,7 +219,7 @@ def layer_spec(
     match: Match,
     options: LayerOptions | None,
     keywords: dict[str, Any],
-    gated: bool | None = None,
+    gated: bool = False,
     hidden_activation: nn.Module | None = None,
 ) -> LayerSpec:
     """The spec of a ``layer`` built with these arguments (the arguments of its constructor).
@@ -231,7 +234,7 @@ def layer_spec(
     keywords : dict
         The layer's further keywords: fields of ``LayerOptions`` and the builder's options.
     gated : bool, optional
-        A Mixture of Decoders' ``gated`` (None: the layer has no such argument).
+        A Mixture of Decoders' ``gated`` (default False).
     hidden_activation : nn.Module, optional
         A block's ``hidden_activation``.
 
@@ -241,7 +244,7 @@ def layer_spec(
     """
     options, builder_options = LayerOptions.from_keywords(options, keywords)
     factory = options.factory()
-    folded = gated is None
+    folded = layer.folds_bias
     if not folded:  # a Mixture of Decoders: its biases are layers of their own, checked first
         check_bool("bias", options.bias)
         check_bool("gated", gated)
@@ -254,7 +257,7 @@ def layer_spec(
     gate = options.gate_spec()
     arguments = LayerArguments(
         layer.__name__, in_features, hidden_features, out_features, expert_dims, decomposition, rank, match,
-        options, builder_options, gate, gated=bool(gated),
+        options, builder_options, gate, gated=gated,
     )  # fmt: skip
     networks, target = layer.resolve_networks(arguments)
     if hidden_features is not None and not folded:
@@ -262,6 +265,6 @@ def layer_spec(
     return LayerSpec(
         layer.__name__, in_features, out_features, networks, gate, gate_input=options.gate_input,
         input_norm=options.input_norm, bias=options.bias, folded_bias=folded and options.bias,
-        execution=ExecutionOptions.from_options(options), hidden_features=hidden_features, gated=bool(gated),
+        execution=ExecutionOptions.from_options(options), hidden_features=hidden_features, gated=gated,
         hidden_activation=hidden_activation, match=match, target=target, **factory,
     )  # fmt: skip

@@ -156,6 +156,9 @@ class MixtureOfDecoders(MuMoEBase):
     #: The one factorized layer's role.
     spec_roles = ("down",)
 
+    #: The biases are the encoders' and ``b_out``: nothing is folded into the decoder's leg ``i``.
+    folds_bias = False
+
     @classmethod
     def resolve_networks(cls, arguments: LayerArguments) -> tuple[tuple[tuple[str, ExpertNetwork], ...], int | None]:
         """The decoder's network ``H → O`` (exact or matched) and the budget matched; see `layer_spec`."""
