@@ -38,6 +38,7 @@ from torch import nn
 
 from mumoe_tn.contractions.plan import OPTIMIZERS
 from mumoe_tn.conversion.adapters import linear_view
+from mumoe_tn.conversion.block_kinds import GATED, LINEAR, MLP, SPLIT, block_kind
 from mumoe_tn.conversion.blocks import mlp_parts
 from mumoe_tn.conversion.building import Choice, build_block, install, join_path, uninstall
 from mumoe_tn.conversion.storage import check_stored
@@ -102,7 +103,7 @@ MAX_RECORD_PAD = 1024
 MAX_MESSAGE_CHARS = 2000
 
 #: The roles of a recorded module's networks, by kind, in the block's order.
-ROLES = {"linear": ("layer",), "mlp": ("up", "down"), "split": ("up", "down"), "gated": ("gate", "up", "down")}
+ROLES = {kind: kind.roles for kind in (LINEAR, MLP, SPLIT, GATED)}
 #: The roles of a block whose encoders stay dense (a Mixture of Decoders): its decoder alone.
 DECODER_ROLES = ("down",)
 
@@ -856,18 +857,19 @@ def _rebuild_choice(model: nn.Module, modules: Mapping[str, nn.Module], entry: C
         raise ValueError(
             shorten(f"the conversion record has one module at {list(entry.paths)}; this model has several")
         )
-    if entry.kind == "linear":
+    kind = block_kind(entry.kind)
+    if not kind.mlp:
         view = linear_view(module)
         parts, layers = None, None if view is None else {"layer": view}
     else:
         parts = mlp_parts(module)
-        layers = None if parts is None or parts.kind != entry.kind else parts.layers
+        layers = None if parts is None or parts.kind != kind else parts.layers
     if layers is None:
         raise ValueError(
             f"the conversion record replaced a {entry.kind!r} module at {entry.paths[0]!r}, but this model has a "
             f"{type(module).__name__} there that is not one"
         )
-    return Choice(entry.kind, module, layers, parts, list(entry.paths))
+    return Choice(kind, module, layers, parts, list(entry.paths))
 
 
 def _rebuild(

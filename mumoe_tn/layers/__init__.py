@@ -20,13 +20,13 @@
 """
 
 from mumoe_tn.layers.base import GATE_INPUTS, MuMoEBase
-from mumoe_tn.layers.construction import ExecutionOptions, LayerSpec, layer_spec
+from mumoe_tn.layers.construction import LayerSpec, layer_spec
 from mumoe_tn.layers.decoders import MixtureOfDecoders, decoder_block_parameters
 from mumoe_tn.layers.experts import COMPILE_PLAN_BATCH, FactorizedExperts
 from mumoe_tn.layers.groups import PARAMETER_KINDS, parameter_groups
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, MuMoEMLP, gated_mlp_parameters
 from mumoe_tn.layers.moe import MuMoE
-from mumoe_tn.layers.options import LayerOptions, resolve_network
+from mumoe_tn.layers.options import ExecutionOptions, LayerOptions, resolve_network
 
 __all__ = [
     "COMPILE_PLAN_BATCH",

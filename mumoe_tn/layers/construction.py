@@ -18,56 +18,21 @@ class answers that in its ``resolve_networks`` class method, which ``layer_spec`
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from mumoe_tn.contractions.padding import PAD_MULTIPLE
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.gates.specs import GateSpec
 from mumoe_tn.layers.experts import FactorizedExperts
-from mumoe_tn.layers.options import MAX_PLANS, LayerOptions, Match
+from mumoe_tn.layers.options import ExecutionOptions, LayerOptions, Match
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.validation import check_bool
 
-__all__ = ["ExecutionOptions", "LayerArguments", "LayerSpec", "NetworkResolver", "layer_spec"]
-
-
-@dataclass(frozen=True)
-class ExecutionOptions:
-    """How a layer's factorized layers initialise, plan and run (the keywords of `FactorizedExperts`).
-
-    Attributes
-    ----------
-    init, expert_noise, optimize, max_plans, memory_limit
-        As in [`LayerOptions`][mumoe_tn.layers.options.LayerOptions].
-    chunk_size, recompute, precontract, pad_bonds, lazy_optimizer
-        As in [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
-    """
-
-    init: str = "auto"
-    expert_noise: Sequence[float] | None = None
-    optimize: Any = "auto"
-    max_plans: int = MAX_PLANS
-    memory_limit: int | str | None = None
-    chunk_size: int | None = None
-    recompute: bool = False
-    precontract: bool = True
-    pad_bonds: int | None = PAD_MULTIPLE
-    lazy_optimizer: bool = False
-
-    @classmethod
-    def from_options(cls, options: LayerOptions) -> ExecutionOptions:
-        """The execution options ``options`` gives."""
-        return cls(**{field.name: getattr(options, field.name) for field in dataclasses.fields(cls)})
-
-    def keywords(self) -> dict[str, Any]:
-        """The options as keywords of [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts]."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+__all__ = ["LayerArguments", "LayerSpec", "NetworkResolver", "layer_spec"]
 
 
 @dataclass(frozen=True)
@@ -170,7 +135,7 @@ class LayerSpec:
     input_norm: bool = False
     bias: bool = True
     folded_bias: bool = True
-    execution: ExecutionOptions = ExecutionOptions()
+    execution: ExecutionOptions = field(default_factory=ExecutionOptions)
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
     hidden_features: int | None = None
@@ -265,6 +230,6 @@ def layer_spec(
     return LayerSpec(
         layer.__name__, in_features, out_features, networks, gate, gate_input=options.gate_input,
         input_norm=options.input_norm, bias=options.bias, folded_bias=folded and options.bias,
-        execution=ExecutionOptions.from_options(options), hidden_features=hidden_features, gated=gated,
+        execution=ExecutionOptions.of(options), hidden_features=hidden_features, gated=gated,
         hidden_activation=hidden_activation, match=match, target=target, **factory,
     )  # fmt: skip

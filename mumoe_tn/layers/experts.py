@@ -99,6 +99,9 @@ class FactorizedExperts(nn.Module):
         that batch needs gradients (training), the forward alone otherwise (see
         [`mumoe_tn.contractions.autotune_candidates`][mumoe_tn.contractions.plan.autotune_candidates]). Named optimizers
         are resolved afresh for every plan.
+    lazy_optimizer : bool, optional
+        Only check that ``optimize`` is a name now and resolve it when the layer first plans (the
+        ``torch.compile`` plan uses ``"auto"``): a replayed record's optimizer is data (default False).
     max_plans : int, optional
         Size of the plan cache in slots (default [`MAX_PLANS`][mumoe_tn.layers.experts]; one slot per
         batch-size bucket and mode, training or inference).
@@ -120,9 +123,6 @@ class FactorizedExperts(nn.Module):
         matrix products of aligned sizes run faster. None pads nothing. Parameters, costs and
         the plan keep the true sizes. Inference pads only batches of at least
         [`MIN_PADDED_ROWS`][mumoe_tn.layers.experts] rows.
-    lazy_optimizer : bool, optional
-        Only check that ``optimize`` is a name now and resolve it when the layer first plans (the
-        ``torch.compile`` plan uses ``"auto"``): a replayed record's optimizer is data (default False).
     device, dtype : optional
         Factory arguments for the parameters.
     """
@@ -135,13 +135,13 @@ class FactorizedExperts(nn.Module):
         fan_in: int | None = None,
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
+        lazy_optimizer: bool = False,
         max_plans: int = MAX_PLANS,
         memory_limit: int | str | None = None,
         chunk_size: int | None = None,
         recompute: bool = False,
         precontract: bool = True,
         pad_bonds: int | None = PAD_MULTIPLE,
-        lazy_optimizer: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:

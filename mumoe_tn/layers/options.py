@@ -30,6 +30,7 @@ from mumoe_tn.validation import check_bool, check_size
 __all__ = [
     "EXACT",
     "MAX_PLANS",
+    "ExecutionOptions",
     "LayerOptions",
     "Match",
     "block_networks",
@@ -53,9 +54,41 @@ EXACT = "exact"
 MAX_PLANS = 64
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExecutionOptions:
+    """How a layer's factorized layers initialise, plan and run: the part of `LayerOptions` they take.
+
+    Each field is documented in [`LayerOptions`][mumoe_tn.layers.options.LayerOptions];
+    [`keywords`][mumoe_tn.layers.options.ExecutionOptions.keywords] gives them to
+    [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
+    """
+
+    init: str = "auto"
+    expert_noise: Sequence[float] | None = None
+    optimize: Any = "auto"
+    max_plans: int = MAX_PLANS
+    memory_limit: int | str | None = None
+    chunk_size: int | None = None
+    recompute: bool = False
+    precontract: bool = True
+    pad_bonds: int | None = PAD_MULTIPLE
+    lazy_optimizer: bool = False
+
+    @classmethod
+    def of(cls, options: ExecutionOptions) -> ExecutionOptions:
+        """The execution options of ``options`` (a `LayerOptions`), alone."""
+        return cls(**{field.name: getattr(options, field.name) for field in dataclasses.fields(cls)})
+
+    def keywords(self) -> dict[str, Any]:
+        """The keywords of [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts] (the factory aside)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(ExecutionOptions)}
+
+
 @dataclass(frozen=True)
-class LayerOptions:
+class LayerOptions(ExecutionOptions):
     """The options every μMoE layer shares (give them as ``options=`` or as keywords of the layer).
+
+    The execution options (``init`` to ``lazy_optimizer``) are keyword-only.
 
     Attributes
     ----------
@@ -127,16 +160,6 @@ class LayerOptions:
     gate: GateSpec | None = None
     gate_input: str = "normed"
     input_norm: bool = False
-    init: str = "auto"
-    expert_noise: Sequence[float] | None = None
-    optimize: Any = "auto"
-    max_plans: int = MAX_PLANS
-    memory_limit: int | str | None = None
-    chunk_size: int | None = None
-    recompute: bool = False
-    precontract: bool = True
-    pad_bonds: int | None = PAD_MULTIPLE
-    lazy_optimizer: bool = False
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
 
@@ -175,19 +198,7 @@ class LayerOptions:
 
     def expert_options(self) -> dict[str, Any]:
         """The keywords of [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts] (the factory checked)."""
-        return {
-            "init": self.init,
-            "expert_noise": self.expert_noise,
-            "optimize": self.optimize,
-            "max_plans": self.max_plans,
-            "memory_limit": self.memory_limit,
-            "chunk_size": self.chunk_size,
-            "recompute": self.recompute,
-            "precontract": self.precontract,
-            "pad_bonds": self.pad_bonds,
-            "lazy_optimizer": self.lazy_optimizer,
-            **self.factory(),
-        }
+        return {**self.keywords(), **self.factory()}
 
 
 def resolve_network(
