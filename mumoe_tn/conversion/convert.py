@@ -170,7 +170,7 @@ def is_causal_model(model: nn.Module) -> bool:
     Parameters
     ----------
     model : nn.Module
-        Any model.
+        The model whose config and attention modules are read.
 
     Returns
     -------

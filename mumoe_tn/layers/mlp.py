@@ -254,15 +254,9 @@ class MuMoEGatedMLP(_MLPBlock):
 
     Parameters
     ----------
-    in_features, hidden_features : int
-        Input and hidden sizes.
-    out_features : int, optional
-        Output size (default ``in_features``).
-    expert_dims : int or Sequence[int]
-        ``N`` or ``(N_1, …, N_E)``, shared by the three layers.
-    decomposition : str or Format or ExpertNetwork or Callable, optional
-        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE] (a ready network gives the structure and bond
-        sizes; its legs are set to each layer's sizes).
+    in_features, hidden_features, out_features, expert_dims, decomposition
+        As for [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP]: the sizes ``I``, ``H`` and ``O`` (default
+        ``I``), the expert modes and the network shared by the three layers.
     rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
         Ranks of the three layers (with ``match=``: the bonds matching leaves alone); ``"exact"`` as
         for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
