@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 from collections.abc import Sequence
 from typing import Any, Self
@@ -63,8 +65,9 @@ class MuMoEBase(PerThreadRecords):
         Parameters
         ----------
         spec : LayerSpec
-            A spec of this kind of layer (from [`layer_spec`][mumoe_tn.layers.construction.layer_spec] or the
-            class's ``spec``), its fields replaced where wanted (``dataclasses.replace``).
+            A spec of this kind of layer (from [`layer_spec`][mumoe_tn.layers.construction.layer_spec]), its
+            fields replaced where wanted (``dataclasses.replace``). Its ``hidden_activation`` is copied, so
+            layers built from one spec share no module.
 
         Returns
         -------
@@ -85,6 +88,8 @@ class MuMoEBase(PerThreadRecords):
                 f"a spec with the factorized layers {list(spec.roles)} (a {spec.layer}) does not build a "
                 f"{cls.__name__}, whose layers are {list(cls.spec_roles)}"
             )
+        if spec.hidden_activation is not None:
+            spec = dataclasses.replace(spec, hidden_activation=copy.deepcopy(spec.hidden_activation))
         layer = cls.__new__(cls)
         MuMoEBase.__init__(layer)
         layer._build(spec)

@@ -46,6 +46,15 @@ def test_a_layer_from_its_spec_is_the_layer_its_constructor_builds(cls, argument
         assert torch.equal(rebuilt.eval()(x), built.eval()(x))
 
 
+def test_layers_built_from_one_spec_share_no_module():
+    spec = layer_spec(
+        MuMoEMLP, 8, 12, None, 4, "cp", 3, match=None, options=None, keywords={}, hidden_activation=nn.PReLU()
+    )
+    first, second = MuMoEMLP.from_spec(spec), MuMoEMLP.from_spec(spec)
+    assert first.hidden_activation is not second.hidden_activation is not spec.hidden_activation
+    assert isinstance(first.hidden_activation, nn.PReLU)
+
+
 def test_the_spec_is_frozen_and_checked_by_the_class_it_builds():
     spec = layer_spec(MuMoE, 8, None, 6, 4, "cp", 3, match=None, options=None, keywords={})
     with pytest.raises(dataclasses.FrozenInstanceError):
