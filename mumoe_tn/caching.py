@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["DerivedCache", "ModuleState", "module_state", "optimiser_steps", "source_key"]
+__all__ = ["DerivedCache", "DerivedState", "ModuleState", "module_state", "optimiser_steps", "source_key"]
 
 T = TypeVar("T")
 
@@ -158,7 +158,20 @@ def module_state(module: nn.Module) -> ModuleState:
     return ModuleState((tuple(map(id, modules)), tuple(m.training for m in modules), hooks, values), hooked, tensors)
 
 
-class DerivedCache(Generic[T]):
+class DerivedState:
+    """Base of the holders of derived values: a pickle or deep copy carries none (the copy derives its own)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return type(self)()
+
+
+class DerivedCache(DerivedState, Generic[T]):
     """One value derived from some tensors, recomputed only when one of them changes."""
 
     def __init__(self) -> None:
@@ -206,12 +219,3 @@ class DerivedCache(Generic[T]):
         """Forget the value (the next ``get`` recomputes it)."""
         with self._lock:
             self._key, self._alive, self._value = None, (), None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()
-
-    def __deepcopy__(self, memo: dict) -> DerivedCache[T]:
-        return DerivedCache()

@@ -87,20 +87,64 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _load_weight(path: str) -> object:
+    """The tensor or ``nn.Linear`` a ``--weight`` file holds, read as data: checked before anything is allocated.
+
+    The file is read once; a pickle is refused unless it is torch's zip format of uncompressed
+    entries, and its tensors are unpickled onto the meta device and checked (dense, every element
+    stored, no more than the file holds, shapes of a layer) before they are read.
+    """
+    import io
+
     import torch
     from torch import nn
 
+    from mumoe_tn.conversion.files import read_once
+    from mumoe_tn.conversion.storage import check_file_holds, check_pickled_archive
+
     if not Path(path).is_file():
         raise ValueError(f"--weight {path!r}: no such file")
-    loaded = torch.load(path, map_location="cpu", weights_only=True)
+    source = f"--weight {path!r}"
+    data = read_once(Path(path), "--weight").data
+    check_pickled_archive(data, source)
+    for location in ("meta", "cpu"):  # sizes checked on the meta device, then the bytes read
+        try:
+            loaded = torch.load(io.BytesIO(data), map_location=location, weights_only=True)
+        except Exception as error:  # torch raises many kinds for a malformed pickle
+            raise ValueError(f"{source} is not a file torch.save wrote ({type(error).__name__})") from None
+        state = _weight_state(loaded, source)
+        check_file_holds(state, len(data), source)
+    weight = state["weight"]
+    if set(state) == {"weight"} and isinstance(loaded, torch.Tensor):
+        return weight
+    out_features, in_features = weight.shape
+    layer = nn.Linear(in_features, out_features, bias="bias" in state, device="meta", dtype=weight.dtype)
+    layer.weight = nn.Parameter(weight)
+    if "bias" in state:
+        layer.bias = nn.Parameter(state["bias"])
+    return layer
+
+
+def _weight_state(loaded: object, source: str) -> dict[str, object]:
+    """``{"weight": ..., "bias": ...}`` of a ``--weight`` file: a floating tensor, or nn.Linear's state dict."""
+    import torch
+
+    rule = "holds neither a floating tensor nor an nn.Linear state dict (a 2-D weight and, optionally, its bias)"
     if isinstance(loaded, torch.Tensor):
-        return loaded
-    if isinstance(loaded, dict) and isinstance(loaded.get("weight"), torch.Tensor) and loaded["weight"].ndim == 2:
-        out_features, in_features = loaded["weight"].shape
-        layer = nn.Linear(in_features, out_features, bias="bias" in loaded)
-        layer.load_state_dict(loaded)
-        return layer
-    raise ValueError(f"--weight {path!r} holds neither a tensor nor an nn.Linear state dict (weight, bias)")
+        state = {"weight": loaded}
+    elif isinstance(loaded, dict) and set(loaded) in ({"weight"}, {"weight", "bias"}):
+        state = dict(loaded)
+        weight, bias = state["weight"], state.get("bias")
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            raise ValueError(f"{source} {rule}: its weight is not a 2-D tensor")
+        if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != weight.shape[:1]):
+            shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"{source} {rule}: its bias is {shape}, not of shape ({weight.shape[0]},)")
+    else:
+        raise ValueError(f"{source} {rule}")
+    for key, tensor in state.items():
+        if not tensor.is_floating_point():
+            raise ValueError(f"{source} {rule}: its {key} has dtype {tensor.dtype}")
+    return state
 
 
 def run(args: argparse.Namespace) -> int:

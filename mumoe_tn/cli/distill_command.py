@@ -26,6 +26,7 @@ import torch
 from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
 from mumoe_tn.distillation.interruption import DistillationStopped, StopOnSignals
 from mumoe_tn.distillation.paired import paired_against
+from mumoe_tn.distillation.process_shares import joined_process_group, process_checkpoint, process_world
 from mumoe_tn.distillation.replacements import top_k_gate_names
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 
@@ -130,10 +131,12 @@ def checkpoint_steps(every: str | None, batch_size: int) -> int:
 
 
 def resume_command(args: argparse.Namespace) -> str:
-    """The command line that resumes this run: the one given, with ``--resume``."""
+    """The command line that resumes this run: the one given, with ``--resume`` (under torchrun, its own)."""
     words = list(getattr(args, "command_line", None) or sys.argv[1:])
     if "--resume" not in words:
         words.append("--resume")
+    if process_world() is not None:  # torchrun's own options are not this process's to know
+        return "torchrun <the same options> -m mumoe_tn.cli " + shlex.join(words)
     return shlex.join(["mumoe-tn", *words])
 
 
@@ -141,7 +144,7 @@ def _stopped(args: argparse.Namespace, stop: StopOnSignals, reason: str) -> int:
     """Say where the stopped run is kept and how to resume it; the exit status of the signal."""
     name = signal.Signals(stop.signal or signal.SIGINT).name
     print(f"mumoe-tn distill: stopped by {name}: {reason}", file=sys.stderr)
-    if args.checkpoint and Path(args.checkpoint).is_file():
+    if args.checkpoint and process_checkpoint(args.checkpoint).is_file():
         print(f"mumoe-tn distill: resume with: {resume_command(args)}", file=sys.stderr)
     else:
         print("mumoe-tn distill: no checkpoint to resume from (give --checkpoint FILE to keep one)", file=sys.stderr)
@@ -149,7 +152,17 @@ def _stopped(args: argparse.Namespace, stop: StopOnSignals, reason: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the frontier for the parsed arguments, print the table (and save it and the plot)."""
+    """Run the frontier for the parsed arguments, print the table (and save it and the plot).
+
+    Under ``torchrun`` (``WORLD_SIZE`` above 1) the processes join a gloo group and share the
+    distillation (see [`mumoe_tn.distillation.process_shares`][mumoe_tn.distillation.process_shares]);
+    rank 0 evaluates, prints and saves.
+    """
+    with joined_process_group():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     check_plot(args.plot, "plot")
     if importlib.util.find_spec("transformers") is None:
         raise UsageError("distill needs transformers: pip install 'mumoe_tn[hf]'")
@@ -160,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs --checkpoint FILE")
     if args.checkpoint_every is not None and not args.checkpoint:
         raise ValueError("--checkpoint-every needs --checkpoint FILE")
-    if args.resume and not Path(args.checkpoint).is_file():
-        raise ValueError(f"--resume: there is no checkpoint file at {args.checkpoint!r}")
+    if args.resume and not process_checkpoint(args.checkpoint).is_file():
+        raise ValueError(f"--resume: there is no checkpoint file at {str(process_checkpoint(args.checkpoint))!r}")
     every = checkpoint_steps(args.checkpoint_every, config.batch_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, args.threads))
@@ -176,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         return _stopped(args, stop, "at once, on the second signal; the checkpoint is the last one written")
     finally:
         torch.set_num_threads(threads)
+    if table is None:  # a process of rank above 0: rank 0 reports
+        return 0
     if args.plot:
         table.plot(args.plot)
     paired = paired_against(table)

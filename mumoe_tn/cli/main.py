@@ -18,7 +18,7 @@ import importlib
 import re
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from mumoe_tn.cli.arguments import UsageError, closest
@@ -54,18 +54,67 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _LineRefused(Exception):
+    """The line check found an error: the real parse reports it, and nothing is imported."""
+
+
+class _HelpAsked(Exception):
+    """The line asks for help: the modules ``--import`` named before it are imported, then the help printed."""
+
+
+class _LineCheck(_Parser):
+    """The full parser, checking a line before any module it names is imported: it prints nothing, exits never.
+
+    An option's choices are not held to (a module ``--import`` names may register more formats,
+    which the real parse then accepts); everything else is the real parse's.
+    """
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if isinstance(action, argparse._SubParsersAction):  # the command itself: no module adds one
+            super()._check_value(action, value)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _LineRefused(message)
+
+    def print_help(self, file: object = None) -> None:
+        """Nothing: the real parser prints the help, once the modules are imported."""
+
+    def exit(self, status: int = 0, message: str | None = None) -> None:  # type: ignore[override]
+        raise _HelpAsked
+
+
+def _modules_on_line(argv: Sequence[str]) -> list[str]:
+    """The modules the line's ``--import`` options name, as the full parser reads the whole line.
+
+    Empty if the line is refused: a value that is another option (``--title --import=MODULE``), an
+    unknown option, a missing argument (an abbreviation such as ``--imp`` counts only where the
+    full parser reads it as ``--import``). With ``--help``, those named before it.
+    """
+    named: list[str] = []
+
+    def record(module: str) -> str:
+        named.append(module)
+        return module
+
+    try:
+        args = build_parser(parser_class=_LineCheck, record=record).parse_args(list(argv))
+    except _HelpAsked:
+        return named
+    except _LineRefused:
+        return []
+    return list(args.modules)
+
+
 def _load_user_formats(argv: Sequence[str]) -> None:
-    """Import the modules that register user formats: every ``--import MODULE``, then the entry points.
+    """Import the modules that register user formats: the entry points, then every ``--import MODULE``.
 
     Runs before the full parser is built, so registered formats appear in ``--help`` and are
-    accepted by ``--decompositions``. A module that cannot be imported ends the command with one
-    line naming it.
+    accepted by ``--decompositions``. A module is imported only once the full parser has read the
+    whole line (choices aside) and found it the value of an ``--import`` option. A module that
+    cannot be imported ends the command with one line naming it.
     """
     from importlib.metadata import entry_points
 
-    early = argparse.ArgumentParser(add_help=False)
-    early.add_argument("--import", dest="modules", action="append", default=[])
-    known, _ = early.parse_known_args(list(argv))
     for point in entry_points(group=FORMATS_ENTRY_POINTS):
         try:
             point.load()
@@ -73,21 +122,33 @@ def _load_user_formats(argv: Sequence[str]) -> None:
             raise UsageError(
                 f"the {FORMATS_ENTRY_POINTS} entry point {point.name!r} ({point.value}) failed: {error}"
             ) from None
-    for module in known.modules:
+    for module in _modules_on_line(argv):
         try:
             importlib.import_module(module)
         except Exception as error:
             raise UsageError(f"--import {module}: cannot import it ({type(error).__name__}: {error})") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``mumoe-tn`` parser: the global options and one sub-parser per command module."""
-    parser = _Parser(prog="mumoe-tn", description="Multilinear mixture-of-experts tools.")
+def build_parser(
+    *, parser_class: type[argparse.ArgumentParser] = _Parser, record: Callable[[str], str] | None = None
+) -> argparse.ArgumentParser:
+    """The ``mumoe-tn`` parser: the global options and one sub-parser per command module.
+
+    Parameters
+    ----------
+    parser_class : type, optional
+        The class of the parser and of its sub-parsers.
+    record : callable, optional
+        Called with each ``--import`` value as the parser reads it (it returns the value).
+    """
+    parser = parser_class(prog="mumoe-tn", description="Multilinear mixture-of-experts tools.")
+    module_name = record or str
     parser.add_argument(
         "--import",
         dest="modules",
         action="append",
         default=[],
+        type=module_name,
         metavar="MODULE",
         help=(
             "import MODULE first, e.g. the module that registers your own formats (repeatable); packages "
@@ -100,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
         module.configure(command)
         command.add_argument(
-            "--import", dest="modules", action="append", default=argparse.SUPPRESS, metavar="MODULE",
-            help="import MODULE first (as before the command)",
+            "--import", dest="modules", action="append", default=argparse.SUPPRESS, type=module_name,
+            metavar="MODULE", help="import MODULE first (as before the command)",
         )  # fmt: skip
     return parser
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from mumoe_tn.contractions.inference_plan import constant_steps, per_call_cost, per_call_fma, plan_inference
 from mumoe_tn.contractions.plan import (
     OPTIMIZERS,
     ContractionPlan,
@@ -16,15 +17,11 @@ from mumoe_tn.contractions.plan import (
     candidate_plans,
     check_memory_limit,
     choose_plan,
-    constant_steps,
     forward_candidates,
     memory_bound,
-    per_call_cost,
-    per_call_fma,
     plan_contraction,
     plan_dense,
     plan_forward,
-    plan_inference,
     resolve_optimizer,
 )
 

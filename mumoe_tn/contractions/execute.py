@@ -90,7 +90,7 @@ def constant_intermediates(
         The first ``len(operands)`` operands of the plan (e.g. the cores).
     steps : Collection of int
         Step indices whose inputs descend from ``operands`` only, as given by
-        [`mumoe_tn.contractions.plan.constant_steps`][mumoe_tn.contractions.plan.constant_steps].
+        [`mumoe_tn.contractions.inference_plan.constant_steps`][mumoe_tn.contractions.inference_plan.constant_steps].
 
     Returns
     -------

@@ -34,19 +34,32 @@ Every finder ``"auto"`` asks is deterministic (see ``mumoe_tn.contractions.searc
 the same network, shapes and optimizer give the same plan in every process, and
 [`ContractionPlan.to_dict`][mumoe_tn.contractions.plan.ContractionPlan.to_dict] /
 [`from_dict`][mumoe_tn.contractions.plan.ContractionPlan.from_dict] carry a plan to another process as it is.
+
+Planning time is bounded by the network's size: every path search is first given an expected
+effort, counted from the operands, their labels and sizes (``mumoe_tn.contractions.effort``), and
+runs only within its bound. ``"auto"`` leaves a search beyond its bound out of its candidates; a
+named optimizer beyond its bound (``"optimal"`` over more than 8 operands, ``"dp"`` on a densely
+bonded network, …) is replaced by the greedy path. Either way the plan's ``note`` says which search
+was left out and why, and its ``repr`` (as ``mumoe-tn plan`` prints it) shows the note.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-import string
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
-from mumoe_tn.contractions.search import PEAK_FACTOR, candidate_paths, find_path
+from mumoe_tn.contractions.plan_inputs import (
+    check_labels,
+    check_memory_limit,
+    check_path,
+    einsum_equation,
+    limit_elements,
+)
+from mumoe_tn.contractions.search import PEAK_FACTOR, bounded_candidates, bounded_path
 from mumoe_tn.network import BATCH_LABEL, ExpertNetwork
 
 __all__ = [
@@ -57,18 +70,12 @@ __all__ = [
     "candidate_plans",
     "check_memory_limit",
     "choose_plan",
-    "constant_elements",
-    "constant_steps",
     "einsum_equation",
     "forward_candidates",
     "memory_bound",
-    "per_call_cost",
-    "per_call_fma",
-    "per_call_peak",
     "plan_contraction",
     "plan_dense",
     "plan_forward",
-    "plan_inference",
     "resolve_optimizer",
 ]
 
@@ -100,9 +107,8 @@ SIZE_AWARE = ("auto", "autotune")
 PEAK_SLACK = 1.5
 #: Version of the dictionaries written by `ContractionPlan.to_dict`.
 PLAN_FORMAT = 1
-
-#: torch.einsum accepts only these subscripts: symbols are assigned per pairwise step.
-EINSUM_SYMBOLS = string.ascii_letters
+#: Longest note a saved plan may carry.
+MAX_NOTE_CHARS = 4096
 
 Labels = tuple[str, ...]
 
@@ -158,6 +164,9 @@ class ContractionPlan:
         The pairwise (or single-operand) steps in execution order.
     path : tuple of tuple of int
         The opt_einsum path the steps follow.
+    note : str
+        Why a path search asked for was not run (its expected effort was above its bound, see
+        ``mumoe_tn.contractions.effort``), or ``""``. Not part of the plan's identity.
     """
 
     inputs: tuple[Labels, ...]
@@ -165,6 +174,7 @@ class ContractionPlan:
     sizes: Mapping[str, int]
     steps: tuple[ContractionStep, ...]
     path: tuple[tuple[int, ...], ...]
+    note: str = field(default="", compare=False)
 
     @property
     def fma(self) -> int:
@@ -189,6 +199,7 @@ class ContractionPlan:
             "sizes": {label: int(size) for label, size in self.sizes.items()},
             "path": [list(step) for step in self.path],
             "steps": [{"positions": list(step.positions), "output": list(step.output)} for step in self.steps],
+            **({"note": self.note} if self.note else {}),
         }
 
     @classmethod
@@ -223,8 +234,8 @@ class ContractionPlan:
                      for step in data["steps"]]  # fmt: skip
         except (TypeError, ValueError, KeyError) as problem:
             raise ValueError(f"a saved plan has malformed entries: {problem}") from None
-        _check_labels(inputs, output, sizes)
-        _check_path(path, len(inputs))
+        check_labels(inputs, output, sizes)
+        check_path(path, len(inputs))
         if len(steps) != len(path) or any(set(p) != set(q) for (p, _), q in zip(steps, path, strict=False)):
             raise ValueError(f"a saved plan's steps {[p for p, _ in steps]} do not follow its path {path}")
         current = list(inputs)
@@ -240,12 +251,16 @@ class ContractionPlan:
             current.append(result)
         if laid_out[-1].output != output:
             raise ValueError(f"a saved plan ends in {laid_out[-1].output}, not the output {output}")
-        return cls(inputs, output, dict(sizes), tuple(laid_out), path)
+        note = data.get("note", "")
+        if not isinstance(note, str) or len(note) > MAX_NOTE_CHARS:
+            raise ValueError(f"a saved plan's note must be a string of at most {MAX_NOTE_CHARS} characters")
+        return cls(inputs, output, dict(sizes), tuple(laid_out), path, note)
 
     def __repr__(self) -> str:
         output = " ".join("…" if x == BATCH_LABEL else x for x in self.output)
         lines = [f"ContractionPlan({len(self.inputs)} operands -> ({output}), {self.fma:,} FMA)"]
         lines += [f"  {k}: {step.describe()}  {step.fma:,} FMA" for k, step in enumerate(self.steps)]
+        lines += [f"  note: {line}" for line in self.note.splitlines()]
         return "\n".join(lines)
 
 
@@ -283,61 +298,6 @@ def resolve_optimizer(optimize: Any) -> Any:
     if isinstance(optimize, Sequence) and not isinstance(optimize, bytes | bytearray):
         return tuple(tuple(step) if isinstance(step, Sequence) else step for step in optimize)
     raise TypeError(f"optimize must be an optimizer name, an optimizer object or a path, got {optimize!r}")
-
-
-def _check_path(path: Sequence[Any], n_operands: int) -> tuple[tuple[int, ...], ...]:
-    """Check an explicit path against the operand count; return it as tuples of ints."""
-    remaining = n_operands
-    checked = []
-    for number, step in enumerate(path):
-        if (
-            not isinstance(step, tuple)
-            or not step
-            or not all(isinstance(k, int) and not isinstance(k, bool) for k in step)
-            or len(set(step)) != len(step)
-        ):
-            raise ValueError(
-                f"explicit path step {number} must be a non-empty tuple of distinct int positions, got {step!r}"
-            )
-        if not all(0 <= k < remaining for k in step):
-            raise ValueError(
-                f"explicit path step {number} {step!r} refers to a position outside 0..{remaining - 1} "
-                f"(the operand list has {remaining} entries at that step)"
-            )
-        remaining -= len(step) - 1
-        checked.append(step)
-    if remaining != 1 or not checked:
-        raise ValueError(
-            f"explicit path {tuple(path)!r} leaves {remaining} operand(s) of {n_operands}; "
-            "a path must contract every operand into one result"
-        )
-    return tuple(checked)
-
-
-def einsum_equation(operands: Sequence[Labels], result: Labels) -> str:
-    """A ``torch.einsum`` equation for labelled operands, with symbols assigned per call (a-z, A-Z).
-
-    Parameters
-    ----------
-    operands : Sequence of tuple of str
-        Labels of each operand.
-    result : tuple of str
-        Labels of the result.
-
-    Returns
-    -------
-    str
-        E.g. ``"ab,bc->ac"``; a ``ValueError`` when more than 52 distinct labels meet.
-    """
-    labels = list(dict.fromkeys((*(x for labels in operands for x in labels), *result)))
-    if len(labels) > len(EINSUM_SYMBOLS):
-        raise ValueError(
-            f"a contraction step joins {len(labels)} distinct labels but torch.einsum accepts at most "
-            f"{len(EINSUM_SYMBOLS)} per call: {labels}"
-        )
-    symbol = dict(zip(labels, EINSUM_SYMBOLS, strict=False))
-    equation = ",".join("".join(symbol[x] for x in labels) for labels in operands)
-    return equation + "->" + "".join(symbol[x] for x in result)
 
 
 def _layout(
@@ -378,31 +338,6 @@ def _step(
     return ContractionStep(positions, einsum_equation(operands, result), result, factor * _size(union, sizes), operands)
 
 
-def check_memory_limit(memory_limit: object) -> int | str | None:
-    """``memory_limit`` checked: None, a positive int (elements) or ``"max_input"`` (the largest operand).
-
-    Raises
-    ------
-    ValueError
-        For anything else, quoting it.
-    """
-    if memory_limit is None or memory_limit == "max_input":
-        return memory_limit  # type: ignore[return-value]
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 1:
-        raise ValueError(
-            "memory_limit must be None, a positive int (elements of the largest intermediate) or 'max_input', "
-            f"got {memory_limit!r}"
-        )
-    return memory_limit
-
-
-def _limit_elements(memory_limit: object, inputs: Sequence[Labels], sizes: Mapping[str, int]) -> int | None:
-    """``memory_limit`` as an element count (None: no limit)."""
-    if check_memory_limit(memory_limit) == "max_input":
-        return max(_size(labels, sizes) for labels in inputs)
-    return memory_limit  # type: ignore[return-value]
-
-
 def memory_bound(
     plans: Sequence[ContractionPlan],
     memory_limit: int | str | None = None,
@@ -429,7 +364,7 @@ def memory_bound(
         Elements.
     """
     first = plans[0]
-    limit = _limit_elements(memory_limit, first.inputs, first.sizes)
+    limit = limit_elements(memory_limit, first.inputs, first.sizes)
     if limit is not None:
         return max(limit, _size(first.output, first.sizes))  # the result is allocated whatever the path
     peak = peak or (lambda plan: plan.largest_intermediate)
@@ -487,18 +422,6 @@ def choose_plan(
     return min(fitting, key=lambda plan: (fma(plan), peak(plan)))
 
 
-def _check_labels(inputs: tuple[Labels, ...], output: Labels, sizes: Mapping[str, int]) -> None:
-    if not inputs:
-        raise ValueError("a contraction needs at least one operand")
-    for labels in (*inputs, output):
-        for label in labels:
-            if label not in sizes:
-                raise ValueError(f"label {label!r} has no size; sizes are given for {sorted(sizes)}")
-    missing = set(output) - {x for labels in inputs for x in labels}
-    if missing:
-        raise ValueError(f"output labels {sorted(missing)} appear in no operand")
-
-
 def candidate_plans(
     inputs: Sequence[Sequence[str]],
     output: Sequence[str],
@@ -531,13 +454,15 @@ def candidate_plans(
     """
     inputs = tuple(tuple(labels) for labels in inputs)
     output = tuple(output)
-    _check_labels(inputs, output, sizes)
+    check_labels(inputs, output, sizes)
     plans, problems = [], []
-    limit = _limit_elements(memory_limit, inputs, sizes)
-    found = candidate_paths(inputs, output, sizes, thorough=thorough, memory_limit=limit, smallest_peak=smallest_peak)
+    limit = limit_elements(memory_limit, inputs, sizes)
+    found, notes = bounded_candidates(
+        inputs, output, sizes, thorough=thorough, memory_limit=limit, smallest_peak=smallest_peak
+    )
     for path in found:
         try:
-            plans.append(_layout(inputs, output, sizes, path, lead))
+            plans.append(replace(_layout(inputs, output, sizes, path, lead), note=_left_out(notes)))
         except ValueError as problem:  # a step torch.einsum cannot express; other paths may do
             problems.append(problem)
     if not plans:
@@ -593,53 +518,17 @@ def plan_contraction(
             inputs, output, sizes, lead=lead, memory_limit=memory_limit, smallest_peak=smallest_peak
         )
         return choose_plan(plans, memory_limit)
-    _check_labels(inputs, output, sizes)
+    check_labels(inputs, output, sizes)
     check_memory_limit(memory_limit)
+    note = ""
     if isinstance(optimizer, tuple):
-        path = _check_path(optimizer, len(inputs))
+        path = check_path(optimizer, len(inputs))
     else:
-        path = find_path(inputs, output, sizes, optimizer)
-    plan = _layout(inputs, output, sizes, path, lead)
+        path, note = bounded_path(inputs, output, sizes, optimizer)
+    plan = replace(_layout(inputs, output, sizes, path, lead), note=note)
     if memory_limit is not None:
         choose_plan([plan], memory_limit)  # refuses a path beyond the limit
     return plan
-
-
-def constant_steps(plan: ContractionPlan, n_constant: int) -> frozenset[int]:
-    """Indices of the steps whose inputs descend only from the first ``n_constant`` operands.
-
-    With the cores first (as in [`plan_forward`][mumoe_tn.contractions.plan.plan_forward]), these are the parameter-only
-    sub-contractions that inference can compute once and reuse.
-
-    Parameters
-    ----------
-    plan : ContractionPlan
-        The plan.
-    n_constant : int
-        How many leading operands are constant.
-
-    Returns
-    -------
-    frozenset of int
-    """
-    constant = [k < n_constant for k in range(len(plan.inputs))]
-    found = set()
-    for number, step in enumerate(plan.steps):
-        flags = [constant.pop(k) for k in step.positions]
-        constant.append(all(flags))
-        if all(flags):
-            found.add(number)
-    return frozenset(found)
-
-
-def constant_elements(plan: ContractionPlan, steps: frozenset[int]) -> int:
-    """Elements held by the cached results of ``steps``."""
-    return sum(_size(plan.steps[number].output, plan.sizes) for number in steps)
-
-
-def per_call_fma(plan: ContractionPlan, steps: frozenset[int]) -> int:
-    """FMAs of a call that reuses the results of ``steps``."""
-    return sum(step.fma for number, step in enumerate(plan.steps) if number not in steps)
 
 
 def _check_batch(batch_size: object) -> int:
@@ -743,120 +632,9 @@ def autotune_candidates(
     chosen = [plan for plan in plans if plan.fma <= AUTOTUNE_FMA_SLACK * cheapest][:AUTOTUNE_CANDIDATES]
     found: dict[tuple[ContractionStep, ...], ContractionPlan] = {}
     for plan in chosen:
-        for variant in (plan, _layout(plan.inputs, plan.output, plan.sizes, plan.path, None)):
+        for variant in (plan, replace(_layout(plan.inputs, plan.output, plan.sizes, plan.path, None), note=plan.note)):
             found.setdefault(variant.steps, variant)
     return list(found.values())
-
-
-#: Batch multipliers at which inference planning also searches: at a larger batch the finders
-#: favour contracting the cores among themselves, which inference pays only once.
-INFERENCE_SCALES = (1, 1 << 16)
-#: Cached core-only intermediates may always hold this many elements (4 MiB in float32).
-INFERENCE_CACHE_ELEMENTS = 1 << 20
-#: What inference planning charges for each step a call runs, in FMAs: a step is one kernel launch,
-#: whose fixed cost (a few µs of dispatch on a CPU, a launch on an accelerator) is what a core
-#: spends on about this many FMAs in the small products of a small batch. At small batch it makes
-#: the planner take fewer, larger per-call products (see ``docs/maths.md``); at large batch FMAs rule.
-LAUNCH_FMA = 1 << 16
-
-
-def per_call_cost(plan: ContractionPlan, steps: frozenset[int], launch_fma: int = LAUNCH_FMA) -> int:
-    """What inference planning minimises: FMAs per call plus ``launch_fma`` per step a call runs.
-
-    Parameters
-    ----------
-    plan : ContractionPlan
-        The plan.
-    steps : frozenset of int
-        Its core-only steps, computed once and reused.
-    launch_fma : int, optional
-        The fixed cost of one step, in FMAs (default [`LAUNCH_FMA`][mumoe_tn.contractions.plan]; 0 counts FMAs alone).
-
-    Returns
-    -------
-    int
-    """
-    return per_call_fma(plan, steps) + launch_fma * (len(plan.steps) - len(steps))
-
-
-def plan_inference(
-    network: ExpertNetwork,
-    batch_size: int,
-    *,
-    max_cached: int | None = None,
-    memory_limit: int | str | None = None,
-    launch_fma: int = LAUNCH_FMA,
-) -> tuple[ContractionPlan, frozenset[int]]:
-    """Plan the forward pass for constant cores: cheapest call, core-only steps free.
-
-    A call costs its FMAs plus [`LAUNCH_FMA`][mumoe_tn.contractions.plan] per step it runs
-    ([`per_call_cost`][mumoe_tn.contractions.plan.per_call_cost]): at a small batch a plan that
-    reuses a larger core-only intermediate and runs one step fewer wins, at a large batch the
-    fewest FMAs.
-
-    Parameters
-    ----------
-    network : ExpertNetwork
-        The decomposition.
-    batch_size : int
-        Rows of the flattened batch.
-    max_cached : int, optional
-        Most elements the cached core-only intermediates may hold (default: the larger of
-        4 × the network's parameter count and [`INFERENCE_CACHE_ELEMENTS`][mumoe_tn.contractions.plan]). Plans that
-        would cache more are counted without caching.
-    memory_limit : int or "max_input", optional
-        Most elements an intermediate computed per call may hold (see
-        [`choose_plan`][mumoe_tn.contractions.plan.choose_plan]; the cached core-only results are bounded by
-        ``max_cached``).
-    launch_fma : int, optional
-        What a step a call runs costs, in FMAs (default [`LAUNCH_FMA`][mumoe_tn.contractions.plan];
-        0: the fewest FMAs per call).
-
-    Returns
-    -------
-    plan : ContractionPlan
-        The plan (its ``fma`` counts every step).
-    constant : frozenset of int
-        The core-only steps to compute once (see [`constant_steps`][mumoe_tn.contractions.plan.constant_steps]); a call
-        then costs [`per_call_fma`][mumoe_tn.contractions.plan.per_call_fma] FMAs.
-    """
-    batch_size = _check_batch(batch_size)
-    limit = max(4 * network.n_params, INFERENCE_CACHE_ELEMENTS) if max_cached is None else max_cached
-    inputs, output = network.forward_equation()
-    inputs = tuple(tuple(labels) for labels in inputs)
-    output = tuple(output)
-    sizes = {**network.sizes, BATCH_LABEL: batch_size}
-    found: list[tuple[ContractionPlan, frozenset[int]]] = []
-    for scale in INFERENCE_SCALES:
-        scaled = {**sizes, BATCH_LABEL: batch_size * scale}
-        bound = _limit_elements(memory_limit, inputs, sizes) if scale == 1 else None
-        for path in candidate_paths(inputs, output, scaled, memory_limit=bound):
-            try:
-                plan = _layout(inputs, output, sizes, path, BATCH_LABEL)
-            except ValueError:
-                continue
-            steps = constant_steps(plan, len(network.cores))
-            if constant_elements(plan, steps) > limit:
-                steps = frozenset()
-            found.append((plan, steps))
-    if not found:
-        return plan_forward(network, batch_size, memory_limit=memory_limit), frozenset()
-    cached = {id(plan): steps for plan, steps in found}
-    chosen = choose_plan(
-        [plan for plan, _ in found],
-        memory_limit,
-        peak=lambda plan: per_call_peak(plan, cached[id(plan)]),
-        fma=lambda plan: (
-            per_call_cost(plan, cached[id(plan)], launch_fma),
-            constant_elements(plan, cached[id(plan)]),
-        ),
-    )
-    return chosen, cached[id(chosen)]
-
-
-def per_call_peak(plan: ContractionPlan, steps: frozenset[int]) -> int:
-    """Elements of the largest intermediate a call computes when the results of ``steps`` are reused."""
-    return max((_size(step.output, plan.sizes) for k, step in enumerate(plan.steps) if k not in steps), default=0)
 
 
 @lru_cache(maxsize=128)
@@ -871,6 +649,11 @@ def plan_dense(network: ExpertNetwork, optimize: Any = "auto") -> ContractionPla
         return _cached_dense_plan(network, optimize)
     inputs, output = network.dense_equation()
     return plan_contraction(inputs, output, network.sizes, optimize)
+
+
+def _left_out(notes: Sequence[str]) -> str:
+    """The note of a plan chosen among candidates when some finders were left out for their effort."""
+    return "\n".join(f"left out {note}" for note in notes)
 
 
 def _size(labels: Sequence[str] | set[str], sizes: Mapping[str, int]) -> int:

@@ -3,23 +3,39 @@
 A layer plans once per batch-size bucket. Writing its plans down lets them travel with a
 checkpoint, or be computed on one process of a distributed job and broadcast to the others, so
 that every process runs the same steps (same rounding, same memory) without searching again.
+
+A saved plan is data, and its order of steps decides how much memory a call allocates: every plan
+read back is checked against a memory bound before it is kept. With the layer's ``memory_limit``
+the bound is that limit (or the result's size, if larger), as for planning. Without it, the bound
+is the larger of `PEAK_FACTOR` × the largest operand or result and `LOADED_PEAK_FACTOR` × the
+largest intermediate of the greedy path: every plan ``"auto"`` makes keeps within
+``max(PEAK_FACTOR × held, PEAK_SLACK × that)``, so the layer's own plans always load. An inference
+plan is checked on the intermediates a call computes, and the core-only results it caches on the
+bound of ``plan_inference`` (the larger of 4 × the parameters and ``INFERENCE_CACHE_ELEMENTS``).
+A plan beyond its bound is refused with a ``ValueError`` naming the plan, the step and the sizes,
+and nothing is loaded: a plan that slipped past would allocate the excess at the first call.
 This module does not import torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mumoe_tn.contractions.plan import ContractionPlan, constant_steps
+from mumoe_tn.contractions.inference_plan import INFERENCE_CACHE_ELEMENTS, constant_elements, constant_steps
+from mumoe_tn.contractions.plan import ContractionPlan, memory_bound, plan_contraction
+from mumoe_tn.contractions.search import PEAK_FACTOR
 from mumoe_tn.network import BATCH_LABEL, ExpertNetwork
 
-__all__ = ["PLAN_KINDS", "SAVED_PLANS_FORMAT", "read_plans", "write_plans"]
+__all__ = ["LOADED_PEAK_FACTOR", "PLAN_KINDS", "SAVED_PLANS_FORMAT", "loaded_plan_bound", "read_plans", "write_plans"]
 
 #: The kinds of plan a layer keeps: the forward pass, and inference with core-only steps reused.
 PLAN_KINDS = ("train", "inference")
 #: Version of the dictionaries written by `write_plans`.
 SAVED_PLANS_FORMAT = 1
+#: Without a ``memory_limit``, a loaded plan's intermediates may reach this multiple of the greedy path's largest.
+LOADED_PEAK_FACTOR = 8
 
 Entry = tuple[str, int, ContractionPlan, frozenset[int] | None]
 
@@ -48,11 +64,14 @@ def write_plans(network: ExpertNetwork, entries: Iterable[Entry]) -> dict[str, A
     return {"format": SAVED_PLANS_FORMAT, "network": network.to_spec(), "plans": plans}
 
 
-def read_plans(network: ExpertNetwork, saved: Mapping[str, Any]) -> list[Entry]:
+def read_plans(
+    network: ExpertNetwork, saved: Mapping[str, Any], *, memory_limit: int | str | None = None
+) -> list[Entry]:
     """Check saved plans against ``network`` and return them as ``(kind, batch, plan, constant)``.
 
     Every plan must contract ``network``'s forward equation at its batch size with the network's
-    sizes; inference plans may reuse only core-only steps.
+    sizes; inference plans may reuse only core-only steps; every plan must keep within the memory
+    bound of `loaded_plan_bound` (see the module's text).
 
     Parameters
     ----------
@@ -60,6 +79,8 @@ def read_plans(network: ExpertNetwork, saved: Mapping[str, Any]) -> list[Entry]:
         The layer's network.
     saved : Mapping[str, Any]
         A dict from `write_plans` (e.g. read back from JSON).
+    memory_limit : int or "max_input", optional
+        The layer's ``memory_limit`` (default None: the bound relative to the greedy path).
 
     Returns
     -------
@@ -93,8 +114,73 @@ def read_plans(network: ExpertNetwork, saved: Mapping[str, Any]) -> list[Entry]:
                 raise ValueError(
                     f"saved inference plan {number} reuses steps {sorted(constant)} that involve the input"
                 )
+        _check_memory(network, number, kind, batch, plan, constant or frozenset(), memory_limit)
         found.append((kind, batch, plan, constant))
     return found
+
+
+def loaded_plan_bound(network: ExpertNetwork, batch: int, memory_limit: int | str | None = None) -> int:
+    """The most elements an intermediate of a loaded plan of ``network`` at ``batch`` may hold.
+
+    Parameters
+    ----------
+    network : ExpertNetwork
+        The layer's network.
+    batch : int
+        The plan's batch-size bucket.
+    memory_limit : int or "max_input", optional
+        The layer's ``memory_limit``: the bound is that limit, or the result's size if larger.
+        Default: the larger of `PEAK_FACTOR` × the largest operand or result and
+        `LOADED_PEAK_FACTOR` × the greedy path's largest intermediate.
+
+    Returns
+    -------
+    int
+        Elements.
+    """
+    inputs, output = network.forward_equation()
+    sizes = {**network.sizes, BATCH_LABEL: batch}
+    greedy = plan_contraction(inputs, output, sizes, "greedy", lead=BATCH_LABEL)
+    if memory_limit is not None:
+        return memory_bound([greedy], memory_limit)
+    held = max(math.prod(sizes[x] for x in labels) for labels in (*inputs, output))
+    return max(PEAK_FACTOR * held, LOADED_PEAK_FACTOR * greedy.largest_intermediate)
+
+
+def _check_memory(
+    network: ExpertNetwork,
+    number: int,
+    kind: str,
+    batch: int,
+    plan: ContractionPlan,
+    constant: frozenset[int],
+    memory_limit: int | str | None,
+) -> None:
+    """Refuse a saved plan whose per-call intermediates or cached results exceed their bounds."""
+    cache = max(4 * network.n_params, INFERENCE_CACHE_ELEMENTS)
+    if constant and constant_elements(plan, constant) > cache:
+        raise ValueError(
+            f"saved inference plan {number} (batch {batch}) caches {constant_elements(plan, constant):,} elements "
+            f"of core-only results, above the bound of {cache:,} (4x the parameters, at least "
+            f"{INFERENCE_CACHE_ELEMENTS:,}); plan this layer afresh rather than load it"
+        )
+    bound = loaded_plan_bound(network, batch, memory_limit)
+    for step_number, step in enumerate(plan.steps):
+        if step_number in constant:
+            continue
+        elements = math.prod(plan.sizes[x] for x in step.output)
+        if elements > bound:
+            rule = (
+                f"memory_limit={memory_limit!r}"
+                if memory_limit is not None
+                else f"{PEAK_FACTOR}x the largest operand or result, or {LOADED_PEAK_FACTOR}x the largest "
+                "intermediate of the greedy path"
+            )
+            raise ValueError(
+                f"saved {kind} plan {number} (batch {batch}) step {step_number} {step.describe()} makes an "
+                f"intermediate of {elements:,} elements, above the bound of {bound:,} ({rule}); "
+                "plan this layer afresh rather than load it"
+            )
 
 
 def _keys(saved: object) -> str:

@@ -33,6 +33,10 @@ where every path without outer products builds a ``batch × R^(E+1)`` intermedia
 only then because its search time explodes on networks with many free legs (a chain of 14
 matrices each keeping a leg: 35 s), where the other candidates already fit.
 
+Each finder runs only where its expected effort, counted from the network before it runs, is
+within its bound (see ``mumoe_tn.contractions.effort``); `bounded_candidates` says which finders
+it left out. On densely bonded networks (a clique of cores) that leaves the greedy paths.
+
 Every finder is deterministic: the same network, shapes and optimizer give the same path in
 every process (see [`find_path`][mumoe_tn.contractions.search.find_path]: labels are handed to
 opt_einsum as ints, whose set order does not depend on the process's string hashing; the
@@ -49,6 +53,8 @@ from collections.abc import Mapping, Sequence
 
 import opt_einsum
 
+from mumoe_tn.contractions.effort import search_refusal
+
 __all__ = [
     "BOUNDED_DP_MAX_OPERANDS",
     "BOUNDED_DP_OUTER_MAX_OPERANDS",
@@ -59,6 +65,8 @@ __all__ = [
     "PEAK_FACTOR",
     "RANDOM_GREEDY_REPEATS",
     "SIZE_DP_MAX_OPERANDS",
+    "bounded_candidates",
+    "bounded_path",
     "candidate_paths",
     "find_path",
 ]
@@ -237,24 +245,76 @@ def candidate_paths(
     -------
     list of tuple of tuple of int
         Paths in opt_einsum's convention (positions popped, result appended), without
-        duplicates, in the order the finders were asked.
+        duplicates, in the order the finders were asked. A finder whose expected effort is above
+        its bound (see ``mumoe_tn.contractions.effort``) is not asked; `bounded_candidates` also
+        says which.
+    """
+    return bounded_candidates(
+        inputs, output, sizes, thorough=thorough, memory_limit=memory_limit, smallest_peak=smallest_peak
+    )[0]
+
+
+def bounded_candidates(
+    inputs: Sequence[Sequence[str]],
+    output: Sequence[str],
+    sizes: Mapping[str, int],
+    *,
+    thorough: bool = False,
+    memory_limit: int | None = None,
+    smallest_peak: bool = True,
+) -> tuple[list[Path], tuple[str, ...]]:
+    """`candidate_paths`, and why each finder left out for its effort was left out.
+
+    Returns
+    -------
+    paths : list of tuple of tuple of int
+        As `candidate_paths`.
+    notes : tuple of str
+        One line per finder not asked (see ``mumoe_tn.contractions.effort.search_refusal``).
     """
     inputs = [tuple(labels) for labels in inputs]
     output = tuple(output)
     found: list[Path] = []
+    notes: list[str] = []
+
+    def ask(operands: list[Labels], optimizer: object, limit: int | None = None, minimize_peak: bool = False) -> Path:
+        """The path ``optimizer`` finds on ``operands``, or () where its effort is above its bound."""
+        if optimizer == "greedy":
+            return find_path(operands, output, sizes, optimizer, limit)
+        known = [p for p in found if p] or [find_path(operands, output, sizes, "greedy")]
+        costs = [_costs(operands, output, sizes, p) for p in known]
+        most = min(peak for _, peak in costs) if minimize_peak else min(fma for fma, _ in costs)
+        refusal = search_refusal(optimizer, operands, output, sizes, most_cost=most, memory_limit=limit)
+        if refusal is not None:
+            notes.append(refusal)
+            return ()
+        return find_path(operands, output, sizes, optimizer, limit)
+
     absorbed, rest = _absorb_two_leg_operands(inputs, output)
     # Large networks: the randomised searches run on what is left after absorbing (faster, and
     # better on the networks tried), or on the whole network when nothing can be absorbed.
     for optimizer in _optimizers(len(inputs), thorough, randomised=not absorbed or len(rest) <= 1):
-        found.append(find_path(inputs, output, sizes, optimizer))
+        found.append(ask(inputs, optimizer))
+    found = [path for path in found if path]
     if absorbed:
         rest_finders: list[object] = ["greedy"]
         if len(rest) <= ABSORBED_DP_MAX_OPERANDS:
             rest_finders.append(opt_einsum.paths.DynamicProgramming(search_outer=True))
         elif len(inputs) > DP_MAX_OPERANDS:
             rest_finders += _random_greedy()
+        rest_paths: list[Path] = []
         for optimizer in rest_finders:
-            found.append(absorbed + find_path(rest, output, sizes, optimizer) if len(rest) > 1 else absorbed)
+            if len(rest) <= 1 or optimizer == "greedy":
+                rest_paths.append(find_path(rest, output, sizes, optimizer) if len(rest) > 1 else ())
+                continue
+            known = rest_paths[:1] or [find_path(rest, output, sizes, "greedy")]
+            most = _costs(rest, output, sizes, known[0])[0]
+            refusal = search_refusal(optimizer, rest, output, sizes, most_cost=most)
+            if refusal is not None:
+                notes.append(refusal)
+                continue
+            rest_paths.append(find_path(rest, output, sizes, optimizer))
+        found += [absorbed + path for path in rest_paths]
     bound = _bound(inputs, output, sizes, memory_limit)
     cheapest = min(found, key=lambda path: _costs(inputs, output, sizes, path)[0])
     if _peak(inputs, output, sizes, cheapest) > bound:
@@ -263,7 +323,7 @@ def candidate_paths(
         limit = BOUNDED_DP_MAX_OPERANDS if _has_hyperedge(inputs, output) else BOUNDED_DP_PAIRWISE_MAX_OPERANDS
         if len(inputs) <= limit:
             try:
-                found.append(find_path(inputs, output, sizes, opt_einsum.paths.DynamicProgramming(), bound))
+                found.append(ask(inputs, opt_einsum.paths.DynamicProgramming(), bound))
             except RuntimeError:  # no path without outer products fits
                 pass
     if DP_OUTER_MAX_OPERANDS < len(inputs) <= BOUNDED_DP_OUTER_MAX_OPERANDS and 1 <= len(output) <= 2:
@@ -272,11 +332,10 @@ def candidate_paths(
         # for results of one or two legs (a forward pass: batch and output): every kept leg
         # multiplies the outer products to search (a chain of 14 matrices each keeping a leg: 11 s).
         try:
-            found.append(
-                find_path(inputs, output, sizes, opt_einsum.paths.DynamicProgramming(search_outer=True), bound)
-            )
+            found.append(ask(inputs, opt_einsum.paths.DynamicProgramming(search_outer=True), bound))
         except RuntimeError:  # nothing within the bound: the searches below take over
             pass
+    found = [path for path in found if path]
     if (
         smallest_peak
         and len(inputs) <= SIZE_DP_MAX_OPERANDS
@@ -284,12 +343,44 @@ def candidate_paths(
     ):
         smallest = opt_einsum.paths.DynamicProgramming(search_outer=True, minimize="size")
         try:
-            found.append(find_path(inputs, output, sizes, smallest, bound))
+            found.append(ask(inputs, smallest, bound, minimize_peak=True))
         except RuntimeError:  # no path within the bound: the smallest peak there is, to choose near it
             if len(output) <= 2:  # unpruned, the search explodes with the kept legs
-                found.append(find_path(inputs, output, sizes, smallest))
+                found.append(ask(inputs, smallest, minimize_peak=True))
+    found = [path for path in found if path]
     # Positions within a step are a set: (0, 4) and (4, 0) are the same contraction.
-    return list(dict.fromkeys(tuple(tuple(sorted(step)) for step in path) for path in found))
+    paths = list(dict.fromkeys(tuple(tuple(sorted(step)) for step in path) for path in found))
+    return paths, tuple(dict.fromkeys(notes))
+
+
+def bounded_path(
+    inputs: Sequence[Labels],
+    output: Labels,
+    sizes: Mapping[str, int],
+    optimizer: object,
+) -> tuple[Path, str]:
+    """The path ``optimizer`` finds where its expected effort is within its bound, else the greedy path.
+
+    Parameters
+    ----------
+    inputs, output, sizes
+        The contraction.
+    optimizer : str or object
+        A named finder or an optimizer object (objects other than opt_einsum's run as given).
+
+    Returns
+    -------
+    path : tuple of tuple of int
+    note : str
+        Empty where ``optimizer`` ran; else why it did not (the path is then greedy's).
+    """
+    if len(inputs) <= 2 or optimizer == "greedy":
+        return find_path(inputs, output, sizes, optimizer), ""
+    greedy = find_path(inputs, output, sizes, "greedy")
+    refusal = search_refusal(optimizer, inputs, output, sizes, most_cost=_costs(inputs, output, sizes, greedy)[0])
+    if refusal is None:
+        return find_path(inputs, output, sizes, optimizer), ""
+    return greedy, f"{refusal}: planned with 'greedy'"
 
 
 def _size(labels: Sequence[str], sizes: Mapping[str, int]) -> int:

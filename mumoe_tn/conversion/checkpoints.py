@@ -23,11 +23,12 @@ A checkpoint is data (see the threat model in ``docs/reliability.md``). Loading 
 regular files inside its directory (``config.json``, ``generation_config.json``, index entries:
 relative, inside after resolving links), each once through one descriptor, and builds the model
 from those bytes alone (transformers reads no file of it again); it checks the record field by
-field, the model class against the config's ``model_type`` and every tensor the record implies
-against the checkpoint's tensors before any module is made, fails if a file read was replaced
-before the load ended, and changes a given model only when everything fits: a failed load
-leaves it as it was. Every refusal is a ``ValueError`` naming the field or file and quoting the
-value.
+field, the model class against the config's ``model_type``, ``config.json`` field by field against
+the weights' headers (see [`mumoe_tn.conversion.config_checks`][mumoe_tn.conversion.config_checks])
+and every tensor the record implies against the checkpoint's tensors before any module is made,
+fails if a file read was replaced before the load ended, and changes a given model only when
+everything fits: a failed load leaves it as it was. Every refusal is a ``ValueError`` naming the
+field or file and quoting the value.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.configs import check_config
+from mumoe_tn.conversion.config_checks import (
+    MAX_CONFIG_BYTES,
+    check_config_fields,
+    check_config_layout,
+    check_config_widths,
+    listed,
+    model_layout,
+)
 from mumoe_tn.conversion.files import (
     FileBytes,
     Headers,
@@ -55,10 +63,12 @@ from mumoe_tn.conversion.files import (
 )
 from mumoe_tn.conversion.record import (
     RECORD_KEY,
+    ConversionRecord,
     commit_conversion,
     conversion_record,
     record_in_config,
     replay_conversion,
+    shorten,
 )
 
 __all__ = ["load_converted", "save_converted"]
@@ -224,15 +234,15 @@ def _check_state(model: nn.Module, headers: Headers, source: str, *, strict: boo
     ]
     problems = []
     if mismatched:
-        problems.append(f"shapes differ for {mismatched[:5]}")
+        problems.append(f"shapes differ for {listed(mismatched, 5)}")
     if kinds:
-        problems.append(f"dtypes of another kind for {kinds[:5]}")
+        problems.append(f"dtypes of another kind for {listed(kinds, 5)}")
     if strict and missing:
-        problems.append(f"the checkpoint lacks {len(missing)} key(s) of the model, e.g. {missing[:5]}")
+        problems.append(f"the checkpoint lacks {len(missing)} key(s) of the model, e.g. {listed(missing, 5)}")
     if strict and unexpected:
-        problems.append(f"the checkpoint has {len(unexpected)} key(s) the model lacks, e.g. {unexpected[:5]}")
+        problems.append(f"the checkpoint has {len(unexpected)} key(s) the model lacks, e.g. {listed(unexpected, 5)}")
     if problems:
-        raise ValueError(f"the weights in {source!r} do not fit the converted model: " + "; ".join(problems))
+        raise ValueError(shorten(f"the weights in {source!r} do not fit the converted model: " + "; ".join(problems)))
 
 
 # ----------------------------------------------------------------------------- Hugging Face directories
@@ -241,11 +251,14 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
         raise ValueError(f"{str(path)!r} is not a directory: give the directory save_pretrained wrote")
     root = path.resolve()  # once: a link to the directory swapped during the load is not followed again
     reads: list[FileBytes] = []
-    config = read_json(member_file(root, "config.json", "config.json"), "config.json", reads)
+    config_file = member_file(root, "config.json", "config.json")
+    config = read_json(config_file, "config.json", reads, limit=MAX_CONFIG_BYTES)
     if not isinstance(config, Mapping):
         raise ValueError(f"config.json = {config!r:.120} is invalid: it must be a JSON object")
     cls = _model_class(cls, config)
-    if record_in_config(config) is None:  # every field checked before transformers reads anything else
+    check_config_fields(config, default_rope_type=getattr(cls.config_class, "default_rope_type", "default"))
+    record = record_in_config(config)  # every field checked before transformers reads anything else
+    if record is None:
         raise ValueError(
             f"the checkpoint {str(path)!r} holds no mumoe_tn conversion record in its config.json: it was not saved "
             f"from a converted model; load it with {cls.__name__}.from_pretrained"
@@ -262,22 +275,40 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
         del read
         for key, tensor in found.items():
             if key in headers:
-                raise ValueError(f"{str(file)!r}: tensor {key!r} is stored in two weight files of the checkpoint")
+                raise ValueError(f"{str(file)!r}: tensor {key!r:.200} is stored in two weight files of the checkpoint")
             headers[key] = found_headers[key]
             state[key] = tensor.clone()  # own memory: the parsed tensors view the read's bytes
         del found
     check_unchanged(reads, str(path))  # every file read was, at one instant, the version read
-    check_config(config, headers)  # the config's sizes against the weights, before transformers builds the model
-    return _build_hf(cls, path, config, generation, state, headers, dtype=dtype, strict=strict)
+    shapes = header_shapes(headers)
+    check_config_widths(config, shapes)  # cheap bounds first: the layout check builds the class on the meta device
+    model_config = _config_object(cls, path, config)
+    skip = [module_path for module in record.modules for module_path in module.paths]
+    check_config_layout(config, model_layout(cls, model_config), shapes, skip)
+    return _build_hf(cls, path, model_config, record, generation, state, shapes, dtype=dtype, strict=strict)
+
+
+#: What transformers raises for a config or generation config it cannot read.
+_MALFORMED = (TypeError, ValueError, KeyError, AttributeError)
+
+
+def _config_object(cls: type, path: Path, config: Mapping[str, Any]) -> Any:
+    """The config object transformers makes of ``config.json`` (its ``quantization_config`` left out)."""
+    settings = {key: value for key, value in config.items() if key != "quantization_config"}
+    try:
+        return cls.config_class.from_dict(settings)
+    except _MALFORMED as error:
+        raise ValueError(f"config.json of {str(path)!r} is invalid ({type(error).__name__}: {error!s:.200})") from None
 
 
 def _build_hf(
     cls: type,
     path: Path,
-    config: Mapping[str, Any],
+    model_config: Any,
+    record: ConversionRecord,
     generation: Any,
     state: dict[str, torch.Tensor],
-    headers: Headers,
+    shapes: dict[str, tuple[int, ...]],
     *,
     dtype: torch.dtype | None,
     strict: bool,
@@ -289,18 +320,13 @@ def _build_hf(
 
     register_with_transformers()
     handover = MuMoEConfig()
-    handover.checkpoint_shapes = header_shapes(headers)  # the hook checks the record against these
-    settings = {key: value for key, value in config.items() if key != "quantization_config"}
-    malformed = (TypeError, ValueError, KeyError, AttributeError)
-    try:
-        model_config = cls.config_class.from_dict(settings)
-    except malformed as error:
-        raise ValueError(f"config.json of {str(path)!r} is invalid ({type(error).__name__}: {error!s:.200})") from None
+    handover.checkpoint_shapes = shapes  # the hook checks the record against these
+    handover.checkpoint_record = record  # validated once, here: the hook replays it as it is
     if generation is not None and not isinstance(generation, Mapping):
         raise ValueError(f"{GENERATION_CONFIG} = {generation!r:.120} is invalid: it must be a JSON object")
     try:
         generation_config = None if generation is None else GenerationConfig.from_dict(generation)
-    except malformed as error:
+    except _MALFORMED as error:
         raise ValueError(f"{GENERATION_CONFIG} is invalid ({type(error).__name__}: {error!s:.200})") from None
     model, info = cls.from_pretrained(
         None,
@@ -313,9 +339,10 @@ def _build_hf(
     )
     model.config.name_or_path = str(path)
     problems = {name: info.get(name) for name in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    problems = {name: sorted(map(str, keys)) for name, keys in problems.items() if keys}
+    problems = {name: keys for name, keys in problems.items() if keys}
     if strict and problems:
-        raise ValueError(f"the weights in {str(path)!r} do not fit the converted model: {problems}")
+        found = "; ".join(f"{name} {len(keys):,}: {listed(sorted(map(str, keys)))}" for name, keys in problems.items())
+        raise ValueError(shorten(f"the weights in {str(path)!r} do not fit the converted model: {found}"))
     if dtype is not None:
         model.to(dtype)
     return model.eval()

@@ -1,11 +1,11 @@
 """The files of a checkpoint, read as data: paths kept inside, regular files only, headers without tensor data.
 
 A checkpoint names its files (a shard index's ``weight_map``); each name must be relative, stay
-inside the checkpoint directory once links are resolved, and name a regular file — a FIFO or a
-device is never opened. JSON files are read up to [`MAX_JSON_BYTES`][mumoe_tn.conversion.files]
-and tensor headers without their data (safetensors headers; a pickled ``.bin`` unpickled with
-``weights_only=True`` onto the meta device). Every refusal is a ``ValueError`` naming the file or
-field and quoting the value.
+inside the checkpoint directory once links are resolved, and name a regular file of one hard
+link (another link may be a file outside) — a FIFO or a device is never opened. JSON files are
+read up to [`MAX_JSON_BYTES`][mumoe_tn.conversion.files] and tensor headers without their data
+(safetensors headers; a pickled ``.bin`` unpickled with ``weights_only=True`` onto the meta
+device). Every refusal is a ``ValueError`` naming the file or field and quoting the value.
 
 [`read_once`][mumoe_tn.conversion.files.read_once] reads a file whole through one descriptor: what
 is checked (a regular file, its size) is what is read, and a file that changes while it is read
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mumoe_tn.conversion.record import parse_json
-from mumoe_tn.conversion.storage import check_file_holds
+from mumoe_tn.conversion.storage import check_file_holds, check_pickled_archive, check_tensor_count
 
 __all__ = [
     "JSON_FILES",
@@ -70,7 +70,7 @@ def regular_file(path: Path, what: str) -> Path:
 
 
 def member_file(root: Path, name: object, field: str) -> Path:
-    """The file a checkpoint names: relative, inside ``root`` once links are resolved, and a regular file."""
+    """The file a checkpoint names: relative, inside ``root`` once links are resolved, a regular file of one link."""
     if not isinstance(name, str) or not name or "\0" in name:
         raise ValueError(f"{field} = {name!r:.120} is invalid: it must name a file of the checkpoint directory")
     relative = Path(name)
@@ -80,7 +80,22 @@ def member_file(root: Path, name: object, field: str) -> Path:
     resolved = (base / relative).resolve()
     if not resolved.is_relative_to(base):
         raise ValueError(f"{field} = {name!r:.120} is invalid: it leads outside the checkpoint directory {str(root)!r}")
-    return regular_file(resolved, field)
+    return _one_link(regular_file(resolved, field), field)
+
+
+def _one_link(path: Path, what: str, links: int | None = None) -> Path:
+    """``path`` if it has one hard link: another link may be a file outside the checkpoint directory."""
+    if links is None:
+        try:
+            links = os.stat(path).st_nlink
+        except OSError as error:
+            raise ValueError(f"{what} {str(path)!r} cannot be read ({error.strerror})") from None
+    if links != 1:
+        raise ValueError(
+            f"{what} has {links} hard links ({str(path)!r}): a checkpoint's file has one (another may lie outside "
+            "its directory; copy the file instead)"
+        )
+    return path
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,8 @@ def read_once(path: Path, what: str, *, limit: int | None = None, follow: bool =
         before = os.fstat(descriptor)
         if not stat.S_ISREG(before.st_mode):
             raise ValueError(f"{what} {str(path)!r} is not a regular file")
+        if not follow:  # a checked member of a directory: the file opened must have one link too
+            _one_link(Path(path), what, before.st_nlink)
         if limit is not None and before.st_size > limit:
             raise ValueError(f"{what} is {before.st_size:,} bytes, more than the {limit:,} it may have")
         buffer = bytearray(before.st_size + 1)  # one byte more: a file that grew reads past its size
@@ -195,13 +212,15 @@ def check_json_files(root: Path, names: Sequence[str] = JSON_FILES) -> None:
                 raise ValueError(f"{name} is {size:,} bytes, more than the {MAX_JSON_BYTES:,} it may have")
 
 
-def read_json(file: Path, field: str, reads: list[FileBytes] | None = None) -> Any:
-    """The JSON content of a checkpoint's ``file`` (at most ``MAX_JSON_BYTES``); ``field`` names it in errors.
+def read_json(file: Path, field: str, reads: list[FileBytes] | None = None, *, limit: int | None = None) -> Any:
+    """The JSON content of a checkpoint's ``file`` (at most ``limit`` bytes, default ``MAX_JSON_BYTES``).
+
+    ``field`` names it in errors.
 
     The file is read once (see [`read_once`][mumoe_tn.conversion.files.read_once]); ``reads``, if
     given, collects the read for [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged].
     """
-    read = read_once(file, field, limit=MAX_JSON_BYTES, follow=False)
+    read = read_once(file, field, limit=MAX_JSON_BYTES if limit is None else min(limit, MAX_JSON_BYTES), follow=False)
     if reads is not None:
         reads.append(read)
     return parse_json(read.data, field)
@@ -256,6 +275,7 @@ def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
     file = Path(file)
     headers: Headers = {}
     if file.suffix == ".bin":
+        check_pickled_archive(file, repr(str(file)))
         try:
             state = torch.load(file, map_location="meta", weights_only=True)
         except Exception as error:  # torch raises many kinds for a malformed pickle
@@ -271,6 +291,7 @@ def read_headers(file: Path) -> tuple[Headers, dict[str, str]]:
     try:
         with safe_open(str(file), framework="pt") as handle:
             metadata = handle.metadata() or {}
+            check_tensor_count(len(handle.keys()), repr(str(file)))
             for key in handle.keys():
                 piece = handle.get_slice(key)
                 headers[key] = (tuple(piece.get_shape()), _dtype(piece.get_dtype(), file, key))
@@ -295,6 +316,7 @@ def read_weights(read: FileBytes) -> tuple[dict[str, torch.Tensor], Headers, dic
     """
     file = read.path
     if file.suffix == ".bin":
+        check_pickled_archive(read.data, repr(str(file)))
         for location in ("meta", "cpu"):  # declared sizes checked on the meta device before any is allocated
             try:
                 state = torch.load(io.BytesIO(read.data), map_location=location, weights_only=True)
@@ -313,6 +335,7 @@ def read_weights(read: FileBytes) -> tuple[dict[str, torch.Tensor], Headers, dic
             state = load(read.data)
         except Exception as error:  # safetensors' own error types
             raise ValueError(f"{str(file)!r} is not a valid safetensors file ({type(error).__name__})") from None
+        check_tensor_count(len(state), repr(str(file)))
         length = int.from_bytes(read.data[:8], "little")  # the format: a little-endian u64, then the JSON header
         metadata = parse_json(read.data[8 : 8 + length], f"header of {str(file)!r}").get("__metadata__") or {}
     allowed = set(_DTYPES.values())
@@ -335,7 +358,9 @@ _DTYPES = {
 def _dtype(name: str, file: Path, key: str) -> torch.dtype:
     dtype = _DTYPES.get(str(name).upper())
     if dtype is None:
-        raise ValueError(f"{str(file)!r}: tensor {key!r} has dtype {name!r}, which mumoe_tn checkpoints never hold")
+        raise ValueError(
+            f"{str(file)!r}: tensor {key!r:.200} has dtype {name!r:.80}, which mumoe_tn checkpoints never hold"
+        )
     return dtype
 
 
@@ -351,6 +376,6 @@ def read_all_headers(files: Sequence[Path]) -> Headers:
         found, _ = read_headers(file)
         for key, value in found.items():
             if key in headers:
-                raise ValueError(f"{str(file)!r}: tensor {key!r} is stored in two weight files of the checkpoint")
+                raise ValueError(f"{str(file)!r}: tensor {key!r:.200} is stored in two weight files of the checkpoint")
             headers[key] = value
     return headers

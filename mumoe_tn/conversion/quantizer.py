@@ -11,7 +11,9 @@ import mumoe_tn  # registers the hook (when transformers' quantizer registry loa
 model = AutoModelForCausalLM.from_pretrained("converted")  # the converted model, its weights loaded
 ```
 
-The hook replays the record with
+The hook checks ``config.json`` field by field when transformers asks for a quantizer (before the
+model is built) and against the weights' headers on the skeleton (see
+[`mumoe_tn.conversion.config_checks`][mumoe_tn.conversion.config_checks]), then replays the record with
 [`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
@@ -36,6 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +53,12 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from mumoe_tn.conversion.config_checks import (
+    check_config_fields,
+    check_config_layout,
+    check_config_widths,
+    model_layout,
+)
 from mumoe_tn.conversion.files import (
     FileBytes,
     check_json_files,
@@ -60,19 +69,28 @@ from mumoe_tn.conversion.files import (
     read_all_headers,
     regular_file,
 )
-from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, commit_conversion, replay_conversion
+from mumoe_tn.conversion.record import (
+    QUANT_METHOD,
+    RECORD_KEY,
+    ConversionRecord,
+    commit_conversion,
+    replay_conversion,
+)
 
 __all__ = [
     "METHOD",
     "MuMoEConfig",
     "MuMoEQuantizer",
     "check_stock_config",
+    "check_stock_files",
     "convert_skeleton",
     "register_with_transformers",
 ]
 
 #: The ``quant_method`` that selects the hook.
 METHOD = QUANT_METHOD
+#: The unsharded weight files transformers looks for in a directory (a shard index is one of ``JSON_FILES``).
+STOCK_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class MuMoEConfig(QuantizationConfigMixin):
@@ -92,7 +110,7 @@ class MuMoEConfig(QuantizationConfigMixin):
         if unknown:
             key = sorted(unknown)[0]
             raise ValueError(
-                f"config.json: quantization_config[{key!r}] = {unknown[key]!r:.80} is invalid: the mumoe_tn method "
+                f"config.json: quantization_config[{key!r:.80}] = {unknown[key]!r:.80} is invalid: the mumoe_tn method "
                 "takes only 'quant_method'"
             )
         self.quant_method = METHOD
@@ -111,14 +129,14 @@ class MuMoEQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
 
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: Any = None, **kwargs: Any) -> Any:
-        shapes = getattr(self.quantization_config, "checkpoint_shapes", None)  # handed over by load_converted
-        self.checked_files = convert_skeleton(model, checkpoint_files, shapes=shapes)
+        handed = vars(self.quantization_config)  # by load_converted, which checked the config and read the files
+        shapes, record = handed.pop("checkpoint_shapes", None), handed.pop("checkpoint_record", None)
+        self.checked_files = convert_skeleton(model, checkpoint_files, shapes=shapes, record=record)
         return model
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         # The weights transformers loaded are those whose headers were checked, or the load fails.
         check_unchanged(getattr(self, "checked_files", ()), "from_pretrained")
-        vars(self.quantization_config).pop("checkpoint_shapes", None)
         # Nothing is quantized: drop transformers' marks so the model casts (.half(), .to(dtype)) and trains as usual.
         model.hf_quantizer = None
         model.is_quantized = False
@@ -164,19 +182,44 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_hf_quantizer(config: Any, quantization_config: Any, *args: Any, **kwargs: Any) -> Any:
         check_stock_config(config, quantization_config)
+        # from_pretrained looks for the weight files next: a converted checkpoint's are checked first
+        stock = getattr(config, RECORD_KEY, None) is not None and not hasattr(quantization_config, "checkpoint_shapes")
+        _stock_load.converted = stock
+        loading = sys.modules.get("transformers.modeling_utils")
+        finder = getattr(loading, "_get_resolved_checkpoint_files", None)
+        if stock and finder is not None and not getattr(finder, "checks_conversion_records", False):
+            loading._get_resolved_checkpoint_files = _checking_files(finder)
         return original(config, quantization_config, *args, **kwargs)
 
     get_hf_quantizer.checks_conversion_records = True
     return get_hf_quantizer
 
 
+#: Whether the ``from_pretrained`` running in this thread loads a converted checkpoint through the stock path.
+_stock_load = threading.local()
+
+
+def _checking_files(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def find_checkpoint_files(pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_stock_load, "converted", False) and pretrained_model_name_or_path is not None:
+            _stock_load.converted = False
+            subfolder = (kwargs.get("download_kwargs") or {}).get("subfolder") or ""
+            check_stock_files(Path(str(pretrained_model_name_or_path)) / subfolder)
+        return original(pretrained_model_name_or_path, *args, **kwargs)
+
+    find_checkpoint_files.checks_conversion_records = True
+    return find_checkpoint_files
+
+
 def check_stock_config(config: Any, quantization_config: Any = None) -> None:
     """What stock ``from_pretrained`` does with a config that carries a conversion record.
 
-    Nothing for a config without a record. With one: a config with no ``quantization_config``
-    is given the method's (``{"quant_method": "mumoe_tn"}``), so the record is replayed and the
-    converted model loads; a ``quantization_config`` that is not the method's, or another
-    method's config asked for at load, is refused.
+    Nothing for a config without a record. With one: its fields are checked (see
+    [`check_config_fields`][mumoe_tn.conversion.config_checks.check_config_fields]); a config with
+    no ``quantization_config`` is given the method's (``{"quant_method": "mumoe_tn"}``), so the
+    record is replayed and the converted model loads; a ``quantization_config`` that is not the
+    method's, or another method's config asked for at load, is refused.
 
     Parameters
     ----------
@@ -188,10 +231,12 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
     Raises
     ------
     ValueError
-        If the record's model would otherwise load as a dense model or be quantized by another method.
+        If a field of the config breaks its rule, or the record's model would otherwise load as a
+        dense model or be quantized by another method.
     """
     if getattr(config, RECORD_KEY, None) is None:
         return
+    check_config_fields(config, default_rope_type=getattr(config, "default_rope_type", "default"))
     if quantization_config is not None and not isinstance(quantization_config, MuMoEConfig):
         raise ValueError(
             f"from_pretrained(quantization_config={quantization_config!r:.120}): this checkpoint carries a mumoe_tn "
@@ -211,11 +256,34 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
             )
 
 
+def check_stock_files(root: Path) -> None:
+    """The files of a converted checkpoint's directory, checked before stock ``from_pretrained`` looks for them.
+
+    transformers looks for the weight files by name after it chose a quantizer: each file it may
+    read that is present (even a dangling link) must be a regular file of one hard link inside
+    ``root``, a JSON file of at most [`MAX_JSON_BYTES`][mumoe_tn.conversion.files] (see
+    [`member_file`][mumoe_tn.conversion.files.member_file]). Nothing is checked when ``root`` is
+    not a directory (a hub name).
+
+    Raises
+    ------
+    ValueError
+        Naming the first file that breaks its rule.
+    """
+    if not root.is_dir():
+        return
+    check_json_files(root)
+    for name in STOCK_WEIGHT_FILES:
+        if os.path.lexists(root / name):
+            member_file(root, name, name)
+
+
 def convert_skeleton(
     model: Any,
     checkpoint_files: Sequence[str | os.PathLike] | None,
     *,
     shapes: Mapping[str, tuple[int, ...]] | None = None,
+    record: ConversionRecord | None = None,
 ) -> list[FileBytes]:
     """Replay a checkpoint's record on the model transformers built for it, checked against its weight files.
 
@@ -234,8 +302,12 @@ def convert_skeleton(
     checkpoint_files : sequence of path-like, optional
         The weight files transformers found.
     shapes : Mapping, optional
-        The checkpoint's tensor shapes, when the caller read the files itself
-        ([`load_converted`][mumoe_tn.conversion.checkpoints.load_converted] does): no file is read.
+        The checkpoint's tensor shapes, when the caller read the files itself and checked the
+        config against them ([`load_converted`][mumoe_tn.conversion.checkpoints.load_converted]
+        does): no file is read. Otherwise the config is checked against the files' headers (see
+        [`check_config_layout`][mumoe_tn.conversion.config_checks.check_config_layout]).
+    record : ConversionRecord, optional
+        The config's record, already validated by the caller (it is not validated again).
 
     Returns
     -------
@@ -272,9 +344,13 @@ def convert_skeleton(
         checked = [file_identity(file) for file in files]
         shapes = header_shapes(read_all_headers(files))
         check_unchanged(checked, "from_pretrained")  # the headers read are those of the files checked
+        record = ConversionRecord.from_dict(data)
+        check_config_widths(config, shapes)
+        skip = [path for module in record.modules for path in module.paths]
+        check_config_layout(config, model_layout(type(model), config), shapes, skip)
     delattr(config, RECORD_KEY)  # the replay writes it back
     try:
-        rebuilt, record = replay_conversion(model, data, shapes=shapes)
+        rebuilt, record = replay_conversion(model, data if record is None else record, shapes=shapes)
         commit_conversion(model, rebuilt, record)
     except BaseException:
         setattr(config, RECORD_KEY, data)

@@ -16,10 +16,11 @@ field and quoting its value. A gate descriptor is rebuilt only from a class in t
 [`mumoe_tn.gates.registry`][mumoe_tn.gates.registry], looked up by name without importing anything,
 and only from fields the class declares; a format only from the format registry; execution
 options are names and numbers checked against their rules (the recorded path optimizer runs
-when the layer first plans, never while loading). Sizes are bounded here only by their rule; how
-large a record's layers may be is checked against the checkpoint's own tensors by
-[`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] (``shapes=``) before any
-tensor is made.
+when the layer first plans, never while loading, and only within the effort bound of
+``mumoe_tn.contractions.effort``: beyond it the plan is greedy's and its note says why). Sizes
+are bounded here only by their rule; how large a record's layers may be is checked against the
+checkpoint's own tensors by [`apply_conversion`][mumoe_tn.conversion.record.apply_conversion]
+(``shapes=``) before any tensor is made.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from mumoe_tn.conversion.adapters import linear_view
 from mumoe_tn.conversion.block_kinds import GATED, LINEAR, MLP, SPLIT, block_kind
 from mumoe_tn.conversion.blocks import mlp_parts
 from mumoe_tn.conversion.building import Choice, build_block, install, join_path, uninstall
-from mumoe_tn.conversion.storage import check_stored
+from mumoe_tn.conversion.record_checks import check_mask_argument, check_nested_paths, checkpoint_shapes
 from mumoe_tn.decompositions import available, get_format
 from mumoe_tn.gates.registry import gate_class, gate_class_name, registered_gates
 from mumoe_tn.layers import GATE_INPUTS, FactorizedExperts
-from mumoe_tn.masking import accepts_argument, install_mask_hook
+from mumoe_tn.masking import install_mask_hook
 from mumoe_tn.network import ExpertNetwork
 
 __all__ = [
@@ -708,8 +709,7 @@ def replay_conversion(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if shapes is not None and not isinstance(shapes, Mapping):
-        raise TypeError(f"shapes must be a mapping of state-dict key -> tensor or shape, got {type(shapes).__name__}")
+    sized = None if shapes is None else checkpoint_shapes(shapes)
     record = ConversionRecord.from_dict(record)
     existing = conversion_record(model)
     if existing is not None and existing.modules:
@@ -717,18 +717,11 @@ def replay_conversion(
             f"the model is already converted ({len(existing.modules)} module(s), e.g. "
             f"{existing.modules[0].paths[0]!r}): apply a record to a fresh, unconverted copy of the model"
         )
-    if record.mask_argument is not None and not accepts_argument(model, record.mask_argument):
-        raise ValueError(
-            f"the conversion record hands the argument {record.mask_argument!r} of forward to the μMoE layers, but "
-            f"{type(model).__name__}.forward has none"
-        )
+    check_mask_argument(model, record.mask_argument)
     modules = dict(model.named_modules(remove_duplicate=False))
     choices = [_rebuild_choice(model, modules, entry, number) for number, entry in enumerate(record.modules)]
-    if shapes is not None:
-        for key, value in shapes.items():
-            if isinstance(value, torch.Tensor):
-                check_stored(str(key), value, "shapes")
-        sized = {key: _shape(value) for key, value in shapes.items()}
+    check_nested_paths((path, number) for number, entry in enumerate(record.modules) for path in entry.paths)
+    if sized is not None:
         _check_cores_held(record, sized)  # cheap, before any module is built on the meta device
         meta = torch.device("meta")
         for number, (choice, entry) in enumerate(zip(choices, record.modules, strict=True)):
@@ -767,12 +760,6 @@ def commit_conversion(
         raise
     if record.mask_argument is not None:
         install_mask_hook(model, record.mask_argument)
-
-
-def _shape(value: Any) -> tuple[int, ...]:
-    """A tensor's shape, or a shape given as a sequence of ints."""
-    shape = getattr(value, "shape", value)
-    return tuple(int(size) for size in shape)
 
 
 def _check_cores_held(record: ConversionRecord, shapes: Mapping[str, tuple[int, ...]]) -> None:

@@ -6,15 +6,41 @@ loading it into a parameter of that size, casting it or running it allocates the
 [`check_stored`][mumoe_tn.conversion.storage.check_stored] refuses a tensor whose elements do not
 each own their bytes, and [`check_file_holds`][mumoe_tn.conversion.storage.check_file_holds] a
 file whose tensors declare more bytes than the file could store, before anything is allocated.
+
+A pickled weight file is read only in torch's zip format with every entry stored uncompressed
+([`check_pickled_archive`][mumoe_tn.conversion.storage.check_pickled_archive]): torch then holds a
+storage's declared size against its entry before allocating it, so a file's storages together
+hold at most its own bytes. A compressed entry would expand to its declared size (a 1 MB entry to
+1 GiB), and the legacy format allocates each declared storage before reading it (a truncated file
+declaring 256 MiB costs 256 MiB): both are refused before torch reads them.
 """
 
 from __future__ import annotations
 
+import io
+import os
+import zipfile
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["SHARED_ALLOWANCE", "check_file_holds", "check_stored"]
+__all__ = [
+    "MAX_CHECKPOINT_TENSORS",
+    "MAX_PICKLE_BYTES",
+    "SHARED_ALLOWANCE",
+    "check_file_holds",
+    "check_pickled_archive",
+    "check_stored",
+    "check_tensor_count",
+]
+
+#: Most tensors one weight file or checkpoint may hold (a converted 70B-parameter model holds a few
+#: thousand): every key costs time to unpickle, check and match, whatever its size.
+MAX_CHECKPOINT_TENSORS = 1 << 16
+
+#: Largest pickle a pickled weight file may hold (about 150 bytes a tensor: ``MAX_CHECKPOINT_TENSORS``
+#: fit); unpickling takes time in its length before any tensor can be counted.
+MAX_PICKLE_BYTES = 16 << 20
 
 #: How many times its own size a weight file's tensors may declare together: tied weights (one
 #: storage at two keys, as an embedding shared with the output layer) count twice.
@@ -40,8 +66,19 @@ def check_stored(key: str, tensor: torch.Tensor, source: str) -> None:
     Raises
     ------
     ValueError
-        If two of its elements share bytes, or its view reaches past its storage.
+        If it is not dense (sparse, nested), two of its elements share bytes, or its view reaches
+        past its storage.
+    TypeError
+        If it is not a tensor.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{source}: {key[:200]!r} is a {type(tensor).__name__}, not a tensor")
+    if tensor.is_nested or tensor.layout != torch.strided:
+        layout = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+        raise ValueError(
+            f"{source}: tensor {key[:200]!r} is {layout}: a checkpoint's tensor is dense (strided), as saving a "
+            "model writes it"
+        )
     if tensor.numel() == 0:
         return
     reach = 1  # elements spanned by the dimensions seen so far, smallest stride first
@@ -72,8 +109,10 @@ def check_file_holds(tensors: Mapping[str, torch.Tensor], file_bytes: int, sourc
     Raises
     ------
     ValueError
-        If a tensor does not store its elements, or the tensors declare more than the file can hold.
+        If the file holds more than ``MAX_CHECKPOINT_TENSORS`` tensors, a tensor does not store its
+        elements, or the tensors declare more than the file can hold.
     """
+    check_tensor_count(len(tensors), source)
     declared = 0
     for key, tensor in tensors.items():
         check_stored(key, tensor, source)
@@ -83,3 +122,58 @@ def check_file_holds(tensors: Mapping[str, torch.Tensor], file_bytes: int, sourc
             f"{source}: its tensors declare {declared:,} bytes, more than a file of {file_bytes:,} bytes holds "
             f"(tied weights counted {SHARED_ALLOWANCE} times at most): their declared storage sizes are not the file's"
         )
+
+
+def check_tensor_count(count: int, source: str) -> None:
+    """Refuse ``count`` tensors from ``source`` if they are more than ``MAX_CHECKPOINT_TENSORS``."""
+    if count > MAX_CHECKPOINT_TENSORS:
+        raise ValueError(
+            f"{source} holds {count:,} tensors, more than the {MAX_CHECKPOINT_TENSORS:,} a checkpoint may hold"
+        )
+
+
+def check_pickled_archive(archive: bytes | os.PathLike, source: str) -> None:
+    """Refuse a pickled weight file that is not a zip archive of uncompressed entries, before torch reads it.
+
+    Parameters
+    ----------
+    archive : bytes or path-like
+        The file's bytes, or its path (only its first bytes and its zip directory are read).
+    source : str
+        The file (quoted in the error).
+
+    Raises
+    ------
+    ValueError
+        If the file is not in torch's zip format (the legacy format, or not a pickle archive at
+        all), an entry is compressed, or its pickle is longer than ``MAX_PICKLE_BYTES``.
+    """
+    try:
+        if isinstance(archive, bytes):
+            start, handle = archive[:4], io.BytesIO(archive)
+        else:
+            with open(archive, "rb") as stream:
+                start = stream.read(4)
+            handle = archive
+        if start != b"PK\x03\x04":
+            raise ValueError(
+                f"{source} is not in torch's zip format (what torch.save writes since torch 1.6): a pickled weight "
+                "file in the legacy format allocates what it declares before it is read, so it is not loaded "
+                "(re-save it with torch.save)"
+            )
+        with zipfile.ZipFile(handle) as zipped:
+            entries = zipped.infolist()
+    except (OSError, zipfile.BadZipFile, EOFError) as error:
+        raise ValueError(f"{source} is not a valid weight file ({type(error).__name__})") from None
+    for entry in entries:
+        if entry.compress_type != zipfile.ZIP_STORED or entry.compress_size != entry.file_size:
+            raise ValueError(
+                f"{source}: entry {entry.filename[:200]!r} is compressed ({entry.compress_size:,} bytes holding "
+                f"{entry.file_size:,}): torch.save stores entries uncompressed, and a compressed storage expands to "
+                "whatever it declares"
+            )
+        if entry.filename.endswith(".pkl") and entry.file_size > MAX_PICKLE_BYTES:
+            raise ValueError(
+                f"{source}: its pickle {entry.filename[:200]!r} is {entry.file_size:,} bytes, more than the "
+                f"{MAX_PICKLE_BYTES:,} a checkpoint's may have"
+            )

@@ -7,8 +7,11 @@
   of any registered or custom network (a Mixture of Decoders for ``mxd``), TopK and skip
   transcoders — all at one parameter budget.
 - [`training`][mumoe_tn.distillation.training]: the training loop over streamed activations
-  (resumable, seeded, a named recipe), splicing replacements into the model;
+  (resumable, seeded, a named recipe); [`splicing`][mumoe_tn.distillation.splicing]: replacements
+  put in the model;
   [`resume_checks`][mumoe_tn.distillation.resume_checks]: a resume file read as data.
+- [`process_shares`][mumoe_tn.distillation.process_shares]: distillation across the processes of a
+  ``torchrun`` job, each training its share of the replacements.
 - [`losses`][mumoe_tn.distillation.losses]: the registered loss terms (normalised MSE, FVU, L1,
   auxiliary-k on dead units); [`codes`][mumoe_tn.distillation.codes]: a replacement's sparse code.
 - [`metrics`][mumoe_tn.distillation.metrics]: the registered block-level metrics (L0, normalised
@@ -31,8 +34,9 @@ from mumoe_tn.distillation.losses import AuxK, Loss, available_losses, get_loss,
 from mumoe_tn.distillation.metrics import Metric, available_metrics, register_metric
 from mumoe_tn.distillation.paired import PairedDifference, paired_difference
 from mumoe_tn.distillation.replacements import mumoe_factory, transcoder_factory
+from mumoe_tn.distillation.splicing import splice, spliced
 from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
-from mumoe_tn.distillation.training import RECIPES, Distillation, distill, normalised_mse, splice, spliced
+from mumoe_tn.distillation.training import RECIPES, Distillation, distill, normalised_mse
 from mumoe_tn.distillation.transcoders import Transcoder
 
 __all__ = [

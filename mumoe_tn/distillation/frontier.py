@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from mumoe_tn.costs.display import FOOTNOTE_MARKS
-from mumoe_tn.distillation.paired import PairedDifference, SequenceLosses, paired_difference
+from mumoe_tn.distillation.paired import PairedDifference, SequenceLosses, check_bootstrap, paired_difference
 
 __all__ = [
     "DEAD_FRACTION",
@@ -127,10 +127,7 @@ def bootstrap_ce_score(
     arrays = [np.asarray(values, dtype=np.float64) for values in (clean, spliced, zero, tokens)]
     if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1:
         raise ValueError(f"clean, spliced, zero and tokens must be 1-D of one length, got {[a.shape for a in arrays]}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level!r}")
-    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
-        raise ValueError(f"resamples must be a positive int, got {resamples!r}")
+    check_bootstrap(resamples, level)
     c, s, z, n = arrays
     if int((n > 0).sum()) < 2:
         return ScoreInterval(math.nan, math.nan, math.nan, math.nan)

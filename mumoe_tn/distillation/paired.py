@@ -19,7 +19,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_SEQUENCES", "PairedDifference", "SequenceLosses", "paired_against", "paired_difference"]
+__all__ = [
+    "MAX_SEQUENCES",
+    "PairedDifference",
+    "SequenceLosses",
+    "check_bootstrap",
+    "paired_against",
+    "paired_difference",
+]
 
 #: Most held-out sequences a table keeps per-sequence losses of (a saved table is read back as data).
 MAX_SEQUENCES = 1_000_000
@@ -151,6 +158,14 @@ class PairedDifference:
         )
 
 
+def check_bootstrap(resamples: int, level: float) -> None:
+    """Refuse a bootstrap's options unless ``resamples`` is a positive int and ``level`` lies in (0, 1)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"resamples must be a positive int, got {resamples!r}")
+
+
 def _losses(table: Any, block: str, names: Sequence[str]) -> SequenceLosses:
     """``table``'s per-sequence losses, with ``block`` and every method of ``names`` in them."""
     losses = table.sequences
@@ -184,12 +199,9 @@ def paired_difference(
         Two methods of the block.
     block : str, optional
         The block (default the tables' only block).
-    resamples : int, optional
-        Bootstrap resamples (default 1,000).
-    level : float, optional
-        Coverage of the intervals (default 0.95).
-    seed : int, optional
-        Seeds the resamples.
+    resamples, level, seed : optional
+        As for [`bootstrap_ce_score`][mumoe_tn.distillation.frontier.bootstrap_ce_score]: 1,000
+        resamples, 95 % intervals, seed 0 by default.
 
     Returns
     -------
@@ -199,10 +211,7 @@ def paired_difference(
     group = [tables] if hasattr(tables, "rows") else list(tables)
     if not group:
         raise ValueError("paired_difference needs at least one table")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level!r}")
-    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
-        raise ValueError(f"resamples must be a positive int, got {resamples!r}")
+    check_bootstrap(resamples, level)
     if any(not isinstance(getattr(table, "sequences", None), SequenceLosses) for table in group):
         raise ValueError(
             "this table keeps no per-sequence losses: evaluate the replacements with evaluate_replacements "

@@ -129,20 +129,15 @@ def fill_replacements(
     if set(tensors) != set(expected):
         missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
         raise ValueError(f"{source!r} does not hold these replacements: missing {missing[:5]}, extra {extra[:5]}")
-    wrong = [
-        f"{key}: {tuple(tensors[key].shape)} saved, {tuple(own.shape)} built"
-        for key, own in expected.items()
-        if tuple(tensors[key].shape) != tuple(own.shape)
-    ]
-    if wrong:
-        raise ValueError(f"{source!r} holds replacements of other shapes: {'; '.join(wrong[:5])}")
-    kinds = [
-        f"{key}: {tensors[key].dtype} saved, {own.dtype} built"
-        for key, own in expected.items()
-        if _kind(tensors[key].dtype) != _kind(own.dtype)
-    ]
-    if kinds:
-        raise ValueError(f"{source!r} holds replacements of other dtypes: {'; '.join(kinds[:5])}")
+    for what, read in (("shapes", lambda t: tuple(t.shape)), ("dtypes", lambda t: t.dtype)):
+        same = (lambda a, b: a == b) if what == "shapes" else (lambda a, b: _kind(a) == _kind(b))
+        wrong = [
+            f"{key}: {read(tensors[key])} saved, {read(own)} built"
+            for key, own in expected.items()
+            if not same(read(tensors[key]), read(own))
+        ]
+        if wrong:
+            raise ValueError(f"{source!r} holds replacements of other {what}: {'; '.join(wrong[:5])}")
     out: dict[str, dict[str, nn.Module]] = {}
     with torch.no_grad():
         for key, own in expected.items():

@@ -52,7 +52,7 @@ from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.distillation.losses import AuxK
 from mumoe_tn.distillation.replacement_specs import ReplacementSpec
 from mumoe_tn.distillation.streaming import BlockInfo
-from mumoe_tn.distillation.training import Factory
+from mumoe_tn.distillation.training import RECIPES, Factory
 from mumoe_tn.distillation.transcoders import Transcoder
 from mumoe_tn.gates.registry import top_k_gates
 from mumoe_tn.layers.decoders import MixtureOfDecoders
@@ -61,7 +61,6 @@ from mumoe_tn.validation import check_size
 
 __all__ = [
     "PAPER_EXPANSION",
-    "RECIPES",
     "factory_from_spec",
     "mode_split",
     "mumoe_factory",
@@ -80,9 +79,6 @@ def top_k_gate_names() -> tuple[str, ...]:
     """
     return ("auto", *top_k_gates())
 
-
-#: How a μMoE replacement is initialised: the Mixture of Decoders authors' recipe, or the block's own init.
-RECIPES = ("mxd-paper", "plain")
 
 #: Latents per input feature of the transcoder whose parameters the paper's budget matches.
 PAPER_EXPANSION = 32
@@ -244,7 +240,7 @@ def mumoe_factory(
     kind = mlp_block_for(decomposition) if layer is None else None
     decoders = kind is not None and isinstance(kind.build, type) and issubclass(kind.build, MixtureOfDecoders)
     if recipe is not None and recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
+        raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
     if recipe == "mxd-paper" and not decoders:
         raise ValueError(
             f"recipe='mxd-paper' initialises a Mixture of Decoders; {decomposition!r} builds another block: use 'plain'"

@@ -34,11 +34,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.configs import check_config
+from mumoe_tn.conversion.config_checks import (
+    check_config_fields,
+    check_config_layout,
+    check_config_widths,
+    model_layout,
+)
 from mumoe_tn.conversion.files import (
     FileBytes,
     Headers,
     check_unchanged,
+    header_shapes,
     member_file,
     read_once,
     read_weights,
@@ -410,7 +416,9 @@ def _read_model(root: Path, relative: str, reads: list[FileBytes]) -> nn.Module:
                 raise ValueError(f"{name}: tensor {key!r:.120} is stored in two weight files of the model")
         state.update(found)
         headers.update(found_headers)
-    check_config(config, headers)
+    shapes = header_shapes(headers)
+    check_config_fields(config)
+    check_config_widths(config, shapes)  # cheap bounds first: the layout check builds the class on the meta device
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ValueError(
@@ -424,6 +432,12 @@ def _read_model(root: Path, relative: str, reads: list[FileBytes]) -> nn.Module:
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
     try:  # transformers raises many kinds for a malformed config: its own validation errors, KeyError, RuntimeError
         model_config = config_class.from_dict(settings)
+    except Exception as error:
+        raise ValueError(
+            f"{relative}/config.json does not describe a model ({type(error).__name__}: {str(error)[:200]})"
+        ) from None
+    check_config_layout(config, model_layout(cls, model_config), shapes)
+    try:
         model, info = cls.from_pretrained(None, config=model_config, state_dict=state, output_loading_info=True)
     except Exception as error:
         raise ValueError(
@@ -476,7 +490,7 @@ def load_frontier(
 
     The replacements are rebuilt from the run's record (see the module's notes) and filled from
     ``replacements.safetensors``; splice one in with
-    [`splice`][mumoe_tn.distillation.training.splice].
+    [`splice`][mumoe_tn.distillation.splicing.splice].
 
     Parameters
     ----------

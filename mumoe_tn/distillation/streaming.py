@@ -34,6 +34,7 @@ __all__ = [
     "BlockInfo",
     "TokenWindows",
     "capture_blocks",
+    "harvest",
     "one_kernel_activation",
     "run_model",
     "select_blocks",
@@ -318,6 +319,86 @@ class ActivationBuffer:
             self.add(pairs)
         self.peak_rows = int(state["peak_rows"])
         self.shuffled = bool(state["shuffled"])
+
+
+def harvest(
+    model: nn.Module,
+    stream: Iterator[Batch],
+    names: Sequence[str],
+    buffer: ActivationBuffer,
+    *,
+    mask_argument: str | None,
+    done: Callable[[], bool],
+    make_room: Callable[[int], None],
+    before_batch: Callable[[], None],
+    added: Callable[[Batch], None],
+) -> None:
+    """Run ``model`` on the batches of ``stream`` and add the blocks' real rows to ``buffer``, until ``done()``.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The model (run without gradients, in the mode it is in).
+    stream : Iterator
+        The batches (see ``token_rows``).
+    names : Sequence of str
+        The blocks whose input/output rows to keep.
+    buffer : ActivationBuffer
+    mask_argument : str or None
+        The key of a mapping batch that marks real tokens.
+    done : Callable[[], bool]
+        Asked before every batch and after every ``make_room``: stop once it says True.
+    make_room : Callable[[int], None]
+        ``make_room(rows)`` trains on the buffer until it holds at most ``rows`` rows, called when the
+        next batch does not fit.
+    before_batch : Callable[[], None]
+        Called before every batch is read (a stop request raises from it).
+    added : Callable[[Batch], None]
+        Called with every batch added to the buffer (a checkpoint written by ``make_room`` counts
+        the batches read).
+
+    Raises
+    ------
+    ValueError
+        If a batch holds more real tokens than the buffer, or a block did not run.
+    """
+    capacity = buffer.capacity
+    with capture_blocks(model, names) as captured, torch.no_grad():
+        while not done():
+            before_batch()
+            batch = next(stream, None)
+            if batch is None:
+                break
+            kwargs, mask = token_rows(batch, mask_argument)
+            ids = next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            needed = int(mask.sum()) if mask is not None else ids.numel()
+            if needed > capacity:
+                raise ValueError(
+                    f"a batch of {needed} tokens does not fit the buffer of {capacity}: raise buffer_tokens"
+                )
+            if buffer.rows + needed > capacity:
+                make_room(min(capacity // 2, capacity - needed))
+                if done():
+                    break
+            captured.clear()
+            run_model(model, kwargs, mask)
+            missing = [name for name in names if name not in captured]
+            if missing:
+                raise ValueError(f"the blocks {missing} did not run in the model's forward pass")
+            buffer.add({name: _real_rows(captured[name], mask) for name in names})
+            added(batch)
+
+
+def _real_rows(pair: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` flattened to ``(tokens, features)`` rows, padding dropped."""
+    x, y = pair
+    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    if mask is None:
+        return x, y
+    keep = mask.reshape(-1).to(x.device)
+    if keep.numel() != x.shape[0]:
+        raise ValueError(f"the token mask has {keep.numel()} entries but the block saw {x.shape[0]} tokens")
+    return x[keep], y[keep]
 
 
 class TokenWindows:

@@ -43,6 +43,7 @@ from mumoe_tn.distillation.corpus import encode_text, read_text, text_files
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable
 from mumoe_tn.distillation.interruption import DistillationStopped
+from mumoe_tn.distillation.process_shares import process_checkpoint, process_world
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.run_files import load_frontier, save_frontier
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
@@ -310,8 +311,13 @@ def run_frontier(
     save: str | Path | None = None,
     checkpoint_every: int = 100,
     stop: Callable[[], bool] | None = None,
-) -> FrontierTable:
+) -> FrontierTable | None:
     """Build (or load) the model, distil every block into every method and L0, and measure them.
+
+    In a process group of several processes (``torchrun``) every process builds the model and
+    trains its share of the replacements (see
+    [`mumoe_tn.distillation.process_shares`][mumoe_tn.distillation.process_shares]); rank 0
+    evaluates them all, saves and returns the table, the other ranks return None.
 
     Parameters
     ----------
@@ -335,7 +341,8 @@ def run_frontier(
 
     Returns
     -------
-    FrontierTable
+    FrontierTable or None
+        None in the processes of rank above 0.
 
     Raises
     ------
@@ -347,8 +354,8 @@ def run_frontier(
     _check_aux_k(config.aux_k)
     if resume and checkpoint is None:
         raise ValueError("resume=True needs checkpoint= (the file to resume from)")
-    if resume and not Path(checkpoint).is_file():
-        raise ValueError(f"there is no checkpoint to resume from at {str(checkpoint)!r}")
+    if resume and not process_checkpoint(checkpoint).is_file():
+        raise ValueError(f"there is no checkpoint to resume from at {str(process_checkpoint(checkpoint))!r}")
     _check_model_dir(config)
     if config.text is not None:
         text_files(config.text)  # a missing file is named before any model is built
@@ -384,6 +391,9 @@ def run_frontier(
         run_config={"model": description, "text_digest": _digest(tokens), **dataclasses.asdict(config)},
     )  # fmt: skip
     trained = time.perf_counter() - start
+    world = process_world()
+    if world is not None and world[0] != 0:
+        return None
     eval_windows = 8
     eval_batches = max(1, config.eval_tokens // (eval_windows * context))
     held = TokenWindows(held_out, context, eval_windows, eval_batches, seed=config.seed + 2)
@@ -394,7 +404,8 @@ def run_frontier(
         "seconds_to_distil": round(trained, 1),
     }  # fmt: skip
     if stop is not None:  # the checkpoint holds the finished distillation: a resume goes on to the evaluation
-        stopped = DistillationStopped(None if checkpoint is None else Path(checkpoint), result.tokens, config.tokens)
+        kept = None if checkpoint is None else process_checkpoint(checkpoint)
+        stopped = DistillationStopped(kept, result.tokens, config.tokens)
         held = _AskingBatches(held, stop, stopped)
     table = evaluate_replacements(model, held, result.replacements, config=table_config, progress=progress)
     seconds = round(time.perf_counter() - start, 1)

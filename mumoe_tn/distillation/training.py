@@ -1,4 +1,4 @@
-"""Distil the MLP blocks of a trained model into sparse replacements, and splice them in.
+"""Distil the MLP blocks of a trained model into sparse replacements (spliced in by ``splicing``).
 
 Each chosen block is a function ``x ↦ y`` of its input; a replacement — any module a factory
 builds from the block: a μMoE block of any format, a transcoder, a user's own — is trained to
@@ -36,8 +36,8 @@ import math
 import os
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -50,16 +50,24 @@ from tqdm.auto import tqdm
 from mumoe_tn.distillation.codes import code_module, recording_code, recording_preactivations
 from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.losses import L1, Loss, LossInputs, normalised_mse, resolve_losses
+from mumoe_tn.distillation.process_shares import (
+    BatchDigest,
+    assign_replacements,
+    check_resume_files,
+    gather_replacements,
+    outcomes_shared,
+    process_checkpoint,
+    process_world,
+)
 from mumoe_tn.distillation.replacement_files import load_replacements, save_replacements
 from mumoe_tn.distillation.resume_checks import CHECKPOINT_FORMAT, read_checkpoint
+from mumoe_tn.distillation.splicing import splice, spliced
 from mumoe_tn.distillation.streaming import (
     ActivationBuffer,
     Batch,
     BlockInfo,
-    capture_blocks,
-    run_model,
+    harvest,
     select_blocks,
-    token_rows,
 )
 from mumoe_tn.validation import check_positive_float, check_size
 
@@ -97,7 +105,8 @@ class Distillation:
     blocks : list of BlockInfo
         The distilled blocks.
     replacements : dict
-        ``block name -> method -> trained module`` (in eval mode).
+        ``block name -> method -> trained module`` (in eval mode); in a process group, every one
+        on rank 0 and each other rank's own share there.
     tokens : int
         Tokens every replacement trained on.
     steps : int
@@ -107,7 +116,7 @@ class Distillation:
     peak_buffer_rows : int
         The most tokens the activation buffer held.
     buffer_bytes : int
-        Bytes of the buffer's storage.
+        Bytes of the buffer's storage (on rank 0 of a process group: of every process's buffer).
     """
 
     blocks: list[BlockInfo]
@@ -122,6 +131,16 @@ class Distillation:
 def _seed(seed: int, *parts: str) -> int:
     """A seed for one replacement, stable across runs and independent of the other replacements."""
     return (seed * 1_000_003 + zlib.crc32("/".join(parts).encode())) % (2**63)
+
+
+def _built(factory: Factory, block: BlockInfo, method: str, seed: int) -> nn.Module:
+    """``factory(block)`` under the replacement's own seed (the global RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_seed(seed, block.name, method))
+        module = factory(block)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"the factory of {method!r} returned {type(module).__name__}, not an nn.Module")
+    return module
 
 
 def _check_methods(methods: object) -> dict[str, Factory]:
@@ -360,17 +379,17 @@ class _Run:
         losses: tuple[Loss, ...],
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
         capacity: int,
+        pairs: Sequence[tuple[str, str]],
     ) -> None:
+        pairs = set(pairs)
         self.modules: dict[str, dict[str, nn.Module]] = {}
         self.trainers: dict[tuple[str, str], ReplacementTrainer] = {}
         for block in blocks:
             self.modules[block.name] = {}
             for method, factory in methods.items():
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(_seed(seed, block.name, method))
-                    module = factory(block)
-                if not isinstance(module, nn.Module):
-                    raise TypeError(f"the factory of {method!r} returned {type(module).__name__}, not an nn.Module")
+                if (block.name, method) not in pairs:  # another process trains it
+                    continue
+                module = _built(factory, block, method, seed)
                 self.trainers[block.name, method] = ReplacementTrainer(
                     module, recipe=recipe, steps=steps, lr=lr, losses=losses, optimizer=optimizer,
                     name=f"the replacement {method!r} of {block.name!r}",
@@ -411,6 +430,10 @@ class _Run:
         counters = state["counters"]
         self.harvested, self.trained, self.steps = (int(counters[k]) for k in ("harvested", "trained", "steps"))
         self.draining = None if int(state["draining"]) < 0 else int(state["draining"])
+
+    def count_batch(self) -> None:
+        """One more batch read from the stream into the buffer."""
+        self.harvested += 1
 
     def step(self, rows: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimiser step of every replacement on ``rows``; the losses are read later (``read_losses``)."""
@@ -583,6 +606,12 @@ def distill(
     [`unit_norm_parameters`][mumoe_tn.distillation.training.unit_norm_parameters]): they are
     renormalised when built and after every step, and the gradient component parallel to each
     slice is removed before every optimiser step (the Mixture of Decoders' expert vectors).
+
+    Across processes: in an initialised process group of several processes (``torchrun``) each
+    process trains its share of the ``(block, method)`` pairs (round-robin), on the same
+    ``batches``, into its own checkpoint file; rank 0 returns every replacement, equal to a
+    one-process run's, the other ranks their own share (see
+    [`mumoe_tn.distillation.process_shares`][mumoe_tn.distillation.process_shares]).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -614,20 +643,30 @@ def distill(
     if resume and iter(batches) is batches:
         raise TypeError("resume=True needs re-iterable batches (a list, TokenWindows), not a one-shot iterator")
     blocks = select_blocks(model, mlps)
-    names = [block.name for block in blocks]
+    world = process_world()
+    pairs = [(block.name, method) for block in blocks for method in methods]
+    share = pairs if world is None else assign_replacements(pairs, world[1])[world[0]]
+    own = [block for block in blocks if any(name == block.name for name, _ in share)]  # the blocks to stream
+    names = [block.name for block in own]
     config = {
-        **dict(run_config or {}), "blocks": names, "methods": sorted(methods), "tokens": tokens,
-        "batch_size": batch_size, "buffer_tokens": capacity, "seed": seed, "recipe": recipe, "lr": lr,
-        "loss": [term.config() for term in terms],
+        **dict(run_config or {}), "blocks": [block.name for block in blocks], "methods": sorted(methods),
+        "tokens": tokens, "batch_size": batch_size, "buffer_tokens": capacity, "seed": seed, "recipe": recipe,
+        "lr": lr, "loss": [term.config() for term in terms],
     }  # fmt: skip
-    run = _Run(blocks, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
-               optimizer=optimizer, capacity=capacity)  # fmt: skip
-    if resume and path is not None and path.exists():
-        run.load_state_dict(read_checkpoint(path, config, run.trainers, blocks))
+    if world is not None:
+        config["processes"] = {"rank": world[0], "world_size": world[1]}
+        path = None if path is None else process_checkpoint(path, world)
+    with outcomes_shared(world, checkpoint=path, tokens=tokens, trained=lambda: 0):  # no process left waiting
+        run = _Run(own, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
+                   optimizer=optimizer, capacity=capacity, pairs=share)  # fmt: skip
+        if resume and checkpoint is not None:
+            check_resume_files(checkpoint, world)
+        if resume and path is not None and path.exists():
+            run.load_state_dict(read_checkpoint(path, config, run.trainers, own))
     was_training = model.training
     model.eval()
     bar = tqdm(total=tokens, initial=min(run.trained, tokens), unit="tok", unit_scale=True, desc="distilling",
-               disable=not progress, mininterval=0.5)  # fmt: skip
+               disable=not progress or (world is not None and world[0] != 0), mininterval=0.5)  # fmt: skip
 
     def train_until(rows_left: int) -> None:
         """Shuffle, then train while more than ``rows_left`` rows (and a whole batch) remain."""
@@ -656,116 +695,54 @@ def distill(
                 _save(run.state_dict(config), path)
             raise DistillationStopped(path, run.trained, tokens)
 
+    def added(batch: Batch) -> None:
+        run.count_batch()
+        digest.update(batch)
+
     try:
-        stream = iter(batches)
-        for _ in range(run.harvested):  # the batches already in the buffer or trained on
-            next(stream, None)
-        if run.draining is not None:  # resumed inside a drain: finish it as the interrupted run did
-            train_until(run.draining)
-        with capture_blocks(model, names) as captured, torch.no_grad():
-            while run.trained < tokens:
-                stop_if_asked()
-                batch = next(stream, None)
-                if batch is None:
-                    break
-                kwargs, mask = token_rows(batch, mask_argument)
-                ids = next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-                needed = int(mask.sum()) if mask is not None else ids.numel()
-                if needed > capacity:
-                    raise ValueError(
-                        f"a batch of {needed} tokens does not fit the buffer of {capacity}: raise buffer_tokens"
-                    )
-                if run.buffer.rows + needed > capacity:
-                    train_until(min(capacity // 2, capacity - needed))
-                    if run.trained >= tokens:
-                        break
-                captured.clear()
-                run_model(model, kwargs, mask)
-                missing = [name for name in names if name not in captured]
-                if missing:
-                    raise ValueError(f"the blocks {missing} did not run in the model's forward pass")
-                run.buffer.add({name: _real_rows(captured[name], mask) for name in names})
-                run.harvested += 1
+        with outcomes_shared(world, checkpoint=path, tokens=tokens, trained=lambda: run.trained):
+            stream, digest = iter(batches), BatchDigest(enabled=world is not None)
+            for _ in range(run.harvested):  # the batches already in the buffer or trained on
+                digest.update(next(stream, None))
+            if run.draining is not None:  # resumed inside a drain: finish it as the interrupted run did
+                train_until(run.draining)
+            harvest(model, stream, names, run.buffer, mask_argument=mask_argument, make_room=train_until,
+                    done=lambda: run.trained >= tokens, before_batch=stop_if_asked, added=added)  # fmt: skip
             train_until(0)
+            bar.close()
+            if run.trained < tokens:
+                warnings.warn(
+                    f"the data ended after {run.trained:,} of the {tokens:,} tokens asked for (whole steps of "
+                    f"{batch_size})", UserWarning, stacklevel=2,
+                )  # fmt: skip
+            run.read_losses()
+            if path is not None:
+                _save(run.state_dict(config), path)
     finally:
         bar.close()
         model.train(was_training)
-    if run.trained < tokens:
-        warnings.warn(
-            f"the data ended after {run.trained:,} of the {tokens:,} tokens asked for (whole steps of {batch_size})",
-            UserWarning,
-            stacklevel=2,
-        )
-    run.read_losses()
-    if path is not None:
-        _save(run.state_dict(config), path)
-    losses = {block: {method: _mean(run.recent.get((block, method), [])) for method in methods} for block in names}
-    for methods_of_block in run.modules.values():
-        for module in methods_of_block.values():
-            module.eval()
-    return Distillation(
-        blocks, run.modules, run.trained, run.steps, losses, run.buffer.peak_rows, run.buffer.allocated_bytes
-    )
+    modules = {(block, method): run.modules[block][method] for block, method in share}
+    losses = {pair: _mean(run.recent.get(pair, [])) for pair in share}
+    counters = [{"tokens": run.trained, "steps": run.steps, "peak_buffer_rows": run.buffer.peak_rows,
+                 "buffer_bytes": run.buffer.allocated_bytes, "batches": digest.value}]  # fmt: skip
+    if world is not None:
+        by_name = {block.name: block for block in blocks}
+
+        def build(block: str, method: str) -> nn.Module:
+            return _built(methods[method], by_name[block], method, seed)
+
+        gathered = gather_replacements(world, modules, losses, counters[0], build)
+        if gathered is not None:
+            modules, losses, counters = gathered
+    replacements: dict[str, dict[str, nn.Module]] = {}
+    losses_of: dict[str, dict[str, float]] = {}
+    for block, method in pairs:
+        if (block, method) in modules:
+            replacements.setdefault(block, {})[method] = modules[block, method].eval()
+            losses_of.setdefault(block, {})[method] = losses[block, method]
+    peak, allocated = max(c["peak_buffer_rows"] for c in counters), sum(c["buffer_bytes"] for c in counters)
+    return Distillation(blocks, replacements, run.trained, run.steps, losses_of, peak, allocated)
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
-
-
-def _real_rows(pair: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, y)`` flattened to ``(tokens, features)`` rows, padding dropped."""
-    x, y = pair
-    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-    if mask is None:
-        return x, y
-    keep = mask.reshape(-1).to(x.device)
-    if keep.numel() != x.shape[0]:
-        raise ValueError(f"the token mask has {keep.numel()} entries but the block saw {x.shape[0]} tokens")
-    return x[keep], y[keep]
-
-
-def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    parent, _, child = name.rpartition(".")
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        raise ValueError(f"{name!r} is not a module of the model") from None
-    return (model.get_submodule(parent) if parent else model), child
-
-
-def splice(model: nn.Module, replacements: Mapping[str, nn.Module]) -> dict[str, nn.Module]:
-    """Put each replacement in place of the module of that name, in place; returns the replaced modules.
-
-    Parameters
-    ----------
-    model : nn.Module
-    replacements : Mapping[str, nn.Module]
-        Qualified module name -> new module (e.g. ``Distillation.replacements[name][method]``).
-
-    Returns
-    -------
-    dict of str to nn.Module
-        The modules taken out, by name (``splice(model, old)`` puts them back).
-    """
-    if not isinstance(replacements, Mapping):
-        raise TypeError(f"replacements must be a mapping of module name -> module, got {type(replacements).__name__}")
-    for name, module in replacements.items():
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"the replacement of {name!r} must be an nn.Module, got {type(module).__name__}")
-    places = {name: _parent(model, name) for name in replacements}
-    old = {}
-    for name, module in replacements.items():
-        parent, child = places[name]
-        old[name] = getattr(parent, child)
-        setattr(parent, child, module)
-    return old
-
-
-@contextmanager
-def spliced(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator[nn.Module]:
-    """[`splice`][mumoe_tn.distillation.training.splice] for the duration of the block, then put the originals back."""
-    old = splice(model, replacements)
-    try:
-        yield model
-    finally:
-        splice(model, old)

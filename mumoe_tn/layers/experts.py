@@ -17,6 +17,7 @@ from mumoe_tn.caching import DerivedCache
 from mumoe_tn.contractions.autotune import fastest_plan
 from mumoe_tn.contractions.dense import expert_matrix, materialise
 from mumoe_tn.contractions.execute import constant_intermediates, run_plan
+from mumoe_tn.contractions.inference_plan import plan_inference
 from mumoe_tn.contractions.padding import PAD_MULTIPLE, bond_padding, pad_cores
 from mumoe_tn.contractions.plan import (
     BATCH_LABEL,
@@ -25,7 +26,6 @@ from mumoe_tn.contractions.plan import (
     autotune_candidates,
     check_memory_limit,
     plan_forward,
-    plan_inference,
     resolve_optimizer,
 )
 from mumoe_tn.contractions.prepared import PreparedPlan
@@ -332,7 +332,7 @@ class FactorizedExperts(nn.Module):
         """How inference contracts ``batch``'s bucket: its plan, cached steps and core layouts (made once).
 
         One cache slot per bucket: with ``precontract`` the plan of
-        [`plan_inference`][mumoe_tn.contractions.plan.plan_inference] where it caches core-only
+        [`plan_inference`][mumoe_tn.contractions.inference_plan.plan_inference] where it caches core-only
         steps, otherwise the layer's own plan for the bucket.
         """
         bucket = batch_bucket(batch)
@@ -519,10 +519,11 @@ class FactorizedExperts(nn.Module):
     def load_plans(self, saved: Mapping[str, Any]) -> None:
         """Put plans written by ``export_plans`` into the plan cache.
 
-        Every plan is checked against this layer's network first (a ``ValueError`` names the
-        first that does not fit); nothing is loaded unless all fit.
+        Every plan is checked against this layer's network and memory bound first (a ``ValueError``
+        names the first that does not fit, see ``mumoe_tn.contractions.saved``);
+        nothing is loaded unless all fit.
         """
-        entries = read_plans(self.network, saved)
+        entries = read_plans(self.network, saved, memory_limit=self.memory_limit)
         with self._plans_lock:
             for kind, bucket, plan, constant in entries:
                 if kind == "train":

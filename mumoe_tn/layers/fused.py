@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mumoe_tn.caching import DerivedState
 from mumoe_tn.contractions.prepared import PreparedPlan
 
 __all__ = ["FusedProjection", "FusedProjections", "LeanCoefficients"]
@@ -49,7 +50,7 @@ class FusedProjection:
     heads: tuple[tuple[Any, PreparedPlan, int, int, int], ...]
 
 
-class FusedProjections:
+class FusedProjections(DerivedState):
     """The fused matrices of one layer, found by the identity of the tensors and plans they are made from.
 
     The gate's cached projection and the prepared plans are new objects whenever a parameter
@@ -83,15 +84,6 @@ class FusedProjections:
         """Forget every fused matrix."""
         with self._lock:
             self._entries = {}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()
-
-    def __deepcopy__(self, memo: dict) -> FusedProjections:
-        return FusedProjections()
 
 
 def _fuse(

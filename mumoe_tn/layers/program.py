@@ -21,11 +21,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from mumoe_tn.caching import ModuleState, module_state
+from mumoe_tn.caching import DerivedState, ModuleState, module_state
 from mumoe_tn.layers.fused import FusedProjection, FusedProjections
 
 __all__ = ["MAX_CHECKED", "MAX_SIGNATURES", "LayerProgram", "ProgramEntry"]
@@ -59,7 +58,7 @@ class ProgramEntry:
     identity: bool
 
 
-class LayerProgram:
+class LayerProgram(DerivedState):
     """What one μMoE layer derives for its calls, valid for one state of the layer.
 
     Dropped on pickling and deep copies (a copy derives its own). Thread-safe: concurrent calls
@@ -110,12 +109,3 @@ class LayerProgram:
             self._key, self._state, self._entries = None, None, {}
         self.fused.clear()
         self.checked = set()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()
-
-    def __deepcopy__(self, memo: dict) -> LayerProgram:
-        return LayerProgram()

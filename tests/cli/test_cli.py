@@ -61,6 +61,13 @@ def test_plan_command(capsys):
     assert "(… n1) · (n1 a b) -> (… a b)" in capsys.readouterr().out
 
 
+def test_plan_command_says_when_the_optimizer_asked_for_was_beyond_its_effort_bound(capsys):
+    assert main(["plan", "cp", "--experts", *["2"] * 10, "--rank", "2", "--optimize", "optimal"]) == 0
+    out = capsys.readouterr().out
+    assert "note: 'optimal' is an exhaustive search over 23 operands" in out
+    assert "planned with 'greedy'" in out
+
+
 # ----------------------------------------------------------------------------- tables that fit
 
 #: Terminal names of the columns the table may leave out when narrow (the others always show).

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from strategies import custom_networks, rank_of, shipped_formats
 
 from mumoe_tn.contractions import choose_plan, memory_bound, plan_contraction, plan_forward, plan_inference
-from mumoe_tn.contractions.plan import per_call_peak
+from mumoe_tn.contractions.inference_plan import per_call_peak
 from mumoe_tn.costs import linear
 from mumoe_tn.costs.matching import MatchingWarning, match_layer
 from mumoe_tn.decompositions import get_format

@@ -201,13 +201,8 @@ def test_chunks_share_one_padded_copy_of_the_cores(monkeypatch):
     assert len(calls) == 1  # three chunks, one padding
 
 
-def test_layers_pickled_before_the_option_pad_by_default():
+def test_pickles_and_copies_keep_the_padding_option():
     layer = _cp_with_large_rank(pad_bonds=8)
-    state = layer.__getstate__()
-    del state["_pad_bonds"]
-    old = FactorizedExperts.__new__(FactorizedExperts)
-    old.__setstate__(state)
-    assert old.pad_bonds == PAD_MULTIPLE
     for clone in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
         assert clone.pad_bonds == 8
 

@@ -173,6 +173,36 @@ def test_a_network_beyond_the_work_budget_is_refused_before_it_is_built(saved):
     )
 
 
+def _clique(record, cores):
+    """Every pair of ``cores`` cores bonded at size 1: within the work budget, and once a planning stall."""
+    network = record["modules"][1]["networks"][0][1]
+    labels = [[f"C{k}", []] for k in range(cores)]
+    sizes = {"n1": 3, "n2": 4, "i": 13, "o": 12}
+    for a in range(cores):
+        for b in range(a + 1, cores):
+            labels[a][1].append(f"b{a}_{b}")
+            labels[b][1].append(f"b{a}_{b}")
+            sizes[f"b{a}_{b}"] = 1
+    for k, leg in enumerate(("n1", "n2", "i", "o")):
+        labels[k][1].append(leg)
+    network.update(name="clique", format=None, cores=labels, sizes=sizes)
+    record["modules"][1]["execution"]["optimize"] = "optimal"
+
+
+def test_a_clique_record_with_a_recorded_optimal_builds_and_runs_in_seconds(saved):
+    _, record, _ = saved
+    crafted = _edit(record, lambda r: _clique(r, 12))
+    model = _plain()
+    start = time.perf_counter()
+    apply_conversion(model, crafted)  # builds and calibrates the clique's layer
+    with torch.no_grad():
+        y = model(torch.randn(4, 12))
+    assert time.perf_counter() - start < 4 * QUICK  # over 90 s before planning was bounded
+    assert torch.isfinite(y).all()
+    plan = model[1].experts.plan(4)
+    assert "'optimal' is an exhaustive search over 15 operands" in plan.note
+
+
 def _renamed_core(record):
     network = record["modules"][1]["networks"][0][1]
     network.update(format=None, cores=[["Q", ["n1", "r"]], *network["cores"][1:]])
@@ -204,9 +234,12 @@ def test_a_record_that_does_not_fit_the_weights_is_refused_before_a_module_is_bu
 def test_config_sizes_are_held_against_the_weights_before_the_model_is_built(hf_dir, tmp_path):
     cases = {
         "vocab_size": (16_000_000, r"config\.json: vocab_size = 16000000 is invalid: no stored tensor has a dimension"),
-        "n_layer": (6000, r"config\.json: n_layer = 6000 is invalid: the weights hold 1 numbered layer"),
+        "n_layer": (
+            6000,
+            r"config\.json: n_layer = 6000 is invalid: the weights hold 1 layer\(s\) of 'transformer\.h'",
+        ),
         "n_positions": (10**7, r"config\.json: n_positions = 10000000 is invalid"),
-        "n_embd": (-1, r"config\.json: n_embd = -1 is invalid: a size is a non-negative int"),
+        "n_embd": (-1, r"config\.json: n_embd = -1 is invalid: a layer count or size is a non-negative int"),
     }
     for number, (field, (value, pattern)) in enumerate(cases.items()):
         folder = _copy(hf_dir, tmp_path / f"size{number}")

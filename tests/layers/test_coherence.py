@@ -25,20 +25,12 @@ from torch import nn
 
 from mumoe_tn import Gate, MixtureOfDecoders, MuMoE, MuMoEGatedMLP, MuMoEMLP, ReLUTopKGate, TopKGate
 from mumoe_tn.decompositions import Format, normalise_ranks, unregister
+from mumoe_tn.distillation.losses import AuxK
+from mumoe_tn.distillation.training import ReplacementTrainer
 from mumoe_tn.gates.registry import register_gate, unregister_gate
 from mumoe_tn.network import ExpertNetwork, physical_sizes
 
 IN, HIDDEN, OUT = 6, 8, 5
-
-
-class BridgeFormat(Format, name="coherence_bridge"):
-    """A user's format: ``A: n… i a, B: a o`` — every expert mode meets the input in one core."""
-
-    def network(self, expert_dims, in_features, out_features, rank, **options):
-        (a,) = normalise_ranks(self.name, rank, 1)
-        sizes = physical_sizes(expert_dims, in_features, out_features)
-        modes = " ".join(f"n{e + 1}" for e in range(len(expert_dims)))
-        return ExpertNetwork({"A": f"{modes} i a", "B": "a o"}, {**sizes, "a": a})
 
 
 @dataclass(frozen=True)
@@ -50,7 +42,15 @@ class CoherenceTopKGate(TopKGate):
 
 @pytest.fixture(scope="module", autouse=True)
 def toy_registrations():
-    BridgeFormat.get()
+    class BridgeFormat(Format, name="coherence_bridge"):  # registered here: only while this module runs
+        """A user's format: ``A: n… i a, B: a o`` — every expert mode meets the input in one core."""
+
+        def network(self, expert_dims, in_features, out_features, rank, **options):
+            (a,) = normalise_ranks(self.name, rank, 1)
+            sizes = physical_sizes(expert_dims, in_features, out_features)
+            modes = " ".join(f"n{e + 1}" for e in range(len(expert_dims)))
+            return ExpertNetwork({"A": f"{modes} i a", "B": "a o"}, {**sizes, "a": a})
+
     register_gate(CoherenceTopKGate)
     yield
     unregister_gate(CoherenceTopKGate)
@@ -93,6 +93,8 @@ def _builder(block: str, fmt: str, dims: int | tuple[int, ...], gate: str) -> Ca
 
 OPERATIONS = (
     "fused adamw step",
+    "distillation step",
+    "distillation step with aux-k",
     "foreach sgd step",
     "eval forward",
     "train no-grad forward",
@@ -141,6 +143,14 @@ def _apply(operation: str, layer: nn.Module, build: Callable[[], nn.Module], x: 
     """Do ``operation`` to ``layer`` (checking what it returns where it returns something); the layer after it."""
     if operation == "fused adamw step":
         _step(layer, torch.optim.AdamW(layer.parameters(), lr=0.05, fused=True), x)
+    elif operation in ("distillation step", "distillation step with aux-k"):
+        # The distillation trainer: fused AdamW, and with the auxiliary-k term a functional call and a
+        # no-grad forward with substituted codes between the backward and the step (every unit dead).
+        losses = ["normalised-mse", AuxK(dead_after=1, k_aux=2)] if operation.endswith("aux-k") else "normalised-mse"
+        training = layer.training
+        trainer = ReplacementTrainer(layer, recipe="plain", steps=1, losses=losses)
+        trainer.step(x, torch.randn(x.shape[0], OUT, generator=torch.Generator().manual_seed(7)))
+        layer.train(training)
     elif operation == "foreach sgd step":
         _step(layer, torch.optim.SGD(layer.parameters(), lr=0.5, foreach=True), x)
     elif operation == "eval forward":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -49,9 +50,22 @@ class Exploration:
         return render(self.data)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the page to ``path`` (UTF-8); returns the path."""
+        """Write the page to ``path`` (UTF-8); returns the path.
+
+        The page is written to a temporary file beside ``path`` and renamed onto it: ``path`` holds
+        the whole page or, if writing fails, what it held before, never part of one.
+        """
         path = Path(path)
-        path.write_text(self.html, encoding="utf-8")
+        content = self.html.encode("utf-8")
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        try:
+            os.fchmod(handle, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # not mkstemp's 0o600
+            with open(handle, "wb") as stream:
+                stream.write(content)
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
         return path
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from importlib.resources import files
 
 __all__ = ["render"]
@@ -16,11 +17,20 @@ __all__ = ["render"]
 CSP = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:"
 
 
+#: A code point UTF-8 cannot encode: a lone surrogate (a vocabulary may hold one, e.g. half a split emoji).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def render(data: dict) -> str:
-    """The page for the explorer's ``data`` (as built by [`explore`][mumoe_tn.analysis.explorer.explore])."""
+    """The page for the explorer's ``data`` (as built by [`explore`][mumoe_tn.analysis.explorer.explore]).
+
+    The page is always valid UTF-8: a lone surrogate in the data is kept as a JSON escape (the
+    script reads it back as it was), and shown as U+FFFD in the title.
+    """
     payload = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     payload = payload.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    title = html.escape(str(data.get("title", "Experts")))
+    payload = _SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", payload)  # only inside JSON strings
+    title = html.escape(_SURROGATE.sub("\ufffd", str(data.get("title", "Experts"))))
     style = files(__package__).joinpath("page.css").read_text(encoding="utf-8")
     script = files(__package__).joinpath("page.js").read_text(encoding="utf-8")
     return (
