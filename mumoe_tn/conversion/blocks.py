@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mumoe_tn.conversion.adapters import LinearView, linear_view
+from mumoe_tn.conversion.block_kinds import GATED, MLP, SPLIT, BlockKind, block_kind
 from mumoe_tn.registry import Registry
 
 __all__ = ["GATED_LAYOUTS", "PACKED_GATED_CLASSES", "GatedNames", "MLPParts", "mlp_parts", "register_gated_names"]
@@ -115,8 +116,9 @@ class MLPParts:
 
     Attributes
     ----------
-    kind : {"mlp", "gated", "split"}
-        Plain two-layer, gated (three projections) or split across two sibling modules.
+    kind : BlockKind
+        Plain two-layer, gated (three projections) or split across two sibling modules (a name is
+        looked up in [`BLOCK_KINDS`][mumoe_tn.conversion.block_kinds.BLOCK_KINDS]).
     up : LinearView
         The first layer ``I → H`` (the ungated "up" projection of a gated block).
     down : LinearView
@@ -131,13 +133,16 @@ class MLPParts:
         Child paths (relative to the block) that become ``nn.Identity``.
     """
 
-    kind: str
+    kind: BlockKind
     up: LinearView
     down: LinearView
     activation: nn.Module | None
     gate: LinearView | None = None
     target: str = ""
     bypass: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", block_kind(self.kind))
 
     @property
     def layers(self) -> dict[str, LinearView]:
@@ -184,7 +189,7 @@ def _gated(module: nn.Module) -> MLPParts | None:
             continue
         if up.out_features != down.in_features:
             continue
-        return MLPParts("gated", up, down, children[names.activation], gate=gate)
+        return MLPParts(GATED, up, down, children[names.activation], gate=gate)
     return None
 
 
@@ -203,7 +208,7 @@ def _split(module: nn.Module) -> MLPParts | None:
         return None
     activations = [child for child in others if _is_activation(child)]
     return MLPParts(
-        "split", up, down, activations[0] if activations else None, target="intermediate", bypass=("output.dense",)
+        SPLIT, up, down, activations[0] if activations else None, target="intermediate", bypass=("output.dense",)
     )
 
 
@@ -221,7 +226,7 @@ def _plain(module: nn.Module) -> MLPParts | None:
     between = [c for c in children[positions[0] + 1 : positions[1]] if _is_activation(c) and linear_view(c) is None]
     if not between:  # e.g. GPT-2 registers c_fc, c_proj, then act
         between = [c for c in children if _is_activation(c) and linear_view(c) is None]
-    return MLPParts("mlp", up, down, between[0] if between else None)
+    return MLPParts(MLP, up, down, between[0] if between else None)
 
 
 def mlp_parts(module: nn.Module) -> MLPParts | None:

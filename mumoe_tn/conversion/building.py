@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mumoe_tn.conversion.adapters import LinearView, linear_view
+from mumoe_tn.conversion.block_kinds import LINEAR, BlockKind, block_kind
 from mumoe_tn.conversion.blocks import MLPParts, mlp_parts
 from mumoe_tn.decompositions.resolve import Decomposition
 from mumoe_tn.layers import FactorizedExperts, MuMoE
@@ -37,11 +38,14 @@ def join_path(prefix: str, child: str) -> str:
 class Choice:
     """A module chosen for replacement, with every path it sits at."""
 
-    kind: str
+    kind: BlockKind
     module: nn.Module
     layers: dict[str, LinearView]
     parts: MLPParts | None
     paths: list[str]
+
+    def __post_init__(self) -> None:
+        self.kind = block_kind(self.kind)
 
 
 def choose(model: nn.Module, select_linear: Callable, select_mlp: Callable) -> list[Choice]:
@@ -64,7 +68,7 @@ def choose(model: nn.Module, select_linear: Callable, select_mlp: Callable) -> l
             continue
         view = linear_view(module)
         if view is not None and select_linear(name, module):
-            choices[id(module)] = Choice("linear", module, {"layer": view}, None, [name])
+            choices[id(module)] = Choice(LINEAR, module, {"layer": view}, None, [name])
     return list(choices.values())
 
 
@@ -81,7 +85,7 @@ def build_block(
     first = views.get("up", views.get("layer"))
     factory = {"device": first.device if device is None else device, "dtype": first.dtype}
     bias = any(view.bias is not None for view in views.values())
-    if choice.kind == "linear":
+    if not choice.kind.mlp:
         layer = MuMoE(
             first.in_features,
             first.out_features,
@@ -108,7 +112,7 @@ def build_block(
         hidden = decomposition.in_features
     new = kind.build(
         first.in_features, hidden, down.out_features, expert_dims, decomposition,
-        **_ranks_or_match(rank, "mlp"), gated=choice.kind == "gated", **block,
+        **_ranks_or_match(rank, "mlp"), gated=choice.kind.gated, **block,
     )  # fmt: skip
     return new, new.expert_layers
 

@@ -170,7 +170,7 @@ def is_causal_model(model: nn.Module) -> bool:
     Parameters
     ----------
     model : nn.Module
-        Any model.
+        The model whose config and attention modules are read.
 
     Returns
     -------
@@ -401,14 +401,14 @@ def convert(
     layer_options = _causal_gate_options(report.causal, layer_options, report)
     built = []
     keeps_widths = upcycle and rank == "match" and mlp_block_for(decomposition).dense_encoder
-    if keeps_widths and any(choice.kind != "linear" for choice in choices):
+    if keeps_widths and any(choice.kind.mlp for choice in choices):
         report.notes.append(
             f"Upcycled {_format_name(decomposition)!r} blocks keep the MLP's hidden width (the encoder is copied, so "
             "the block computes what the MLP did): they hold the MLP's parameters plus their experts'. Without "
             "upcycle=True, rank='match' narrows the hidden layer to the MLP's parameter count instead."
         )
     for choice in choices:
-        block_rank = "exact" if keeps_widths and choice.kind != "linear" else rank
+        block_rank = "exact" if keeps_widths and choice.kind.mlp else rank
         try:
             new, layers = build_block(choice, expert_dims, decomposition, block_rank, layer_options)
         except (ValueError, TypeError) as error:

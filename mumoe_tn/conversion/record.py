@@ -39,12 +39,13 @@ from torch import nn
 
 from mumoe_tn.contractions.plan import OPTIMIZERS
 from mumoe_tn.conversion.adapters import linear_view
+from mumoe_tn.conversion.block_kinds import GATED, LINEAR, MLP, SPLIT, block_kind
 from mumoe_tn.conversion.blocks import mlp_parts
 from mumoe_tn.conversion.building import Choice, build_block, install, join_path, uninstall
 from mumoe_tn.conversion.record_checks import check_mask_argument, check_nested_paths, checkpoint_shapes
 from mumoe_tn.decompositions import available, get_format
 from mumoe_tn.gates.registry import gate_class, gate_class_name, registered_gates
-from mumoe_tn.layers import FactorizedExperts
+from mumoe_tn.layers import GATE_INPUTS, FactorizedExperts
 from mumoe_tn.masking import install_mask_hook
 from mumoe_tn.network import ExpertNetwork
 
@@ -103,11 +104,9 @@ MAX_RECORD_PAD = 1024
 MAX_MESSAGE_CHARS = 2000
 
 #: The roles of a recorded module's networks, by kind, in the block's order.
-ROLES = {"linear": ("layer",), "mlp": ("up", "down"), "split": ("up", "down"), "gated": ("gate", "up", "down")}
+ROLES = {kind: kind.roles for kind in (LINEAR, MLP, SPLIT, GATED)}
 #: The roles of a block whose encoders stay dense (a Mixture of Decoders): its decoder alone.
 DECODER_ROLES = ("down",)
-#: What a recorded gate may read.
-GATE_INPUTS = ("normed", "raw")
 
 _short = reprlib.Repr()
 _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict, _short.maxlevel = 80, 80, 6, 6, 3
@@ -845,18 +844,19 @@ def _rebuild_choice(model: nn.Module, modules: Mapping[str, nn.Module], entry: C
         raise ValueError(
             shorten(f"the conversion record has one module at {list(entry.paths)}; this model has several")
         )
-    if entry.kind == "linear":
+    kind = block_kind(entry.kind)
+    if not kind.mlp:
         view = linear_view(module)
         parts, layers = None, None if view is None else {"layer": view}
     else:
         parts = mlp_parts(module)
-        layers = None if parts is None or parts.kind != entry.kind else parts.layers
+        layers = None if parts is None or parts.kind != kind else parts.layers
     if layers is None:
         raise ValueError(
             f"the conversion record replaced a {entry.kind!r} module at {entry.paths[0]!r}, but this model has a "
             f"{type(module).__name__} there that is not one"
         )
-    return Choice(entry.kind, module, layers, parts, list(entry.paths))
+    return Choice(kind, module, layers, parts, list(entry.paths))
 
 
 def _rebuild(
@@ -864,14 +864,12 @@ def _rebuild(
 ) -> tuple[nn.Module, dict[str, FactorizedExperts]]:
     """The μMoE module of a record entry, with the recorded networks (checked) and options."""
     path = entry.paths[0]
+    # The recorded optimizer is a checked name, resolved only when the layer first plans.
+    execution = {**execution_from_data(entry.execution), "lazy_optimizer": True}
     try:
         networks = {role: network_from_data(data) for role, data in entry.networks}
-        options = {
-            "gate": gate_from_data(entry.gate),
-            "gate_input": entry.gate_input,
-            "input_norm": entry.input_norm,
-            "optimize": "auto",  # the recorded optimizer plans later, when the layer first runs
-        }
+        gating = {"gate": gate_from_data(entry.gate), "gate_input": entry.gate_input, "input_norm": entry.input_norm}
+        options = {**gating, **execution}
         first = next(iter(networks.values()))
         new, layers = build_block(choice, first.expert_dims, first, None, options, device=device)
     except (ValueError, TypeError) as error:
@@ -886,8 +884,4 @@ def _rebuild(
                     f"{network!r}, the model gives {found!r}"
                 )
             )
-    execution = execution_from_data(entry.execution)
-    for experts in layers.values():
-        for option, value in execution.items():
-            setattr(experts, option, value)
     return new, layers

@@ -275,7 +275,7 @@ def mumoe_factory(
         if kind is None:
             cls = layer
         else:
-            cls, extra["gated"] = kind.build, block.kind == "gated"
+            cls, extra["gated"] = kind.build, block.kind.gated
         target = paper_budget(block) if budget is None else _budget(budget, block)
         module = cls(
             block.in_features, block.hidden_features, block.out_features, expert_dims, decomposition,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mumoe_tn.conversion.block_kinds import BlockKind, block_kind
 from mumoe_tn.conversion.blocks import mlp_parts
 from mumoe_tn.distillation.corpus import MAX_TEXT_BYTES, encode_text, read_text
 from mumoe_tn.masking import token_mask
@@ -54,8 +55,9 @@ class BlockInfo:
         Qualified module name in the model.
     module : nn.Module
         The block itself (its forward maps the input ``(…, I)`` to the output ``(…, O)``).
-    kind : {"mlp", "gated"}
-        A plain two-layer block or a gated (SwiGLU/GeGLU) one.
+    kind : BlockKind
+        A plain two-layer block or a gated (SwiGLU/GeGLU) one (a name is looked up in
+        [`BLOCK_KINDS`][mumoe_tn.conversion.block_kinds.BLOCK_KINDS]).
     in_features, hidden_features, out_features : int
         ``I``, ``H`` and ``O``.
     bias : bool
@@ -70,7 +72,7 @@ class BlockInfo:
 
     name: str
     module: nn.Module
-    kind: str
+    kind: BlockKind
     in_features: int
     hidden_features: int
     out_features: int
@@ -78,6 +80,9 @@ class BlockInfo:
     activation: nn.Module | None
     device: torch.device
     dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", block_kind(self.kind))
 
     @property
     def parameters(self) -> int:
@@ -122,7 +127,7 @@ def select_blocks(model: nn.Module, mlps: str | Callable[[str, nn.Module], bool]
         parts = mlp_parts(module) if name else None
         if parts is None or not chosen(name, module):
             continue
-        if parts.kind == "split":
+        if parts.kind.split:
             raise ValueError(
                 f"{name!r} is an MLP split across the sibling modules {parts.replaced}: distillation needs one module "
                 "that maps the block's input to its output; select that module (or wrap the two in one)"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from torch import nn
 from mumoe_tn.gates.modules import ExpertGate
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.specs import GateSpec
+from mumoe_tn.layers.construction import LayerSpec
 from mumoe_tn.layers.experts import FactorizedExperts, batch_bucket
 from mumoe_tn.layers.fused import LeanCoefficients
 from mumoe_tn.layers.program import LayerProgram, ProgramEntry
@@ -34,7 +37,8 @@ class MuMoEBase(PerThreadRecords):
     """Base of layers whose factorized expert layers share one gate: MuMoE, MuMoEMLP, MuMoEGatedMLP.
 
     It holds the gate, the input norm, the per-thread record of the coefficients and any
-    active ablation. A subclass calls ``_setup_gate`` in its constructor, lists its factorized
+    active ablation. A subclass resolves a [`LayerSpec`][mumoe_tn.layers.construction.LayerSpec] in its
+    constructor and builds from it in ``_build`` (after this class's), lists its factorized
     layers in ``_expert_layers`` and, in ``forward``, gets ``z, coefficients = self._gate(x)``
     and contracts each layer with ``self._contract(experts, z, coefficients)``.
     """
@@ -45,29 +49,67 @@ class MuMoEBase(PerThreadRecords):
     gate: nn.Module
     gate_spec: GateSpec
 
-    def _setup_gate(
-        self,
-        in_features: int,
-        expert_dims: tuple[int, ...],
-        *,
-        bias: bool,
-        gate: GateSpec,
-        gate_input: str,
-        input_norm: bool,
-        factory: dict,
-    ) -> None:
-        if gate_input not in GATE_INPUTS:
-            raise ValueError(f"gate_input must be one of {list(GATE_INPUTS)}, got {gate_input!r}")
+    #: The example of ``hidden_activation`` the error about a wrong one names.
+    activation_example = "nn.GELU()"
+
+    #: Whether the factorized layers' leg ``i`` holds the bias column.
+    folds_bias = True
+
+    #: The roles of the factorized layers, in order (the ``networks`` of a spec this class builds from).
+    spec_roles: tuple[str, ...] = ()
+
+    @classmethod
+    def from_spec(cls, spec: LayerSpec) -> Self:
+        """A new layer built from ``spec`` (see [`mumoe_tn.layers.construction`][mumoe_tn.layers.construction]).
+
+        Parameters
+        ----------
+        spec : LayerSpec
+            A spec of this kind of layer (from [`layer_spec`][mumoe_tn.layers.construction.layer_spec]), its
+            fields replaced where wanted (``dataclasses.replace``). Its ``hidden_activation`` is copied, so
+            layers built from one spec share no module.
+
+        Returns
+        -------
+        MuMoEBase
+            A layer of this class, its parameters freshly initialised.
+
+        Raises
+        ------
+        TypeError
+            If ``spec`` is not a ``LayerSpec``.
+        ValueError
+            If its factorized layers are not this class's.
+        """
+        if not isinstance(spec, LayerSpec):
+            raise TypeError(f"spec must be a LayerSpec, got {type(spec).__name__}")
+        if spec.roles != cls.spec_roles:
+            raise ValueError(
+                f"a spec with the factorized layers {list(spec.roles)} (a {spec.layer}) does not build a "
+                f"{cls.__name__}, whose layers are {list(cls.spec_roles)}"
+            )
+        if spec.hidden_activation is not None:
+            spec = dataclasses.replace(spec, hidden_activation=copy.deepcopy(spec.hidden_activation))
+        layer = cls.__new__(cls)
+        MuMoEBase.__init__(layer)
+        layer._build(spec)
+        return layer
+
+    def _build(self, spec: LayerSpec) -> None:
+        """Make the layer's modules from ``spec``: the gate and the input norm here, the rest in the subclass."""
+        if spec.gate_input not in GATE_INPUTS:
+            raise ValueError(f"gate_input must be one of {list(GATE_INPUTS)}, got {spec.gate_input!r}")
+        in_features, factory = spec.in_features, spec.factory()
         self.in_features = in_features
-        self.bias = bias
-        self.expert_dims = expert_dims
-        self.gate_input = gate_input
-        check_bool("input_norm", input_norm)
-        self.input_norm = nn.LayerNorm(in_features, **factory) if input_norm else nn.Identity()
-        self.gate_spec = gate
-        module = gate.build(in_features, expert_dims, **factory)
+        self.bias = spec.folded_bias
+        self.expert_dims = spec.expert_dims
+        self.gate_input = spec.gate_input
+        check_bool("input_norm", spec.input_norm)
+        self.input_norm = nn.LayerNorm(in_features, **factory) if spec.input_norm else nn.Identity()
+        self.gate_spec = spec.gate
+        module = spec.gate.build(in_features, spec.expert_dims, **factory)
         if not isinstance(module, nn.Module):
-            raise TypeError(f"the gate descriptor {gate!r} built {type(module).__name__}, not an nn.Module")
+            raise TypeError(f"the gate descriptor {spec.gate!r} built {type(module).__name__}, not an nn.Module")
         self.gate = module
         self.ablation: Any = None
         self._program = LayerProgram()

@@ -243,10 +243,8 @@ def log_squared_norm(
 
     Parameters
     ----------
-    network : ExpertNetwork
-        The network the cores belong to.
-    cores : Mapping[str, torch.Tensor]
-        One tensor per core name, shaped as ``network.core_shape(name)``.
+    network, cores
+        As for [`materialise`][mumoe_tn.contractions.dense.materialise]: the network and a tensor per core name.
     generator : torch.Generator, optional
         Random generator of the probes (on the cores' device).
 

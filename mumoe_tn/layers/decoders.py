@@ -30,10 +30,10 @@ from mumoe_tn.costs.matching import match_exact
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, resolve_network
 from mumoe_tn.gates.specs import GateSpec, gate_parameter_count
 from mumoe_tn.layers.base import MuMoEBase
+from mumoe_tn.layers.construction import LayerArguments, LayerSpec, layer_spec
 from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.layers.options import EXACT, LayerOptions, Match, check_match_only_options, match_target
 from mumoe_tn.network import ExpertNetwork
-from mumoe_tn.validation import check_bool
 
 __all__ = ["MixtureOfDecoders", "decoder_block_parameters"]
 
@@ -147,50 +147,59 @@ class MixtureOfDecoders(MuMoEBase):
         **keywords: Any,
     ) -> None:
         super().__init__()
-        options, decomposition_options = LayerOptions.from_keywords(options, keywords)
-        bias, input_norm = options.bias, options.input_norm
+        spec = layer_spec(
+            type(self), in_features, hidden_features, out_features, expert_dims, decomposition, rank,
+            match=match, options=options, keywords=keywords, gated=gated, hidden_activation=hidden_activation,
+        )  # fmt: skip
+        self._build(spec)
+
+    #: The one factorized layer's role.
+    spec_roles = ("down",)
+
+    #: The biases are the encoders' and ``b_out``: nothing is folded into the decoder's leg ``i``.
+    folds_bias = False
+
+    @classmethod
+    def resolve_networks(cls, arguments: LayerArguments) -> tuple[tuple[tuple[str, ExpertNetwork], ...], int | None]:
+        """The decoder's network ``H → O`` (exact or matched) and the budget matched; see `layer_spec`."""
+        options, match, rank, expert_dims = arguments.options, arguments.match, arguments.rank, arguments.expert_dims
         match_bonds, rank_multiple = options.match_bonds, options.rank_multiple
-        factory = options.factory()
-        check_bool("bias", bias)
-        check_bool("gated", gated)
-        out_features = in_features if out_features is None else out_features
-        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
-            raise TypeError(
-                f"hidden_activation must be an nn.Module instance such as nn.GELU(), got {hidden_activation!r}"
-            )
-        gate = options.gate_spec()
         if expert_dims is None and match is None:
             raise TypeError("MixtureOfDecoders needs expert_dims, or match= to choose them")
-        if isinstance(rank, str) and rank == EXACT:
-            rank, exact = None, True
-        else:
-            exact = False
+        exact = isinstance(rank, str) and rank == EXACT
+        rank = None if exact else rank
         build_rank = 1 if match is not None and rank is None else rank
         network = resolve_network(
-            decomposition, 1 if expert_dims is None else expert_dims, hidden_features, out_features, build_rank,
-            options=decomposition_options,
+            arguments.decomposition, 1 if expert_dims is None else expert_dims, arguments.hidden_features,
+            arguments.out_features, build_rank, options=arguments.builder_options,
         )  # fmt: skip
         if exact and network.bonds:
             network = match_exact([network], bonds=match_bonds, multiple=rank_multiple)[1][0]
+        target = None
         if match is not None:
             names = scaled_bonds(network, match_bonds)
             if expert_dims is not None and set(names) <= set(network.expert_legs):
                 names = ("i",)  # the experts are given and there is no bond: the hidden width is solved
-            counted = {"gated": gated, "bias": bias, "gate": gate, "input_norm": input_norm}
-            network = self._matched(network, in_features, match, names, rank_multiple, counted)
+            counted = {"gated": arguments.gated, "bias": options.bias, "gate": arguments.gate}
+            counted["input_norm"] = options.input_norm
+            network, target = cls._matched(network, arguments.in_features, match, names, rank_multiple, counted)
         else:
             check_match_only_options(match_bonds, rank_multiple)
-        self.hidden_features, self.out_features, self.gated = network.in_features, out_features, gated
-        hidden_features = network.in_features
-        gating = {"gate": gate, "gate_input": options.gate_input, "input_norm": input_norm, "factory": factory}
+        return (("down", network),), target
+
+    def _build(self, spec: LayerSpec) -> None:
         # The decoder's bias is outside the experts (b_out), so nothing is folded into its leg i.
-        self._setup_gate(in_features, network.expert_dims, bias=False, **gating)
+        super()._build(spec)
+        in_features, hidden_features, out_features = spec.in_features, spec.hidden_features, spec.out_features
+        bias, factory = spec.bias, spec.factory()
+        self.hidden_features, self.out_features, self.gated = hidden_features, out_features, spec.gated
         self.up_proj = nn.Linear(in_features, hidden_features, bias=bias, **factory)
-        self.gate_proj = nn.Linear(in_features, hidden_features, bias=bias, **factory) if gated else None
-        self.decoder = FactorizedExperts(network, fan_in=hidden_features, **options.expert_options())
+        self.gate_proj = nn.Linear(in_features, hidden_features, bias=bias, **factory) if spec.gated else None
+        self.decoder = spec.experts("down")
         self.output_bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
-        default = nn.SiLU if gated else nn.GELU
-        self.hidden_activation = default() if hidden_activation is None else hidden_activation
+        default = nn.SiLU if spec.gated else nn.GELU
+        activation = spec.hidden_activation
+        self.hidden_activation = default() if activation is None else activation
 
     @staticmethod
     def _matched(
@@ -200,8 +209,8 @@ class MixtureOfDecoders(MuMoEBase):
         names: Sequence[str],
         multiple: int,
         options: dict[str, Any],
-    ) -> ExpertNetwork:
-        """``network`` with ``names`` (its leg ``i``: the hidden width; or its scaled labels) matched."""
+    ) -> tuple[ExpertNetwork, int]:
+        """``network`` with ``names`` (its leg ``i``: the hidden width, or its scaled labels) matched; the budget."""
         hidden, out_features, bias = network.in_features, network.out_features, options["bias"]
         reference = mlp_cost(in_features, hidden, out_features, bias=bias).params
         if options["gated"]:
@@ -214,7 +223,7 @@ class MixtureOfDecoders(MuMoEBase):
         scaling = "the hidden width" if tuple(names) == ("i",) else f"{tuple(names)}"
         what = f"a mixture of {network.name} decoders scaling {scaling}"
         sizes, _ = solve_bonds(count, names, target, what=what, multiple=multiple)
-        return network.with_sizes(**sizes)
+        return network.with_sizes(**sizes), target
 
     @property
     def network(self) -> ExpertNetwork:

@@ -21,6 +21,7 @@ from mumoe_tn.contractions.inference_plan import plan_inference
 from mumoe_tn.contractions.padding import PAD_MULTIPLE, bond_padding, pad_cores
 from mumoe_tn.contractions.plan import (
     BATCH_LABEL,
+    OPTIMIZERS,
     ContractionPlan,
     autotune_candidates,
     check_memory_limit,
@@ -98,6 +99,9 @@ class FactorizedExperts(nn.Module):
         that batch needs gradients (training), the forward alone otherwise (see
         [`mumoe_tn.contractions.autotune_candidates`][mumoe_tn.contractions.plan.autotune_candidates]). Named optimizers
         are resolved afresh for every plan.
+    lazy_optimizer : bool, optional
+        Only check that ``optimize`` is a name now and resolve it when the layer first plans (the
+        ``torch.compile`` plan uses ``"auto"``): a replayed record's optimizer is data (default False).
     max_plans : int, optional
         Size of the plan cache in slots (default [`MAX_PLANS`][mumoe_tn.layers.experts]; one slot per
         batch-size bucket and mode, training or inference).
@@ -131,6 +135,7 @@ class FactorizedExperts(nn.Module):
         fan_in: int | None = None,
         expert_noise: Sequence[float] | None = None,
         optimize: Any = "auto",
+        lazy_optimizer: bool = False,
         max_plans: int = MAX_PLANS,
         memory_limit: int | str | None = None,
         chunk_size: int | None = None,
@@ -161,7 +166,10 @@ class FactorizedExperts(nn.Module):
             raise ValueError(f"fan_in={fan_in} is too large (at most {_MAX_FAN_IN - 1:,}); it is a layer's input width")
         self.fan_in = fan_in
         self.expert_noise = None if expert_noise is None else check_expert_noise(expert_noise, network.n_expert_modes)
-        resolve_optimizer(optimize)  # validates; names are resolved afresh for every plan
+        if not check_bool("lazy_optimizer", lazy_optimizer):
+            resolve_optimizer(optimize)  # validates; names are resolved afresh for every plan
+        elif not isinstance(optimize, str) or optimize not in OPTIMIZERS:
+            raise ValueError(f"lazy_optimizer=True takes an optimizer name of {list(OPTIMIZERS)}, got {optimize!r}")
         self.optimize = optimize
         self.max_plans = max_plans
         self.memory_limit = check_memory_limit(memory_limit)
@@ -173,9 +181,8 @@ class FactorizedExperts(nn.Module):
         self._plans_lock = threading.RLock()
         self._prepared: DerivedCache[_PreparedCores] = DerivedCache()
         self._checked: set[tuple] = set()
-        self._compile_plan = plan_forward(
-            network, COMPILE_PLAN_BATCH, self._path_optimizer(), memory_limit=self.memory_limit
-        )
+        optimizer = "auto" if lazy_optimizer else self._path_optimizer()
+        self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, optimizer, memory_limit=self.memory_limit)
         for name, shape in network.core_shapes.items():
             if hasattr(self, name):
                 raise ValueError(f"core name {name!r} clashes with an attribute of FactorizedExperts; rename the core")

@@ -14,24 +14,64 @@ from mumoe_tn.costs.matching import match_block
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.gates.specs import GateSpec
 from mumoe_tn.layers.base import MuMoEBase
+from mumoe_tn.layers.construction import LayerArguments, LayerSpec, layer_spec
 from mumoe_tn.layers.experts import FactorizedExperts
-from mumoe_tn.layers.options import (
-    LayerOptions,
-    Match,
-    block_networks,
-    match_target,
-)
+from mumoe_tn.layers.options import LayerOptions, Match, block_networks, match_target
 from mumoe_tn.network import ExpertNetwork
 
 __all__ = ["MuMoEGatedMLP", "MuMoEMLP", "gated_mlp_parameters"]
 
 
+def _plain_reference(in_features: int, hidden_features: int, out_features: int, *, bias: bool) -> int:
+    """Parameters of the MLP block ``I → H → O``."""
+    return mlp_cost(in_features, hidden_features, out_features, bias=bias).params
+
+
+def _gated_reference(in_features: int, hidden_features: int, out_features: int, *, bias: bool) -> int:
+    """Parameters of the gated MLP block: two layers ``I → H`` and one ``H → O``."""
+    return (
+        2 * linear(in_features, hidden_features, bias=bias).params
+        + linear(hidden_features, out_features, bias=bias).params
+    )
+
+
+def _match_plain(first: ExpertNetwork, second: ExpertNetwork, target: int, bonds: Any, **counted: Any) -> tuple:
+    """Scale the bonds of both layers by one rank to ``target`` parameters (the input norm is not counted)."""
+    multiple, _ = counted.pop("multiple"), counted.pop("input_norm")
+    return match_block(first, second, target, bonds=bonds, rank_multiple=multiple, **counted).networks
+
+
+def _match_gated(
+    first: ExpertNetwork,
+    second: ExpertNetwork,
+    target: int,
+    bonds: Sequence[str] | None,
+    *,
+    bias: bool,
+    gate: GateSpec,
+    input_norm: bool,
+    multiple: int,
+) -> tuple[ExpertNetwork, ExpertNetwork]:
+    """Scale the bonds of all three layers by one rank to ``target`` parameters."""
+    names = scaled_bonds(first, bonds)
+    scaled_bonds(second, names)
+
+    def resized(r: int) -> tuple[ExpertNetwork, ExpertNetwork]:
+        return first.with_sizes(**dict.fromkeys(names, r)), second.with_sizes(**dict.fromkeys(names, r))
+
+    def count(r: int) -> int:
+        up, down = resized(r)
+        return gated_mlp_parameters(up, up, down, bias=bias, gate=gate, input_norm=input_norm)
+
+    return resized(solve_rank(count, target, what=f"a gated {first.name} block scaling {names}", multiple=multiple))
+
+
 class _MLPBlock(MuMoEBase):
     """What both MLP blocks share: their arguments, matching, gate and expert layers ``I → H → O``.
 
-    A subclass names its default hidden activation, the dense block it replaces (for
-    ``match="mlp"``), its matching, and builds its factorized layers from the networks ``I → H``
-    and ``H → O``.
+    A subclass names its default hidden activation, the parameters of the dense block it replaces
+    (for ``match="mlp"``), its matching, and its factorized layers by attribute and role: the
+    ``down`` layer is built on the network ``H → O``, the others on ``I → H``.
     """
 
     #: The hidden activation when none is given.
@@ -52,52 +92,55 @@ class _MLPBlock(MuMoEBase):
         **keywords: Any,
     ) -> None:
         super().__init__()
-        options, decomposition_options = LayerOptions.from_keywords(options, keywords)
-        bias, input_norm, rank_multiple = options.bias, options.input_norm, options.rank_multiple
-        factory = options.factory()
-        out_features = in_features if out_features is None else out_features
-        name = type(self).__name__
-        if hidden_activation is not None and not isinstance(hidden_activation, nn.Module):
-            example = f"nn.{self.default_hidden_activation.__name__}()"
-            raise TypeError(
-                f"hidden_activation must be an nn.Module instance such as {example}, got {hidden_activation!r}"
-            )
-        gate = options.gate_spec()
-        sizes = (in_features, hidden_features, out_features)
+        spec = layer_spec(
+            type(self), in_features, hidden_features, out_features, expert_dims, decomposition, rank,
+            match=match, options=options, keywords=keywords, hidden_activation=hidden_activation,
+        )  # fmt: skip
+        self._build(spec)
+
+    #: ``(attribute, role)`` of every factorized layer, in order (the first network ``I → H``, ``down`` ``H → O``).
+    layer_attributes: tuple[tuple[str, str], ...] = ()
+
+    #: ``(in_features, hidden_features, out_features, *, bias) -> parameters`` of the dense block replaced.
+    reference_parameters: Any = None
+
+    #: ``(first, second, target, bonds, *, bias, gate, input_norm, multiple) -> (first, second)``: the matching.
+    match_block: Any = None
+
+    @classmethod
+    def resolve_networks(cls, arguments: LayerArguments) -> tuple[tuple[tuple[str, ExpertNetwork], ...], int | None]:
+        """The networks ``I → H`` and ``H → O`` by role and the budget matched; see `layer_spec`."""
+        options = arguments.options
+        bias, rank_multiple = options.bias, options.rank_multiple
+        sizes = (arguments.in_features, arguments.hidden_features, arguments.out_features)
+        targets = []
 
         def matcher(first: ExpertNetwork, second: ExpertNetwork, match: Any, bonds: Any) -> tuple:
-            target = match_target(match, self._reference_parameters(*sizes, bias=bias), "mlp", name)
-            options = {"bias": bias, "gate": gate, "input_norm": input_norm, "multiple": rank_multiple}
-            return self._match_block(first, second, target, bonds, **options)
+            target = match_target(match, cls.reference_parameters(*sizes, bias=bias), "mlp", arguments.layer)
+            targets.append(target)
+            shared = {"bias": bias, "gate": arguments.gate, "input_norm": options.input_norm}
+            return cls.match_block(first, second, target, bonds, multiple=rank_multiple, **shared)
 
         first, second = block_networks(
-            decomposition, expert_dims, sizes, rank, match, options.match_bonds, rank_multiple,
-            bias=bias, options=decomposition_options, layer=name, matcher=matcher,
+            arguments.decomposition, arguments.expert_dims, sizes, arguments.rank, arguments.match,
+            options.match_bonds, rank_multiple, bias=bias, options=arguments.builder_options, layer=arguments.layer,
+            matcher=matcher,
         )  # fmt: skip
-        self.hidden_features, self.out_features = hidden_features, out_features
-        gating = {"gate": gate, "gate_input": options.gate_input, "input_norm": input_norm, "factory": factory}
-        self._setup_gate(in_features, first.expert_dims, bias=bias, **gating)
-        layer = options.expert_options()
-        self._build_layers(
-            lambda net: FactorizedExperts(net, fan_in=in_features, **layer),
-            lambda net: FactorizedExperts(net, fan_in=hidden_features, **layer),
-            first,
-            second,
-        )
-        self.hidden_activation = self.default_hidden_activation() if hidden_activation is None else hidden_activation
+        networks = tuple((role, second if role == "down" else first) for _, role in cls.layer_attributes)
+        return networks, (targets[0] if targets else None)
 
-    @staticmethod
-    def _reference_parameters(in_features: int, hidden_features: int, out_features: int, *, bias: bool) -> int:
-        raise NotImplementedError
+    def _build(self, spec: LayerSpec) -> None:
+        super()._build(spec)
+        self.hidden_features, self.out_features = spec.hidden_features, spec.out_features
+        for attribute, role in self.layer_attributes:
+            setattr(self, attribute, spec.experts(role))
+        activation = spec.hidden_activation
+        self.hidden_activation = self.default_hidden_activation() if activation is None else activation
 
-    @staticmethod
-    def _match_block(
-        first: ExpertNetwork, second: ExpertNetwork, target: int, bonds: Any, **options: Any
-    ) -> tuple[ExpertNetwork, ExpertNetwork]:
-        raise NotImplementedError
-
-    def _build_layers(self, inner: Any, outer: Any, first: ExpertNetwork, second: ExpertNetwork) -> None:
-        raise NotImplementedError
+    @property
+    def expert_layers(self) -> dict[str, FactorizedExperts]:
+        """The factorized layers by role (``up``, ``down``; a gated block's ``gate``, ``up``, ``down``)."""
+        return {role: getattr(self, attribute) for attribute, role in self.layer_attributes}
 
     def extra_repr(self) -> str:
         return (
@@ -149,29 +192,10 @@ class MuMoEMLP(_MLPBlock):
     """
 
     default_hidden_activation = nn.GELU
-
-    @staticmethod
-    def _reference_parameters(in_features: int, hidden_features: int, out_features: int, *, bias: bool) -> int:
-        return mlp_cost(in_features, hidden_features, out_features, bias=bias).params
-
-    @staticmethod
-    def _match_block(
-        first: ExpertNetwork, second: ExpertNetwork, target: int, bonds: Any, **options: Any
-    ) -> tuple[ExpertNetwork, ExpertNetwork]:
-        matched = match_block(
-            first, second, target, bonds=bonds, bias=options["bias"], gate=options["gate"],
-            rank_multiple=options["multiple"],
-        )  # fmt: skip
-        return matched.networks
-
-    def _build_layers(self, inner: Any, outer: Any, first: ExpertNetwork, second: ExpertNetwork) -> None:
-        self.experts1 = inner(first)
-        self.experts2 = outer(second)
-
-    @property
-    def expert_layers(self) -> dict[str, FactorizedExperts]:
-        """The two factorized layers by role: ``up``, ``down``."""
-        return {"up": self.experts1, "down": self.experts2}
+    layer_attributes = (("experts1", "up"), ("experts2", "down"))
+    spec_roles = ("up", "down")
+    reference_parameters = staticmethod(_plain_reference)
+    match_block = staticmethod(_match_plain)
 
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.experts1, self.experts2)
@@ -230,15 +254,9 @@ class MuMoEGatedMLP(_MLPBlock):
 
     Parameters
     ----------
-    in_features, hidden_features : int
-        Input and hidden sizes.
-    out_features : int, optional
-        Output size (default ``in_features``).
-    expert_dims : int or Sequence[int]
-        ``N`` or ``(N_1, …, N_E)``, shared by the three layers.
-    decomposition : str or Format or ExpertNetwork or Callable, optional
-        As for [`MuMoE`][mumoe_tn.layers.moe.MuMoE] (a ready network gives the structure and bond
-        sizes; its legs are set to each layer's sizes).
+    in_features, hidden_features, out_features, expert_dims, decomposition
+        As for [`MuMoEMLP`][mumoe_tn.layers.mlp.MuMoEMLP]: the sizes ``I``, ``H`` and ``O`` (default
+        ``I``), the expert modes and the network shared by the three layers.
     rank : int or Sequence[int] or Mapping[str, int] or "exact", optional
         Ranks of the three layers (with ``match=``: the bonds matching leaves alone); ``"exact"`` as
         for [`MuMoE`][mumoe_tn.layers.moe.MuMoE].
@@ -262,27 +280,11 @@ class MuMoEGatedMLP(_MLPBlock):
     """
 
     default_hidden_activation = nn.SiLU
-
-    @staticmethod
-    def _reference_parameters(in_features: int, hidden_features: int, out_features: int, *, bias: bool) -> int:
-        reference = 2 * linear(in_features, hidden_features, bias=bias).params
-        return reference + linear(hidden_features, out_features, bias=bias).params
-
-    @staticmethod
-    def _match_block(
-        first: ExpertNetwork, second: ExpertNetwork, target: int, bonds: Any, **options: Any
-    ) -> tuple[ExpertNetwork, ExpertNetwork]:
-        return _match(first, second, target, bonds, **options)
-
-    def _build_layers(self, inner: Any, outer: Any, first: ExpertNetwork, second: ExpertNetwork) -> None:
-        self.gate_proj = inner(first)
-        self.up_proj = inner(first)
-        self.down_proj = outer(second)
-
-    @property
-    def expert_layers(self) -> dict[str, FactorizedExperts]:
-        """The three factorized layers by role: ``gate``, ``up``, ``down``."""
-        return {"gate": self.gate_proj, "up": self.up_proj, "down": self.down_proj}
+    activation_example = "nn.SiLU()"
+    layer_attributes = (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
+    spec_roles = ("gate", "up", "down")
+    reference_parameters = staticmethod(_gated_reference)
+    match_block = staticmethod(_match_gated)
 
     def _expert_layers(self) -> tuple[FactorizedExperts, ...]:
         return (self.gate_proj, self.up_proj, self.down_proj)
@@ -299,28 +301,3 @@ class MuMoEGatedMLP(_MLPBlock):
         gate = self._contract(self.gate_proj, z, coefficients)
         up = self._contract(self.up_proj, z, coefficients)
         return self._contract(self.down_proj, self.hidden_activation(gate) * up, coefficients)
-
-
-def _match(
-    first: ExpertNetwork,
-    second: ExpertNetwork,
-    target: int,
-    bonds: Sequence[str] | None,
-    *,
-    bias: bool,
-    gate: GateSpec,
-    input_norm: bool,
-    multiple: int,
-) -> tuple[ExpertNetwork, ExpertNetwork]:
-    """Scale the bonds of all three layers by one rank to ``target`` parameters."""
-    names = scaled_bonds(first, bonds)
-    scaled_bonds(second, names)
-
-    def resized(r: int) -> tuple[ExpertNetwork, ExpertNetwork]:
-        return first.with_sizes(**dict.fromkeys(names, r)), second.with_sizes(**dict.fromkeys(names, r))
-
-    def count(r: int) -> int:
-        up, down = resized(r)
-        return gated_mlp_parameters(up, up, down, bias=bias, gate=gate, input_norm=input_norm)
-
-    return resized(solve_rank(count, target, what=f"a gated {first.name} block scaling {names}", multiple=multiple))

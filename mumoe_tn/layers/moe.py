@@ -11,6 +11,7 @@ from mumoe_tn.costs.baselines import linear as linear_cost
 from mumoe_tn.costs.matching import match_exact, match_layer
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.layers.base import MuMoEBase
+from mumoe_tn.layers.construction import LayerArguments, LayerSpec, layer_spec
 from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.layers.options import (
     EXACT,
@@ -94,33 +95,46 @@ class MuMoE(MuMoEBase):
         **keywords: Any,
     ) -> None:
         super().__init__()
-        options, decomposition_options = LayerOptions.from_keywords(options, keywords)
-        bias, input_norm = options.bias, options.input_norm
-        match_bonds, rank_multiple = options.match_bonds, options.rank_multiple
-        factory = options.factory()
-        gate = options.gate_spec()
-        rank, match = split_rank_and_match(rank, match, "MuMoE")
+        spec = layer_spec(
+            type(self), in_features, None, out_features, expert_dims, decomposition, rank,
+            match=match, options=options, keywords=keywords,
+        )  # fmt: skip
+        self._build(spec)
+
+    #: The one factorized layer's role.
+    spec_roles = ("layer",)
+
+    @classmethod
+    def resolve_networks(cls, arguments: LayerArguments) -> tuple[tuple[tuple[str, ExpertNetwork], ...], int | None]:
+        """The layer's network (exact or matched ranks applied) and the budget matched; see `layer_spec`."""
+        options, in_features, out_features = arguments.options, arguments.in_features, arguments.out_features
+        bias, match_bonds, rank_multiple = options.bias, options.match_bonds, options.rank_multiple
+        rank, match = split_rank_and_match(arguments.rank, arguments.match, "MuMoE")
         build_rank = 1 if match is not None and rank is None else rank
         network = resolve_network(
-            decomposition, expert_dims, in_features, out_features, build_rank, bias=bias, options=decomposition_options
-        )
+            arguments.decomposition, arguments.expert_dims, in_features, out_features, build_rank, bias=bias,
+            options=arguments.builder_options,
+        )  # fmt: skip
+        target = None
         if match == EXACT:
             network = match_exact([network], bonds=match_bonds, multiple=rank_multiple)[1][0]
         elif match is not None:
             reference = linear_cost(in_features, out_features, bias=bias).params
             target = match_target(match, reference, "linear", "MuMoE")
             matched = match_layer(
-                network, target, bonds=match_bonds, bias=bias, gate=gate, input_norm=input_norm,
+                network, target, bonds=match_bonds, bias=bias, gate=arguments.gate, input_norm=options.input_norm,
                 rank_multiple=rank_multiple,
             )  # fmt: skip
             network = matched.networks[0]
         else:
             check_match_only_options(match_bonds, rank_multiple)
         check_allocatable(network)
-        self.out_features = out_features
-        gating = {"gate": gate, "gate_input": options.gate_input, "input_norm": input_norm, "factory": factory}
-        self._setup_gate(in_features, network.expert_dims, bias=bias, **gating)
-        self.experts = FactorizedExperts(network, fan_in=in_features, **options.expert_options())
+        return (("layer", network),), target
+
+    def _build(self, spec: LayerSpec) -> None:
+        super()._build(spec)
+        self.out_features = spec.out_features
+        self.experts = spec.experts("layer")
 
     @property
     def network(self) -> ExpertNetwork:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mumoe_tn.contractions.padding import PAD_MULTIPLE
 from mumoe_tn.costs.matching import match_exact, resolve_target
 from mumoe_tn.decompositions.resolve import Decomposition, Rank
 from mumoe_tn.decompositions.resolve import resolve_network as resolve_decomposition
@@ -29,6 +30,7 @@ from mumoe_tn.validation import check_bool, check_size
 __all__ = [
     "EXACT",
     "MAX_PLANS",
+    "ExecutionOptions",
     "LayerOptions",
     "Match",
     "block_networks",
@@ -52,9 +54,41 @@ EXACT = "exact"
 MAX_PLANS = 64
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExecutionOptions:
+    """How a layer's factorized layers initialise, plan and run: the part of `LayerOptions` they take.
+
+    Each field is documented in [`LayerOptions`][mumoe_tn.layers.options.LayerOptions];
+    [`keywords`][mumoe_tn.layers.options.ExecutionOptions.keywords] gives them to
+    [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
+    """
+
+    init: str = "auto"
+    expert_noise: Sequence[float] | None = None
+    optimize: Any = "auto"
+    max_plans: int = MAX_PLANS
+    memory_limit: int | str | None = None
+    chunk_size: int | None = None
+    recompute: bool = False
+    precontract: bool = True
+    pad_bonds: int | None = PAD_MULTIPLE
+    lazy_optimizer: bool = False
+
+    @classmethod
+    def of(cls, options: ExecutionOptions) -> ExecutionOptions:
+        """The execution options of ``options`` (a `LayerOptions`), alone."""
+        return cls(**{field.name: getattr(options, field.name) for field in dataclasses.fields(cls)})
+
+    def keywords(self) -> dict[str, Any]:
+        """The keywords of [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts] (the factory aside)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(ExecutionOptions)}
+
+
 @dataclass(frozen=True)
-class LayerOptions:
+class LayerOptions(ExecutionOptions):
     """The options every μMoE layer shares (give them as ``options=`` or as keywords of the layer).
+
+    The execution options (``init`` to ``lazy_optimizer``) are keyword-only.
 
     Attributes
     ----------
@@ -101,6 +135,18 @@ class LayerOptions:
         training and one in inference (default 64, every bucket from 1 to 2⁶³).
     memory_limit : int or "max_input", optional
         Most elements any intermediate of the contraction may hold (default: the planner's bound).
+    chunk_size : int, optional
+        Contract at most this many rows at a time (default: the whole batch at once).
+    recompute : bool, optional
+        Recompute the contraction's intermediates in backward instead of saving them (default False).
+    precontract : bool, optional
+        In inference, reuse the results of a plan's core-only steps (default True).
+    pad_bonds : int or None, optional
+        Zero-pad every bond of at least 256 to a multiple of this in execution (default 16; None:
+        none).
+    lazy_optimizer : bool, optional
+        Check a named ``optimize`` now and resolve it only when the layer first plans (default
+        False). These five are as in [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts].
     device, dtype : optional
         Factory arguments.
     """
@@ -114,11 +160,6 @@ class LayerOptions:
     gate: GateSpec | None = None
     gate_input: str = "normed"
     input_norm: bool = False
-    init: str = "auto"
-    expert_noise: Sequence[float] | None = None
-    optimize: Any = "auto"
-    max_plans: int = MAX_PLANS
-    memory_limit: int | str | None = None
     device: torch.device | str | None = None
     dtype: torch.dtype | None = None
 
@@ -157,14 +198,7 @@ class LayerOptions:
 
     def expert_options(self) -> dict[str, Any]:
         """The keywords of [`FactorizedExperts`][mumoe_tn.layers.experts.FactorizedExperts] (the factory checked)."""
-        return {
-            "init": self.init,
-            "expert_noise": self.expert_noise,
-            "optimize": self.optimize,
-            "max_plans": self.max_plans,
-            "memory_limit": self.memory_limit,
-            **self.factory(),
-        }
+        return {**self.keywords(), **self.factory()}
 
 
 def resolve_network(
