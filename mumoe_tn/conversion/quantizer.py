@@ -11,9 +11,10 @@ import mumoe_tn  # registers the hook (when transformers' quantizer registry loa
 model = AutoModelForCausalLM.from_pretrained("converted")  # the converted model, its weights loaded
 ```
 
-The hook checks ``config.json`` field by field when transformers asks for a quantizer (before the
-model is built) and against the weights' headers on the skeleton (see
-[`mumoe_tn.conversion.config_checks`][mumoe_tn.conversion.config_checks]), then replays the record with
+The hook checks ``config.json`` field by field when transformers asks for a quantizer, and against
+the weights' headers when transformers has found the weight files (see
+[`check_stock_layout`][mumoe_tn.conversion.quantizer.check_stock_layout]), both before the model
+is built; then it replays the record with
 [`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
