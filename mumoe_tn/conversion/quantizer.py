@@ -203,7 +203,9 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
             loading._get_resolved_checkpoint_files = _checking_files(finder)
         chosen = original(config, quantization_config, *args, **kwargs)
         if stock:
-            quantizer = chosen[0] if isinstance(chosen, tuple) and chosen else None
+            quantizer, chosen_config = chosen[:2] if isinstance(chosen, tuple) and len(chosen) > 1 else (None, None)
+            if getattr(chosen_config, RECORD_KEY, None) is not None:
+                config = chosen_config  # the quantizer may replace the config from_pretrained goes on with
             _stock_load.pending = (config, quantizer if isinstance(quantizer, MuMoEQuantizer) else None)
         return chosen
 
