@@ -27,8 +27,8 @@ config and the weights' headers (shapes, never data), and runs before transforme
   or more.
 
 On stock ``from_pretrained`` the hook of [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer]
-runs the field checks when transformers asks for a quantizer (before it builds the model) and the
-layout check on the meta-device skeleton before any weight is loaded. Every refusal is a
+runs the field checks when transformers asks for a quantizer and the width and layout checks when
+transformers has found the weight files, both before it builds the model. Every refusal is a
 ``ValueError`` of at most [`MAX_MESSAGE_CHARS`][mumoe_tn.conversion.record] characters naming the
 field and quoting the value; lists of keys show at most
 [`MAX_LISTED_KEYS`][mumoe_tn.conversion.config_checks] of them.

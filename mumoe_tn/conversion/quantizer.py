@@ -11,9 +11,10 @@ import mumoe_tn  # registers the hook (when transformers' quantizer registry loa
 model = AutoModelForCausalLM.from_pretrained("converted")  # the converted model, its weights loaded
 ```
 
-The hook checks ``config.json`` field by field when transformers asks for a quantizer (before the
-model is built) and against the weights' headers on the skeleton (see
-[`mumoe_tn.conversion.config_checks`][mumoe_tn.conversion.config_checks]), then replays the record with
+The hook checks ``config.json`` field by field when transformers asks for a quantizer, and against
+the weights' headers when transformers has found the weight files (see
+[`check_stock_layout`][mumoe_tn.conversion.quantizer.check_stock_layout]), both before the model
+is built; then it replays the record with
 [`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
@@ -36,10 +37,12 @@ unknown method; import mumoe_tn (or use
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +82,12 @@ from mumoe_tn.conversion.record import (
 
 __all__ = [
     "METHOD",
+    "CheckedWeights",
     "MuMoEConfig",
     "MuMoEQuantizer",
     "check_stock_config",
     "check_stock_files",
+    "check_stock_layout",
     "convert_skeleton",
     "register_with_transformers",
 ]
@@ -131,6 +136,13 @@ class MuMoEQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: Any, checkpoint_files: Any = None, **kwargs: Any) -> Any:
         handed = vars(self.quantization_config)  # by load_converted, which checked the config and read the files
         shapes, record = handed.pop("checkpoint_shapes", None), handed.pop("checkpoint_record", None)
+        early: CheckedWeights | None = vars(self).pop("checked_weights", None)
+        if early is not None and type(model) is early.model_class and _same_files(checkpoint_files, early.files):
+            # the stock path checked the config against these files' headers when transformers found them
+            check_json_files(early.root)
+            convert_skeleton(model, checkpoint_files, shapes=early.shapes, record=early.record)
+            self.checked_files = early.identities
+            return model
         self.checked_files = convert_skeleton(model, checkpoint_files, shapes=shapes, record=record)
         return model
 
@@ -184,32 +196,64 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
         check_stock_config(config, quantization_config)
         # from_pretrained looks for the weight files next: a converted checkpoint's are checked first
         stock = getattr(config, RECORD_KEY, None) is not None and not hasattr(quantization_config, "checkpoint_shapes")
-        _stock_load.converted = stock
+        _stock_load.pending = None
         loading = sys.modules.get("transformers.modeling_utils")
         finder = getattr(loading, "_get_resolved_checkpoint_files", None)
         if stock and finder is not None and not getattr(finder, "checks_conversion_records", False):
             loading._get_resolved_checkpoint_files = _checking_files(finder)
-        return original(config, quantization_config, *args, **kwargs)
+        chosen = original(config, quantization_config, *args, **kwargs)
+        if stock:
+            quantizer, chosen_config = chosen[:2] if isinstance(chosen, tuple) and len(chosen) > 1 else (None, None)
+            if getattr(chosen_config, RECORD_KEY, None) is not None:
+                config = chosen_config  # the quantizer may replace the config from_pretrained goes on with
+            _stock_load.pending = (config, quantizer if isinstance(quantizer, MuMoEQuantizer) else None)
+        return chosen
 
     get_hf_quantizer.checks_conversion_records = True
     return get_hf_quantizer
 
 
-#: Whether the ``from_pretrained`` running in this thread loads a converted checkpoint through the stock path.
+#: The config (and the quantizer chosen for it) of the converted checkpoint that the ``from_pretrained`` running in
+#: this thread loads through the stock path, until its weight files are found.
 _stock_load = threading.local()
 
 
 def _checking_files(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def find_checkpoint_files(pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_stock_load, "converted", False) and pretrained_model_name_or_path is not None:
-            _stock_load.converted = False
-            subfolder = (kwargs.get("download_kwargs") or {}).get("subfolder") or ""
-            check_stock_files(Path(str(pretrained_model_name_or_path)) / subfolder)
-        return original(pretrained_model_name_or_path, *args, **kwargs)
+        pending = getattr(_stock_load, "pending", None)
+        _stock_load.pending = None
+        if pending is None or pretrained_model_name_or_path is None:
+            return original(pretrained_model_name_or_path, *args, **kwargs)
+        config, quantizer = pending
+        subfolder = (kwargs.get("download_kwargs") or {}).get("subfolder") or ""
+        root = Path(str(pretrained_model_name_or_path)) / subfolder
+        check_stock_files(root)
+        found = original(pretrained_model_name_or_path, *args, **kwargs)
+        caller = inspect.currentframe()
+        model_class = _loading_class(caller.f_back.f_locals.get("cls") if caller and caller.f_back else None)
+        del caller
+        files = found[0] if isinstance(found, tuple) and found else None
+        if model_class is not None and files:
+            checked = check_stock_layout(config, model_class, files, root)
+            if quantizer is not None:
+                quantizer.checked_weights = checked
+        return found
 
     find_checkpoint_files.checks_conversion_records = True
     return find_checkpoint_files
+
+
+def _loading_class(candidate: object) -> type | None:
+    """The model class ``from_pretrained`` is building, as its frame names it (``cls``), or None."""
+    base = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if isinstance(candidate, type) and base is not None and issubclass(candidate, base):
+        return candidate
+    return None
+
+
+def _same_files(found: Sequence[str | os.PathLike] | None, checked: Sequence[Path]) -> bool:
+    return [Path(file) for file in found or ()] == list(checked)
 
 
 def check_stock_config(config: Any, quantization_config: Any = None) -> None:
@@ -330,24 +374,9 @@ def convert_skeleton(
         )
     checked: list[FileBytes] = []
     if shapes is None:
-        files = [Path(file) for file in checkpoint_files or ()]
-        if not files:
-            raise ValueError("a converted checkpoint needs its weight files; transformers found none")
         root = Path(str(getattr(config, "name_or_path", "") or ""))
-        if root.is_dir():
-            check_json_files(root)
-            files = [
-                member_file(root, os.path.relpath(file.resolve(), root.resolve()), "weight file") for file in files
-            ]
-        else:
-            files = [regular_file(file, "weight file") for file in files]
-        checked = [file_identity(file) for file in files]
-        shapes = header_shapes(read_all_headers(files))
-        check_unchanged(checked, "from_pretrained")  # the headers read are those of the files checked
-        record = ConversionRecord.from_dict(data)
-        check_config_widths(config, shapes)
-        skip = [path for module in record.modules for path in module.paths]
-        check_config_layout(config, model_layout(type(model), config), shapes, skip)
+        weights = check_stock_layout(config, type(model), checkpoint_files, root)
+        checked, shapes, record = weights.identities, weights.shapes, weights.record
     delattr(config, RECORD_KEY)  # the replay writes it back
     try:
         rebuilt, record = replay_conversion(model, data if record is None else record, shapes=shapes)
@@ -356,3 +385,73 @@ def convert_skeleton(
         setattr(config, RECORD_KEY, data)
         raise
     return checked
+
+
+@dataclass(frozen=True)
+class CheckedWeights:
+    """A converted checkpoint's weight files, checked with its config against their headers.
+
+    ``files`` as found (inside ``root`` where it is a directory), their ``identities`` when the
+    headers were read, the headers' ``shapes`` by key, the validated ``record``, and the
+    ``model_class`` the config was checked with.
+    """
+
+    root: Path
+    files: tuple[Path, ...]
+    identities: list[FileBytes]
+    shapes: dict[str, tuple[int, ...]]
+    record: ConversionRecord
+    model_class: type
+
+
+def check_stock_layout(
+    config: Any, model_class: type, checkpoint_files: Sequence[str | os.PathLike] | None, root: Path
+) -> CheckedWeights:
+    """Check a converted checkpoint's config against its weight files' headers, building no model of its size.
+
+    The weight files must be regular files of one link inside ``root`` (where it is a directory,
+    whose JSON files are checked too); their headers are read (never their data), the record is
+    validated, and the config is checked with
+    [`check_config_widths`][mumoe_tn.conversion.config_checks.check_config_widths] and
+    [`check_config_layout`][mumoe_tn.conversion.config_checks.check_config_layout] (``model_class``
+    built on the meta device with one and two layers). The stock hook runs this when transformers
+    has found the weight files, before it builds the model: a config declaring 20,000 layers is
+    refused without them being built.
+
+    Parameters
+    ----------
+    config : PretrainedConfig
+        The config transformers made, with its conversion record.
+    model_class : type
+        The model class ``from_pretrained`` builds.
+    checkpoint_files : sequence of path-like, optional
+        The weight files transformers found.
+    root : Path
+        The checkpoint directory (or a hub name, which is not a directory).
+
+    Returns
+    -------
+    CheckedWeights
+
+    Raises
+    ------
+    ValueError
+        If there is no weight file, a file is outside the directory or malformed, or the config
+        does not fit the weights.
+    """
+    files = tuple(Path(file) for file in checkpoint_files or ())
+    if not files:
+        raise ValueError("a converted checkpoint needs its weight files; transformers found none")
+    if root.is_dir():
+        check_json_files(root)
+        members = [member_file(root, os.path.relpath(file.resolve(), root.resolve()), "weight file") for file in files]
+    else:
+        members = [regular_file(file, "weight file") for file in files]
+    identities = [file_identity(file) for file in members]
+    shapes = header_shapes(read_all_headers(members))
+    check_unchanged(identities, "from_pretrained")  # the headers read are those of the files checked
+    record = ConversionRecord.from_dict(getattr(config, RECORD_KEY))
+    check_config_widths(config, shapes)  # cheap bounds first: the layout check builds the class on the meta device
+    skip = [path for module in record.modules for path in module.paths]
+    check_config_layout(config, model_layout(model_class, config), shapes, skip)
+    return CheckedWeights(root, files, identities, shapes, record, model_class)

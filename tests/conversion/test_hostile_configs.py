@@ -7,7 +7,11 @@ A converted GPT-2 or Llama is saved by ``save_pretrained``, its ``config.json`` 
 """
 
 import json
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,14 +113,65 @@ def test_layers_are_counted_only_in_the_models_own_layer_list(gpt2_dir, tmp_path
     )
     assert len(blocks_built) <= 3, f"{len(blocks_built)} blocks built: only the one- and two-layer probes may be"
     assert len(str(error)) < 300
-    # The stock path refuses it too (transformers has built its meta-device skeleton: a smaller count keeps this quick),
-    # rather than returning a model whose other layers are random.
+    # The stock path refuses it too, when transformers has found the weight files and before it builds its skeleton
+    # (a smaller count here: the 20,000 layers are loaded in a subprocess, see below).
+    blocks_built.clear()
     folder = _tampered(gpt2_dir, tmp_path / "stock", lambda c: c.update(n_layer=64), {"x.63.y": torch.zeros(2)})
     _refused_quickly(
         lambda: transformers.GPT2LMHeadModel.from_pretrained(folder),
         r"config\.json: n_layer = 64 is invalid: the weights hold 1 layer\(s\) of 'transformer\.h'",
         folder,
     )
+    assert len(blocks_built) <= 3, f"{len(blocks_built)} blocks built: only the one- and two-layer probes may be"
+
+
+_STOCK_LOADS = """
+import json, sys, time, traceback
+import mumoe_tn, transformers
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+built = []
+for layer in (GPT2Block, LlamaDecoderLayer):
+    def counting(self, *args, original=layer.__init__, **kwargs):
+        built.append(1)
+        original(self, *args, **kwargs)
+    layer.__init__ = counting
+transformers.logging.set_verbosity_error()
+for folder in sys.argv[1:]:
+    built.clear()
+    start = time.perf_counter()
+    try:
+        transformers.AutoModelForCausalLM.from_pretrained(folder)
+        outcome = {"error": None}
+    except Exception as error:
+        where = traceback.extract_tb(error.__traceback__)[-1].filename
+        outcome = {"error": f"{type(error).__name__}: {error}", "raised_in": where}
+    print(json.dumps({**outcome, "seconds": time.perf_counter() - start, "blocks": len(built)}))
+"""
+
+
+def test_stock_from_pretrained_refuses_20000_layers_before_building_them(gpt2_dir, llama_dir, tmp_path):
+    """Weights for one or two layers under a config of 20,000: refused in well under a second, no skeleton built.
+
+    In a subprocess with a timeout: building the 20,000-layer skeleton takes minutes, which must not stall the suite.
+    """
+    stray = _tampered(gpt2_dir, tmp_path / "stray", lambda c: c.update(n_layer=20_000), {"x.19999.y": torch.zeros(2)})
+    layers = _tampered(llama_dir[0], tmp_path / "layers", lambda c: c.update(num_hidden_layers=20_000))
+    result = subprocess.run(
+        [sys.executable, "-c", _STOCK_LOADS, str(stray), str(layers), str(gpt2_dir)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    stray_load, layers_load, genuine_load = (json.loads(line) for line in result.stdout.splitlines()[-3:])
+    for load, pattern in (
+        (stray_load, r"n_layer = 20000 is invalid: the weights hold 1 layer\(s\) of 'transformer\.h'"),
+        (layers_load, r"num_hidden_layers = 20000 is invalid: the weights hold 2 layer\(s\) of 'model\.layers'"),
+    ):
+        assert re.match(r"ValueError: config\.json: " + pattern, load["error"]), load["error"]
+        assert "mumoe_tn" in Path(load["raised_in"]).parts, load["raised_in"]
+        assert load["seconds"] < QUICK, f"the refusal took {load['seconds']:.1f} s"
+        assert load["blocks"] <= 3, f"{load['blocks']} blocks built: only the one- and two-layer probes may be"
+    assert genuine_load["error"] is None, genuine_load["error"]
 
 
 def test_a_weight_of_a_layer_beyond_the_count_is_refused(gpt2_dir, tmp_path):
