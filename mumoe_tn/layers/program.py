@@ -38,18 +38,11 @@ MAX_CHECKED = 256
 
 @dataclass(frozen=True)
 class ProgramEntry:
-    """One input signature's fused inference: the matrix, the gate's share of its columns, its map to coefficients.
+    """One input signature's fused inference.
 
-    Attributes
-    ----------
-    fused : FusedProjection
-        ``[Gᵀ | M_1 | …]`` and its bias.
-    n_logits : int
-        The gate's columns (the first ones).
-    coefficients : Callable
-        Logits ``(rows, ΣN_e)`` → one coefficient tensor per expert mode.
-    identity : bool
-        The input norm is the identity (the fused product reads the input itself).
+    ``fused`` is ``[Gᵀ | M_1 | …]`` with its bias; its first ``n_logits`` columns are the gate's,
+    which ``coefficients`` maps to one coefficient tensor per expert mode; ``identity`` says the
+    input norm is the identity, so the fused product reads the input itself.
     """
 
     fused: FusedProjection
