@@ -24,18 +24,18 @@ __all__ = ["BLOCK_KINDS", "GATED", "LINEAR", "MLP", "SPLIT", "BlockKind", "block
 class BlockKind(str):
     """A kind of replaced module: its name, and what a tool needs to know of it.
 
-    Parameters
+    Attributes
     ----------
     name : str
         The name (the registry key, what records save).
     roles : tuple of str
         The roles of its linear layers, in the block's order (``"layer"``; ``"up"``, ``"down"``;
         ``"gate"``, ``"up"``, ``"down"``).
-    mlp : bool, optional
-        An MLP block (default True); False: a single linear layer.
-    gated : bool, optional
+    mlp : bool
+        An MLP block (the default when made); False: a single linear layer.
+    gated : bool
         A gated block ``down(act(gate(z)) ⊙ up(z))``.
-    split : bool, optional
+    split : bool
         A block split across two sibling modules (BERT's ``intermediate`` and ``output``).
     """
 
@@ -69,10 +69,10 @@ GATED = BlockKind("gated", ("gate", "up", "down"), gated=True)
 #: A BERT-style MLP block split across two sibling modules.
 SPLIT = BlockKind("split", ("up", "down"), split=True)
 
-#: The registered kinds by name (``"plain"`` names the plain MLP block too).
 BLOCK_KINDS: Registry[str, BlockKind] = Registry(
     "replaced block kind", entries={**{kind.name: kind for kind in (LINEAR, MLP, GATED, SPLIT)}, "plain": MLP}
 )
+"""The registered kinds by name (``"plain"`` names the plain MLP block too)."""
 
 
 def block_kind(kind: str) -> BlockKind:
