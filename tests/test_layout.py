@@ -266,3 +266,14 @@ def test_the_tests_readme_lists_every_test_file():
     listed = set(re.findall(r"`((?:[a-z_]+/)?test_[a-z0-9_]+\.py)`", (tests / "README.md").read_text()))
     files = {path.relative_to(tests).as_posix() for path in tests.rglob("test_*.py")}
     assert sorted(files - listed) == []
+
+
+#: The most lines a module of the package may hold: past it a module holds more than one concern.
+MAX_MODULE_LINES = 700
+
+
+def test_no_module_is_longer_than_the_rule():
+    long = {
+        name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"

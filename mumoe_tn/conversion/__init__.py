@@ -20,7 +20,8 @@ Distillation — MLP blocks of a trained model distilled into sparse replacement
 from mumoe_tn.conversion.adapters import LayerAdapter, LinearView, linear_view, register_adapter
 from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import ConversionReport, Replacement, convert, find_mlp_blocks, is_causal_model
-from mumoe_tn.conversion.record import ConversionRecord, ConvertedModule, apply_conversion, conversion_record
+from mumoe_tn.conversion.record import ConversionRecord, ConvertedModule
+from mumoe_tn.conversion.replay import apply_conversion, conversion_record
 from mumoe_tn.conversion.upcycling import UpcycleWarning, decompose_dense, upcycle_experts, upcycle_linear
 
 __all__ = [

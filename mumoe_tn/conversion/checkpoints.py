@@ -4,7 +4,7 @@ A converted model carries its [`ConversionRecord`][mumoe_tn.conversion.record.Co
 the record next to the weights — in ``config.json`` for a Hugging Face model (``save_pretrained``
 does it: the record lives in ``model.config``), in the file's metadata for a safetensors file —
 and loading builds the original model, replays the record with
-[`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] and loads the weights, checking every key
+[`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion] and loads the weights, checking every key
 and shape first:
 
 ```python
@@ -61,15 +61,8 @@ from mumoe_tn.conversion.files import (
     read_weights,
     weight_files,
 )
-from mumoe_tn.conversion.record import (
-    RECORD_KEY,
-    ConversionRecord,
-    commit_conversion,
-    conversion_record,
-    record_in_config,
-    replay_conversion,
-    shorten,
-)
+from mumoe_tn.conversion.record import RECORD_KEY, ConversionRecord, record_in_config, shorten
+from mumoe_tn.conversion.replay import commit_conversion, conversion_record, replay_conversion
 
 __all__ = ["load_converted", "save_converted"]
 

@@ -14,7 +14,7 @@ from torch import nn
 from mumoe_tn.conversion.adapters import LinearView, linear_view
 from mumoe_tn.conversion.blocks import mlp_parts
 from mumoe_tn.conversion.building import Choice, build_block, choose, install
-from mumoe_tn.conversion.record import (
+from mumoe_tn.conversion.replay import (
     apply_conversion,
     commit_conversion,
     conversion_record,

@@ -15,7 +15,7 @@ The hook checks ``config.json`` field by field when transformers asks for a quan
 the weights' headers when transformers has found the weight files (see
 [`check_stock_layout`][mumoe_tn.conversion.quantizer.check_stock_layout]), both before the model
 is built; then it replays the record with
-[`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] on the skeleton, checking
+[`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
 model casts, trains and saves like any other. Nothing is quantized.
@@ -72,13 +72,8 @@ from mumoe_tn.conversion.files import (
     read_all_headers,
     regular_file,
 )
-from mumoe_tn.conversion.record import (
-    QUANT_METHOD,
-    RECORD_KEY,
-    ConversionRecord,
-    commit_conversion,
-    replay_conversion,
-)
+from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, ConversionRecord
+from mumoe_tn.conversion.replay import commit_conversion, replay_conversion
 
 __all__ = [
     "METHOD",

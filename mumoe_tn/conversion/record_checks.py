@@ -1,6 +1,6 @@
 """A conversion record held against what it is replayed on: the model's paths and forward, the checkpoint's shapes.
 
-[`replay_conversion`][mumoe_tn.conversion.record.replay_conversion] calls these before anything
+[`replay_conversion`][mumoe_tn.conversion.replay.replay_conversion] calls these before anything
 is built:
 
 - [`check_nested_paths`][mumoe_tn.conversion.record_checks.check_nested_paths]: no recorded path
