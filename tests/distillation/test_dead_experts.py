@@ -133,3 +133,16 @@ def test_the_balance_term_revives_dead_experts():
     without, balanced = _dead_experts(0.0), _dead_experts(0.01)
     assert without >= 40  # 61 of 64
     assert balanced <= 20  # 9
+
+
+def test_the_frontier_passes_the_balance_weight_to_every_mumoe_block(monkeypatch):
+    from mumoe_tn.distillation import study
+
+    block = _block()
+    for balance, expected in [(None, {"cp@2": GATE_BALANCE_WEIGHT}), (0.0, {}), (0.5, {"cp@2": 0.5, "cp-hier@2": 0.5})]:
+        factories = study.method_factories(("cp", "cp-hier", "transcoder"), (2,), 4.0, 16, balance=balance)
+        weights = {name: term.weight for name, factory in factories.items() for term in _balance_terms(factory(block))}
+        assert weights == expected, balance
+    monkeypatch.setattr(study, "load_model", lambda config: pytest.fail("built a model first"))
+    with pytest.raises(ValueError, match=r"balance must be a finite number >= 0, got -0\.1"):
+        study.run_frontier(study.FrontierConfig(balance=-0.1), progress=False)
