@@ -240,7 +240,7 @@ def mumoe_factory(
         ``distillation_losses``); 0 for none. Default
         [`GATE_BALANCE_WEIGHT`][mumoe_tn.distillation.losses.GATE_BALANCE_WEIGHT] for a block with
         one expert mode and a softmax top-k gate ([`TopKRouter`][mumoe_tn.gates.modules.TopKRouter]),
-        where without it a third to a half of 256 experts were never picked at L0 8; 0 otherwise
+        where without it a fifth to a half of 256 experts were never picked at L0 8; 0 otherwise
         (a block with several expert modes keeps most of its experts alive, and a Mixture of
         Decoders' ReLU gate is no softmax router).
     **options
