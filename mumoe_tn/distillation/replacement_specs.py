@@ -4,8 +4,9 @@
 [`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory] describe what they
 build with a [`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] when
 their arguments are plain values (a registered format's name, expert counts, ``k``, a budget, a
-top-k gate's name, a recipe, ``aux_k`` as a bool, ``balance`` as a number); every module they build then carries it as
-``replacement_spec``. [`save_frontier`][mumoe_tn.distillation.run_files.save_frontier] writes
+top-k gate's name, a recipe, ``aux_k`` as a bool, ``balance`` as a number); every module they
+build then carries it as ``replacement_spec``.
+[`save_frontier`][mumoe_tn.distillation.run_files.save_frontier] writes
 those specs as JSON and [`load_frontier`][mumoe_tn.distillation.run_files.load_frontier] reads
 them back with [`spec_from_data`][mumoe_tn.distillation.replacement_specs.spec_from_data], which
 checks every field by type and range before anything is built.

@@ -25,14 +25,13 @@ A Mixture of Decoders is built with its authors' recipe by default
 ([`mxd_paper_init`][mumoe_tn.distillation.replacements.mxd_paper_init]: unit-norm expert vectors,
 zero decoder). A block with one expert mode and a softmax top-k gate trains with a small
 load-balancing term on its routing ([`GateBalance`][mumoe_tn.distillation.losses.GateBalance]) by
-default, which keeps its experts alive at no cost in reconstruction; the auxiliary-k loss on dead
+default, which keeps its experts alive at about the same reconstruction error; the auxiliary-k loss on dead
 experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK]) is off by default (both measured in the
 distillation guide).
 
 Given plain arguments (a registered format's name, expert counts, ``k``, a budget, a top-k gate's
 name, a recipe, ``aux_k`` as a bool, ``balance`` as a number; no ``layer=``, ``gate=`` or block
-options), every module
-these factories build carries ``replacement_spec``, a
+options), every module these factories build carries ``replacement_spec``, a
 [`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] of those arguments;
 [`factory_from_spec`][mumoe_tn.distillation.replacements.factory_from_spec] gives the factory back,
 so a saved run ([`save_frontier`][mumoe_tn.distillation.run_files.save_frontier]) rebuilds its
@@ -309,8 +308,8 @@ def mumoe_factory(
         weight = balance
         if weight is None:
             weight = GATE_BALANCE_WEIGHT if flat and isinstance(module.gate, TopKRouter) else 0.0
-        terms: list[Any] = [GateBalance(weight)] if weight > 0 else []
-        if aux_k is not None and aux_k is not False:
+        terms: list[GateBalance | AuxK] = [GateBalance(weight)] if weight > 0 else []
+        if aux_k is True or isinstance(aux_k, AuxK):
             terms.append(aux_k if isinstance(aux_k, AuxK) else AuxK())
         if terms:
             module.distillation_losses = tuple(terms)
