@@ -9,8 +9,8 @@ Each replacement of the default frontier (``mumoe-tn distill``: a GPT-2-shaped b
 every method at L0 8, 16, 32 and 64, one parameter budget) takes the training step
 [`distill`][mumoe_tn.distillation.training.distill] runs, its
 [`ReplacementTrainer.step`][mumoe_tn.distillation.trainer.ReplacementTrainer] — forward, the
-default loss terms and the replacement's own (the auxiliary-k term), backward, the unit-norm
-projection, the recipe's optimiser and warm-up — on ``batch_size`` cached activation rows. The
+default loss terms and the replacement's own (a flat block's load-balancing term), backward, the
+unit-norm projection, the recipe's optimiser and warm-up — on ``batch_size`` cached activation rows. The
 floor is the time its forward and backward multiply-adds take at the machine's measured
 matrix-multiply rate: the FLOPs of one step counted by ``torch.utils.flop_counter.FlopCounterMode``
 (matrix products, ``2·m·n·k`` each), divided by the FLOP/s of a square fp32 ``torch.mm`` of the

@@ -13,7 +13,8 @@
 - [`process_shares`][mumoe_tn.distillation.process_shares]: distillation across the processes of a
   ``torchrun`` job, each training its share of the replacements.
 - [`losses`][mumoe_tn.distillation.losses]: the registered loss terms (normalised MSE, FVU, L1,
-  auxiliary-k on dead units); [`codes`][mumoe_tn.distillation.codes]: a replacement's sparse code.
+  the routing's load balance, auxiliary-k on dead units); [`codes`][mumoe_tn.distillation.codes]:
+  a replacement's sparse code.
 - [`metrics`][mumoe_tn.distillation.metrics]: the registered block-level metrics (L0, normalised
   MSE, explained variance, dead units).
 - [`faithfulness`][mumoe_tn.distillation.faithfulness]: L0, normalised MSE and next-token loss
@@ -30,7 +31,7 @@
 
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, ce_loss_score, plot_frontier
-from mumoe_tn.distillation.losses import AuxK, Loss, available_losses, get_loss, register_loss
+from mumoe_tn.distillation.losses import AuxK, GateBalance, Loss, available_losses, get_loss, register_loss
 from mumoe_tn.distillation.metrics import Metric, available_metrics, register_metric
 from mumoe_tn.distillation.paired import PairedDifference, paired_difference
 from mumoe_tn.distillation.replacements import mumoe_factory, transcoder_factory
@@ -46,6 +47,7 @@ __all__ = [
     "Distillation",
     "FrontierRow",
     "FrontierTable",
+    "GateBalance",
     "Loss",
     "Metric",
     "PairedDifference",

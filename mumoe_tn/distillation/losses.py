@@ -24,7 +24,9 @@ class Cosine(Loss, name="cosine"):
   frontier reports as normalised MSE;
 - ``"l1"``: ``weight · mean_t ‖z_t‖₁`` on the sparse code ``z`` (a ReLU transcoder's sparsity);
 - ``"aux-k"``: the auxiliary-k loss on dead units (Gao et al. 2024, "Scaling and evaluating
-  sparse autoencoders"), see [`AuxK`][mumoe_tn.distillation.losses.AuxK].
+  sparse autoencoders"), see [`AuxK`][mumoe_tn.distillation.losses.AuxK];
+- ``"gate-balance"``: a Switch-style load-balancing loss on a μMoE block's routing, see
+  [`GateBalance`][mumoe_tn.distillation.losses.GateBalance].
 
 Names are case-insensitive and unique. This module is the only place that maps a name to a loss.
 """
@@ -38,16 +40,19 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
-from mumoe_tn.distillation.codes import substituted_code, unit_parameters
+from mumoe_tn.distillation.codes import code_module, substituted_code, unit_parameters
+from mumoe_tn.gates.modules import ExpertGate
 from mumoe_tn.gates.selection import keep_top_k
 from mumoe_tn.registry import Registry
 from mumoe_tn.validation import check_positive_float, check_size
 
 __all__ = [
     "FVU",
+    "GATE_BALANCE_WEIGHT",
     "L1",
     "LOSSES",
     "AuxK",
+    "GateBalance",
     "Loss",
     "LossInputs",
     "NormalisedMSE",
@@ -60,6 +65,9 @@ __all__ = [
 ]
 
 _Class = TypeVar("_Class", bound=type)
+
+#: The default weight of [`GateBalance`][mumoe_tn.distillation.losses.GateBalance].
+GATE_BALANCE_WEIGHT = 4e-5
 
 
 def normalised_mse(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -276,6 +284,48 @@ class L1(Loss, name="l1"):
 
     def __call__(self, inputs: LossInputs) -> torch.Tensor:
         return self.weight * sum(part.abs().sum(-1).mean() for part in _recorded(inputs.code, "sparse code", self))
+
+
+class GateBalance(Loss, name="gate-balance"):
+    """``weight ·`` a Switch-style load-balancing loss on a μMoE block's routing.
+
+    Per expert mode, ``N_e · Σ_i f_i · P_i``: ``f_i`` the fraction of the batch's routing slots
+    given to expert ``i`` (each token's non-zero coefficients, ``1/k`` each) and ``P_i`` the mean
+    over the batch of the softmax of the gate's normalised logits (its pre-activations); averaged
+    over modes. It is 1 when the routing is balanced. Its gradient, through ``P`` only, lowers the
+    logits of the experts that take more than their share and raises the others', so that experts
+    no token picks come back into use (the formula of the gates' own ``balance_loss=True``, here
+    computed from the recorded code, so the gate needs no option and keeps its inference path).
+
+    Parameters
+    ----------
+    weight : float, optional
+        ``λ`` (default [`GATE_BALANCE_WEIGHT`][mumoe_tn.distillation.losses.GATE_BALANCE_WEIGHT],
+        measured for the normalised-MSE loss in the distillation guide; the Switch Transformer's
+        0.01 is for a cross-entropy loss and here costs reconstruction).
+    """
+
+    needs_code = True
+    needs_preactivations = True
+
+    def __init__(self, weight: float = GATE_BALANCE_WEIGHT) -> None:
+        super().__init__(weight)
+
+    def __call__(self, inputs: LossInputs) -> torch.Tensor:
+        if not isinstance(code_module(inputs.module), ExpertGate):
+            raise TypeError(
+                f"the loss term {self.name!r} balances a μMoE block's gate; {type(inputs.module).__name__} has no "
+                "expert gate"
+            )
+        code = _recorded(inputs.code, "sparse code", self)
+        pre = _recorded(inputs.preactivations, "pre-activations", self)
+        terms = []
+        for part, logits in zip(code, pre, strict=True):
+            chosen = (part.detach() != 0).to(logits.dtype)
+            dispatch = chosen / chosen.sum(-1, keepdim=True).clamp_min(1)
+            probabilities = torch.softmax(logits, dim=-1)
+            terms.append(logits.shape[-1] * (dispatch.mean(0) * probabilities.mean(0)).sum())
+        return self.weight * torch.stack(terms).mean()
 
 
 class AuxK(Loss, name="aux-k"):

@@ -4,8 +4,9 @@
 [`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory] describe what they
 build with a [`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] when
 their arguments are plain values (a registered format's name, expert counts, ``k``, a budget, a
-top-k gate's name, a recipe, ``aux_k`` as a bool); every module they build then carries it as
-``replacement_spec``. [`save_frontier`][mumoe_tn.distillation.run_files.save_frontier] writes
+top-k gate's name, a recipe, ``aux_k`` as a bool, ``balance`` as a number); every module they
+build then carries it as ``replacement_spec``.
+[`save_frontier`][mumoe_tn.distillation.run_files.save_frontier] writes
 those specs as JSON and [`load_frontier`][mumoe_tn.distillation.run_files.load_frontier] reads
 them back with [`spec_from_data`][mumoe_tn.distillation.replacement_specs.spec_from_data], which
 checks every field by type and range before anything is built.
@@ -24,6 +25,7 @@ from mumoe_tn.gates.registry import top_k_gates
 __all__ = [
     "MAX_EXPERTS",
     "MAX_EXPERT_MODES",
+    "MAX_SPEC_BALANCE",
     "MAX_SPEC_BUDGET",
     "MAX_SPEC_FRACTION",
     "SPEC_KINDS",
@@ -46,7 +48,13 @@ MAX_SPEC_BUDGET = 1 << 40
 #: Largest budget a spec may name as a multiple of the replaced block's parameters.
 MAX_SPEC_FRACTION = 1024.0
 
-_FIELDS = ("kind", "k", "budget", "skip", "format", "experts", "top_k", "recipe", "aux_k")
+_FIELDS = ("kind", "k", "budget", "skip", "format", "experts", "top_k", "recipe", "aux_k", "balance")
+
+#: Fields that data written before they existed may lack (read as None, the factory's default).
+_OPTIONAL_FIELDS = ("balance",)
+
+#: Largest weight of the load-balancing term a spec may name.
+MAX_SPEC_BALANCE = 1e3
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class ReplacementSpec:
         The μMoE block's initialisation (None: by format).
     aux_k : bool or None
         The auxiliary-k term (None: the factory's default).
+    balance : float or None
+        The weight of the load-balancing term (None: the factory's default).
     """
 
     kind: str
@@ -84,6 +94,7 @@ class ReplacementSpec:
     top_k: str = "auto"
     recipe: str | None = None
     aux_k: bool | None = None
+    balance: float | None = None
 
     def to_data(self) -> dict[str, Any]:
         """The spec as JSON-able data (tuples as lists)."""
@@ -120,6 +131,14 @@ def _budget(field: str, value: object) -> int | float | None:
     return _size(field, value, MAX_SPEC_BUDGET)
 
 
+def _balance(field: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SPEC_BALANCE:
+        raise _refuse(field, value, f"it must be null or a number from 0 to {MAX_SPEC_BALANCE:g}")
+    return float(value)
+
+
 def _choice(field: str, value: object, choices: tuple[Any, ...]) -> Any:
     """``value`` if it is one of ``choices`` by type and value (``1`` is not ``True``)."""
     if not any(value is choice or (type(value) is type(choice) and value == choice) for choice in choices):
@@ -145,7 +164,7 @@ def spec_from_data(data: object, field: str = "spec") -> ReplacementSpec:
     if not isinstance(data, Mapping):
         raise _refuse(field, data, "it must be a JSON object")
     unknown = sorted(str(key)[:80] for key in data if key not in _FIELDS)
-    missing = [name for name in _FIELDS if name not in data]
+    missing = [name for name in _FIELDS if name not in data and name not in _OPTIONAL_FIELDS]
     if unknown or missing:
         raise ValueError(f"{field} is invalid: it must have exactly the fields {list(_FIELDS)} (missing {missing}, "
                          f"unknown {unknown[:5]})")  # fmt: skip
@@ -153,12 +172,13 @@ def spec_from_data(data: object, field: str = "spec") -> ReplacementSpec:
     budget = _budget(f"{field}.budget", data["budget"])
     top_k = _choice(f"{field}.top_k", data["top_k"], ("auto", *top_k_gates()))
     aux_k = _choice(f"{field}.aux_k", data["aux_k"], (None, True, False))
+    balance = _balance(f"{field}.balance", data.get("balance"))
     skip = _choice(f"{field}.skip", data["skip"], (True, False))
     if kind == "transcoder":
         k = None if data["k"] is None else _size(f"{field}.k", data["k"], MAX_EXPERTS)
         for name, default in (("format", None), ("experts", None), ("top_k", "auto"), ("recipe", None),
-                              ("aux_k", None)):  # fmt: skip
-            if data[name] is not default and not (isinstance(default, str) and data[name] == default):
+                              ("aux_k", None), ("balance", None)):  # fmt: skip
+            if data.get(name) is not default and not (isinstance(default, str) and data[name] == default):
                 raise _refuse(f"{field}.{name}", data[name], f"a transcoder's must be {default!r}")
         return ReplacementSpec(kind, k, budget, skip)
     if skip:
@@ -183,4 +203,4 @@ def spec_from_data(data: object, field: str = "spec") -> ReplacementSpec:
         if any(kept > there for kept, there in zip(ks, experts, strict=True)):
             raise _refuse(f"{field}.k", k_data, f"it keeps more experts than the {list(experts)} there are")
     recipe = _choice(f"{field}.recipe", data["recipe"], (None, "mxd-paper", "plain"))
-    return ReplacementSpec(kind, k, budget, False, fmt, experts, top_k, recipe, aux_k)
+    return ReplacementSpec(kind, k, budget, False, fmt, experts, top_k, recipe, aux_k, balance)

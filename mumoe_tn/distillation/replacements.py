@@ -23,12 +23,15 @@ authors size theirs (≈ 21.5 k experts for GPT-2 small).
 
 A Mixture of Decoders is built with its authors' recipe by default
 ([`mxd_paper_init`][mumoe_tn.distillation.replacements.mxd_paper_init]: unit-norm expert vectors,
-zero decoder); every other μMoE block trains with the auxiliary-k loss on dead experts
-([`AuxK`][mumoe_tn.distillation.losses.AuxK]) by default.
+zero decoder). A block with one expert mode and a softmax top-k gate trains with a small
+load-balancing term on its routing ([`GateBalance`][mumoe_tn.distillation.losses.GateBalance]) by
+default, which keeps its experts alive at about the same reconstruction error; the auxiliary-k loss on dead
+experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK]) is off by default (both measured in the
+distillation guide).
 
 Given plain arguments (a registered format's name, expert counts, ``k``, a budget, a top-k gate's
-name, a recipe, ``aux_k`` as a bool; no ``layer=``, ``gate=`` or block options), every module
-these factories build carries ``replacement_spec``, a
+name, a recipe, ``aux_k`` as a bool, ``balance`` as a number; no ``layer=``, ``gate=`` or block
+options), every module these factories build carries ``replacement_spec``, a
 [`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] of those arguments;
 [`factory_from_spec`][mumoe_tn.distillation.replacements.factory_from_spec] gives the factory back,
 so a saved run ([`save_frontier`][mumoe_tn.distillation.run_files.save_frontier]) rebuilds its
@@ -49,15 +52,16 @@ from mumoe_tn.costs.baselines import match_transcoder, transcoder_parameters
 from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.decompositions.registry import available
 from mumoe_tn.decompositions.resolve import Decomposition, format_of
-from mumoe_tn.distillation.losses import AuxK
+from mumoe_tn.distillation.losses import GATE_BALANCE_WEIGHT, AuxK, GateBalance
 from mumoe_tn.distillation.replacement_specs import ReplacementSpec
 from mumoe_tn.distillation.streaming import BlockInfo
 from mumoe_tn.distillation.training import RECIPES, Factory
 from mumoe_tn.distillation.transcoders import Transcoder
+from mumoe_tn.gates.modules import TopKRouter
 from mumoe_tn.gates.registry import top_k_gates
 from mumoe_tn.layers.decoders import MixtureOfDecoders
 from mumoe_tn.layers.mlp_blocks import mlp_block_for
-from mumoe_tn.validation import check_size
+from mumoe_tn.validation import check_positive_float, check_size
 
 __all__ = [
     "PAPER_EXPANSION",
@@ -174,6 +178,7 @@ def mumoe_factory(
     top_k: str = "auto",
     recipe: str | None = None,
     aux_k: bool | AuxK | None = None,
+    balance: float | None = None,
     **options: Any,
 ) -> Factory:
     """A factory of parameter-matched μMoE blocks with a top-k gate.
@@ -220,11 +225,19 @@ def mumoe_factory(
     aux_k : bool or AuxK, optional
         Train with the auxiliary-k loss on dead experts ([`AuxK`][mumoe_tn.distillation.losses.AuxK],
         attached as the block's ``distillation_losses``): True for its defaults, an ``AuxK`` for
-        others, False for none. Default: on for a block with one expert mode, except a Mixture of
-        Decoders built with its authors' recipe, who train without it (with their ReLU top-k gate
-        it raised the error); off for a block with several expert modes, whose per-mode top-k
-        leaves few experts dead and which the term made erratic (both measured in the
-        distillation guide).
+        others, False or None (the default) for none. It is off by default: on flat blocks it left
+        more experts dead at the same error and doubled the step's time, on a Mixture of Decoders
+        with its authors' ReLU top-k gate it raised the error, and on blocks with several expert
+        modes it made training erratic (all measured in the distillation guide).
+    balance : float, optional
+        The weight of the load-balancing term on the block's routing
+        ([`GateBalance`][mumoe_tn.distillation.losses.GateBalance], attached as the block's
+        ``distillation_losses``); 0 for none. Default
+        [`GATE_BALANCE_WEIGHT`][mumoe_tn.distillation.losses.GATE_BALANCE_WEIGHT] for a block with
+        one expert mode and a softmax top-k gate ([`TopKRouter`][mumoe_tn.gates.modules.TopKRouter]),
+        where without it a fifth to a half of 256 experts were never picked at L0 8; 0 otherwise
+        (a block with several expert modes keeps most of its experts alive, and a Mixture of
+        Decoders' ReLU gate is no softmax router).
     **options
         Further arguments of the μMoE block (``rank_multiple``, ``input_norm``, …).
 
@@ -252,6 +265,8 @@ def mumoe_factory(
         )
     if aux_k is not None and not isinstance(aux_k, (bool, AuxK)):
         raise TypeError(f"aux_k must be a bool or an AuxK term, got {aux_k!r:.80}")
+    if balance is not None:
+        balance = check_positive_float("balance", balance, allow_zero=True)
     gates = top_k_gates()
     if not isinstance(top_k, str) or top_k not in ("auto", *gates):
         raise ValueError(f"top_k must be one of {list(top_k_gate_names())}, got {top_k!r}")
@@ -266,7 +281,7 @@ def mumoe_factory(
     spec = None
     if described:
         ks = k if isinstance(k, int) else tuple(k)
-        spec = ReplacementSpec("mumoe", ks, budget, False, decomposition, dims, top_k, recipe, aux_k)  # type: ignore[arg-type]
+        spec = ReplacementSpec("mumoe", ks, budget, False, decomposition, dims, top_k, recipe, aux_k, balance)  # type: ignore[arg-type]
     gate = options.pop("gate", None) or gates[chosen](k=k)
 
     def build(block: BlockInfo) -> nn.Module:
@@ -286,9 +301,14 @@ def mumoe_factory(
         if paper:
             mxd_paper_init(module)
         flat = len(module.expert_dims) == 1
-        use = (flat and not paper) if aux_k is None else aux_k
-        if use is not False:
-            module.distillation_losses = (use if isinstance(use, AuxK) else AuxK(),)
+        weight = balance
+        if weight is None:
+            weight = GATE_BALANCE_WEIGHT if flat and isinstance(module.gate, TopKRouter) else 0.0
+        terms: list[GateBalance | AuxK] = [GateBalance(weight)] if weight > 0 else []
+        if aux_k is True or isinstance(aux_k, AuxK):
+            terms.append(aux_k if isinstance(aux_k, AuxK) else AuxK())
+        if terms:
+            module.distillation_losses = tuple(terms)
         if spec is not None:
             module.replacement_spec = spec
         return module
@@ -346,4 +366,4 @@ def factory_from_spec(spec: ReplacementSpec) -> Factory:
     if spec.kind == "transcoder":
         return transcoder_factory(spec.k, spec.budget, skip=spec.skip)  # type: ignore[arg-type]
     return mumoe_factory(spec.format, spec.experts, spec.k, spec.budget, top_k=spec.top_k, recipe=spec.recipe,
-                         aux_k=spec.aux_k)  # type: ignore[arg-type]  # fmt: skip
+                         aux_k=spec.aux_k, balance=spec.balance)  # type: ignore[arg-type]  # fmt: skip

@@ -48,6 +48,7 @@ from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transc
 from mumoe_tn.distillation.run_files import load_frontier, save_frontier
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
 from mumoe_tn.distillation.training import Distillation, Factory, distill
+from mumoe_tn.validation import check_positive_float
 
 __all__ = [
     "THROUGHPUT_COLUMN",
@@ -113,6 +114,9 @@ class FrontierConfig:
         The auxiliary-k term on the μMoE blocks: None for the factory's default (see
         [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]), True or False for
         every one of them.
+    balance : float or None
+        The weight of the load-balancing term on the μMoE blocks' routing: None for the factory's
+        default, a number (0: none) for every one of them.
     """
 
     width: int = 64
@@ -139,6 +143,7 @@ class FrontierConfig:
     seed: int = 0
     top_k: str = "auto"
     aux_k: bool | None = None
+    balance: float | None = None
 
     @classmethod
     def quick(cls) -> FrontierConfig:
@@ -189,6 +194,7 @@ def method_factories(
     top_k: str = "auto",
     recipe: str = "mxd-paper",
     aux_k: bool | None = None,
+    balance: float | None = None,
 ) -> dict[str, Factory]:
     """The factories of a frontier, named ``"<method>@<L0>"`` (a μMoE with ``top_k`` set: ``"<method>:<top_k>@<L0>"``).
 
@@ -208,6 +214,8 @@ def method_factories(
         ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors'.
     aux_k : bool or None, optional
         The auxiliary-k term on every μMoE block (None: the factory's default).
+    balance : float or None, optional
+        The weight of the load-balancing term on every μMoE block (None: the factory's default).
 
     Returns
     -------
@@ -216,6 +224,8 @@ def method_factories(
     _check_methods(methods)
     _check_l0s(methods, l0s, experts)
     _check_aux_k(aux_k)
+    if balance is not None:
+        check_positive_float("balance", balance, allow_zero=True)
     factories: dict[str, Factory] = {}
     for method in methods:
         for l0 in l0s:
@@ -227,10 +237,12 @@ def method_factories(
             if method.endswith(_HIER):
                 dims: int | tuple[int, ...] = mode_split(experts, 2)
                 factories[name] = mumoe_factory(
-                    method[: -len(_HIER)], dims, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k
+                    method[: -len(_HIER)], dims, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k, balance=balance
                 )
             else:
-                factories[name] = mumoe_factory(method, experts, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k)
+                factories[name] = mumoe_factory(
+                    method, experts, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k, balance=balance
+                )
     return factories
 
 
@@ -360,6 +372,8 @@ def run_frontier(
     _check_methods(config.methods)
     _check_l0s(config.methods, config.l0s, config.experts)
     _check_aux_k(config.aux_k)
+    if config.balance is not None:
+        check_positive_float("balance", config.balance, allow_zero=True)
     if resume and checkpoint is None:
         raise ValueError("resume=True needs checkpoint= (the file to resume from)")
     if resume and not process_checkpoint(checkpoint).is_file():
@@ -387,7 +401,7 @@ def run_frontier(
                                                     first.out_features)  # fmt: skip
     factories = method_factories(
         config.methods, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe,
-        aux_k=config.aux_k,
+        aux_k=config.aux_k, balance=config.balance,
     )  # fmt: skip
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8

@@ -177,16 +177,20 @@ def test_aux_k_reduces_dead_latents():
     assert with_aux <= without - 4  # 34
 
 
-def test_aux_k_is_attached_by_the_factory():
+def test_aux_k_is_attached_by_the_factory_when_asked():
     block = select_blocks(ToyLM(), "mlp$")[0]
-    assert isinstance(mumoe_factory("cp", 8, 2, 4.0)(block).distillation_losses[0], AuxK)  # softmax top-k
-    assert not hasattr(mumoe_factory("mxd", 8, 2, 4.0)(block), "distillation_losses")  # ReLU top-k
-    assert not hasattr(mumoe_factory("cp", 8, 2, 4.0, aux_k=False)(block), "distillation_losses")
-    assert not hasattr(mumoe_factory("cp", (4, 4), 2, 4.0)(block), "distillation_losses")  # two modes
-    assert isinstance(mumoe_factory("tr", (4, 4), 2, 4.0, aux_k=True)(block).distillation_losses[0], AuxK)
+
+    def aux_terms(module):
+        return [term for term in getattr(module, "distillation_losses", ()) if isinstance(term, AuxK)]
+
+    assert not aux_terms(mumoe_factory("cp", 8, 2, 4.0)(block))  # off by default
+    assert not aux_terms(mumoe_factory("mxd", 8, 2, 4.0)(block))
+    assert not aux_terms(mumoe_factory("cp", 8, 2, 4.0, aux_k=False)(block))
+    assert not aux_terms(mumoe_factory("cp", (4, 4), 2, 4.0)(block))
+    assert len(aux_terms(mumoe_factory("tr", (4, 4), 2, 4.0, aux_k=True)(block))) == 1
     term = AuxK(weight=0.1)
-    assert mumoe_factory("cp", 8, 2, 4.0, aux_k=term)(block).distillation_losses == (term,)
-    assert isinstance(mumoe_factory("mxd", 8, 2, 4.0, aux_k=True)(block).distillation_losses[0], AuxK)
+    assert aux_terms(mumoe_factory("cp", 8, 2, 4.0, aux_k=term)(block)) == [term]
+    assert len(aux_terms(mumoe_factory("mxd", 8, 2, 4.0, aux_k=True)(block))) == 1
     with pytest.raises(TypeError, match="aux_k must be a bool or an AuxK"):
         mumoe_factory("cp", 8, 2, 4.0, aux_k="yes")
 
@@ -195,11 +199,11 @@ def test_the_frontier_factories_attach_the_aux_k_term_as_configured():
     from mumoe_tn.distillation.study import method_factories
 
     block = select_blocks(ToyLM(), "mlp$")[0]
-    for aux_k, flat, hierarchical in [(None, True, False), (True, True, True), (False, False, False)]:
+    for aux_k, expected in [(None, False), (True, True), (False, False)]:
         factories = method_factories(("cp", "cp-hier"), (2,), 4.0, 16, aux_k=aux_k)
-        built = {name: factory(block) for name, factory in factories.items()}
-        assert hasattr(built["cp@2"], "distillation_losses") == flat, aux_k
-        assert hasattr(built["cp-hier@2"], "distillation_losses") == hierarchical, aux_k
+        for name, factory in factories.items():
+            terms = getattr(factory(block), "distillation_losses", ())
+            assert any(isinstance(term, AuxK) for term in terms) == expected, (aux_k, name)
 
 
 def test_a_bad_aux_k_setting_is_refused_before_any_model_is_built(monkeypatch):

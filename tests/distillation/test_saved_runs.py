@@ -108,7 +108,7 @@ def test_a_run_saved_from_the_python_api_loads_back_bitwise(run):
     assert record["model"] == "model" and set(record["blocks"]) == {"transformer.h.0.mlp", "transformer.h.1.mlp"}
     assert record["methods"]["cp-hier@4"] == {"kind": "mumoe", "k": [2, 2], "budget": 2.0, "skip": False,
                                               "format": "cp", "experts": [4, 4], "top_k": "auto", "recipe": None,
-                                              "aux_k": None}  # fmt: skip
+                                              "aux_k": None, "balance": None}  # fmt: skip
 
 
 def test_a_replacement_that_cannot_describe_itself_is_refused_when_saved(run, tmp_path):
@@ -203,6 +203,10 @@ def _set(path, value):
         (("methods", "cp-hier@4", "experts"), [1 << 20, 1 << 20], r"\.experts = .* at most 16,777,216 experts"),
         (("methods", "cp-hier@4", "format"), "os.system", r"\.format = 'os.system' is invalid: it must name a"),
         (("methods", "cp-hier@4", "aux_k"), 1, r"\.aux_k = 1 is invalid"),
+        (("methods", "cp-hier@4", "balance"), True, r"\.balance = True is invalid: it must be null or a number"),
+        (("methods", "cp-hier@4", "balance"), float("nan"), r"\.balance = nan is invalid"),
+        (("methods", "cp-hier@4", "balance"), -0.5, r"\.balance = -0.5 is invalid"),
+        (("methods", "transcoder@4", "balance"), 0.1, r"\.balance = 0.1 is invalid: a transcoder's must be None"),
         (("methods", "transcoder@4", "budget"), -1, r"\.budget = -1 is invalid"),
         (("methods", "transcoder@4", "budget"), float("inf"), r"\.budget = inf is invalid"),
         (("methods", "transcoder@4", "shape"), 1, r"methods\['transcoder@4'\] is invalid: .*unknown \['shape'\]"),
