@@ -143,7 +143,7 @@ def apply_conversion(
     model : nn.Module
         A model built like the one that was converted (same class and configuration), not yet converted.
     record : ConversionRecord or Mapping or str
-        The record (from [`conversion_record`][mumoe_tn.conversion.record.conversion_record], its ``to_dict()``, or its
+        The record (from [`conversion_record`][mumoe_tn.conversion.replay.conversion_record], its ``to_dict()``, or its
         JSON).
     shapes : Mapping[str, tensor or shape], optional
         The checkpoint's tensors, or only their shapes (e.g. read from safetensors headers), by
@@ -187,8 +187,8 @@ def replay_conversion(
 ) -> tuple[list[Rebuilt], ConversionRecord]:
     """The modules ``record`` puts into ``model``, built and checked but not installed (``model`` is unchanged).
 
-    See [`apply_conversion`][mumoe_tn.conversion.record.apply_conversion] for the arguments;
-    [`commit_conversion`][mumoe_tn.conversion.record.commit_conversion] installs the result.
+    See [`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion] for the arguments;
+    [`commit_conversion`][mumoe_tn.conversion.replay.commit_conversion] installs the result.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -225,7 +225,7 @@ def commit_conversion(
     record: ConversionRecord,
     check: Callable[[nn.Module], None] | None = None,
 ) -> None:
-    """Install modules from [`replay_conversion`][mumoe_tn.conversion.record.replay_conversion], all or nothing.
+    """Install modules from [`replay_conversion`][mumoe_tn.conversion.replay.replay_conversion], all or nothing.
 
     Installs every module, calls ``check(model)`` (e.g. checks and loads a checkpoint's weights),
     then writes the record and the mask hook. If installing or ``check`` raises, the old modules

@@ -66,8 +66,8 @@ __all__ = [
 
 _Class = TypeVar("_Class", bound=type)
 
-#: The default weight of [`GateBalance`][mumoe_tn.distillation.losses.GateBalance].
 GATE_BALANCE_WEIGHT = 4e-5
+"""The default weight of [`GateBalance`][mumoe_tn.distillation.losses.GateBalance]."""
 
 
 def normalised_mse(prediction: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -210,12 +210,12 @@ def _renamed_core(record):
 
 def test_a_record_that_does_not_fit_the_weights_is_refused_before_a_module_is_built(saved, monkeypatch):
     folder, record, state = saved
-    import mumoe_tn.conversion.record as record_module
+    import mumoe_tn.conversion.replay as replay_module
 
     def never(*args, **kwargs):
         raise AssertionError("a module was built before the cheap checks")
 
-    monkeypatch.setattr(record_module, "build_block", never)
+    monkeypatch.setattr(replay_module, "build_block", never)
     for change, pattern in [
         (
             _set("modules", 1, "networks", 0, 1, "sizes", "n1", 10**6),
