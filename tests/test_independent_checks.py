@@ -33,7 +33,8 @@ from mumoe_tn.costs import (
 )
 from mumoe_tn.costs.params import block_parameters, layer_in_features
 from mumoe_tn.decompositions import build, cp, tr, tt, tucker
-from mumoe_tn.gates.modules import ExpertGate, TopKRouter, gate_losses
+from mumoe_tn.gates.modules import ExpertGate, TopKRouter
+from mumoe_tn.gates.records import gate_losses
 from mumoe_tn.gates.specs import Gate, TopKGate, gate_fma_per_token, gate_from_options, gate_parameter_count
 
 DTYPE = torch.float64

@@ -295,7 +295,8 @@ class GateBalance(Loss, name="gate-balance"):
     over modes. It is 1 when the routing is balanced. Its gradient, through ``P`` only, lowers the
     logits of the experts that take more than their share and raises the others', so that experts
     no token picks come back into use (the formula of the gates' own ``balance_loss=True``, here
-    computed from the recorded code, so the gate needs no option and keeps its inference path).
+    computed by the gate's [`balance`][mumoe_tn.gates.modules.ExpertGate.balance] from the recorded
+    logits and code, so the gate needs no option and keeps its inference path).
 
     Parameters
     ----------
@@ -312,20 +313,15 @@ class GateBalance(Loss, name="gate-balance"):
         super().__init__(weight)
 
     def __call__(self, inputs: LossInputs) -> torch.Tensor:
-        if not isinstance(code_module(inputs.module), ExpertGate):
+        gate = code_module(inputs.module)
+        if not isinstance(gate, ExpertGate):
             raise TypeError(
                 f"the loss term {self.name!r} balances a μMoE block's gate; {type(inputs.module).__name__} has no "
                 "expert gate"
             )
         code = _recorded(inputs.code, "sparse code", self)
         pre = _recorded(inputs.preactivations, "pre-activations", self)
-        terms = []
-        for part, logits in zip(code, pre, strict=True):
-            chosen = (part.detach() != 0).to(logits.dtype)
-            dispatch = chosen / chosen.sum(-1, keepdim=True).clamp_min(1)
-            probabilities = torch.softmax(logits, dim=-1)
-            terms.append(logits.shape[-1] * (dispatch.mean(0) * probabilities.mean(0)).sum())
-        return self.weight * torch.stack(terms).mean()
+        return self.weight * gate.balance(pre, code)
 
 
 class AuxK(Loss, name="aux-k"):

@@ -37,7 +37,7 @@ _LAZY = {
     "LogitBatchNorm": "mumoe_tn.gates.modules",
     "ReLUTopKRouter": "mumoe_tn.gates.modules",
     "TopKRouter": "mumoe_tn.gates.modules",
-    "gate_losses": "mumoe_tn.gates.modules",
+    "gate_losses": "mumoe_tn.gates.records",
     "resolve_activation": "mumoe_tn.gates.modules",
     "entmax15": "mumoe_tn.gates.entmax",
     "sparsemax": "mumoe_tn.gates.entmax",

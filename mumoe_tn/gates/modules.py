@@ -69,7 +69,6 @@ __all__ = [
     "LogitBatchNorm",
     "ReLUTopKRouter",
     "TopKRouter",
-    "gate_losses",
     "resolve_activation",
 ]
 
@@ -456,14 +455,40 @@ class ExpertGate(GateInference, PerThreadRecords):
 
         losses = {}
         if self.balance_loss:
-            terms = []
-            for mode, (part, a) in enumerate(zip(logits, coefficients, strict=True)):
-                probabilities, dispatch = self._balance_terms(part, a, mode)
-                terms.append(part.shape[-1] * (mean(dispatch) * mean(probabilities)).sum())
-            losses["balance"] = torch.stack(terms).mean()
+            losses["balance"] = self.balance(logits, coefficients, mean)
         if self.z_loss:
             losses["z"] = torch.stack([mean(torch.logsumexp(part, dim=-1).square()) for part in logits]).mean()
         self._remember("losses", losses)
+
+    def balance(
+        self,
+        logits: Sequence[torch.Tensor],
+        coefficients: Sequence[torch.Tensor],
+        mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The Switch-style load-balancing loss of rows routed by this gate.
+
+        Per expert mode ``N_e · Σ_i f_i · P_i`` (``f`` the rows' dispatch fractions, ``P`` the
+        router probabilities, as this gate defines them), averaged over modes; 1 when balanced.
+
+        Parameters
+        ----------
+        logits, coefficients : Sequence of torch.Tensor
+            Per expert mode, the normalised logits and the coefficients of the same rows ``(rows, N_e)``.
+        mean : Callable, optional
+            The mean over rows (default ``torch.mean(·, dim=0)``; a masked mean for padded batches).
+
+        Returns
+        -------
+        torch.Tensor
+            A scalar, with the gradient through ``P``.
+        """
+        mean = functools.partial(torch.mean, dim=0) if mean is None else mean
+        terms = []
+        for mode, (part, a) in enumerate(zip(logits, coefficients, strict=True)):
+            probabilities, dispatch = self._balance_terms(part, a, mode)
+            terms.append(part.shape[-1] * (mean(dispatch) * mean(probabilities)).sum())
+        return torch.stack(terms).mean()
 
     def losses(self) -> dict[str, torch.Tensor]:
         """The auxiliary losses of this thread's last forward pass (float32+ scalars, with grad).
@@ -652,32 +677,3 @@ class ReLUTopKRouter(ExpertGate):
             f"in_features={self.in_features}, expert_dims={self.expert_dims}, k={self.k}, "
             f"norm={self.norm!r}, bias={self.bias}{extras}"
         )
-
-
-def gate_losses(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Sum every gate's auxiliary losses over the μMoE layers of ``model`` (this thread's last pass).
-
-    Parameters
-    ----------
-    model : nn.Module
-        Any module; every submodule with a ``gate_losses()`` method (MuMoE, MuMoEMLP)
-        contributes.
-
-    Returns
-    -------
-    dict of str to torch.Tensor
-        ``"balance"`` and/or ``"z"`` summed over layers (empty if no layer records any).
-
-    Examples
-    --------
-    >>> loss = task_loss + 0.01 * gate_losses(model)["balance"]  # doctest: +SKIP
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    totals: dict[str, torch.Tensor] = {}
-    for module in model.modules():
-        method = getattr(module, "gate_losses", None)
-        if callable(method):
-            for name, value in method().items():
-                totals[name] = totals[name] + value if name in totals else value
-    return totals

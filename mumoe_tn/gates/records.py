@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PerThreadRecords"]
+__all__ = ["PerThreadRecords", "gate_losses"]
 
 
 class _ThreadStore(threading.local):
@@ -49,3 +49,32 @@ class PerThreadRecords(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: value for key, value in self.__dict__.items() if not key.startswith("_compiled_")}
+
+
+def gate_losses(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Sum every gate's auxiliary losses over the μMoE layers of ``model`` (this thread's last pass).
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any module; every submodule with a ``gate_losses()`` method (MuMoE, MuMoEMLP)
+        contributes.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        ``"balance"`` and/or ``"z"`` summed over layers (empty if no layer records any).
+
+    Examples
+    --------
+    >>> loss = task_loss + 0.01 * gate_losses(model)["balance"]  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    totals: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        method = getattr(module, "gate_losses", None)
+        if callable(method):
+            for name, value in method().items():
+                totals[name] = totals[name] + value if name in totals else value
+    return totals

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from test_corpus import _after
 from test_training import ToyLM, _batches
 
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
@@ -48,16 +49,6 @@ def test_distilled_flat_blocks_evaluate_their_trained_weights():
     for method, (nmse, l0) in expected.items():
         assert abs(reported[method][0] - nmse) <= 1e-5 * max(1.0, nmse), (method, reported[method], nmse)
         assert reported[method][1] == l0
-
-
-def _after(calls):
-    asked = [0]
-
-    def stop():
-        asked[0] += 1
-        return asked[0] >= calls
-
-    return stop
 
 
 def test_an_interrupted_and_resumed_run_reports_the_table_of_an_uninterrupted_one(tmp_path):

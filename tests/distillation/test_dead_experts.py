@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from torch import nn
+from test_losses import ToyLM, one_thread  # noqa: F401 - the fixture applies here too
 
 from mumoe_tn.distillation.codes import recording_code, recording_preactivations
 from mumoe_tn.distillation.losses import GATE_BALANCE_WEIGHT, AuxK, GateBalance, LossInputs
@@ -11,27 +11,6 @@ from mumoe_tn.distillation.replacements import factory_from_spec, mumoe_factory,
 from mumoe_tn.distillation.streaming import select_blocks
 from mumoe_tn.distillation.training import distill
 from mumoe_tn.gates.specs import TopKGate
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class ToyLM(nn.Module):
-    def __init__(self, vocab=512, width=16, hidden=64, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.embed = nn.Embedding(vocab, width)
-        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, width))
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, input_ids, attention_mask=None):
-        h = self.embed(input_ids)
-        return self.head(h + self.mlp(h))
 
 
 def _block():

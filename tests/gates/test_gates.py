@@ -19,7 +19,7 @@ from torch import nn
 from mumoe_tn import MuMoE
 from mumoe_tn.costs import gate_fma, layer_flops, layer_parameters
 from mumoe_tn.decompositions import build
-from mumoe_tn.gates.modules import gate_losses
+from mumoe_tn.gates.records import gate_losses
 from mumoe_tn.gates.specs import DEFAULT_GATE, Gate, GateSpec, ReLUTopKGate, TopKGate
 from mumoe_tn.layers import MuMoEMLP
 

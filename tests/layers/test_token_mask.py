@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from mumoe_tn.analysis import collect_coefficients, mean_coefficients
 from mumoe_tn.conversion.convert import conversion_record, convert
-from mumoe_tn.gates.modules import gate_losses
+from mumoe_tn.gates.records import gate_losses
 from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
