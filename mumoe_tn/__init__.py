@@ -18,7 +18,7 @@ from mumoe_tn.decompositions import Format, register
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.plugins import install_transformers_hook as _install_transformers_hook
 
-__version__ = "0.3.0.dev0"
+__version__ = "0.4.0"
 
 _LAZY = {
     "ExpertGate": "mumoe_tn.gates.modules",
