@@ -180,3 +180,41 @@ def test_a_stop_during_the_evaluation_keeps_the_finished_distillation_to_resume(
         study.run_frontier(config, progress=False, checkpoint=path, resume=True)
     with pytest.raises(ValueError, match=r"there is no checkpoint to resume from at '.*missing.pt'"):
         study.run_frontier(config, checkpoint=tmp_path / "missing.pt", resume=True)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "neox"])
+def test_each_family_is_interrupted_resumed_saved_and_reloaded(tmp_path, capsys, monkeypatch, family):
+    import transformers
+
+    from mumoe_tn.distillation import interruption
+    from mumoe_tn.distillation.run_files import load_frontier
+
+    model = str(_saved_model(tmp_path / "model", family))
+    text, checkpoint, saved = _text(tmp_path / f"{family}.txt", family), tmp_path / "run.pt", tmp_path / "saved"
+    argv = ["distill", *QUICK, "--model", model, "--text", str(text), "--tokens", "1024", "--json",
+            "--checkpoint", str(checkpoint), "--checkpoint-every", "1"]  # fmt: skip
+
+    def stop_once_checkpointed(self):  # what SIGINT does, once the first checkpoint is on disk
+        if self.signal is None and checkpoint.exists():
+            self.signal = signal.SIGINT
+        return self.signal is not None
+
+    with monkeypatch.context() as patched:
+        patched.setattr(interruption.StopOnSignals, "__call__", stop_once_checkpointed)
+        assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "stopped by SIGINT" in err and "--resume" in err
+    trained = torch.load(checkpoint, weights_only=True)["counters"]["trained"]
+    assert 0 < trained < 1024
+    assert main([*argv, "--resume", "--save", str(saved)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["config"]["trained_tokens"] == 1024
+    with pytest.raises(ValueError, match="the run saved no model"):
+        load_frontier(saved)
+    distilled = transformers.AutoModelForCausalLM.from_pretrained(model, local_files_only=True)
+    _, replacements, table = load_frontier(saved, model=distilled)
+    names, _ = BLOCKS[family]
+    assert sorted(replacements) == sorted(names)
+    assert all(sorted(replacements[name]) == ["mxd@2", "transcoder@2"] for name in names)
+    rows = [(row["block"], row["method"], row["nmse"]) for row in printed["rows"]]
+    assert [(row.block, row.method, pytest.approx(row.nmse)) for row in table.rows] == rows
