@@ -208,6 +208,35 @@ def test_the_names_0_3_deprecated_are_gone(old):
         getattr(module, name)
 
 
+#: Modules 0.4 moved into the parts of ``mumoe_tn.conversion``, old path -> new path; nothing stands
+#: at the old path (no forwarding module).
+MOVED_IN_0_4 = {
+    "mumoe_tn.conversion.adapters": "mumoe_tn.conversion.surgery.adapters",
+    "mumoe_tn.conversion.block_kinds": "mumoe_tn.conversion.surgery.block_kinds",
+    "mumoe_tn.conversion.blocks": "mumoe_tn.conversion.surgery.blocks",
+    "mumoe_tn.conversion.building": "mumoe_tn.conversion.surgery.building",
+    "mumoe_tn.conversion.checkpoints": "mumoe_tn.conversion.persistence.checkpoints",
+    "mumoe_tn.conversion.config_checks": "mumoe_tn.conversion.persistence.config_checks",
+    "mumoe_tn.conversion.files": "mumoe_tn.conversion.persistence.files",
+    "mumoe_tn.conversion.quantizer": "mumoe_tn.conversion.persistence.quantizer",
+    "mumoe_tn.conversion.record": "mumoe_tn.conversion.persistence.record",
+    "mumoe_tn.conversion.record_checks": "mumoe_tn.conversion.persistence.record_checks",
+    "mumoe_tn.conversion.replay": "mumoe_tn.conversion.persistence.replay",
+    "mumoe_tn.conversion.storage": "mumoe_tn.conversion.persistence.storage",
+    "mumoe_tn.conversion.fitting": "mumoe_tn.conversion.fitting.als",
+    "mumoe_tn.conversion.upcycling": "mumoe_tn.conversion.fitting.upcycling",
+    "mumoe_tn.conversion.interop": "mumoe_tn.conversion.fitting.interop",
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_IN_0_4))
+def test_a_module_0_4_moved_stands_only_at_its_new_path(old):
+    modules = _modules()
+    assert MOVED_IN_0_4[old] in modules
+    assert old not in modules or (ROOT.parent.joinpath(*old.split(".")) / "__init__.py").exists()
+    assert not ROOT.parent.joinpath(*old.split(".")).with_suffix(".py").exists()
+
+
 #: Basenames used with one meaning in several places: ``registry`` is the registry type
 #: (mumoe_tn.registry) and each package's registry of its own kind (formats, gate classes).
 SAME_MEANING = {"registry"}
