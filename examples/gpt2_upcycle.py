@@ -35,7 +35,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from mumoe_tn.conversion.convert import convert
-from mumoe_tn.conversion.upcycling import UpcycleWarning
+from mumoe_tn.conversion.fitting.upcycling import UpcycleWarning
 
 
 def corpus() -> str:

@@ -1,7 +1,7 @@
 """Where mumoe_tn plugs into other libraries when they load (torch-free; nothing is imported ahead of time).
 
 ``import mumoe_tn`` registers the ``"mumoe_tn"`` quantization method with transformers (see
-[`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer]), so that stock
+[`mumoe_tn.conversion.persistence.quantizer`][mumoe_tn.conversion.persistence.quantizer]), so that stock
 ``from_pretrained`` rebuilds converted models. Importing transformers' quantizer registry takes
 seconds and imports torch, so it is not imported here: if it is already loaded the method is
 registered at once, otherwise a finder on ``sys.meta_path`` registers it right after
@@ -26,7 +26,7 @@ TRIGGER = "transformers.quantizers.auto"
 
 def _register() -> None:
     try:
-        from mumoe_tn.conversion.quantizer import register_with_transformers
+        from mumoe_tn.conversion.persistence.quantizer import register_with_transformers
     except ImportError as error:  # a transformers without the quantizer registry: load_converted still works
         import warnings
 

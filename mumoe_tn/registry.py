@@ -15,12 +15,12 @@ statement where subclassing registers). Each registry is reached by the package 
 | gate descriptor classes | `mumoe_tn.gates.registry.GATES` | ``@register_gate`` |
 | gate activations φ | `mumoe_tn.gates.modules.ACTIVATIONS` | ``ACTIVATIONS.register(name, fn)`` |
 | logit norms | `mumoe_tn.gates.modules.GATE_NORMS` | ``GATE_NORMS.register(name, factory)`` |
-| layer adapters | `mumoe_tn.conversion.adapters.ADAPTERS` | `register_adapter` |
-| gated-MLP child names | `mumoe_tn.conversion.blocks.GATED_LAYOUTS` | `register_gated_names` |
+| layer adapters | `mumoe_tn.conversion.surgery.adapters.ADAPTERS` | `register_adapter` |
+| gated-MLP child names | `mumoe_tn.conversion.surgery.blocks.GATED_LAYOUTS` | `register_gated_names` |
 | distillation loss terms | `mumoe_tn.distillation.losses.LOSSES` | ``class L(Loss, name=…)``, `register_loss` |
 | distillation metrics | `mumoe_tn.distillation.metrics.METRICS` | ``class M(Metric, name=…)``, `register_metric` |
 | MLP block kinds (a format's ``mlp_block``) | `mumoe_tn.layers.mlp_blocks.MLP_BLOCKS` | `register_mlp_block` |
-| kinds of replaced module | `mumoe_tn.conversion.block_kinds.BLOCK_KINDS` | ``BLOCK_KINDS.register(name, kind)`` |
+| replaced module kinds | `mumoe_tn.conversion.surgery.block_kinds.BLOCK_KINDS` | ``BLOCK_KINDS.register(name, kind)`` |
 
 Examples
 --------

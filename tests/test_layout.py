@@ -91,6 +91,38 @@ def test_no_import_circles():
     assert list(nx.simple_cycles(graph)) == []
 
 
+#: Which parts of ``mumoe_tn.conversion`` each part may import: the persistence replays a record
+#: with the surgery's blocks; the surgery and the fitting stand alone; ``convert`` (and the
+#: package's front door) joins all three.
+CONVERSION_IMPORTS = {
+    "convert": {"surgery", "persistence", "fitting"},
+    "persistence": {"surgery"},
+    "surgery": set(),
+    "fitting": set(),
+}
+
+
+def _conversion_part(name):
+    parts = name.split(".")
+    if parts[:2] != ["mumoe_tn", "conversion"]:
+        return None
+    return "convert" if len(parts) == 2 else parts[2]
+
+
+def test_the_conversion_parts_import_one_way():
+    modules = _modules()
+    parts = {_conversion_part(name) for name in modules} - {None}
+    assert parts == set(CONVERSION_IMPORTS), sorted(parts ^ set(CONVERSION_IMPORTS))
+    crossing = [
+        f"{a} -> {b}"
+        for a, b in _graph().edges
+        if _conversion_part(a)
+        and _conversion_part(b) not in {None, _conversion_part(a)}
+        and _conversion_part(b) not in CONVERSION_IMPORTS[_conversion_part(a)]
+    ]
+    assert crossing == []
+
+
 def test_imports_point_down_the_floors():
     upward = [
         f"{a} -> {b}"
@@ -174,6 +206,35 @@ def test_the_names_0_3_deprecated_are_gone(old):
     module = importlib.import_module(module_name)
     with pytest.raises(AttributeError, match=name):
         getattr(module, name)
+
+
+#: Modules 0.4 moved into the parts of ``mumoe_tn.conversion``, old path -> new path; nothing stands
+#: at the old path (no forwarding module).
+MOVED_IN_0_4 = {
+    "mumoe_tn.conversion.adapters": "mumoe_tn.conversion.surgery.adapters",
+    "mumoe_tn.conversion.block_kinds": "mumoe_tn.conversion.surgery.block_kinds",
+    "mumoe_tn.conversion.blocks": "mumoe_tn.conversion.surgery.blocks",
+    "mumoe_tn.conversion.building": "mumoe_tn.conversion.surgery.building",
+    "mumoe_tn.conversion.checkpoints": "mumoe_tn.conversion.persistence.checkpoints",
+    "mumoe_tn.conversion.config_checks": "mumoe_tn.conversion.persistence.config_checks",
+    "mumoe_tn.conversion.files": "mumoe_tn.conversion.persistence.files",
+    "mumoe_tn.conversion.quantizer": "mumoe_tn.conversion.persistence.quantizer",
+    "mumoe_tn.conversion.record": "mumoe_tn.conversion.persistence.record",
+    "mumoe_tn.conversion.record_checks": "mumoe_tn.conversion.persistence.record_checks",
+    "mumoe_tn.conversion.replay": "mumoe_tn.conversion.persistence.replay",
+    "mumoe_tn.conversion.storage": "mumoe_tn.conversion.persistence.storage",
+    "mumoe_tn.conversion.fitting": "mumoe_tn.conversion.fitting.als",
+    "mumoe_tn.conversion.upcycling": "mumoe_tn.conversion.fitting.upcycling",
+    "mumoe_tn.conversion.interop": "mumoe_tn.conversion.fitting.interop",
+}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_IN_0_4))
+def test_a_module_0_4_moved_stands_only_at_its_new_path(old):
+    modules = _modules()
+    assert MOVED_IN_0_4[old] in modules
+    assert old not in modules or (ROOT.parent.joinpath(*old.split(".")) / "__init__.py").exists()
+    assert not ROOT.parent.joinpath(*old.split(".")).with_suffix(".py").exists()
 
 
 #: Basenames used with one meaning in several places: ``registry`` is the registry type
@@ -263,7 +324,7 @@ def test_names_follow_one_spelling():
 
 def test_the_tests_readme_lists_every_test_file():
     tests = ROOT.parent / "tests"
-    listed = set(re.findall(r"`((?:[a-z_]+/)?test_[a-z0-9_]+\.py)`", (tests / "README.md").read_text()))
+    listed = set(re.findall(r"`((?:[a-z_]+/)*test_[a-z0-9_]+\.py)`", (tests / "README.md").read_text()))
     files = {path.relative_to(tests).as_posix() for path in tests.rglob("test_*.py")}
     assert sorted(files - listed) == []
 

@@ -139,8 +139,8 @@ def test_auto_takes_the_formats_top_k_gate():
 
 
 def test_every_extension_point_is_a_registry():
-    from mumoe_tn.conversion.adapters import ADAPTERS
-    from mumoe_tn.conversion.blocks import GATED_LAYOUTS, PACKED_GATED_CLASSES
+    from mumoe_tn.conversion.surgery.adapters import ADAPTERS
+    from mumoe_tn.conversion.surgery.blocks import GATED_LAYOUTS, PACKED_GATED_CLASSES
     from mumoe_tn.decompositions.registry import FORMATS
     from mumoe_tn.gates.modules import ACTIVATIONS, GATE_NORMS
     from mumoe_tn.gates.registry import GATES
@@ -247,8 +247,8 @@ def _registered(register, value, replace):
 
 def _front_doors():
     """Per front door: ``register(replace) -> the new entry``, ``current() -> the entry held``, ``remove()``."""
-    from mumoe_tn.conversion.adapters import ADAPTERS, LayerAdapter, register_adapter
-    from mumoe_tn.conversion.blocks import GATED_LAYOUTS, PACKED_GATED_CLASSES, GatedNames, register_gated_names
+    from mumoe_tn.conversion.surgery.adapters import ADAPTERS, LayerAdapter, register_adapter
+    from mumoe_tn.conversion.surgery.blocks import GATED_LAYOUTS, PACKED_GATED_CLASSES, GatedNames, register_gated_names
     from mumoe_tn.decompositions.registry import FORMATS
     from mumoe_tn.decompositions.registry import register as register_format
     from mumoe_tn.distillation.losses import LOSSES, Loss, register_loss, unregister_loss
@@ -351,7 +351,7 @@ LLAMA_LAYOUT = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
 def test_a_layout_registered_again_with_replace_is_tried_first():
-    from mumoe_tn.conversion.blocks import GATED_LAYOUTS, GatedNames, register_gated_names
+    from mumoe_tn.conversion.surgery.blocks import GATED_LAYOUTS, GatedNames, register_gated_names
 
     toy, llama = GatedNames("toy_gate", "toy_up", "toy_down", "toy_act"), GatedNames(*LLAMA_LAYOUT)
     register_gated_names(toy)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.checkpoints import load_converted
+from mumoe_tn.conversion.persistence.checkpoints import load_converted
 from mumoe_tn.layers import MixtureOfDecoders, MuMoE, MuMoEBase, MuMoEMLP
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "v0_3"

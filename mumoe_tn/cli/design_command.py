@@ -98,8 +98,8 @@ def _load_weight(path: str) -> object:
     import torch
     from torch import nn
 
-    from mumoe_tn.conversion.files import read_once
-    from mumoe_tn.conversion.storage import check_file_holds, check_pickled_archive
+    from mumoe_tn.conversion.persistence.files import read_once
+    from mumoe_tn.conversion.persistence.storage import check_file_holds, check_pickled_archive
 
     if not Path(path).is_file():
         raise ValueError(f"--weight {path!r}: no such file")

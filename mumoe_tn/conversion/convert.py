@@ -11,17 +11,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.adapters import LinearView, linear_view
-from mumoe_tn.conversion.blocks import mlp_parts
-from mumoe_tn.conversion.building import Choice, build_block, choose, install
-from mumoe_tn.conversion.replay import (
+from mumoe_tn.conversion.fitting.upcycling import decompose_dense, upcycle_experts, upcycle_linear, warn_if_inexact
+from mumoe_tn.conversion.persistence.replay import (
     apply_conversion,
     commit_conversion,
     conversion_record,
     extend_record,
     replay_conversion,
 )
-from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_experts, upcycle_linear, warn_if_inexact
+from mumoe_tn.conversion.surgery.adapters import LinearView, linear_view
+from mumoe_tn.conversion.surgery.blocks import mlp_parts
+from mumoe_tn.conversion.surgery.building import Choice, build_block, choose, install
 from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.gates.specs import CausalityWarning, gate_from_options
 from mumoe_tn.layers import FactorizedExperts
@@ -42,8 +42,8 @@ __all__ = [
     "replay_conversion",
     "upcycle_linear",
 ]
-# decompose_dense and upcycle_linear live in mumoe_tn.conversion.upcycling, the record's functions in
-# mumoe_tn.conversion.record; re-exported here where they were first documented.
+# decompose_dense and upcycle_linear live in mumoe_tn.conversion.fitting.upcycling, the record's functions in
+# mumoe_tn.conversion.persistence.replay; re-exported here where they were first documented.
 
 Selector = str | Callable[[str, nn.Module], bool] | None
 
@@ -59,7 +59,8 @@ class Replacement:
         Qualified name of the replaced module (an MLP block's name for blocks).
     kind : {"linear", "mlp", "gated", "split"}
         A linear layer, a plain MLP block, a gated (SwiGLU/GeGLU) block, or a BERT-style block
-        split across two sibling modules (see [`mumoe_tn.conversion.blocks`][mumoe_tn.conversion.blocks]).
+        split across two sibling modules (see
+        [`mumoe_tn.conversion.surgery.blocks`][mumoe_tn.conversion.surgery.blocks]).
     params_before, params_after : int
         Parameters of the replaced layers and of their μMoE replacement.
     expert_dims : tuple of int
@@ -149,11 +150,12 @@ def find_mlp_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the modules of ``model`` that ``convert`` treats as MLP blocks.
 
     Plain two-layer MLPs (``nn.Linear``, Hugging Face ``Conv1D`` or any layer type registered
-    with [`mumoe_tn.conversion.adapters.register_adapter`][mumoe_tn.conversion.adapters.register_adapter]), gated
-    MLPs (Llama-style
+    with
+    [`mumoe_tn.conversion.surgery.adapters.register_adapter`][mumoe_tn.conversion.surgery.adapters.register_adapter]),
+    gated MLPs (Llama-style
     ``gate_proj/up_proj/down_proj``, timm ``SwiGLU``/``GluMlp``) and BERT-style layers whose MLP
     is split into ``intermediate`` and ``output`` (the layer's name is listed); see
-    [`mumoe_tn.conversion.blocks`][mumoe_tn.conversion.blocks].
+    [`mumoe_tn.conversion.surgery.blocks`][mumoe_tn.conversion.surgery.blocks].
     """
     return [name for name, module in model.named_modules() if name and mlp_parts(module) is not None]
 
@@ -297,8 +299,8 @@ def convert(
 
     Linear layers are any module with an adapter (``nn.Linear``, Hugging Face ``Conv1D``, or a
     type registered with
-    [`mumoe_tn.conversion.adapters.register_adapter`][mumoe_tn.conversion.adapters.register_adapter]). Every replacement
-    is built (and upcycled) before the model is touched, so a failing conversion leaves the model
+    [`mumoe_tn.conversion.surgery.adapters.register_adapter`][mumoe_tn.conversion.surgery.adapters.register_adapter]).
+    Every replacement is built (and upcycled) before the model is touched, so a failing conversion leaves the model
     as it was. A replacement keeps the replaced module's train/eval mode; it is frozen
     (``requires_grad=False`` on all its parameters) when every parameter it replaces was
     frozen. A module shared at several paths is replaced at every path by one new module.
@@ -321,26 +323,26 @@ def convert(
         Decomposition of every new layer.
     rank : int or Sequence[int] or "match" or "exact" or None, optional
         ``"match"`` (default) parameter-matches each replacement to what it replaces (gating
-        counted); ``"exact"`` (or None, as for [`upcycle_linear`][mumoe_tn.conversion.upcycling.upcycle_linear])
+        counted); ``"exact"`` (or None, as for [`upcycle_linear`][mumoe_tn.conversion.fitting.upcycling.upcycle_linear])
         gives each the
         smallest ranks at which every expert can equal the replaced layers (see
         [`mumoe_tn.costs.match_exact`][mumoe_tn.costs.matching.match_exact]); otherwise explicit ranks.
     upcycle : bool, optional
         Start every expert of each new layer as the layer it replaces (for blocks: each of the
         block's layers; see
-        [`mumoe_tn.conversion.upcycling.upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts]). With
+        [`upcycle_experts`][mumoe_tn.conversion.fitting.upcycling.upcycle_experts]). With
         ``rank="exact"`` the converted model computes what the original did, for any gate output, up
         to rounding. At other ranks each layer is the best approximation the format's closed form
         gives (the Eckart–Young truncation of its matrix for CP, TR, TT and Tucker) or the generic
         fit finds; the report gives the error, and an
-        [`UpcycleWarning`][mumoe_tn.conversion.upcycling.UpcycleWarning] names
-        every module whose error exceeds [`upcycle_threshold`][mumoe_tn.conversion.upcycling.upcycle_threshold]
+        [`UpcycleWarning`][mumoe_tn.conversion.fitting.upcycling.UpcycleWarning] names
+        every module whose error exceeds [`upcycle_threshold`][mumoe_tn.conversion.fitting.upcycling.upcycle_threshold]
         with the exact
         rank. Parameter-matched ranks are usually far below it: upcycling then starts the model
         close to, not at, the original.
     max_iter, tol, progress : optional
         Bounds and progress bar of the generic fit for networks without a closed form (see
-        [`mumoe_tn.conversion.upcycling.upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts]).
+        [`mumoe_tn.conversion.fitting.upcycling.upcycle_experts`][mumoe_tn.conversion.fitting.upcycling.upcycle_experts]).
     causal : bool, optional
         Whether the model is autoregressive (default: recognised by
         [`is_causal_model`][mumoe_tn.conversion.convert.is_causal_model]). In a causal model a gate must be

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.upcycling import decompose_dense, linear_matrix, upcycle_experts
+from mumoe_tn.conversion.fitting.upcycling import decompose_dense, linear_matrix, upcycle_experts
 from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.layers.moe import MuMoE
 from mumoe_tn.network import ExpertNetwork
@@ -48,10 +48,10 @@ def upcycle_error_of(weight: object, in_features: int, out_features: int, bias: 
     ----------
     weight : nn.Linear or torch.Tensor
         An nn.Linear (every expert starts as it: the error of
-        [`upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts]), a ``(out, in)``
+        [`upcycle_experts`][mumoe_tn.conversion.fitting.upcycling.upcycle_experts]), a ``(out, in)``
         weight matrix (nn.Linear's layout, with a zero bias column when ``bias``), or a dense
         expert tensor ``(N_1, …, N_E, I, O)`` (the error of
-        [`decompose_dense`][mumoe_tn.conversion.upcycling.decompose_dense]; ``I`` counts the bias).
+        [`decompose_dense`][mumoe_tn.conversion.fitting.upcycling.decompose_dense]; ``I`` counts the bias).
     in_features, out_features : int
         The layer's sizes, which the weight must have.
     bias : bool

@@ -77,12 +77,12 @@ def saved_tokenizer(directory: str | Path) -> Any | None:
     ValueError
         If a file the tokenizer reads ([`TOKENIZER_READS`][mumoe_tn.distillation.causal_lm.TOKENIZER_READS])
         leads outside ``directory``, is not a regular file, has another hard link or is over
-        [`MAX_JSON_BYTES`][mumoe_tn.conversion.files].
+        [`MAX_JSON_BYTES`][mumoe_tn.conversion.persistence.files].
     """
     directory = Path(directory)
     if not any(os.path.lexists(directory / name) for name in TOKENIZER_FILES):
         return None
-    from mumoe_tn.conversion.files import check_json_files  # torch: imported only when a tokenizer is there
+    from mumoe_tn.conversion.persistence.files import check_json_files  # torch: imported only when a tokenizer is there
 
     check_json_files(directory, TOKENIZER_READS)  # regular files of one link inside, each of at most 64 MiB
     import transformers

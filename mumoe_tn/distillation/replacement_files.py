@@ -3,7 +3,7 @@
 [`save_replacements`][mumoe_tn.distillation.replacement_files.save_replacements] writes every
 replacement's state under the key ``"<block>/<method>/<tensor>"``;
 [`load_replacements`][mumoe_tn.distillation.replacement_files.load_replacements] reads the file
-once, whole, through one descriptor (see [`read_once`][mumoe_tn.conversion.files.read_once]),
+once, whole, through one descriptor (see [`read_once`][mumoe_tn.conversion.persistence.files.read_once]),
 parses every tensor from those bytes, checks every key, shape and dtype kind against the built
 modules, and only then copies the weights in: a file that is not saved replacements, that does
 not fit, or that changes while it is read leaves every module as it was.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.files import FileBytes, Headers, read_once, read_weights, regular_file
+from mumoe_tn.conversion.persistence.files import FileBytes, Headers, read_once, read_weights, regular_file
 
 __all__ = ["REPLACEMENTS_FORMAT", "fill_replacements", "load_replacements", "read_replacements", "save_replacements"]
 

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mumoe_tn.conversion.files import read_once
-from mumoe_tn.conversion.storage import SHARED_ALLOWANCE, check_stored
+from mumoe_tn.conversion.persistence.bounds import SHARED_ALLOWANCE
+from mumoe_tn.conversion.persistence.files import read_once
+from mumoe_tn.conversion.persistence.storage import check_stored
 from mumoe_tn.distillation.streaming import BlockInfo
 
 if TYPE_CHECKING:

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.config_checks import (
+from mumoe_tn.conversion.persistence.config_checks import (
     check_config_fields,
     check_config_layout,
     check_config_widths,
     model_layout,
 )
-from mumoe_tn.conversion.files import (
+from mumoe_tn.conversion.persistence.files import (
     FileBytes,
     Headers,
     check_unchanged,

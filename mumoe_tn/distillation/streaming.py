@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.block_kinds import BlockKind, block_kind
-from mumoe_tn.conversion.blocks import mlp_parts
+from mumoe_tn.conversion.surgery.block_kinds import BlockKind, block_kind
+from mumoe_tn.conversion.surgery.blocks import mlp_parts
 from mumoe_tn.distillation.corpus import MAX_TEXT_BYTES, encode_text, read_text
 from mumoe_tn.masking import token_mask
 from mumoe_tn.validation import check_size
@@ -57,7 +57,7 @@ class BlockInfo:
         The block itself (its forward maps the input ``(…, I)`` to the output ``(…, O)``).
     kind : BlockKind
         A plain two-layer block or a gated (SwiGLU/GeGLU) one (a name is looked up in
-        [`BLOCK_KINDS`][mumoe_tn.conversion.block_kinds.BLOCK_KINDS]).
+        [`BLOCK_KINDS`][mumoe_tn.conversion.surgery.block_kinds.BLOCK_KINDS]).
     in_features, hidden_features, out_features : int
         ``I``, ``H`` and ``O``.
     bias : bool

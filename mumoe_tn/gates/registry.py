@@ -1,8 +1,8 @@
 """The allow-list of gate descriptor classes a saved conversion may name (torch-free).
 
 A checkpoint records a layer's gate as data: the descriptor class's qualified name and its
-dataclass fields (see [`mumoe_tn.conversion.record`][mumoe_tn.conversion.record]). Loading rebuilds
-it only from a class registered here, looked up by that name in this table — never by importing
+dataclass fields (see [`mumoe_tn.conversion.persistence.record`][mumoe_tn.conversion.persistence.record]). Loading
+rebuilds it only from a class registered here, looked up by that name in this table — never by importing
 a module or reading an attribute — so a checkpoint cannot make the loader import, construct or run
 anything else. The shipped descriptors register themselves where they are defined; a user's own
 descriptor registers like a format does:

@@ -26,7 +26,7 @@ from mumoe_tn.contractions.inference_plan import constant_elements, constant_ste
 from mumoe_tn.contractions.plan import ContractionPlan
 from mumoe_tn.contractions.saved import LOADED_PEAK_FACTOR, loaded_plan_bound
 from mumoe_tn.contractions.search import bounded_candidates, bounded_path, find_path
-from mumoe_tn.conversion.record import execution_from_data
+from mumoe_tn.conversion.persistence.record import execution_from_data
 from mumoe_tn.decompositions import build
 from mumoe_tn.layers import FactorizedExperts
 from mumoe_tn.network import BATCH_LABEL

@@ -10,7 +10,7 @@ from torch import nn
 
 from mumoe_tn import MuMoE, dense_forward, materialise
 from mumoe_tn.conversion.convert import convert, decompose_dense, find_mlp_blocks, upcycle_linear
-from mumoe_tn.conversion.interop import from_tltorch, to_tltorch
+from mumoe_tn.conversion.fitting.interop import from_tltorch, to_tltorch
 from mumoe_tn.costs import block_parameters, layer_parameters, linear, mlp
 from mumoe_tn.decompositions import build, get_format
 from mumoe_tn.layers import MuMoEMLP

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mumoe_tn.conversion.checkpoints import load_converted
 from mumoe_tn.conversion.convert import conversion_record, convert
+from mumoe_tn.conversion.persistence.checkpoints import load_converted
 from mumoe_tn.layers import MixtureOfDecoders
 
 transformers = pytest.importorskip("transformers")

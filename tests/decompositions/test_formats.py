@@ -19,7 +19,7 @@ from torch import nn
 from mumoe_tn import ExpertNetwork, MuMoE, MuMoEMLP
 from mumoe_tn.cli import main
 from mumoe_tn.contractions import materialise
-from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_experts, upcycle_linear
+from mumoe_tn.conversion.fitting.upcycling import decompose_dense, upcycle_experts, upcycle_linear
 from mumoe_tn.costs import (
     MatchingWarning,
     collapsed_expert_modes,

@@ -378,7 +378,7 @@ def test_a_file_changed_while_it_is_read_leaves_every_module_unchanged(run, tmp_
     built = {b: {m: factory_from_spec(mod.replacement_spec)(blocks[b]) for m, mod in ms.items()}
              for b, ms in replacements.items()}  # fmt: skip
     before = _snapshot(built)
-    import mumoe_tn.conversion.files as files
+    import mumoe_tn.conversion.persistence.files as files
 
     real = files.os.fstat
     calls = []

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from strategies import hadamard_networks
 
 from mumoe_tn import ExpertNetwork, FactorizedExperts, MixtureOfDecoders, MuMoE
-from mumoe_tn.conversion.upcycling import decompose_dense, upcycle_linear
+from mumoe_tn.conversion.fitting.upcycling import decompose_dense, upcycle_linear
 from mumoe_tn.costs import collapsed_expert_modes, layer_flops, layer_parameters, match_layer, rank_bound
 from mumoe_tn.decompositions import get_format, mxd
 from mumoe_tn.layers import decoder_block_parameters

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import convert
+from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
 from mumoe_tn.decompositions import unregister
 from mumoe_tn.decompositions.cp import CPFormat
 from mumoe_tn.distillation.replacements import mumoe_factory

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mumoe_tn import dense_forward
-from mumoe_tn.conversion.adapters import LayerAdapter, adapter_for, linear_view, register_adapter
-from mumoe_tn.conversion.blocks import GATED_LAYOUTS, GatedNames, mlp_parts, register_gated_names
 from mumoe_tn.conversion.convert import convert, find_mlp_blocks
+from mumoe_tn.conversion.surgery.adapters import LayerAdapter, adapter_for, linear_view, register_adapter
+from mumoe_tn.conversion.surgery.blocks import GATED_LAYOUTS, GatedNames, mlp_parts, register_gated_names
 from mumoe_tn.costs import linear
 from mumoe_tn.layers import MuMoE, MuMoEMLP
 from mumoe_tn.layers.mlp import MuMoEGatedMLP, gated_mlp_parameters

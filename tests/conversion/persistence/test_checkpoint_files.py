@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.conversion import files as checkpoint_files
-from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import conversion_record, convert
+from mumoe_tn.conversion.persistence import files as checkpoint_files
+from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -262,7 +262,7 @@ def test_a_load_opens_the_checkpoint_file_once(tmp_path, monkeypatch):
 
 
 def test_a_shard_or_index_replaced_after_it_was_read_fails_the_load(hf_dir, tmp_path, monkeypatch):
-    import mumoe_tn.conversion.checkpoints as checkpoints
+    import mumoe_tn.conversion.persistence.checkpoints as checkpoints
 
     shards = sorted(set(json.loads((hf_dir / INDEX).read_text())["weight_map"].values()))
     assert len(shards) >= 2
@@ -282,7 +282,7 @@ def test_a_shard_or_index_replaced_after_it_was_read_fails_the_load(hf_dir, tmp_
 
 
 def test_stock_from_pretrained_fails_when_a_shard_is_replaced_after_the_hook_checked_it(hf_dir, tmp_path, monkeypatch):
-    from mumoe_tn.conversion.quantizer import MuMoEQuantizer
+    from mumoe_tn.conversion.persistence.quantizer import MuMoEQuantizer
 
     folder = _copy(hf_dir, tmp_path / "stock")
     shard = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))[0]

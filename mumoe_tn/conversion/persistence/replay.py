@@ -1,13 +1,13 @@
 """Records written from converted models and replayed on fresh ones.
 
 [`convert`][mumoe_tn.conversion.convert.convert] describes what it built
-([`extend_record`][mumoe_tn.conversion.replay.extend_record],
-[`conversion_record`][mumoe_tn.conversion.replay.conversion_record]);
-[`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion] replays a
-[`ConversionRecord`][mumoe_tn.conversion.record.ConversionRecord] on a fresh copy of the original
-model — checked field by field by [`mumoe_tn.conversion.record`][mumoe_tn.conversion.record] and
+([`extend_record`][mumoe_tn.conversion.persistence.replay.extend_record],
+[`conversion_record`][mumoe_tn.conversion.persistence.replay.conversion_record]);
+[`apply_conversion`][mumoe_tn.conversion.persistence.replay.apply_conversion] replays a
+[`ConversionRecord`][mumoe_tn.conversion.persistence.record.ConversionRecord] on a fresh copy of the original
+model — checked field by field by [`mumoe_tn.conversion.persistence.record`][mumoe_tn.conversion.persistence.record] and
 held to the checkpoint's own tensors (``shapes=``) before anything is built — and
-[`commit_conversion`][mumoe_tn.conversion.replay.commit_conversion] keeps what a replay built once
+[`commit_conversion`][mumoe_tn.conversion.persistence.replay.commit_conversion] keeps what a replay built once
 the weights have loaded.
 """
 
@@ -20,11 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.adapters import linear_view
-from mumoe_tn.conversion.block_kinds import block_kind
-from mumoe_tn.conversion.blocks import mlp_parts
-from mumoe_tn.conversion.building import Choice, build_block, install, join_path, uninstall
-from mumoe_tn.conversion.record import (
+from mumoe_tn.conversion.persistence.record import (
     EXECUTION_OPTIONS,
     QUANT_METHOD,
     RECORD_KEY,
@@ -37,7 +33,11 @@ from mumoe_tn.conversion.record import (
     network_to_data,
     shorten,
 )
-from mumoe_tn.conversion.record_checks import check_mask_argument, check_nested_paths, checkpoint_shapes
+from mumoe_tn.conversion.persistence.record_checks import check_mask_argument, check_nested_paths, checkpoint_shapes
+from mumoe_tn.conversion.surgery.adapters import linear_view
+from mumoe_tn.conversion.surgery.block_kinds import block_kind
+from mumoe_tn.conversion.surgery.blocks import mlp_parts
+from mumoe_tn.conversion.surgery.building import Choice, build_block, install, join_path, uninstall
 from mumoe_tn.layers import FactorizedExperts
 from mumoe_tn.masking import install_mask_hook
 
@@ -143,8 +143,8 @@ def apply_conversion(
     model : nn.Module
         A model built like the one that was converted (same class and configuration), not yet converted.
     record : ConversionRecord or Mapping or str
-        The record (from [`conversion_record`][mumoe_tn.conversion.replay.conversion_record], its ``to_dict()``, or its
-        JSON).
+        The record (from [`conversion_record`][mumoe_tn.conversion.persistence.replay.conversion_record], its
+        ``to_dict()``, or its JSON).
     shapes : Mapping[str, tensor or shape], optional
         The checkpoint's tensors, or only their shapes (e.g. read from safetensors headers), by
         state-dict key. Given, every parameter and buffer the record implies is first built on the
@@ -187,8 +187,8 @@ def replay_conversion(
 ) -> tuple[list[Rebuilt], ConversionRecord]:
     """The modules ``record`` puts into ``model``, built and checked but not installed (``model`` is unchanged).
 
-    See [`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion] for the arguments;
-    [`commit_conversion`][mumoe_tn.conversion.replay.commit_conversion] installs the result.
+    See [`apply_conversion`][mumoe_tn.conversion.persistence.replay.apply_conversion] for the arguments;
+    [`commit_conversion`][mumoe_tn.conversion.persistence.replay.commit_conversion] installs the result.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -225,7 +225,7 @@ def commit_conversion(
     record: ConversionRecord,
     check: Callable[[nn.Module], None] | None = None,
 ) -> None:
-    """Install modules from [`replay_conversion`][mumoe_tn.conversion.replay.replay_conversion], all or nothing.
+    """Install [`replay_conversion`][mumoe_tn.conversion.persistence.replay.replay_conversion]'s modules, all or none.
 
     Installs every module, calls ``check(model)`` (e.g. checks and loads a checkpoint's weights),
     then writes the record and the mask hook. If installing or ``check`` raises, the old modules

@@ -3,12 +3,12 @@
 A pickled tensor declares its shape, strides and storage separately, so a few stored bytes can
 declare a tensor of any size (a stride-0 ``expand``ed view, or views overlapping one storage);
 loading it into a parameter of that size, casting it or running it allocates the declared size.
-[`check_stored`][mumoe_tn.conversion.storage.check_stored] refuses a tensor whose elements do not
-each own their bytes, and [`check_file_holds`][mumoe_tn.conversion.storage.check_file_holds] a
+[`check_stored`][mumoe_tn.conversion.persistence.storage.check_stored] refuses a tensor whose elements do not
+each own their bytes, and [`check_file_holds`][mumoe_tn.conversion.persistence.storage.check_file_holds] a
 file whose tensors declare more bytes than the file could store, before anything is allocated.
 
 A pickled weight file is read only in torch's zip format with every entry stored uncompressed
-([`check_pickled_archive`][mumoe_tn.conversion.storage.check_pickled_archive]): torch then holds a
+([`check_pickled_archive`][mumoe_tn.conversion.persistence.storage.check_pickled_archive]): torch then holds a
 storage's declared size against its entry before allocating it, so a file's storages together
 hold at most its own bytes. A compressed entry would expand to its declared size (a 1 MB entry to
 1 GiB), and the legacy format allocates each declared storage before reading it (a truncated file
@@ -24,27 +24,19 @@ from collections.abc import Mapping
 
 import torch
 
+from mumoe_tn.conversion.persistence.bounds import (
+    MAX_CHECKPOINT_TENSORS,
+    MAX_PICKLE_BYTES,
+    SHARED_ALLOWANCE,
+    SHARED_SLACK_BYTES,
+)
+
 __all__ = [
-    "MAX_CHECKPOINT_TENSORS",
-    "MAX_PICKLE_BYTES",
-    "SHARED_ALLOWANCE",
     "check_file_holds",
     "check_pickled_archive",
     "check_stored",
     "check_tensor_count",
 ]
-
-#: Most tensors one weight file or checkpoint may hold (a converted 70B-parameter model holds a few
-#: thousand): every key costs time to unpickle, check and match, whatever its size.
-MAX_CHECKPOINT_TENSORS = 1 << 16
-
-#: Largest pickle a pickled weight file may hold (about 150 bytes a tensor: ``MAX_CHECKPOINT_TENSORS``
-#: fit); unpickling takes time in its length before any tensor can be counted.
-MAX_PICKLE_BYTES = 16 << 20
-
-#: How many times its own size a weight file's tensors may declare together: tied weights (one
-#: storage at two keys, as an embedding shared with the output layer) count twice.
-SHARED_ALLOWANCE = 2
 
 
 def _dims(tensor: torch.Tensor) -> list[tuple[int, int]]:
@@ -102,8 +94,8 @@ def check_stored(key: str, tensor: torch.Tensor, source: str) -> None:
 def check_file_holds(tensors: Mapping[str, torch.Tensor], file_bytes: int, source: str) -> None:
     """Refuse a weight file whose tensors declare more bytes than it stores.
 
-    Every tensor is checked by [`check_stored`][mumoe_tn.conversion.storage.check_stored], and together they may
-    declare at most ``SHARED_ALLOWANCE`` times the file's size (declared storage sizes are not trusted: the
+    Every tensor is checked by [`check_stored`][mumoe_tn.conversion.persistence.storage.check_stored], and together they
+    may declare at most ``SHARED_ALLOWANCE`` times the file's size (declared storage sizes are not trusted: the
     file's size is).
 
     Raises
@@ -117,7 +109,7 @@ def check_file_holds(tensors: Mapping[str, torch.Tensor], file_bytes: int, sourc
     for key, tensor in tensors.items():
         check_stored(key, tensor, source)
         declared += tensor.numel() * tensor.element_size()
-    if declared > SHARED_ALLOWANCE * file_bytes + 4096:
+    if declared > SHARED_ALLOWANCE * file_bytes + SHARED_SLACK_BYTES:
         raise ValueError(
             f"{source}: its tensors declare {declared:,} bytes, more than a file of {file_bytes:,} bytes holds "
             f"(tied weights counted {SHARED_ALLOWANCE} times at most): their declared storage sizes are not the file's"

@@ -3,13 +3,13 @@
 A checkpoint names its files (a shard index's ``weight_map``); each name must be relative, stay
 inside the checkpoint directory once links are resolved, and name a regular file of one hard
 link (another link may be a file outside) — a FIFO or a device is never opened. JSON files are
-read up to [`MAX_JSON_BYTES`][mumoe_tn.conversion.files] and tensor headers without their data
-(safetensors headers; a pickled ``.bin`` unpickled with ``weights_only=True`` onto the meta
+read up to [`MAX_JSON_BYTES`][mumoe_tn.conversion.persistence.bounds.MAX_JSON_BYTES] and tensor headers without their
+data (safetensors headers; a pickled ``.bin`` unpickled with ``weights_only=True`` onto the meta
 device). Every refusal is a ``ValueError`` naming the file or field and quoting the value.
 
-[`read_once`][mumoe_tn.conversion.files.read_once] reads a file whole through one descriptor: what
+[`read_once`][mumoe_tn.conversion.persistence.files.read_once] reads a file whole through one descriptor: what
 is checked (a regular file, its size) is what is read, and a file that changes while it is read
-is refused. [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged] then asks whether every
+is refused. [`check_unchanged`][mumoe_tn.conversion.persistence.files.check_unchanged] then asks whether every
 file read for one load is still the one read (device, inode, size, modification time): a set of
 files replaced during the load is refused, so a load sees one consistent set or fails.
 """
@@ -26,12 +26,17 @@ from typing import Any
 
 import torch
 
-from mumoe_tn.conversion.record import parse_json
-from mumoe_tn.conversion.storage import check_file_holds, check_pickled_archive, check_tensor_count
+from mumoe_tn.conversion.persistence.bounds import (
+    JSON_FILES,
+    MAX_JSON_BYTES,
+    PICKLED_FILES,
+    SAFETENSORS_FILES,
+    STORED_DTYPES,
+)
+from mumoe_tn.conversion.persistence.record import parse_json
+from mumoe_tn.conversion.persistence.storage import check_file_holds, check_pickled_archive, check_tensor_count
 
 __all__ = [
-    "JSON_FILES",
-    "MAX_JSON_BYTES",
     "FileBytes",
     "Headers",
     "check_json_files",
@@ -47,12 +52,6 @@ __all__ = [
     "regular_file",
     "weight_files",
 ]
-
-_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
-_PICKLED = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-
-#: Largest ``config.json`` or shard index read (a record of thousands of modules is a few MB).
-MAX_JSON_BYTES = 64 << 20
 
 #: ``(shape, dtype)`` of every tensor of a checkpoint, by state-dict key.
 Headers = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -189,15 +188,6 @@ def file_identity(path: Path) -> FileBytes:
         raise ValueError(f"{str(path)!r} cannot be read ({error.strerror})") from None
 
 
-#: The JSON files transformers reads from a model directory besides the weights.
-JSON_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
-)
-
-
 def check_json_files(root: Path, names: Sequence[str] = JSON_FILES) -> None:
     """Each of ``names`` in ``root``: inside it once links are resolved, a regular file of at most ``MAX_JSON_BYTES``.
 
@@ -217,8 +207,8 @@ def read_json(file: Path, field: str, reads: list[FileBytes] | None = None, *, l
 
     ``field`` names it in errors.
 
-    The file is read once (see [`read_once`][mumoe_tn.conversion.files.read_once]); ``reads``, if
-    given, collects the read for [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged].
+    The file is read once (see [`read_once`][mumoe_tn.conversion.persistence.files.read_once]); ``reads``, if
+    given, collects the read for [`check_unchanged`][mumoe_tn.conversion.persistence.files.check_unchanged].
     """
     read = read_once(file, field, limit=MAX_JSON_BYTES if limit is None else min(limit, MAX_JSON_BYTES), follow=False)
     if reads is not None:
@@ -230,9 +220,9 @@ def weight_files(root: Path, reads: list[FileBytes] | None = None) -> list[Path]
     """The weight files of a ``save_pretrained`` directory (safetensors or pickled, sharded or not), checked.
 
     ``reads``, if given, collects the read of a shard index (see
-    [`read_json`][mumoe_tn.conversion.files.read_json]).
+    [`read_json`][mumoe_tn.conversion.persistence.files.read_json]).
     """
-    for single, index in (_SAFETENSORS, _PICKLED):
+    for single, index in (SAFETENSORS_FILES, PICKLED_FILES):
         if os.path.lexists(root / single):
             return [member_file(root, single, single)]
         if os.path.lexists(root / index):
@@ -253,7 +243,7 @@ def weight_files(root: Path, reads: list[FileBytes] | None = None) -> list[Path]
             if not files:
                 raise ValueError(f"{index}: weight_map is empty")
             return list(files)
-    raise ValueError(f"no weights in {str(root)!r}: expected one of {[*_SAFETENSORS, *_PICKLED]}")
+    raise ValueError(f"no weights in {str(root)!r}: expected one of {[*SAFETENSORS_FILES, *PICKLED_FILES]}")
 
 
 def _field(data: object, key: str) -> str:
@@ -348,11 +338,7 @@ def read_weights(read: FileBytes) -> tuple[dict[str, torch.Tensor], Headers, dic
     return dict(state), headers, dict(metadata)
 
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
+_DTYPES = {code: getattr(torch, name) for code, name in STORED_DTYPES.items()}
 
 
 def _dtype(name: str, file: Path, key: str) -> torch.dtype:

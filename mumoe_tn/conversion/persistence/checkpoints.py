@@ -1,10 +1,10 @@
 """Save a converted model and load it back as itself: Hugging Face directories and safetensors files.
 
-A converted model carries its [`ConversionRecord`][mumoe_tn.conversion.record.ConversionRecord]. Saving writes
-the record next to the weights — in ``config.json`` for a Hugging Face model (``save_pretrained``
+A converted model carries its [`ConversionRecord`][mumoe_tn.conversion.persistence.record.ConversionRecord]. Saving
+writes the record next to the weights — in ``config.json`` for a Hugging Face model (``save_pretrained``
 does it: the record lives in ``model.config``), in the file's metadata for a safetensors file —
 and loading builds the original model, replays the record with
-[`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion] and loads the weights, checking every key
+[`apply_conversion`][mumoe_tn.conversion.persistence.replay.apply_conversion] and loads the weights, checking every key
 and shape first:
 
 ```python
@@ -17,14 +17,15 @@ model = load_converted(build_model(), "converted.safetensors")
 
 With mumoe_tn imported, stock ``GPT2LMHeadModel.from_pretrained("converted")`` (or
 ``AutoModelForCausalLM``) rebuilds the converted model too, through the hook of
-[`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer].
+[`mumoe_tn.conversion.persistence.quantizer`][mumoe_tn.conversion.persistence.quantizer].
 
 A checkpoint is data (see the threat model in ``docs/reliability.md``). Loading one reads only
 regular files inside its directory (``config.json``, ``generation_config.json``, index entries:
 relative, inside after resolving links), each once through one descriptor, and builds the model
 from those bytes alone (transformers reads no file of it again); it checks the record field by
 field, the model class against the config's ``model_type``, ``config.json`` field by field against
-the weights' headers (see [`mumoe_tn.conversion.config_checks`][mumoe_tn.conversion.config_checks])
+the weights' headers (see
+[`mumoe_tn.conversion.persistence.config_checks`][mumoe_tn.conversion.persistence.config_checks])
 and every tensor the record implies against the checkpoint's tensors before any module is made,
 fails if a file read was replaced before the load ended, and changes a given model only when
 everything fits: a failed load leaves it as it was. Every refusal is a ``ValueError`` naming the
@@ -42,15 +43,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.config_checks import (
-    MAX_CONFIG_BYTES,
+from mumoe_tn.conversion.persistence.bounds import MAX_CONFIG_BYTES
+from mumoe_tn.conversion.persistence.config_checks import (
     check_config_fields,
     check_config_layout,
     check_config_widths,
     listed,
     model_layout,
 )
-from mumoe_tn.conversion.files import (
+from mumoe_tn.conversion.persistence.files import (
     FileBytes,
     Headers,
     check_unchanged,
@@ -61,8 +62,8 @@ from mumoe_tn.conversion.files import (
     read_weights,
     weight_files,
 )
-from mumoe_tn.conversion.record import RECORD_KEY, ConversionRecord, record_in_config, shorten
-from mumoe_tn.conversion.replay import commit_conversion, conversion_record, replay_conversion
+from mumoe_tn.conversion.persistence.record import RECORD_KEY, ConversionRecord, record_in_config, shorten
+from mumoe_tn.conversion.persistence.replay import commit_conversion, conversion_record, replay_conversion
 
 __all__ = ["load_converted", "save_converted"]
 
@@ -309,7 +310,7 @@ def _build_hf(
     """The converted model from the checkpoint's contents as read: transformers reads no file of it again."""
     from transformers import GenerationConfig
 
-    from mumoe_tn.conversion.quantizer import MuMoEConfig, register_with_transformers
+    from mumoe_tn.conversion.persistence.quantizer import MuMoEConfig, register_with_transformers
 
     register_with_transformers()
     handover = MuMoEConfig()

@@ -1,10 +1,10 @@
 """The kinds of module conversion replaces — a linear layer, a plain, gated or split MLP block — as registered objects.
 
-A [`BlockKind`][mumoe_tn.conversion.block_kinds.BlockKind] says what the tools that build, record,
+A [`BlockKind`][mumoe_tn.conversion.surgery.block_kinds.BlockKind] says what the tools that build, record,
 replay and distil a replacement need to know of it: whether it is an MLP block, whether it is gated,
 whether it spans two sibling modules, and the roles of its layers. The tools ask these attributes
 and never compare a kind with a string. A kind is its name as well (a ``str``): the name is its key
-in [`BLOCK_KINDS`][mumoe_tn.conversion.block_kinds.BLOCK_KINDS], what a conversion record saves
+in [`BLOCK_KINDS`][mumoe_tn.conversion.surgery.block_kinds.BLOCK_KINDS], what a conversion record saves
 and what reports print, and a kind equals its name (``parts.kind == "gated"``).
 
 Not to be confused with the MLP block kinds of formats

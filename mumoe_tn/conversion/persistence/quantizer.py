@@ -13,9 +13,9 @@ model = AutoModelForCausalLM.from_pretrained("converted")  # the converted model
 
 The hook checks ``config.json`` field by field when transformers asks for a quantizer, and against
 the weights' headers when transformers has found the weight files (see
-[`check_stock_layout`][mumoe_tn.conversion.quantizer.check_stock_layout]), both before the model
+[`check_stock_layout`][mumoe_tn.conversion.persistence.quantizer.check_stock_layout]), both before the model
 is built; then it replays the record with
-[`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion] on the skeleton, checking
+[`apply_conversion`][mumoe_tn.conversion.persistence.replay.apply_conversion] on the skeleton, checking
 every tensor the record implies against the checkpoint's own headers first (nothing is built
 that the checkpoint does not hold), and afterwards clears transformers' "quantized" marks: the
 model casts, trains and saves like any other. Nothing is quantized.
@@ -24,14 +24,14 @@ With mumoe_tn imported, a config that carries a conversion record is never loade
 a config without ``quantization_config`` (saved before the record selected the hook itself, or
 edited) is rebuilt from its record as if it had the method's config, and a ``quantization_config``
 of another method or malformed, or another method asked for at load, is refused with a
-``ValueError`` (see [`check_stock_config`][mumoe_tn.conversion.quantizer.check_stock_config]).
+``ValueError`` (see [`check_stock_config`][mumoe_tn.conversion.persistence.quantizer.check_stock_config]).
 
 Without mumoe_tn imported, transformers does not know the method: it logs
 ``Unknown quantization type, got mumoe_tn … we will skip the quantization`` and its load report
 lists the μMoE tensors as unexpected and the dense blocks' weights as newly initialised — the
 dense model it returns is *not* the converted one. transformers offers no louder refusal for an
 unknown method; import mumoe_tn (or use
-[`load_converted`][mumoe_tn.conversion.checkpoints.load_converted], which always checks).
+[`load_converted`][mumoe_tn.conversion.persistence.checkpoints.load_converted], which always checks).
 """
 
 from __future__ import annotations
@@ -56,13 +56,14 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from mumoe_tn.conversion.config_checks import (
+from mumoe_tn.conversion.persistence.bounds import STOCK_WEIGHT_FILES
+from mumoe_tn.conversion.persistence.config_checks import (
     check_config_fields,
     check_config_layout,
     check_config_widths,
     model_layout,
 )
-from mumoe_tn.conversion.files import (
+from mumoe_tn.conversion.persistence.files import (
     FileBytes,
     check_json_files,
     check_unchanged,
@@ -72,8 +73,8 @@ from mumoe_tn.conversion.files import (
     read_all_headers,
     regular_file,
 )
-from mumoe_tn.conversion.record import QUANT_METHOD, RECORD_KEY, ConversionRecord
-from mumoe_tn.conversion.replay import commit_conversion, replay_conversion
+from mumoe_tn.conversion.persistence.record import QUANT_METHOD, RECORD_KEY, ConversionRecord
+from mumoe_tn.conversion.persistence.replay import commit_conversion, replay_conversion
 
 __all__ = [
     "METHOD",
@@ -89,8 +90,6 @@ __all__ = [
 
 #: The ``quant_method`` that selects the hook.
 METHOD = QUANT_METHOD
-#: The unsharded weight files transformers looks for in a directory (a shard index is one of ``JSON_FILES``).
-STOCK_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class MuMoEConfig(QuantizationConfigMixin):
@@ -168,7 +167,7 @@ def register_with_transformers() -> None:
     """Register the ``"mumoe_tn"`` method with transformers (done for you by ``import mumoe_tn``); idempotent.
 
     Besides the method, transformers' choice of a quantizer is guarded by
-    [`check_stock_config`][mumoe_tn.conversion.quantizer.check_stock_config], so a config carrying a
+    [`check_stock_config`][mumoe_tn.conversion.persistence.quantizer.check_stock_config], so a config carrying a
     conversion record never loads as a dense model.
     """
     if AUTO_QUANTIZATION_CONFIG_MAPPING.get(METHOD) is not MuMoEConfig:
@@ -255,7 +254,7 @@ def check_stock_config(config: Any, quantization_config: Any = None) -> None:
     """What stock ``from_pretrained`` does with a config that carries a conversion record.
 
     Nothing for a config without a record. With one: its fields are checked (see
-    [`check_config_fields`][mumoe_tn.conversion.config_checks.check_config_fields]); a config with
+    [`check_config_fields`][mumoe_tn.conversion.persistence.config_checks.check_config_fields]); a config with
     no ``quantization_config`` is given the method's (``{"quant_method": "mumoe_tn"}``), so the
     record is replayed and the converted model loads; a ``quantization_config`` that is not the
     method's, or another method's config asked for at load, is refused.
@@ -300,8 +299,8 @@ def check_stock_files(root: Path) -> None:
 
     transformers looks for the weight files by name after it chose a quantizer: each file it may
     read that is present (even a dangling link) must be a regular file of one hard link inside
-    ``root``, a JSON file of at most [`MAX_JSON_BYTES`][mumoe_tn.conversion.files] (see
-    [`member_file`][mumoe_tn.conversion.files.member_file]). Nothing is checked when ``root`` is
+    ``root``, a JSON file of at most [`MAX_JSON_BYTES`][mumoe_tn.conversion.persistence.bounds.MAX_JSON_BYTES] (see
+    [`member_file`][mumoe_tn.conversion.persistence.files.member_file]). Nothing is checked when ``root`` is
     not a directory (a hub name).
 
     Raises
@@ -326,13 +325,14 @@ def convert_skeleton(
 ) -> list[FileBytes]:
     """Replay a checkpoint's record on the model transformers built for it, checked against its weight files.
 
-    Called by the ``from_pretrained`` hook (see [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer])
+    Called by the ``from_pretrained`` hook (see
+    [`mumoe_tn.conversion.persistence.quantizer`][mumoe_tn.conversion.persistence.quantizer])
     on the meta-device skeleton: every weight file must be a regular file inside the checkpoint
     directory, and every tensor the record implies must be in their headers with its shape. The
     JSON files transformers reads on its own (``config.json``, ``generation_config.json``, a shard
     index) must be regular files inside the directory of at most
-    [`MAX_JSON_BYTES`][mumoe_tn.conversion.files] (``generation_config.json`` is checked before
-    transformers reads it; ``config.json`` and the index have been read, and the load is refused).
+    [`MAX_JSON_BYTES`][mumoe_tn.conversion.persistence.bounds.MAX_JSON_BYTES] (``generation_config.json`` is checked
+    before transformers reads it; ``config.json`` and the index have been read, and the load is refused).
 
     Parameters
     ----------
@@ -342,9 +342,9 @@ def convert_skeleton(
         The weight files transformers found.
     shapes : Mapping, optional
         The checkpoint's tensor shapes, when the caller read the files itself and checked the
-        config against them ([`load_converted`][mumoe_tn.conversion.checkpoints.load_converted]
+        config against them ([`load_converted`][mumoe_tn.conversion.persistence.checkpoints.load_converted]
         does): no file is read. Otherwise the config is checked against the files' headers (see
-        [`check_config_layout`][mumoe_tn.conversion.config_checks.check_config_layout]).
+        [`check_config_layout`][mumoe_tn.conversion.persistence.config_checks.check_config_layout]).
     record : ConversionRecord, optional
         The config's record, already validated by the caller (it is not validated again).
 
@@ -352,7 +352,7 @@ def convert_skeleton(
     -------
     list of FileBytes
         The identities of the weight files checked (empty with ``shapes``), for
-        [`check_unchanged`][mumoe_tn.conversion.files.check_unchanged] once the weights are loaded.
+        [`check_unchanged`][mumoe_tn.conversion.persistence.files.check_unchanged] once the weights are loaded.
 
     Raises
     ------
@@ -407,8 +407,8 @@ def check_stock_layout(
     The weight files must be regular files of one link inside ``root`` (where it is a directory,
     whose JSON files are checked too); their headers are read (never their data), the record is
     validated, and the config is checked with
-    [`check_config_widths`][mumoe_tn.conversion.config_checks.check_config_widths] and
-    [`check_config_layout`][mumoe_tn.conversion.config_checks.check_config_layout] (``model_class``
+    [`check_config_widths`][mumoe_tn.conversion.persistence.config_checks.check_config_widths] and
+    [`check_config_layout`][mumoe_tn.conversion.persistence.config_checks.check_config_layout] (``model_class``
     built on the meta device with one and two layers). The stock hook runs this when transformers
     has found the weight files, before it builds the model: a config declaring 20,000 layers is
     refused without them being built.

@@ -23,9 +23,9 @@ from test_hostile_checkpoints import (
     refused,
 )
 
-from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
-from mumoe_tn.conversion.record import MAX_MESSAGE_CHARS
+from mumoe_tn.conversion.persistence.bounds import MAX_MESSAGE_CHARS
+from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
 from mumoe_tn.layers import MuMoEMLP
 
 transformers = pytest.importorskip("transformers")
@@ -210,7 +210,7 @@ def _renamed_core(record):
 
 def test_a_record_that_does_not_fit_the_weights_is_refused_before_a_module_is_built(saved, monkeypatch):
     folder, record, state = saved
-    import mumoe_tn.conversion.replay as replay_module
+    import mumoe_tn.conversion.persistence.replay as replay_module
 
     def never(*args, **kwargs):
         raise AssertionError("a module was built before the cheap checks")

@@ -1,10 +1,11 @@
 """Recognise MLP blocks in existing models: plain, gated (SwiGLU/GeGLU), packed-gated, split.
 
-Four shapes are recognised, each read through [`mumoe_tn.conversion.adapters`][mumoe_tn.conversion.adapters] (so
+Four shapes are recognised, each read through
+[`mumoe_tn.conversion.surgery.adapters`][mumoe_tn.conversion.surgery.adapters] (so
 ``nn.Linear``,
 Hugging Face ``Conv1D`` and any registered layer type count as linear layers):
 
-- **gated**: children named as in a registered [`GatedNames`][mumoe_tn.conversion.blocks.GatedNames] —
+- **gated**: children named as in a registered [`GatedNames`][mumoe_tn.conversion.surgery.blocks.GatedNames] —
 Llama/Mistral/Qwen/Gemma
   ``gate_proj, up_proj, down_proj, act_fn`` and timm ``SwiGLU`` ``fc1_g, fc1_x, fc2, act``;
   computes ``down(act(gate(z)) ⊙ up(z))``.
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from mumoe_tn.conversion.adapters import LinearView, linear_view
-from mumoe_tn.conversion.block_kinds import GATED, MLP, SPLIT, BlockKind, block_kind
+from mumoe_tn.conversion.surgery.adapters import LinearView, linear_view
+from mumoe_tn.conversion.surgery.block_kinds import GATED, MLP, SPLIT, BlockKind, block_kind
 from mumoe_tn.registry import Registry
 
 __all__ = ["GATED_LAYOUTS", "PACKED_GATED_CLASSES", "GatedNames", "MLPParts", "mlp_parts", "register_gated_names"]
@@ -91,7 +92,7 @@ def register_gated_names(names: GatedNames, *, replace: bool = False) -> None:
     Parameters
     ----------
     names : GatedNames
-        The child names of the layout (see [`GatedNames`][mumoe_tn.conversion.blocks.GatedNames]).
+        The child names of the layout (see [`GatedNames`][mumoe_tn.conversion.surgery.blocks.GatedNames]).
     replace : bool, optional
         Register a layout that is already registered again, so that it is tried first (default: raise).
 
@@ -118,7 +119,7 @@ class MLPParts:
     ----------
     kind : BlockKind
         Plain two-layer, gated (three projections) or split across two sibling modules (a name is
-        looked up in [`BLOCK_KINDS`][mumoe_tn.conversion.block_kinds.BLOCK_KINDS]).
+        looked up in [`BLOCK_KINDS`][mumoe_tn.conversion.surgery.block_kinds.BLOCK_KINDS]).
     up : LinearView
         The first layer ``I → H`` (the ungated "up" projection of a gated block).
     down : LinearView

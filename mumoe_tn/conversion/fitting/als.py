@@ -1,9 +1,9 @@
 """Fit the cores of any labelled network to a dense target by alternating least squares.
 
 This is the generic path behind
-[`mumoe_tn.conversion.upcycling.upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts] and
-[`mumoe_tn.conversion.upcycling.decompose_dense`][mumoe_tn.conversion.upcycling.decompose_dense] for networks
-whose format has no closed form
+[`mumoe_tn.conversion.fitting.upcycling.upcycle_experts`][mumoe_tn.conversion.fitting.upcycling.upcycle_experts] and
+[`mumoe_tn.conversion.fitting.upcycling.decompose_dense`][mumoe_tn.conversion.fitting.upcycling.decompose_dense] for
+networks whose format has no closed form
 (or no
 format at all). Every core appears once in the network, so the network is linear in each core:
 fixing all the others, the best core is the solution of a linear least-squares problem. Its

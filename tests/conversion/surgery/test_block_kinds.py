@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.block_kinds import BLOCK_KINDS, GATED, LINEAR, MLP, SPLIT, block_kind
-from mumoe_tn.conversion.blocks import mlp_parts
 from mumoe_tn.conversion.convert import conversion_record, convert
+from mumoe_tn.conversion.surgery.block_kinds import BLOCK_KINDS, GATED, LINEAR, MLP, SPLIT, block_kind
+from mumoe_tn.conversion.surgery.blocks import mlp_parts
 from mumoe_tn.distillation.streaming import BlockInfo
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mumoe_tn"
+PACKAGE = pathlib.Path(__file__).resolve().parents[3] / "mumoe_tn"
 
 
 def test_a_kind_says_what_it_is_and_equals_its_name():

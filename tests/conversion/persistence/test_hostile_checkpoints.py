@@ -22,9 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
-from mumoe_tn.conversion.record import RECORD_KEY, ConversionRecord
+from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
+from mumoe_tn.conversion.persistence.record import RECORD_KEY, ConversionRecord
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -1,10 +1,10 @@
 """Choosing and building blocks: the modules of a model a conversion replaces, their μMoE blocks, and installing them.
 
 [`convert`][mumoe_tn.conversion.convert.convert] chooses modules with
-[`choose`][mumoe_tn.conversion.building.choose] and builds their replacements with
-[`build_block`][mumoe_tn.conversion.building.build_block]; replaying a record
-([`mumoe_tn.conversion.record`][mumoe_tn.conversion.record]) builds the same blocks from the record's
-networks. The block an MLP becomes is the one its format names (see
+[`choose`][mumoe_tn.conversion.surgery.building.choose] and builds their replacements with
+[`build_block`][mumoe_tn.conversion.surgery.building.build_block]; replaying a record
+([`mumoe_tn.conversion.persistence.record`][mumoe_tn.conversion.persistence.record]) builds the same blocks from the
+record's networks. The block an MLP becomes is the one its format names (see
 [`mumoe_tn.layers.mlp_blocks`][mumoe_tn.layers.mlp_blocks]): nothing here tests a format's name.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.adapters import LinearView, linear_view
-from mumoe_tn.conversion.block_kinds import LINEAR, BlockKind, block_kind
-from mumoe_tn.conversion.blocks import MLPParts, mlp_parts
+from mumoe_tn.conversion.surgery.adapters import LinearView, linear_view
+from mumoe_tn.conversion.surgery.block_kinds import LINEAR, BlockKind, block_kind
+from mumoe_tn.conversion.surgery.blocks import MLPParts, mlp_parts
 from mumoe_tn.decompositions.resolve import Decomposition
 from mumoe_tn.layers import FactorizedExperts, MuMoE
 from mumoe_tn.layers.mlp_blocks import mlp_block_for

@@ -19,9 +19,9 @@ import pytest
 import torch
 from test_hostile_checkpoints import _converted, _plain, _write, refused
 
-from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
-from mumoe_tn.conversion.storage import MAX_CHECKPOINT_TENSORS
+from mumoe_tn.conversion.persistence.bounds import MAX_CHECKPOINT_TENSORS
+from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

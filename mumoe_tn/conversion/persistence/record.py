@@ -1,14 +1,14 @@
 """The conversion of a model as plain data: which modules became which μMoE layers, saved with checkpoints.
 
 [`convert`][mumoe_tn.conversion.convert.convert] writes a
-[`ConversionRecord`][mumoe_tn.conversion.record.ConversionRecord]
+[`ConversionRecord`][mumoe_tn.conversion.persistence.record.ConversionRecord]
 for every model it changes: for each replaced module its paths, its kind, the expert network of every
 factorized layer (cores, labels, sizes and format name), the gate descriptor and the execution
 options. It is JSON-able data — for a Hugging Face model it lives in ``model.config`` under
 ``"mumoe_conversion"`` and so travels in ``config.json`` — and
-[`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion] replays it on a fresh copy of the original
+[`apply_conversion`][mumoe_tn.conversion.persistence.replay.apply_conversion] replays it on a fresh copy of the original
 model, after which the checkpoint's state dict loads as it is (see
-[`mumoe_tn.conversion.checkpoints`][mumoe_tn.conversion.checkpoints]).
+[`mumoe_tn.conversion.persistence.checkpoints`][mumoe_tn.conversion.persistence.checkpoints]).
 
 Nothing in a record is code. A record is read as a checkpoint is: every field is checked against
 its rule before anything is built, and a field that breaks one gets a ``ValueError`` naming the
@@ -19,7 +19,7 @@ options are names and numbers checked against their rules (the recorded path opt
 when the layer first plans, never while loading, and only within the effort bound of
 ``mumoe_tn.contractions.effort``: beyond it the plan is greedy's and its note says why). Sizes
 are bounded here only by their rule; how large a record's layers may be is checked against the
-checkpoint's own tensors by [`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion]
+checkpoint's own tensors by [`apply_conversion`][mumoe_tn.conversion.persistence.replay.apply_conversion]
 (``shapes=``) before any tensor is made.
 """
 
@@ -34,14 +34,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from mumoe_tn.contractions.plan import OPTIMIZERS
-from mumoe_tn.conversion.block_kinds import GATED, LINEAR, MLP, SPLIT
+from mumoe_tn.conversion.persistence.bounds import (
+    EXECUTION_OPTIONS,
+    MAX_CORE_ELEMENTS,
+    MAX_GATE_LIST,
+    MAX_GATE_STRING,
+    MAX_MASK_ARGUMENT_CHARS,
+    MAX_MESSAGE_CHARS,
+    MAX_NAME_CHARS,
+    MAX_NETWORK_WORK,
+    MAX_RECORD_CORES,
+    MAX_RECORD_MODULES,
+    MAX_RECORD_PAD,
+    MAX_RECORD_PATHS,
+    MAX_RECORD_PLANS,
+    MAX_RECORD_SIZE,
+    RECORD_VERSION,
+)
+from mumoe_tn.conversion.surgery.block_kinds import GATED, LINEAR, MLP, SPLIT
 from mumoe_tn.decompositions import available, get_format
 from mumoe_tn.gates.registry import gate_class, gate_class_name, registered_gates
 from mumoe_tn.layers import GATE_INPUTS
 from mumoe_tn.network import ExpertNetwork
 
 __all__ = [
-    "MAX_RECORD_CORES",
     "RECORD_KEY",
     "ConversionRecord",
     "ConvertedModule",
@@ -57,36 +73,10 @@ __all__ = [
 RECORD_KEY = "mumoe_conversion"
 
 #: The ``quant_method`` of a converted Hugging Face model's ``quantization_config``: it selects
-#: mumoe_tn's ``from_pretrained`` hook (see [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer]).
+#: mumoe_tn's ``from_pretrained`` hook (see
+#: [`mumoe_tn.conversion.persistence.quantizer`][mumoe_tn.conversion.persistence.quantizer]).
 QUANT_METHOD = "mumoe_tn"
 
-#: Version of the record's layout; a reader refuses records of a later version. Version 1 is the
-#: only layout so far.
-RECORD_VERSION = 1
-
-#: Execution options of a factorized layer a record carries (name -> accepted JSON types).
-EXECUTION_OPTIONS = ("optimize", "max_plans", "chunk_size", "recompute", "precontract", "pad_bonds")
-
-#: Most cores one recorded network may have (planning a network takes time that grows with its cores).
-MAX_RECORD_CORES = 256
-#: Largest size of one label a record may give (a tensor of it would not fit any device).
-MAX_RECORD_SIZE = 1 << 40
-#: Most values a list field of a recorded gate descriptor may hold.
-MAX_GATE_LIST = 64
-#: Longest string a recorded gate field may hold.
-MAX_GATE_STRING = 256
-#: Longest name a record may give a core, a label, a module path or the mask argument.
-MAX_NAME_CHARS = 1024
-#: Most work one recorded network may ask of the checks and the planner: its cores × its labels ×
-#: the most cores one label joins (a 256-core chain is 2¹⁷; a CP network of ten modes about 2⁹).
-MAX_NETWORK_WORK = 1 << 19
-#: Most elements one recorded core may hold (2⁶² bytes in float64: beyond any device, short of
-#: torch's storage-size overflow).
-MAX_CORE_ELEMENTS = 1 << 59
-#: Largest ``pad_bonds`` a record may give (bonds are padded to a multiple of it; the library's default is 16).
-MAX_RECORD_PAD = 1024
-#: Longest message of a record's error (a field's value is quoted shortened; so is anything it quotes).
-MAX_MESSAGE_CHARS = 2000
 
 #: The roles of a recorded module's networks, by kind, in the block's order.
 ROLES = {kind: kind.roles for kind in (LINEAR, MLP, SPLIT, GATED)}
@@ -113,7 +103,8 @@ def shorten(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 def invalid(field: str, value: object, rule: str) -> ValueError:
     """The error for a record field that breaks its rule: names the field, quotes the value, states the rule.
 
-    The message is at most [`MAX_MESSAGE_CHARS`][mumoe_tn.conversion.record] long, whatever the record holds.
+    The message is at most [`MAX_MESSAGE_CHARS`][mumoe_tn.conversion.persistence.bounds.MAX_MESSAGE_CHARS] long,
+    whatever the record holds.
     """
     return ValueError(shorten(f"conversion record: {shorten(field, 200)} = {_quote(value)} is invalid: {rule}"))
 
@@ -180,7 +171,7 @@ def network_to_data(network: ExpertNetwork) -> dict[str, Any]:
 
 
 def network_from_data(data: Mapping[str, Any], field: str = "network") -> ExpertNetwork:
-    """The expert network described by [`network_to_data`][mumoe_tn.conversion.record.network_to_data]'s output.
+    """The expert network that [`network_to_data`][mumoe_tn.conversion.persistence.record.network_to_data] wrote.
 
     Parameters
     ----------
@@ -192,8 +183,8 @@ def network_from_data(data: Mapping[str, Any], field: str = "network") -> Expert
     Raises
     ------
     ValueError
-        If the data is malformed (at most [`MAX_RECORD_CORES`][mumoe_tn.conversion.record] cores, sizes
-        positive ints up to 2**40) or names a format that is not registered in this process.
+        If the data is malformed (at most [`MAX_RECORD_CORES`][mumoe_tn.conversion.persistence.bounds.MAX_RECORD_CORES]
+        cores, sizes positive ints up to 2**40) or names a format that is not registered in this process.
     """
     _mapping(field, data, required=("cores", "sizes"), allowed=("name", "format", "cores", "sizes"))
     fmt = data.get("format")
@@ -305,7 +296,7 @@ def _gate_value(field: str, value: object, *, nested: bool = False) -> object:
 
 
 def gate_from_data(data: Mapping[str, Any], field: str = "gate") -> object:
-    """The gate descriptor described by [`gate_to_data`][mumoe_tn.conversion.record.gate_to_data]'s output.
+    """The gate descriptor described by [`gate_to_data`][mumoe_tn.conversion.persistence.record.gate_to_data]'s output.
 
     The class must be registered (see [`register_gate`][mumoe_tn.gates.registry.register_gate]): it is
     looked up by name in the allow-list, nothing is imported, and it is constructed only with the
@@ -355,7 +346,7 @@ def execution_from_data(data: Mapping[str, Any], field: str = "execution") -> di
             if not isinstance(value, bool):
                 raise invalid(where, value, "it must be true or false")
         elif option == "max_plans":
-            _int(where, value, high=1 << 20)
+            _int(where, value, high=MAX_RECORD_PLANS)
         elif option == "pad_bonds" and value is not None:
             _int(where, value, high=MAX_RECORD_PAD)
         elif value is not None:  # chunk_size: rows per chunk, any number
@@ -402,7 +393,7 @@ class ConvertedModule:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], field: str = "module") -> ConvertedModule:
-        """Read the output of [`to_dict`][mumoe_tn.conversion.record.ConvertedModule.to_dict], checking every field.
+        """Read [`to_dict`][mumoe_tn.conversion.persistence.record.ConvertedModule.to_dict]'s output, fields checked.
 
         Raises
         ------
@@ -411,7 +402,7 @@ class ConvertedModule:
         """
         names = [item.name for item in dataclasses.fields(cls)]
         _mapping(field, data, required=names, allowed=names)
-        paths = _list(f"{field}.paths", data["paths"], limit=1 << 16)
+        paths = _list(f"{field}.paths", data["paths"], limit=MAX_RECORD_PATHS)
         if not paths:
             raise invalid(f"{field}.paths", paths, "a module sits at one path at least")
         for number, path in enumerate(paths):
@@ -461,8 +452,8 @@ class ConversionRecord:
     """Every module conversion replaced in a model, in the order it replaced them.
 
     Replay it on a fresh copy of the original model with
-    [`apply_conversion`][mumoe_tn.conversion.replay.apply_conversion]; read it from a model with
-    [`conversion_record`][mumoe_tn.conversion.replay.conversion_record].
+    [`apply_conversion`][mumoe_tn.conversion.persistence.replay.apply_conversion]; read it from a model with
+    [`conversion_record`][mumoe_tn.conversion.persistence.replay.conversion_record].
     """
 
     modules: tuple[ConvertedModule, ...] = ()
@@ -484,7 +475,7 @@ class ConversionRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ConversionRecord:
-        """Read the output of [`to_dict`][mumoe_tn.conversion.record.ConversionRecord.to_dict].
+        """Read the output of [`to_dict`][mumoe_tn.conversion.persistence.record.ConversionRecord.to_dict].
 
         Raises
         ------
@@ -506,10 +497,12 @@ class ConversionRecord:
             )
         mask_argument = data.get("mask_argument")
         if mask_argument is not None and (
-            not isinstance(mask_argument, str) or not mask_argument.isidentifier() or len(mask_argument) > 256
+            not isinstance(mask_argument, str)
+            or not mask_argument.isidentifier()
+            or len(mask_argument) > MAX_MASK_ARGUMENT_CHARS
         ):
             raise invalid("record.mask_argument", mask_argument, "it is the name of an argument of forward, or null")
-        modules = _list("record.modules", data["modules"], limit=1 << 16)
+        modules = _list("record.modules", data["modules"], limit=MAX_RECORD_MODULES)
         parsed = []
         seen: dict[str, int] = {}
         for number, data in enumerate(modules):  # a repeated path is refused as soon as it is read
@@ -532,7 +525,8 @@ def record_in_config(config: Mapping[str, Any]) -> ConversionRecord | None:
     """The conversion record a Hugging Face ``config.json`` carries, every field checked (None: it has none).
 
     The config's ``quantization_config``, when present, must be the one that selects mumoe_tn's
-    ``from_pretrained`` hook (see [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer]).
+    ``from_pretrained`` hook (see
+    [`mumoe_tn.conversion.persistence.quantizer`][mumoe_tn.conversion.persistence.quantizer]).
 
     Raises
     ------

@@ -17,10 +17,16 @@ import pytest
 import torch
 from test_hostile_checkpoints import _converted, _copy, _plain, _rewrite, _size, refused
 
-from mumoe_tn.conversion.checkpoints import load_converted, save_converted
-from mumoe_tn.conversion.config_checks import MAX_CONFIG_BYTES, MAX_CONFIG_FIELDS, MAX_LABELS, MAX_LISTED_KEYS
 from mumoe_tn.conversion.convert import convert
-from mumoe_tn.conversion.record import MAX_MESSAGE_CHARS, ConversionRecord
+from mumoe_tn.conversion.persistence.bounds import (
+    MAX_CONFIG_BYTES,
+    MAX_CONFIG_FIELDS,
+    MAX_LABELS,
+    MAX_LISTED_KEYS,
+    MAX_MESSAGE_CHARS,
+)
+from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
+from mumoe_tn.conversion.persistence.record import ConversionRecord
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

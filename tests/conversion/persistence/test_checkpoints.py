@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import apply_conversion, conversion_record, convert
-from mumoe_tn.conversion.record import ConversionRecord
+from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
+from mumoe_tn.conversion.persistence.record import ConversionRecord
 from mumoe_tn.gates.registry import register_gate
 from mumoe_tn.gates.specs import Gate, TopKGate
 from mumoe_tn.layers import MuMoE, MuMoEMLP

@@ -2,7 +2,7 @@
 
 Both ask the network's format first (closed-form SVD upcycling and tensorly's decompositions
 for CP, TR, TT and Tucker) and otherwise take the generic path, alternating least squares
-over the labelled network ([`mumoe_tn.conversion.fitting.als_fit`][mumoe_tn.conversion.fitting.als_fit]), which
+over the labelled network ([`mumoe_tn.conversion.fitting.als.als_fit`][mumoe_tn.conversion.fitting.als.als_fit]), which
 works for any network and
 reports the error it reaches.
 """
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mumoe_tn.contractions.dense import materialise
-from mumoe_tn.conversion.fitting import als_fit
+from mumoe_tn.conversion.fitting.als import als_fit
 from mumoe_tn.costs.matching import bond_cap, match_exact
 from mumoe_tn.decompositions.resolve import Decomposition, Rank, resolve_network
 from mumoe_tn.layers import FactorizedExperts, MuMoE
@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 #: Relative upcycle error above which the layer no longer computes what the pretrained one did and a
-#: [`UpcycleWarning`][mumoe_tn.conversion.upcycling.UpcycleWarning] is given (raised to ``8 · eps`` for half precision).
+#: [`UpcycleWarning`][mumoe_tn.conversion.fitting.upcycling.UpcycleWarning] is given (raised to ``8 · eps`` for half
+#: precision).
 UPCYCLE_TOLERANCE = 1e-3
 
 
@@ -61,7 +62,7 @@ def exact_rank_hint(networks: Sequence[ExpertNetwork]) -> str:
 
 
 def warn_if_inexact(error: float, networks: Sequence[ExpertNetwork], dtype: torch.dtype, what: str) -> None:
-    """Warn (an [`UpcycleWarning`][mumoe_tn.conversion.upcycling.UpcycleWarning]) when ``error`` exceeds the threshold.
+    """Warn ([`UpcycleWarning`][mumoe_tn.conversion.fitting.upcycling.UpcycleWarning]) if ``error`` is above threshold.
 
     Parameters
     ----------
@@ -125,7 +126,7 @@ def upcycle_linear(
     the layer then computes ``linear(x)`` for any gate output, exactly when the network can hold
     ``W`` (for CP/TR/TT/Tucker: the input–output bond at least ``rank(W)``) and as the best fit
     found otherwise (the relative error is returned). See
-    [`upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts].
+    [`upcycle_experts`][mumoe_tn.conversion.fitting.upcycling.upcycle_experts].
 
     Parameters
     ----------
@@ -142,12 +143,12 @@ def upcycle_linear(
         network.
     match : "linear" or int or float, optional
         Parameter-match instead of giving ranks (see [`MuMoE`][mumoe_tn.layers.moe.MuMoE]): fewer
-        parameters, and an upcycle error that an [`UpcycleWarning`][mumoe_tn.conversion.upcycling.UpcycleWarning]
-        reports
-        when it exceeds [`upcycle_threshold`][mumoe_tn.conversion.upcycling.upcycle_threshold].
+        parameters, and an upcycle error that an
+        [`UpcycleWarning`][mumoe_tn.conversion.fitting.upcycling.UpcycleWarning] reports
+        when it exceeds [`upcycle_threshold`][mumoe_tn.conversion.fitting.upcycling.upcycle_threshold].
     max_iter, tol, progress : optional
         Bounds and progress bar of the generic fit (see
-        [`upcycle_experts`][mumoe_tn.conversion.upcycling.upcycle_experts]).
+        [`upcycle_experts`][mumoe_tn.conversion.fitting.upcycling.upcycle_experts]).
     **layer_options
         Further [`MuMoE`][mumoe_tn.layers.moe.MuMoE] arguments (activation, gate_norm, …).
 
@@ -205,7 +206,7 @@ def upcycle_experts(
         The expert cores to overwrite (e.g. ``layer.experts``).
     matrix : torch.Tensor
         Shape ``(I, O)`` in the μMoE's layout, leg ``i`` first: ``[Wᵀ; b]`` for a Linear with a
-        folded bias (see [`linear_matrix`][mumoe_tn.conversion.upcycling.linear_matrix]).
+        folded bias (see [`linear_matrix`][mumoe_tn.conversion.fitting.upcycling.linear_matrix]).
     max_iter : int, optional
         Most sweeps of the generic solver (alternating least squares).
     tol : float, optional
@@ -220,7 +221,7 @@ def upcycle_experts(
         ``matrix`` exactly, else the error of the best fit found. The closed forms are optimal: at
         ``k`` held components the error is the Eckart–Young bound
         ``sqrt(Σ_{j>k} σ_j²) / ‖M‖_F``. This function does not warn; the callers that choose ranks
-        ([`upcycle_linear`][mumoe_tn.conversion.upcycling.upcycle_linear],
+        ([`upcycle_linear`][mumoe_tn.conversion.fitting.upcycling.upcycle_linear],
         [`convert`][mumoe_tn.conversion.convert.convert]) do.
     """
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:

@@ -5,33 +5,34 @@ declares 20,000 layers, a vocabulary of 16 M, ten million labels or an attention
 Hub costs minutes, gigabytes or an import before the weights are found not to fit, and a name it
 does not know ends in a raw ``KeyError`` deep inside transformers. Every check here reads only the
 config and the weights' headers (shapes, never data), and runs before transformers builds the model
-[`load_converted`][mumoe_tn.conversion.checkpoints.load_converted] hands it:
+[`load_converted`][mumoe_tn.conversion.persistence.checkpoints.load_converted] hands it:
 
-- [`check_config_fields`][mumoe_tn.conversion.config_checks.check_config_fields], the config alone:
-  at most [`MAX_CONFIG_FIELDS`][mumoe_tn.conversion.config_checks] top-level fields and
-  [`MAX_CONFIG_VALUES`][mumoe_tn.conversion.config_checks] values nested in them (the conversion
-  record has its own bounds); ``dtype`` one of [`DTYPES`][mumoe_tn.conversion.config_checks]; label
-  maps of at most [`MAX_LABELS`][mumoe_tn.conversion.config_checks] entries that agree with
+- [`check_config_fields`][mumoe_tn.conversion.persistence.config_checks.check_config_fields], the config alone:
+  at most [`MAX_CONFIG_FIELDS`][mumoe_tn.conversion.persistence.bounds.MAX_CONFIG_FIELDS] top-level fields and
+  [`MAX_CONFIG_VALUES`][mumoe_tn.conversion.persistence.bounds.MAX_CONFIG_VALUES] values nested in them (the conversion
+  record has its own bounds); ``dtype`` one of [`DTYPES`][mumoe_tn.conversion.persistence.bounds.DTYPES]; label
+  maps of at most [`MAX_LABELS`][mumoe_tn.conversion.persistence.bounds.MAX_LABELS] entries that agree with
   ``num_labels`` and with each other; ``attn_implementation`` / ``experts_implementation`` one of
   transformers' built-in implementations (never a Hub kernel repository); activations in
   transformers' ``ACT2FN``; RoPE types in ``ROPE_INIT_FUNCTIONS``; head counts positive, the hidden
   size divisible by the heads and the heads by the key-value heads; layer counts and widths
   non-negative ints.
-- [`check_config_widths`][mumoe_tn.conversion.config_checks.check_config_widths], against the
+- [`check_config_widths`][mumoe_tn.conversion.persistence.config_checks.check_config_widths], against the
   headers: no width above the largest stored dimension (of a tensor holding elements).
-- [`check_config_layout`][mumoe_tn.conversion.config_checks.check_config_layout], against the
+- [`check_config_layout`][mumoe_tn.conversion.persistence.config_checks.check_config_layout], against the
   headers and the model class: the class is built on the meta device with one layer (and with two,
   to find its layer lists — ``transformer.h``, ``model.layers``…); every tensor it would receive
   must have the shape the checkpoint stores, every layer ``0 … n-1`` the config's count implies must
   have weights in the class's own layer list, and no weight of that list may have an index of ``n``
   or more.
 
-On stock ``from_pretrained`` the hook of [`mumoe_tn.conversion.quantizer`][mumoe_tn.conversion.quantizer]
+On stock ``from_pretrained`` the hook of
+[`mumoe_tn.conversion.persistence.quantizer`][mumoe_tn.conversion.persistence.quantizer]
 runs the field checks when transformers asks for a quantizer and the width and layout checks when
 transformers has found the weight files, both before it builds the model. Every refusal is a
-``ValueError`` of at most [`MAX_MESSAGE_CHARS`][mumoe_tn.conversion.record] characters naming the
-field and quoting the value; lists of keys show at most
-[`MAX_LISTED_KEYS`][mumoe_tn.conversion.config_checks] of them.
+``ValueError`` of at most [`MAX_MESSAGE_CHARS`][mumoe_tn.conversion.persistence.bounds.MAX_MESSAGE_CHARS] characters
+naming the field and quoting the value; lists of keys show at most
+[`MAX_LISTED_KEYS`][mumoe_tn.conversion.persistence.bounds.MAX_LISTED_KEYS] of them.
 """
 
 from __future__ import annotations
@@ -42,22 +43,25 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mumoe_tn.conversion.record import RECORD_KEY, shorten
+from mumoe_tn.conversion.persistence.bounds import (
+    DTYPES,
+    MAX_CONFIG_FIELDS,
+    MAX_CONFIG_VALUES,
+    MAX_LABEL_CHARS,
+    MAX_LABEL_ID_DIGITS,
+    MAX_LABELS,
+    MAX_LAYER_INDEX_DIGITS,
+    MAX_LISTED_KEYS,
+    MAX_UNSTORED_POSITIONS,
+)
+from mumoe_tn.conversion.persistence.record import RECORD_KEY, shorten
 
 __all__ = [
     "ACTIVATION_FIELDS",
     "ATTENTION_FIELDS",
-    "DTYPES",
     "HEAD_FIELDS",
     "HIDDEN_FIELDS",
     "LAYER_COUNTS",
-    "MAX_CONFIG_BYTES",
-    "MAX_CONFIG_FIELDS",
-    "MAX_CONFIG_VALUES",
-    "MAX_LABELS",
-    "MAX_LABEL_CHARS",
-    "MAX_LISTED_KEYS",
-    "MAX_UNSTORED_POSITIONS",
     "ROPE_FIELDS",
     "WIDTHS",
     "ModelLayout",
@@ -69,20 +73,6 @@ __all__ = [
     "model_layout",
 ]
 
-#: Largest ``config.json`` read (a record of thousands of modules is a few MB).
-MAX_CONFIG_BYTES = 16 << 20
-#: Most top-level fields a config may have (transformers' configs have 30 to 150).
-MAX_CONFIG_FIELDS = 512
-#: Most values nested anywhere in a config's fields, the conversion record apart (it has its own bounds).
-MAX_CONFIG_VALUES = 1 << 17
-#: Most labels ``num_labels``, ``id2label`` and ``label2id`` may give.
-MAX_LABELS = 1 << 15
-#: Longest label name.
-MAX_LABEL_CHARS = 256
-#: Most keys an error message lists (then "and N more").
-MAX_LISTED_KEYS = 10
-#: The dtype names a converted checkpoint's config may give (what its floating weights may be).
-DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: Config fields that count layers.
 LAYER_COUNTS = ("n_layer", "num_hidden_layers", "num_layers", "n_layers", "num_decoder_layers")
 #: Config fields that size a dimension of some tensor.
@@ -90,8 +80,6 @@ WIDTHS = (
     "vocab_size", "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "n_positions",
     "max_position_embeddings", "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "d_ff",
 )  # fmt: skip
-#: Largest ``max_position_embeddings`` accepted beyond the stored dimensions (rotary models store none).
-MAX_UNSTORED_POSITIONS = 1 << 17
 #: Config fields that name an attention or experts implementation.
 ATTENTION_FIELDS = ("attn_implementation", "experts_implementation")
 #: Config fields that name an activation (``hidden_activation`` may be null).
@@ -228,7 +216,7 @@ def _label_id(key: object) -> int:
     """An ``id2label`` key as an int (``config.json`` keys are strings), or -1."""
     if _is_count(key):
         return key
-    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10:
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= MAX_LABEL_ID_DIGITS:
         return int(key)
     return -1
 
@@ -333,9 +321,10 @@ Shapes = Mapping[str, tuple[int, ...]]
 def check_config_widths(config: Any, shapes: Shapes) -> None:
     """No width of the config above the largest dimension of a stored tensor that holds elements.
 
-    A cheap bound before [`check_config_layout`][mumoe_tn.conversion.config_checks.check_config_layout]
+    A cheap bound before [`check_config_layout`][mumoe_tn.conversion.persistence.config_checks.check_config_layout]
     builds anything: a zero-element tensor (shape ``(0, 2**31)``) declares no width.
-    ``max_position_embeddings`` may also be up to [`MAX_UNSTORED_POSITIONS`][mumoe_tn.conversion.config_checks].
+    ``max_position_embeddings`` may also be up to
+    [`MAX_UNSTORED_POSITIONS`][mumoe_tn.conversion.persistence.bounds.MAX_UNSTORED_POSITIONS].
     """
     fields = config_fields(config)
     widest = max((max(shape, default=1) for shape in shapes.values() if 0 not in shape), default=0)
@@ -424,7 +413,7 @@ def check_config_layout(config: Any, layout: ModelLayout, shapes: Shapes, skip: 
     config : Mapping or PretrainedConfig
         The config (its int fields name a width that does not fit).
     layout : ModelLayout
-        From [`model_layout`][mumoe_tn.conversion.config_checks.model_layout].
+        From [`model_layout`][mumoe_tn.conversion.persistence.config_checks.model_layout].
     shapes : Mapping
         The checkpoint's tensor shapes, by key.
     skip : collection of str
@@ -472,7 +461,7 @@ def _layer_indices(prefix: str, shapes: Shapes) -> set[int]:
         if key.startswith(start):
             index = key[len(start) :].split(".", 1)[0]
             if index.isascii() and index.isdigit():
-                indices.add(int(index) if len(index) < 19 else 1 << 62)
+                indices.add(int(index) if len(index) <= MAX_LAYER_INDEX_DIGITS else 1 << 62)
     return indices
 
 

@@ -1,17 +1,17 @@
 """A conversion record held against what it is replayed on: the model's paths and forward, the checkpoint's shapes.
 
-[`replay_conversion`][mumoe_tn.conversion.replay.replay_conversion] calls these before anything
+[`replay_conversion`][mumoe_tn.conversion.persistence.replay.replay_conversion] calls these before anything
 is built:
 
-- [`check_nested_paths`][mumoe_tn.conversion.record_checks.check_nested_paths]: no recorded path
+- [`check_nested_paths`][mumoe_tn.conversion.persistence.record_checks.check_nested_paths]: no recorded path
   lies inside another (a record replacing ``0`` and ``0.fc1`` would replace a module it has
   already removed);
-- [`check_mask_argument`][mumoe_tn.conversion.record_checks.check_mask_argument]: the recorded
+- [`check_mask_argument`][mumoe_tn.conversion.persistence.record_checks.check_mask_argument]: the recorded
   mask argument is an optional argument of ``forward`` (as ``attention_mask`` is), so it is never
   the model's input;
-- [`checkpoint_shapes`][mumoe_tn.conversion.record_checks.checkpoint_shapes]: the ``shapes=``
+- [`checkpoint_shapes`][mumoe_tn.conversion.persistence.record_checks.checkpoint_shapes]: the ``shapes=``
   a record is held against are dense tensors that store their elements, or shapes of
-  non-negative ints, at most [`MAX_CHECKPOINT_TENSORS`][mumoe_tn.conversion.storage].
+  non-negative ints, at most [`MAX_CHECKPOINT_TENSORS`][mumoe_tn.conversion.persistence.bounds.MAX_CHECKPOINT_TENSORS].
 
 Each refusal is a ``ValueError`` (a ``TypeError`` for an argument of the wrong type) naming the
 field and quoting the value, shortened.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mumoe_tn.conversion.storage import check_stored, check_tensor_count
+from mumoe_tn.conversion.persistence.storage import check_stored, check_tensor_count
 
 __all__ = ["check_mask_argument", "check_nested_paths", "checkpoint_shapes"]
 
@@ -94,7 +94,7 @@ def checkpoint_shapes(shapes: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         If ``shapes`` is not a mapping.
     ValueError
         If it has more than ``MAX_CHECKPOINT_TENSORS`` entries, a tensor is not dense or does not
-        store its elements (see [`check_stored`][mumoe_tn.conversion.storage.check_stored]), or a
+        store its elements (see [`check_stored`][mumoe_tn.conversion.persistence.storage.check_stored]), or a
         value is neither a tensor nor a shape of non-negative ints.
     """
     if not isinstance(shapes, Mapping):

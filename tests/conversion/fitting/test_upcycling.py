@@ -11,7 +11,7 @@ from torch import nn
 
 from mumoe_tn import ExpertNetwork
 from mumoe_tn.conversion.convert import convert
-from mumoe_tn.conversion.upcycling import UpcycleWarning, upcycle_experts, upcycle_linear, upcycle_threshold
+from mumoe_tn.conversion.fitting.upcycling import UpcycleWarning, upcycle_experts, upcycle_linear, upcycle_threshold
 from mumoe_tn.costs import match_exact
 from mumoe_tn.decompositions import get_format
 from mumoe_tn.layers import FactorizedExperts, MuMoE

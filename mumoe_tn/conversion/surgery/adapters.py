@@ -1,8 +1,8 @@
 """Read linear-like layers of any library: weight as ``(out, in)`` or ``(in, out)``, bias, sizes.
 
 [`convert`][mumoe_tn.conversion.convert.convert] and upcycling see every layer through a
-[`LinearView`][mumoe_tn.conversion.adapters.LinearView], made by the
-[`LayerAdapter`][mumoe_tn.conversion.adapters.LayerAdapter] registered
+[`LinearView`][mumoe_tn.conversion.surgery.adapters.LinearView], made by the
+[`LayerAdapter`][mumoe_tn.conversion.surgery.adapters.LayerAdapter] registered
 for the layer's class (found along its MRO). ``nn.Linear`` is built in; Hugging Face
 ``transformers.pytorch_utils.Conv1D`` (GPT-2's projections, weight stored ``(in, out)``) is registered by its qualified
 class name, so
@@ -59,7 +59,7 @@ class LayerAdapter:
                 raise TypeError(f"{what} must be an attribute name or a function module -> tensor, got {reader!r}")
 
     def view(self, module: nn.Module) -> LinearView:
-        """Read ``module`` as a [`LinearView`][mumoe_tn.conversion.adapters.LinearView]."""
+        """Read ``module`` as a [`LinearView`][mumoe_tn.conversion.surgery.adapters.LinearView]."""
         weight = _read(module, self.weight)
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
             raise ValueError(
