@@ -1,0 +1,95 @@
+"""Compiled cases of the host section: another case's module under ``torch.compile``, its graphs counted.
+
+A :class:`Compiled` case wraps the module of the case it names (built and seeded as that case
+alone would be) in ``torch.compile(module, backend=..., fullgraph=True)``: on the CPU the
+inductor backend generates and compiles C++ for each graph. :class:`CompiledHostRunner` times it
+as the host section times every case, and counts the graphs dynamo compiles during each call
+(``torch._dynamo.utils.counters["stats"]["unique_graphs"]``, read before and after the call,
+outside the timed span): those of each kind's first call are the warm-up's (train mode with
+grad, eval mode under ``no_grad``), any later one is a recompile, and a timed sample that
+includes one is not a compiled call's time. Its kernels are not counted: inductor's fused
+kernels are not ATen operators, so the host section's recorder would undercount them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.baselines import BUILDERS, Case
+from benchmarks.measure import HostRunner
+
+#: Graphs dynamo may keep for one code object (the forward of every compiled layer of one class).
+COMPILED_GRAPHS_PER_CLASS = 64
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class Compiled(nn.Module):
+    """The module of ``case`` and its ``torch.compile`` (``fullgraph=True``); calls run the compiled one.
+
+    Parameters
+    ----------
+    case : dict
+        The wrapped case, as :meth:`benchmarks.baselines.Case.to_json` writes it.
+    backend : str, optional
+        ``torch.compile`` backend (default ``"inductor"``; ``"eager"`` traces without generating code).
+    mode : str, optional
+        ``torch.compile`` mode of the inductor backend (default: its default mode).
+    """
+
+    def __init__(self, *, case: dict, backend: str = "inductor", mode: str | None = None) -> None:
+        super().__init__()
+        inner = Case.from_json(case)
+        if inner.model == "compiled":
+            raise ValueError(f"case {inner.label!r} is compiled already")
+        self.eager = BUILDERS[inner.model](**inner.options)
+        # Every compiled layer of one class shares its forward's code object, whose cache holds
+        # `recompile_limit` graphs in all (8 by default): room for those of many compiled layers.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, COMPILED_GRAPHS_PER_CLASS)
+        self.compiled = torch.compile(self.eager, backend=backend, mode=mode, fullgraph=True)
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.compiled(*args)
+
+
+def compiled_case(case: Case, label: str, *, backend: str = "inductor") -> Case:
+    """The case that times ``case``'s module under ``torch.compile``, with the same tokens."""
+    return Case(label, "compiled", {"case": case.to_json(), "backend": backend}, case.batch, case.seq)
+
+
+class CompiledHostRunner(HostRunner):
+    """A :class:`Compiled` case in the host section: its graphs per call counted, its kernels not."""
+
+    def __init__(self, case: Case, device: torch.device, *, eval_tokens: int = 1) -> None:
+        super().__init__(case, device, eval_tokens=eval_tokens)
+        self.calls: dict[bool, list[tuple[float, int]]] = {True: [], False: []}  # train → (seconds, graphs)
+
+    def time(self, step: Callable[[], None], *, train: bool) -> float:
+        """Seconds of one call (see `HostRunner`), and the graphs compiled during it."""
+        before = compiled_graphs()
+        seconds = super().time(step, train=train)
+        self.calls[train].append((seconds, compiled_graphs() - before))
+        return seconds
+
+    def launches(self) -> dict[str, object]:
+        """Nothing: the recorder counts ATen operators, which a compiled graph's fused kernels are not."""
+        return {}
+
+    def compilation(self) -> dict[str, object]:
+        """Graphs and seconds of the first call of each kind (the warm-up), and graphs compiled after it."""
+        first = [calls[0] for calls in self.calls.values() if calls]
+        later = [graphs for calls in self.calls.values() for _, graphs in calls[1:]]
+        record = {"compiled_graphs": sum(graphs for _, graphs in first), "recompiles": sum(later)}
+        record["compile_s"] = sum(seconds for seconds, _ in first)
+        note = f"{record['compiled_graphs']} graphs compiled at warm-up ({record['compile_s']:.1f} s), "
+        return record | {"note": note + f"{record['recompiles']} recompiles while timed"}
