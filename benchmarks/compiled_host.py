@@ -44,6 +44,11 @@ class Compiled(nn.Module):
         ``torch.compile`` backend (default ``"inductor"``; ``"eager"`` traces without generating code).
     mode : str, optional
         ``torch.compile`` mode of the inductor backend (default: its default mode).
+
+    Notes
+    -----
+    Constructing one raises dynamo's ``recompile_limit`` (process-wide) to at least
+    :data:`COMPILED_GRAPHS_PER_CLASS`: the compiled layers of one class share one cache.
     """
 
     def __init__(self, *, case: dict, backend: str = "inductor", mode: str | None = None) -> None:
