@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.floors import fewest_calls
 from mumoe_tn import MuMoE
-from mumoe_tn.gates import entmax15
 from mumoe_tn.layers import FactorizedExperts, MixtureOfDecoders, MuMoEMLP
 
 #: Registry package that provides each peer model, for the "not installed" message.
@@ -343,42 +343,10 @@ class AuthorsMxD(nn.Module):
         return (hidden @ self.decoder) * (a @ self.experts) + self.output_bias
 
 
-class FewestCallsCP(nn.Module):
-    """A CP μMoE layer as the fewest eager PyTorch calls: the host-time floor of its arithmetic.
+def _compiled(**options: Any) -> nn.Module:
+    from benchmarks.compiled_host import Compiled  # it builds the case it wraps from BUILDERS
 
-    The parameters of ``MuMoE(..., "cp")`` built from the same options (entmax15 + BatchNorm gate,
-    cores ``U_n1``, ``U_i`` with the bias row, ``U_o``), and no checks, caches or records. Train:
-    the gate's product, its batch norm, 1.5-entmax (the library's), the input factor's product
-    with its bias row, then ``((a U_n1) ⊙ h) U_oᵀ``; autograd for the backward. Eval: the gate
-    (its running statistics folded in, once, at the first eval call) and the input factor in one
-    ``addmm``, the map, then the same two products. The floor the library's layer is compared
-    with in the host section: what the same kernels cost when nothing else runs.
-    """
-
-    def __init__(self, **layer_options: Any) -> None:
-        super().__init__()
-        self.layer = MuMoE(**{**layer_options, "decomposition": "cp"})
-        self._eval_weights: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cores, gate = self.layer.experts, self.layer.gate
-        (projection,) = gate.projections.values()
-        (norm,) = gate.norms.values()
-        (n,) = self.layer.expert_dims
-        inputs = cores.U_i
-        if self.training:
-            logits = nn.functional.batch_norm(x @ projection.weight.T, norm.running_mean, norm.running_var,
-                                              training=True, momentum=norm.momentum, eps=norm.eps)  # fmt: skip
-            hidden = torch.addmm(inputs[-1], x, inputs[:-1])
-            return ((entmax15(logits) @ cores.U_n1) * hidden) @ cores.U_o.T
-        if self._eval_weights is None:
-            scale = torch.rsqrt(norm.running_var + norm.eps)
-            weight = torch.cat([projection.weight.T * scale, inputs[:-1]], dim=1).detach().contiguous()
-            bias = torch.cat([-norm.running_mean * scale, inputs[-1]]).detach()
-            self._eval_weights = weight, bias
-        weight, bias = self._eval_weights
-        out = torch.addmm(bias, x, weight)
-        return torch.mm((entmax15(out[:, :n]) @ cores.U_n1) * out[:, n:], cores.U_o.T)
+    return Compiled(**options)
 
 
 BUILDERS: dict[str, Callable[..., nn.Module]] = {
@@ -391,7 +359,8 @@ BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "planned": PlannedContraction,
     "handwritten": HandwrittenContraction,
     "handwritten_layer": HandwrittenLayer,
-    "fewest_calls_cp": FewestCallsCP,
+    "fewest_calls": fewest_calls,
+    "compiled": _compiled,
     "peer": _peer,
     "soft_moe": _soft_moe,
     "st_moe": TopKMoE,
@@ -442,6 +411,8 @@ def make_inputs(case: Case, module: nn.Module, device: torch.device | str = "cpu
 def input_width(case: Case) -> int:
     """Feature width of a ``"tokens"`` case's input."""
     options = case.options
+    if case.model == "compiled":  # the width of the case it compiles
+        return input_width(Case.from_json(options["case"]))
     for key in ("in_features", "dim"):
         if key in options:
             return int(options[key])

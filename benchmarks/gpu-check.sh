@@ -82,7 +82,7 @@ mapfile -t files < <(grep -rl --include="test_*.py" "cuda" tests | sort)
 step tests 90 "$PY" -m pytest -q -p no:cacheprovider -k cuda "${files[@]}"
 tests_summary=$(grep -E "passed|failed|error|no tests ran" "$LOGS/tests.log" | tail -1)
 
-step benchmarks 230 "$PY" -m benchmarks.run --device cuda --only layer host inference --no-docs
+step benchmarks 230 "$PY" -m benchmarks.run --device cuda --only layer host inference --no-docs --no-compile
 step compiled 140 "$PY" -m benchmarks.compiled --batch 1 --calls 100
 
 # Drop the part an earlier check appended (a run that failed before rewriting the page leaves it there).

@@ -115,8 +115,8 @@ class HostRunner(Runner):
         self.eval_args = (torch.randn(eval_tokens, width, generator=generator).to(device),)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.module.train()
-        with torch.no_grad():
-            shape = self.module(x).shape
+        with torch.no_grad():  # a compiled case's eager twin: this call must compile nothing
+            shape = getattr(self.module, "eager", self.module)(x).shape
         self.grad = torch.randn(shape, generator=generator).to(device)
 
     def infer_step(self) -> None:

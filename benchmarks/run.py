@@ -6,6 +6,7 @@ Run from the repository root::
     python -m benchmarks.run --quick            # tiny sizes, a smoke run (writes to a temporary folder)
     python -m benchmarks.run --only params experts
     python -m benchmarks.run --only inference latency generation   # eval-mode inference and generation
+    python -m benchmarks.run --only host --threads 1   # kernels, host time, floors, torch.compile; tiny sizes
     python -m benchmarks.run --only scale      # every format, 2^8 … 2^24 experts: time, memory, planning grid
     python -m benchmarks.run --optimize optimal # the path optimizer handed to every μMoE (optimize=)
     python -m benchmarks.run --only quality     # training quality over seeds (python -m benchmarks.quality)
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from benchmarks import quality, report
 from benchmarks.baselines import PEER_MODULES, PEER_PACKAGES, Case, count_params, fp32_bytes, missing_package
+from benchmarks.compiled_host import CompiledHostRunner
 from benchmarks.measure import HostRunner, MemoryProbe, Runner, Timing, alternate
 from benchmarks.scale import extras as scale_extras
 from benchmarks.sections import FULL, QUICK, SECTIONS, Section, Sizes, make_sections
@@ -120,7 +122,8 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
         progress.set_postfix_str(f"building: {case.label}")
         try:
             if section.eval_tokens is not None:
-                runners[case.label] = HostRunner(case, device, eval_tokens=section.eval_tokens)
+                kind = CompiledHostRunner if case.model == "compiled" else HostRunner
+                runners[case.label] = kind(case, device, eval_tokens=section.eval_tokens)
             else:
                 runners[case.label] = Runner(case, device, train=section.train)
         except Exception as error:  # a peer that fails at this size is reported, not hidden
@@ -145,6 +148,9 @@ def run_section(section: Section, sizes: Sizes, args: argparse.Namespace, device
 
     progress.set_postfix_str("timing")
     alternate(runners, rounds=args.rounds, reps=section.reps, train=section.train, tick=tick, done=done)
+    for label, runner in runners.items():
+        if isinstance(runner, CompiledHostRunner):  # its warm-up compiled; a later graph is a recompile
+            rows[label] |= runner.compilation()
     torch.set_num_threads(threads)  # cases that name their threads leave the last one set
     progress.close()
     del runners
@@ -188,6 +194,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--optimize", default=None, help="path optimizer passed to every μMoE as optimize=")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/)")
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process peak-memory probes")
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="leave out the host section's torch.compile rows (each compiles its graphs first)",
+    )
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite the block in docs/results.md")
     parser.add_argument("--report-only", action="store_true", help="rewrite report, plot and docs from the JSON")
     parser.add_argument("--memory-limit", type=float, default=4.0,
@@ -229,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"mumoe_tn benchmarks on {device} ({info['processor']}, {args.threads} threads); writing {stem}.md")
     chosen = (
-        [] if args.report_only else make_sections(args.only, sizes, extra, int(args.memory_limit * 2**30), args.threads)
+        []
+        if args.report_only
+        else make_sections(
+            args.only, sizes, extra, int(args.memory_limit * 2**30), args.threads, compile_rows=not args.no_compile
+        )
     )
     for section in chosen:
         store["sections"][section.name] = run_section(section, sizes, args, device, store)

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from benchmarks.baselines import Case
-from mumoe_tn import MuMoE
-from mumoe_tn.contractions import per_call_fma, plan_forward, plan_inference
 
 
 @dataclass(frozen=True)
@@ -119,7 +116,8 @@ def _peer(s: Sizes, experts: int, per_head: int, batch: int, seq: int) -> Case:
     return Case(f"PEER {experts:,} experts", "peer", options, batch, seq)
 
 
-def _dims(dims: tuple[int, ...]) -> str:
+def dims_text(dims: tuple[int, ...]) -> str:
+    """``32×32`` for several expert modes, ``256`` for one."""
     return "×".join(map(str, dims)) if len(dims) > 1 else str(dims[0])
 
 
@@ -167,7 +165,7 @@ def handwritten_section(s: Sizes, extra: dict) -> Section:
         for dims in ((s.experts,), (root, root)):
             layer = {"in_features": i, "out_features": o, "expert_dims": list(dims), "decomposition": name}
             layer |= {"match": "linear"}
-            tag = f"{name.upper()} E={len(dims)} ({_dims(dims)})"
+            tag = f"{name.upper()} E={len(dims)} ({dims_text(dims)})"
             planned = Case(f"{tag} contraction, planned", "planned", layer | extra, *tokens, inputs="contraction")
             hand_options = {"formula": name, **layer}
             hand = Case(f"{tag} contraction, paper einsum", "handwritten", hand_options, *tokens, inputs="contraction")
@@ -204,7 +202,7 @@ def params_section(s: Sizes, extra: dict) -> Section:
     n = 1
     for size in s.hierarchy:
         n *= size
-    hier = _block(f"μMoE CP, {_dims(s.hierarchy)} = {n:,} experts", s, s.hierarchy, "cp", *tokens, **extra)
+    hier = _block(f"μMoE CP, {dims_text(s.hierarchy)} = {n:,} experts", s, s.hierarchy, "cp", *tokens, **extra)
     # PEER's query projection alone (d → 2·heads·d/2) holds d·d·heads parameters: with the authors'
     # 8 heads that is the whole MLP budget, so the fewest experts its 16-per-head product keys allow
     # (16² = 256) is the nearest configuration.
@@ -297,7 +295,7 @@ def small_section(s: Sizes, extra: dict) -> Section:
     mlp = _mlp(small, *tokens)
     cp = _block(f"μMoE CP, {s.small_experts} experts", small, s.small_experts, "cp", *tokens, **extra)
     tr = _block(f"μMoE TR, {s.small_experts} experts", small, s.small_experts, "tr", *tokens, **extra)
-    hier = _block(f"μMoE CP, {_dims(s.hierarchy)} experts", small, s.hierarchy, "cp", *tokens, **extra)
+    hier = _block(f"μMoE CP, {dims_text(s.hierarchy)} experts", small, s.hierarchy, "cp", *tokens, **extra)
     targets = tuple(
         Target(f"{case.label} block ÷ dense MLP (d={d}), fwd+bwd", case.label, mlp.label, "train_s", 1.3)
         for case in (cp, tr)
@@ -352,112 +350,9 @@ def autotune_section(s: Sizes, extra: dict) -> Section:
     )
 
 
-def _per_call_fma(options: dict, tokens: int) -> tuple[int, int]:
-    """FMAs of one inference call of a MuMoE layer: planned as in training, and with pre-contraction."""
-    network = MuMoE(**options, device="meta").experts.network
-    plan, constant = plan_inference(network, tokens)
-    return plan_forward(network, tokens, "auto").fma, per_call_fma(plan, constant)
-
-
-def _threads(count: int) -> str:
+def threads_text(count: int) -> str:
+    """``1 thread``, ``2 threads``."""
     return f"{count} thread" + ("s" if count > 1 else "")
-
-
-def inference_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
-    """Eval-mode forward at decoding batches, 1 thread and the run's threads, and Tucker pre-contraction."""
-    i, o, d = s.width, 4 * s.width, s.width
-    n = 1
-    for size in s.hierarchy:
-        n *= size
-    layer = {"in_features": i, "out_features": o, "expert_dims": s.experts, "decomposition": "cp"}
-    layer |= {"match": "linear", **extra}
-    cases, pairs, targets = [], [], []
-    for count in sorted({1, threads}):  # all cases of one thread count together: one switch per round
-        at = _threads(count)
-        for tokens in s.decode_tokens:
-            tag = f"B={tokens}, {at}"
-            linear = Case(
-                f"nn.Linear, {tag}", "linear", {"in_features": i, "out_features": o}, tokens, 1, threads=count
-            )
-            cp_layer = Case(f"CP layer, {tag}", "mumoe", layer, tokens, 1, threads=count)
-            mlp = Case(
-                f"dense MLP, {tag}", "mlp", {"in_features": d, "hidden_features": 4 * d}, tokens, 1, threads=count
-            )
-            blocks = {}
-            for name in ("cp", "tr", "tt"):
-                options = {"in_features": d, "hidden_features": 4 * d, "out_features": d, "expert_dims": s.experts}
-                options |= {"decomposition": name, "match": "mlp", **extra}
-                blocks[name] = Case(f"{name.upper()} block, {tag}", "mumoe_mlp", options, tokens, 1, threads=count)
-            group = [linear, cp_layer, mlp, *blocks.values()]
-            if tokens == 1:
-                options = {"in_features": d, "hidden_features": 4 * d, "out_features": d}
-                options |= {"expert_dims": list(s.hierarchy), "decomposition": "cp", "match": "mlp", **extra}
-                label = f"CP block {_dims(s.hierarchy)} = {n:,} experts, {tag}"
-                group.append(Case(label, "mumoe_mlp", options, tokens, 1, threads=count))
-                targets.append(Target(f"{label} ÷ dense MLP", label, mlp.label, "infer_s", 1.5))
-            cases += group
-            pairs += [(linear.label, linear.label), (cp_layer.label, linear.label), (mlp.label, mlp.label)]
-            pairs += [(case.label, mlp.label) for case in group[3:]]
-            targets.append(
-                Target(
-                    f"CP layer ÷ nn.Linear, {tag}",
-                    cp_layer.label,
-                    linear.label,
-                    "infer_s",
-                    1.3 if tokens == 1 else 1.15,
-                )
-            )
-            if tokens in (1, max(s.decode_tokens)):
-                limit = 1.3 if tokens == 1 else 1.15
-                for name, block in blocks.items():
-                    targets.append(
-                        Target(f"{name.upper()} block ÷ dense MLP, {tag}", block.label, mlp.label, "infer_s", limit)
-                    )
-                for name in ("tr", "tt"):
-                    name_ = f"{name.upper()} block's ratio ÷ CP block's ratio, {tag} (= {name.upper()} ÷ CP)"
-                    targets.append(Target(name_, blocks[name].label, blocks["cp"].label, "infer_s", 1.2))
-    # Pre-contraction of a Tucker layer's parameter-only sub-network, on and off (the run's threads).
-    root = round(s.experts**0.5)
-    tucker = {"in_features": i, "out_features": o, "expert_dims": [root, root], "decomposition": "tucker"}
-    tucker |= {"match": "linear", **extra}
-    counts = []
-    for batch, seq in ((s.batch, 1), (s.batch, s.seq // 8)):
-        tokens = f"{batch * seq:,} tokens"
-        linear = Case(
-            f"nn.Linear, {tokens}", "linear", {"in_features": i, "out_features": o}, batch, seq, threads=threads
-        )
-        label = f"Tucker μMoE {root}×{root}, {tokens}"
-        plain = Case(
-            f"{label}, contracted every call", "mumoe", {**tucker, "precontract": False}, batch, seq, threads=threads
-        )
-        cached = Case(f"{label}, pre-contracted", "mumoe", tucker, batch, seq, threads=threads)
-        cases += [linear, plain, cached]
-        pairs += [(linear.label, linear.label), (plain.label, linear.label), (cached.label, plain.label)]
-        every, once = _per_call_fma(tucker, batch * seq)
-        counts.append(f"{tokens}: {every:,} → {once:,} FMAs per call")
-    return Section(
-        "inference",
-        "Inference: eval mode at decoding batches, and pre-contraction",
-        f"Eval mode, `torch.no_grad()`, inputs without grad, B tokens per call (B = "
-        f"{', '.join(map(str, s.decode_tokens))}), timed with 1 thread and with {_threads(threads)} (the run's "
-        f'`--threads`), all cases alternating in one run. CP layer: `MuMoE({i}, {o}, {s.experts}, "cp", '
-        f'match="linear")` ÷ `nn.Linear({i}, {o})`. Blocks: `MuMoEMLP({d}, {4 * d}, {d}, {s.experts}, fmt, '
-        f'match="mlp")` (CP, TR, TT) and the {_dims(s.hierarchy)} = {n:,}-expert CP block ÷ the dense MLP '
-        f"{d} → {4 * d} → {d} (GELU). Constructed as users write them: no `rank_multiple` (the library "
-        'lays out odd ranks itself). "TR/TT ÷ CP" targets divide the TR or TT block\'s ratio by the CP '
-        "block's: the dense MLP cancels, so they are the two blocks' times divided. Last rows: a Tucker "
-        f"μMoE {root}×{root} layer whose core-only sub-network `plan_inference` contracts once and keeps "
-        f"until the parameters change ({'; '.join(counts)}), ÷ the same layer contracted every call.",
-        cases[0].label,
-        tuple(cases),
-        memory=False,
-        reps=s.decode_reps,  # calls of a fraction of a millisecond: many samples per round
-        targets=tuple(targets),
-        pairs=tuple(pairs),
-        reference_text="nn.Linear (layers), the dense MLP (blocks) at the same tokens and threads, or the "
-        "Tucker layer contracted every call (pre-contracted)",
-        train=False,
-    )
 
 
 #: Experts the MxD gate keeps per token (per mode) in the MxD sections.
@@ -477,7 +372,7 @@ def _mxd_cases(s: Sizes, batch: int, seq: int, extra: dict, threads: int | None 
         "mlp": Case(f"dense MLP{tag}", "mlp", dense, batch, seq, threads=threads),
         "flat": Case(f"MxD block, {s.experts:,} experts{tag}", "mxd_block", flat, batch, seq, threads=threads),
         "hier": Case(
-            f"hierarchical MxD, {_dims(hier)} = {n:,} experts{tag}", "mxd_block", deep, batch, seq, threads=threads
+            f"hierarchical MxD, {dims_text(hier)} = {n:,} experts{tag}", "mxd_block", deep, batch, seq, threads=threads
         ),
         "authors": Case(
             f"MxD from the paper's equations, {s.experts:,} experts{tag}",
@@ -568,7 +463,7 @@ def latency_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
     return Section(
         "latency",
         "Inference latency against tokens per call",
-        f"Eval mode, `torch.no_grad()`, {_threads(threads)}, 1 to {s.sweep_tokens:,} tokens per call: the CP "
+        f"Eval mode, `torch.no_grad()`, {threads_text(threads)}, 1 to {s.sweep_tokens:,} tokens per call: the CP "
         f'layer (`MuMoE({i}, {o}, {s.experts}, "cp", match="linear")`) against nn.Linear, the CP block '
         f'(`MuMoEMLP({d}, {4 * d}, {d}, {s.experts}, "cp", match="mlp")`) and a dense MoE against the dense '
         f"MLP. The dense MoE evaluates every expert on every token and weights their outputs by a softmax "
@@ -609,7 +504,7 @@ def generation_section(s: Sizes, extra: dict, threads: int = 2) -> Section:
         f'μMoE model is the same after `mumoe_tn.convert(model, expert_dims={s.experts}, mlps=r"mlp$")` '
         "(CP blocks parameter-matched to each MLP, token-wise gates as for every causal model). Each call "
         f"is `generate` from a {s.prompt}-token prompt: greedy, KV cache on, exactly {s.new_tokens} new "
-        f"tokens, {_threads(threads)}. Tokens per second is the inverse of the time, so the target "
+        f"tokens, {threads_text(threads)}. Tokens per second is the inverse of the time, so the target "
         '"tokens/s ≥ 0.8× the dense model\'s" reads time ≤ 1.25×.',
         cases[0].label,
         tuple(cases),
@@ -642,7 +537,7 @@ def scale_section(s: Sizes, extra: dict) -> Section:
             dims = expert_dims(exponent, modes)
             options = {"in_features": i, "out_features": o, "expert_dims": list(dims)}
             options["decomposition"] = decomposition(name, modes)
-            label = f"{shown} 2^{exponent} = {_dims(dims)}"
+            label = f"{shown} 2^{exponent} = {dims_text(dims)}"
             cases.append(Case(label, "mumoe", {**options, "match": "linear", **extra}, *tokens))
             if set(dims) == {16}:
                 target = f"{shown}, E = {modes} modes of 16 ÷ nn.Linear, fwd+bwd time"
@@ -662,112 +557,23 @@ def scale_section(s: Sizes, extra: dict) -> Section:
     )
 
 
-#: Limits of the host section: kernels of the CP layer per call, the other layers' counts ÷ CP's,
-#: and host time ÷ nn.Linear's (eval, fwd+bwd).
-HOST_KERNELS = {"eval_kernels": 8, "train_kernels": 30}
-HOST_KERNELS_VS_CP = 1.5
-HOST_TIME = {"infer_s": 3.0, "train_s": 4.0}
-#: Experts the top-k gates of the host section keep per token.
-HOST_TOP_K = 2
-
-
-def host_section(s: Sizes, extra: dict) -> Section:
-    """What a call costs the host at sizes where the arithmetic is nothing: kernels, host reads, time."""
-    i, n, tokens = s.host_width, s.host_experts, (s.host_train_tokens, 1)
-    hier = list(s.host_hierarchy)
-    layer = {"in_features": i, "out_features": i, **extra}
-    block = {"in_features": i, "hidden_features": 4 * i, "out_features": i, **extra}
-    linear = Case("nn.Linear", "linear", {"in_features": i, "out_features": i}, *tokens)
-    mlp = Case("dense MLP", "mlp", {"in_features": i, "hidden_features": 4 * i}, *tokens)
-
-    def matched(label: str, dims: int | list[int], name: str, **options: Any) -> Case:
-        return Case(label, "mumoe", {**layer, "expert_dims": dims, "decomposition": name, "match": "linear", **options},
-                    *tokens)  # fmt: skip
-
-    layers = {  # entmax15 + BatchNorm gate, the default
-        "CP": matched(f"CP layer, {n} experts", n, "cp"),
-        "TR": matched(f"TR layer, {n} experts", n, "tr"),
-        "TT": matched(f"TT layer, {n} experts", n, "tt"),
-        "Tucker": matched(f"Tucker layer, {n} experts", n, "tucker"),
-        "MxD": Case(f"MxD layer, {n} experts", "mumoe", {**layer, "expert_dims": n, "decomposition": "mxd"}, *tokens),
-        "hierarchical CP": matched(f"CP layer, {_dims(tuple(hier))} experts", hier, "cp"),
-    }
-    gates = [
-        matched(f"CP layer, {n} experts, sparsemax gate", n, "cp", activation="sparsemax"),
-        matched(f"CP layer, {n} experts, top-{HOST_TOP_K} softmax gate", n, "cp", topk=HOST_TOP_K),
-        Case(f"MxD layer, {n} experts, ReLU top-{HOST_TOP_K} gate", "mumoe",
-             {**layer, "expert_dims": n, "decomposition": "mxd", "relu_topk": HOST_TOP_K}, *tokens),
-    ]  # fmt: skip
-    blocks = [
-        Case(f"{name} block, {label} experts", "mumoe_mlp", {**block, "expert_dims": dims, "decomposition": fmt,
-             "match": "mlp"}, *tokens)
-        for name, fmt, dims, label in (
-            ("CP", "cp", n, n), ("TR", "tr", n, n), ("TT", "tt", n, n), ("Tucker", "tucker", n, n),
-            ("CP", "cp", hier, _dims(tuple(hier))),
-        )
-    ]  # fmt: skip
-    blocks.append(
-        Case(f"MxD block, {n} experts, ReLU top-{HOST_TOP_K} gate", "mxd_block",
-             {"in_features": i, "hidden_features": 4 * i, "expert_dims": n, "gate_k": HOST_TOP_K, "match": "mlp",
-              **extra}, *tokens)
-    )  # fmt: skip
-    cp = layers["CP"].label
-    targets = [
-        Target(f"{cp}: kernels per eval call (B = {s.host_eval_tokens})", cp, None, "eval_kernels",
-               HOST_KERNELS["eval_kernels"]),
-        Target(f"{cp}: kernels per fwd+bwd (B = {s.host_train_tokens})", cp, None, "train_kernels",
-               HOST_KERNELS["train_kernels"]),
-    ]  # fmt: skip
-    for name, case in layers.items():
-        if name != "CP":
-            for metric, call in (("eval_kernels", "eval call"), ("train_kernels", "fwd+bwd")):
-                targets.append(Target(f"{case.label} ÷ CP layer: kernels per {call}", case.label, cp, metric,
-                                      HOST_KERNELS_VS_CP))  # fmt: skip
-    for case in layers.values():
-        targets.append(Target(f"{case.label} ÷ nn.Linear: host time, eval B = {s.host_eval_tokens}", case.label,
-                              linear.label, "infer_s", HOST_TIME["infer_s"]))  # fmt: skip
-        targets.append(Target(f"{case.label} ÷ nn.Linear: host time, fwd+bwd B = {s.host_train_tokens}",
-                              case.label, linear.label, "train_s", HOST_TIME["train_s"]))  # fmt: skip
-    floor = Case(f"CP layer, {n} experts, fewest eager calls", "fewest_calls_cp",
-                 {**layer, "expert_dims": n, "match": "linear"}, *tokens)  # fmt: skip
-    cases = (linear, *layers.values(), floor, *gates, mlp, *blocks)
-    pairs = tuple((case.label, mlp.label) for case in (mlp, *blocks))
-    return Section(
-        "host",
-        f"Host overhead: kernels, host reads and time per call at I = O = {i}, {n} experts",
-        f"Sizes at which the arithmetic is nothing, so a call costs what the host does: layers {i} → {i} "
-        f'(`MuMoE({i}, {i}, {n}, fmt, match="linear")`, entmax15 + BatchNorm gate unless named; the MxD layer '
-        f"has {n} experts unmatched, since its decoder alone holds nn.Linear's matrix) against `nn.Linear({i}, "
-        f'{i})`, and blocks {i} → {4 * i} → {i} (`MuMoEMLP(..., match="mlp")`, `MixtureOfDecoders(..., '
-        f'match="mlp")`) against the dense MLP (GELU). *fwd*: one eval call on {s.host_eval_tokens} token(s) '
-        f"under `torch.no_grad()`; *fwd+bwd*: one train-mode step on {s.host_train_tokens} tokens that require "
-        "grad, all cases alternating in one run. Times are the host's: from a synchronised device until the call "
-        "returns (on the CPU, the call's time). *kernels*: ATen operators that compute, forward and backward, on "
-        "the code path of the run's device (views, allocations and metadata left out; "
-        "`benchmarks.launches.AtenCalls`); *host reads*: values the call reads back to the host (`item`, "
-        "`nonzero`, `tolist`, `numpy`, copies to the CPU), each a wait for the device on an accelerator. On the "
-        "CPU, work handed to NumPy shows as one host read and no kernels. *fewest eager calls*: the CP layer's "
-        "parameters run as the fewest PyTorch calls its arithmetic needs, with nothing else "
-        "(`benchmarks.baselines.FewestCallsCP`): the floor of what an eager layer with this gate can cost.",
-        linear.label,
-        cases,
-        memory=False,
-        reps=s.host_reps,
-        targets=tuple(targets),
-        pairs=pairs,
-        reference_text="nn.Linear (layers) or the dense MLP (blocks)",
-        eval_tokens=s.host_eval_tokens,
-    )
-
-
 SECTIONS = (
     "layer", "handwritten", "params", "experts", "small", "autotune", "inference", "latency", "generation", "scale",
     "mxd", "mxd-inference", "host",
 )  # fmt: skip
 
 
-def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int, threads: int = 2) -> list[Section]:
-    """The selected sections, in report order; ``threads`` is the run's thread count."""
+def make_sections(
+    names: list[str], sizes: Sizes, extra: dict, memory_limit: int, threads: int = 2, *, compile_rows: bool = True
+) -> list[Section]:
+    """The selected sections, in report order; ``threads`` is the run's thread count.
+
+    ``compile_rows=False`` leaves the host section's ``torch.compile`` rows out (they compile
+    each layer's graphs first: about a minute on two CPU cores).
+    """
+    from benchmarks.decoding_section import inference_section  # both build on this module's sizes and targets
+    from benchmarks.host_section import host_section
+
     builders = {
         "layer": lambda: layer_section(sizes, extra),
         "handwritten": lambda: handwritten_section(sizes, extra),
@@ -781,6 +587,6 @@ def make_sections(names: list[str], sizes: Sizes, extra: dict, memory_limit: int
         "scale": lambda: scale_section(sizes, extra),
         "mxd": lambda: mxd_section(sizes, extra),
         "mxd-inference": lambda: mxd_inference_section(sizes, extra, threads),
-        "host": lambda: host_section(sizes, extra),
+        "host": lambda: host_section(sizes, extra, compile_rows=compile_rows),
     }
     return [builders[name]() for name in SECTIONS if name in names]
