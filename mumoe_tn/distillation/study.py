@@ -41,6 +41,7 @@ from torch import nn
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.distillation.causal_lm import context_length, saved_tokenizer
 from mumoe_tn.distillation.corpus import encode_text, read_text, text_files
+from mumoe_tn.distillation.distill_options import DistillOptions
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable
 from mumoe_tn.distillation.interruption import DistillationStopped
@@ -373,12 +374,13 @@ def run_frontier(
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
-    result = distill(
-        model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
-        buffer_tokens=config.buffer_tokens, recipe=config.recipe, lr=config.lr, seed=config.seed,
-        checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, progress=progress, stop=stop,
+    options = DistillOptions(
+        tokens=config.tokens, mlps=config.mlps, batch_size=config.batch_size, buffer_tokens=config.buffer_tokens,
+        recipe=config.recipe, lr=config.lr, seed=config.seed, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+        resume=resume, progress=progress, stop=stop,
         run_config={"model": description, "text_digest": _digest(tokens), **dataclasses.asdict(config)},
     )  # fmt: skip
+    result = distill(model, stream, factories, options=options)
     trained = time.perf_counter() - start
     world = process_world()
     if world is not None and world[0] != 0:
