@@ -454,7 +454,7 @@ def spec_from_data(data: object, field: str = "spec") -> ReplacementSpec:
     kind = fields["kind"]
     method = METHODS.get(kind) if isinstance(kind, str) else None
     if method is None or method.read is None:
-        kinds = [name for name, entry in METHODS.items() if entry.read is not None]
+        kinds = sorted(name for name, entry in METHODS.items() if entry.read is not None)
         raise ValueError(f"{field}.kind = {kind!r:.120} is invalid: it must be one of {kinds}")
     return method.read(fields, field)
 
