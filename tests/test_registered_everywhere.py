@@ -166,8 +166,8 @@ def test_the_command_line_takes_them_by_name(toy_block_kind, toy_method, tmp_pat
 
 
 def test_an_unregistered_method_is_refused_by_name_with_the_registered_ones(capsys):
-    with pytest.raises(ValueError, match=r"unknown distillation method 'toy-gone'.*'skip-transcoder', 'transcoder'"):
+    with pytest.raises(ValueError, match=r"unknown method 'toy-gone'.*'skip-transcoder', 'transcoder'"):
         parse_method("toy-gone")
     with pytest.raises(SystemExit):
         main(["distill", "--quick", "--methods", "toy-gone", "--no-progress"])
-    assert "unknown distillation method 'toy-gone'" in capsys.readouterr().err
+    assert "unknown method 'toy-gone'" in capsys.readouterr().err

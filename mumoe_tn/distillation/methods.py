@@ -342,7 +342,7 @@ def _unknown(text: str) -> ValueError:
     by_format = [name for name, method in METHODS.items() if method.by_format]
     formats = f", or a format name of {sorted(available())} (with {HIERARCHICAL_SUFFIX!r} for two expert modes)"
     return ValueError(
-        f"unknown distillation method {text!r:.80}: registered methods are {sorted(named)}"
+        f"unknown method {text!r:.80}: the registered distillation methods are {sorted(named)}"
         + (formats if by_format else "")
     )
 
@@ -371,6 +371,9 @@ def parse_method(method: str | MethodSpec) -> MethodSpec:
         if entry.by_format and (method.format is None or method.format.lower() not in available()):
             raise ValueError(f"{method.family!r} needs a registered format of {sorted(available())}, "
                              f"got {method.format!r}")  # fmt: skip
+        if not entry.by_format and (method.format is not None or method.hierarchical):
+            raise ValueError(f"the method {method.family!r} is named by itself: it takes no format and no expert "
+                             f"modes, got format={method.format!r}, hierarchical={method.hierarchical}")  # fmt: skip
         return method
     if not isinstance(method, str):
         raise TypeError(f"a distillation method is named by a str or given as a MethodSpec, got {method!r:.80}")

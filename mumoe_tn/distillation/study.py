@@ -12,8 +12,8 @@ the block the format converts an MLP to, a Mixture of Decoders for ``mxd`` — a
 mode with ``∏ k_e = L0``; and any method registered in
 [`METHODS`][mumoe_tn.distillation.methods.METHODS] by its name. Each method's text form is parsed
 once into a [`MethodSpec`][mumoe_tn.distillation.methods.MethodSpec]. The budget is the parameter
-count of a transcoder with ``expansion × I`` latents (the Mixture of Decoders paper matches a 32× transcoder; 8× here by
-default), or ``budget`` parameters.
+count of a transcoder with ``expansion × I`` latents (the Mixture of Decoders paper matches a 32×
+transcoder; 8× here by default), or ``budget`` parameters.
 
 Without ``model_dir`` a GPT-2-shaped model (byte tokens) is built from a small config and first
 trained on the text — nothing is downloaded; with ``model_dir`` a local Hugging Face causal LM of

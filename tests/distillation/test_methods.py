@@ -81,12 +81,13 @@ def test_a_method_recipe_wins_over_the_run_recipe():
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda: parse_method("cp-hierarchical"), ValueError, r"unknown distillation method 'cp-hierarchical'.*"
+        (lambda: parse_method("cp-hierarchical"), ValueError, r"unknown method 'cp-hierarchical'.*"
                                                                 r"'skip-transcoder', 'transcoder'.*'-hier'"),
         (lambda: parse_method(3), TypeError, "named by a str"),
         (lambda: parse_methods("cp"), ValueError, "non-empty sequence"),
         (lambda: parse_method(MethodSpec("nowhere")), ValueError, "unknown distillation method 'nowhere'"),
         (lambda: parse_method(MethodSpec("mumoe", "nope")), ValueError, "needs a registered format"),
+        (lambda: parse_method(MethodSpec("transcoder", "cp")), ValueError, "takes no format and no expert modes"),
         (lambda: MethodSpec("transcoder", k=0), ValueError, "MethodSpec.k must be None or a positive int"),
         (lambda: MethodSpec("transcoder", recipe="fast"), ValueError, "MethodSpec.recipe must be None or one of"),
         (lambda: MethodSpec("mumoe", "cp", hierarchical="yes"), TypeError, "hierarchical must be a bool"),
