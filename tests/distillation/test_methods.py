@@ -20,7 +20,9 @@ from mumoe_tn.distillation.methods import (
     spec_from_data,
 )
 from mumoe_tn.distillation.replacement_specs import ReplacementSpec
-from mumoe_tn.distillation.streaming import BlockInfo
+from mumoe_tn.distillation.run_files import load_frontier, read_record
+from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
+from mumoe_tn.distillation.study import method_factories
 from mumoe_tn.distillation.transcoders import Transcoder
 from mumoe_tn.layers import MixtureOfDecoders, MuMoEMLP
 
@@ -140,3 +142,21 @@ def test_only_the_registry_reads_a_method_text():
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value!r}")
     # the saved data's kind of a transcoder spec is named once, where the data format is defined
     assert found == ["distillation/replacement_specs.py:41 'transcoder'"]
+
+
+def test_a_run_saved_before_methods_were_registered_still_loads():
+    """``tests/fixtures/frontier_run/run`` was written by its ``write_run.py`` before the method registry."""
+    pytest.importorskip("transformers")
+    run = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "frontier_run" / "run"
+    model, replacements, table = load_frontier(run)
+    built = replacements["transformer.h.0.mlp"]
+    assert {method: type(module).__name__ for method, module in built.items()} == {
+        "transcoder@2": "Transcoder", "skip-transcoder@2": "Transcoder", "cp-hier@2": "MuMoEMLP",
+        "mxd@2": "MixtureOfDecoders",
+    }  # fmt: skip
+    assert sorted(row.method for row in table.rows) == sorted(built)
+    # the specs the registered methods attach today are the ones the run recorded
+    recorded = read_record(table.config["saved_run"]).methods
+    (block,) = select_blocks(model, "mlp$")
+    for name, factory in method_factories(("transcoder", "skip-transcoder", "cp-hier", "mxd"), (2,), 2.0, 16).items():
+        assert factory(block).replacement_spec == recorded[name], name
