@@ -38,6 +38,7 @@ import torch
 
 from benchmarks.quality_stats import paired_differences, t_interval
 from mumoe_tn.distillation.frontier import FrontierTable, plot_frontier
+from mumoe_tn.distillation.methods import parse_methods, reference_methods
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
 
 #: The methods of the claim: MxD (flat and two modes) and the hierarchical CP and TR blocks against both transcoders.
@@ -46,8 +47,8 @@ CLAIM_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp-hier", 
 #: ``--aux-k``: the auxiliary-k term on the μMoE blocks (None: the factory's default).
 AUX_K = {"auto": None, "on": True, "off": False}
 
-#: The references every method is compared with, seed by seed.
-REFERENCES = ("transcoder", "skip-transcoder")
+#: The references every method is compared with, seed by seed: the registered ones (the transcoders).
+REFERENCES = reference_methods()
 
 #: Training tokens per replacement of the claim: what 3 seeds fit in 30 minutes on 2 cores (1,108–1,643 s measured).
 CLAIM_TOKENS = 800_000
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("methods", "l0s"):
             if key in changes:
                 changes[key] = tuple(changes[key])
+        if "methods" in changes:  # parsed once: an unknown method is named before any model is trained
+            changes["methods"] = tuple(spec.text for spec in parse_methods(changes["methods"]))
         config = dataclasses.replace(config, **changes)
         torch.set_num_threads(1)  # what every seed's worker runs with, as the machine line says
         machine = _machine()

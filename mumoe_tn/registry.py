@@ -19,6 +19,7 @@ statement where subclassing registers). Each registry is reached by the package 
 | gated-MLP child names | `mumoe_tn.conversion.surgery.blocks.GATED_LAYOUTS` | `register_gated_names` |
 | distillation loss terms | `mumoe_tn.distillation.losses.LOSSES` | ``class L(Loss, name=…)``, `register_loss` |
 | distillation metrics | `mumoe_tn.distillation.metrics.METRICS` | ``class M(Metric, name=…)``, `register_metric` |
+| distillation methods | `mumoe_tn.distillation.methods.METHODS` | `register_method` |
 | MLP block kinds (a format's ``mlp_block``) | `mumoe_tn.layers.mlp_blocks.MLP_BLOCKS` | `register_mlp_block` |
 | replaced module kinds | `mumoe_tn.conversion.surgery.block_kinds.BLOCK_KINDS` | ``BLOCK_KINDS.register(name, kind)`` |
 

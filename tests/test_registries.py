@@ -252,6 +252,7 @@ def _front_doors():
     from mumoe_tn.decompositions.registry import FORMATS
     from mumoe_tn.decompositions.registry import register as register_format
     from mumoe_tn.distillation.losses import LOSSES, Loss, register_loss, unregister_loss
+    from mumoe_tn.distillation.methods import METHODS, register_method, unregister_method
     from mumoe_tn.distillation.metrics import METRICS, Metric, register_metric, unregister_metric
     from mumoe_tn.gates.modules import ACTIVATIONS, GATE_NORMS
     from mumoe_tn.gates.registry import GATES, gate_class_name
@@ -324,6 +325,11 @@ def _front_doors():
             lambda replace: register_metric(type("Entry", (Metric,), {}), name=DUPLICATE, replace=replace),
             lambda: METRICS[DUPLICATE],
             lambda: unregister_metric(DUPLICATE),
+        ),
+        "register_method": (
+            lambda replace: register_method(DUPLICATE, _function(), replace=replace).factory,
+            lambda: METHODS[DUPLICATE].factory,
+            lambda: unregister_method(DUPLICATE),
         ),
     }
 

@@ -25,6 +25,7 @@ import torch
 
 from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
 from mumoe_tn.distillation.interruption import DistillationStopped, StopOnSignals
+from mumoe_tn.distillation.methods import HIERARCHICAL_SUFFIX, METHODS, parse_methods
 from mumoe_tn.distillation.paired import paired_against
 from mumoe_tn.distillation.process_shares import joined_process_group, process_checkpoint, process_world
 from mumoe_tn.distillation.replacements import top_k_gate_names
@@ -54,7 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "files (read sorted, subdirectories too), to train, distil and evaluate on (default "
                         "Python's pydoc_data); tokenised by the tokenizer beside --model, else bytes")  # fmt: skip
     parser.add_argument("--mlps", help=f"regex of the MLP blocks to distil (default {d.mlps!r})")
-    parser.add_argument("--methods", nargs="+", help=f"methods (default {' '.join(d.methods)})")
+    parser.add_argument("--methods", nargs="+", help=f"methods: {', '.join(_named_methods())}, a format name, or a "
+                        f"format name with {HIERARCHICAL_SUFFIX!r} for two expert modes (default "
+                        f"{' '.join(d.methods)})")  # fmt: skip
     parser.add_argument("--l0", dest="l0s", type=int, nargs="+", help=f"sparsities (default {list(d.l0s)})")
     parser.add_argument("--experts", type=int, help=f"experts of every μMoE block (default {d.experts})")
     parser.add_argument(
@@ -97,6 +100,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _named_methods() -> list[str]:
+    """The registered methods named by their own name (the others by a format's)."""
+    return [name for name, method in METHODS.items() if not method.by_format]
+
+
 def config_from(args: argparse.Namespace) -> FrontierConfig:
     """The configuration the parsed arguments ask for."""
     config = FrontierConfig.quick() if args.quick else FrontierConfig()
@@ -111,6 +119,8 @@ def config_from(args: argparse.Namespace) -> FrontierConfig:
                  "pretrain_steps", "width", "depth"):  # fmt: skip
         if name in changes and changes[name] <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {changes[name]}")
+    if "methods" in changes:  # parsed once here: an unknown method is named before any model is built
+        changes["methods"] = tuple(spec.text for spec in parse_methods(changes["methods"]))
     if any(l0 <= 0 for l0 in changes.get("l0s", ())):
         raise ValueError(f"--l0 values must be positive ints, got {list(changes['l0s'])}")
     return dataclasses.replace(config, **changes)

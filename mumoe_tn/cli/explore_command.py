@@ -10,15 +10,17 @@ have one each: ``examples/char_gpt.py:explorer``, ``examples/gpt2_upcycle.py:exp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from mumoe_tn.analysis.explorer.explore_options import OPTION_NAMES, ExploreOptions
 from mumoe_tn.cli.arguments import positive
 
-__all__ = ["DESCRIPTION", "HELP", "configure", "load_target", "run"]
+__all__ = ["DESCRIPTION", "HELP", "configure", "load_target", "options_from", "run"]
 
 HELP = "write a self-contained HTML page showing what each expert of a model does"
 DESCRIPTION = (
@@ -79,6 +81,19 @@ def load_target(target: str) -> Callable[[], object]:
     return function
 
 
+def options_from(args: argparse.Namespace, options: ExploreOptions | None = None) -> ExploreOptions:
+    """``options`` (default ``ExploreOptions()``) with what the parsed arguments set."""
+    changes: dict[str, object] = {
+        "top_k": args.top_k, "context": args.context, "batch_size": args.batch_size, "ablation": args.ablation,
+        "ablation_samples": args.ablation_samples, "progress": False if args.quiet else None,
+    }  # fmt: skip
+    if args.layers:
+        changes["layers"] = args.layers
+    if args.title:
+        changes["title"] = args.title
+    return dataclasses.replace(ExploreOptions() if options is None else options, **changes)
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the model, explore it, write the page; prints where it went."""
     from mumoe_tn.analysis.explorer.explore import explore
@@ -90,31 +105,29 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--context must be at least 0, got {args.context}")
     built = load_target(args.target)()
     if isinstance(built, Mapping):
-        options = dict(built)
+        given = dict(built)
     elif isinstance(built, tuple) and len(built) == 2:
-        options = {"model": built[0], "data": built[1]}
+        given = {"model": built[0], "data": built[1]}
     else:
         raise TypeError(
             f"{args.target} must return a dict of explore() arguments or a (model, data) pair, "
             f"got {type(built).__name__}"
         )
-    missing = [key for key in ("model", "data") if key not in options]
+    missing = [key for key in ("model", "data") if key not in given]
     if missing:
         raise ValueError(f"{args.target} returned no {' or '.join(missing)} (explore() needs model and data)")
+    model, data = given.pop("model"), given.pop("data")
+    unknown = sorted(str(key) for key in given if key not in OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"{args.target} returned {unknown}, which explore() does not take; its options are "
+                         f"{list(OPTION_NAMES)}")  # fmt: skip
     if args.samples is not None:
-        for key in ("data", "labels", "images"):
-            if options.get(key) is not None:
-                options[key] = options[key][: args.samples]
-    options.update(
-        top_k=args.top_k, context=args.context, batch_size=args.batch_size, ablation=args.ablation,
-        ablation_samples=args.ablation_samples, progress=False if args.quiet else None,
-    )  # fmt: skip
-    if args.layers:
-        options["layers"] = args.layers
-    if args.title:
-        options["title"] = args.title
-    model, data = options.pop("model"), options.pop("data")
-    report = explore(model, data, output, **options)
+        data = data[: args.samples]
+        for key in ("labels", "images"):
+            if given.get(key) is not None:
+                given[key] = given[key][: args.samples]
+    options = options_from(args, ExploreOptions(**given))
+    report = explore(model, data, output, options=options)
     units = sum(len(layer["units"]) for layer in report.data["layers"])
     print(f"wrote {output} ({len(report.data['layers'])} layers, {units} experts and slices)")
     return 0

@@ -7,8 +7,9 @@
   of any registered or custom network (a Mixture of Decoders for ``mxd``), TopK and skip
   transcoders — all at one parameter budget.
 - [`training`][mumoe_tn.distillation.training]: the training loop over streamed activations
-  (resumable, seeded, a named recipe); [`splicing`][mumoe_tn.distillation.splicing]: replacements
-  put in the model;
+  (resumable, seeded, a named recipe), its options in one object
+  ([`distill_options`][mumoe_tn.distillation.distill_options]);
+  [`splicing`][mumoe_tn.distillation.splicing]: replacements put in the model;
   [`resume_checks`][mumoe_tn.distillation.resume_checks]: a resume file read as data.
 - [`process_shares`][mumoe_tn.distillation.process_shares]: distillation across the processes of a
   ``torchrun`` job, each training its share of the replacements.
@@ -22,6 +23,8 @@
 - [`frontier`][mumoe_tn.distillation.frontier]: the sparsity–accuracy table and its plot.
 - [`paired`][mumoe_tn.distillation.paired]: two methods of a block compared sequence by sequence
   (a paired bootstrap over the held-out sequences, for one seed or many).
+- [`methods`][mumoe_tn.distillation.methods]: the registered distillation methods, their text
+  forms parsed once into structured specs.
 - [`study`][mumoe_tn.distillation.study]: a whole frontier run, as ``mumoe-tn distill`` runs it.
 - [`run_files`][mumoe_tn.distillation.run_files]: a run saved to a directory that describes how to
   rebuild its replacements ([`replacement_specs`][mumoe_tn.distillation.replacement_specs]), loaded
@@ -29,6 +32,7 @@
   safetensors file, loaded all or nothing.
 """
 
+from mumoe_tn.distillation.distill_options import DistillOptions
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierRow, FrontierTable, ce_loss_score, plot_frontier
 from mumoe_tn.distillation.losses import AuxK, GateBalance, Loss, available_losses, get_loss, register_loss
@@ -44,6 +48,7 @@ __all__ = [
     "RECIPES",
     "AuxK",
     "BlockInfo",
+    "DistillOptions",
     "Distillation",
     "FrontierRow",
     "FrontierTable",

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from mumoe_tn.distillation.methods import reference_methods
+
 __all__ = [
     "MAX_SEQUENCES",
     "PairedDifference",
@@ -255,9 +257,7 @@ def paired_difference(
     )  # fmt: skip
 
 
-def paired_against(
-    table: Any, baselines: Sequence[str] = ("transcoder", "skip-transcoder"), **options: Any
-) -> list[PairedDifference]:
+def paired_against(table: Any, baselines: Sequence[str] | None = None, **options: Any) -> list[PairedDifference]:
     """Every other method of every block against each baseline at the same requested L0.
 
     Parameters
@@ -265,7 +265,8 @@ def paired_against(
     table : FrontierTable
         An evaluation that kept its per-sequence losses.
     baselines : Sequence[str], optional
-        Method families (the name before ``@``) to compare against (default the transcoders).
+        Method families (the name before ``@``) to compare against (default the registered
+        references, the transcoders: see [`reference_methods`][mumoe_tn.distillation.methods.reference_methods]).
     **options
         Passed to [`paired_difference`][mumoe_tn.distillation.paired.paired_difference].
 
@@ -276,6 +277,8 @@ def paired_against(
     """
     if not isinstance(getattr(table, "sequences", None), SequenceLosses):
         return []
+    if baselines is None:
+        baselines = reference_methods()
     found = []
     for row in table.rows:
         if row.family in baselines or row.requested_l0 is None:

@@ -8,8 +8,9 @@ top-k gate's name, a recipe, ``aux_k`` as a bool, ``balance`` as a number); ever
 build then carries it as ``replacement_spec``.
 [`save_frontier`][mumoe_tn.distillation.run_files.save_frontier] writes
 those specs as JSON and [`load_frontier`][mumoe_tn.distillation.run_files.load_frontier] reads
-them back with [`spec_from_data`][mumoe_tn.distillation.replacement_specs.spec_from_data], which
-checks every field by type and range before anything is built.
+them back with [`spec_from_data`][mumoe_tn.distillation.methods.spec_from_data], which hands each
+to the reader its kind's registered method names (``transcoder_spec_from_data``,
+``mumoe_spec_from_data`` here): every field is checked by type and range before anything is built.
 """
 
 from __future__ import annotations
@@ -28,13 +29,19 @@ __all__ = [
     "MAX_SPEC_BALANCE",
     "MAX_SPEC_BUDGET",
     "MAX_SPEC_FRACTION",
-    "SPEC_KINDS",
+    "MUMOE_KIND",
+    "TRANSCODER_KIND",
     "ReplacementSpec",
-    "spec_from_data",
+    "check_spec_fields",
+    "mumoe_spec_from_data",
+    "transcoder_spec_from_data",
 ]
 
-#: The kinds of replacement a spec describes.
-SPEC_KINDS = ("transcoder", "mumoe")
+#: The kind of a (skip) transcoder's spec: the registered method that rebuilds it.
+TRANSCODER_KIND = "transcoder"
+
+#: The kind of a μMoE block's spec: the registered method, named by formats, that rebuilds it.
+MUMOE_KIND = "mumoe"
 
 #: Most expert modes of a described μMoE block.
 MAX_EXPERT_MODES = 4
@@ -63,8 +70,10 @@ class ReplacementSpec:
 
     Attributes
     ----------
-    kind : {"transcoder", "mumoe"}
-        A (skip) transcoder, or a μMoE block of a registered format.
+    kind : str
+        The registered distillation method that rebuilds it (see
+        [`METHODS`][mumoe_tn.distillation.methods.METHODS]): ``"transcoder"`` for a (skip)
+        transcoder, ``"mumoe"`` for a μMoE block of a registered format.
     k : int, tuple of int or None
         TopK latents (None: a ReLU transcoder), or experts kept per token, per expert mode.
     budget : int, float or None
@@ -146,20 +155,13 @@ def _choice(field: str, value: object, choices: tuple[Any, ...]) -> Any:
     return value
 
 
-def spec_from_data(data: object, field: str = "spec") -> ReplacementSpec:
-    """The spec that [`ReplacementSpec.to_data`][mumoe_tn.distillation.replacement_specs.ReplacementSpec.to_data] wrote.
-
-    Parameters
-    ----------
-    data : object
-        Parsed JSON.
-    field : str, optional
-        Where ``data`` sits (quoted in errors).
+def check_spec_fields(data: object, field: str = "spec") -> Mapping[str, Any]:
+    """``data`` if it is a JSON object of exactly a spec's fields (those written before they existed may lack).
 
     Raises
     ------
     ValueError
-        A field that is missing, unknown, of the wrong type or out of range, named.
+        Data that is no object, or a field missing or unknown (named).
     """
     if not isinstance(data, Mapping):
         raise _refuse(field, data, "it must be a JSON object")
@@ -168,19 +170,48 @@ def spec_from_data(data: object, field: str = "spec") -> ReplacementSpec:
     if unknown or missing:
         raise ValueError(f"{field} is invalid: it must have exactly the fields {list(_FIELDS)} (missing {missing}, "
                          f"unknown {unknown[:5]})")  # fmt: skip
-    kind = _choice(f"{field}.kind", data["kind"], SPEC_KINDS)
+    return data
+
+
+def _common(data: Mapping[str, Any], field: str) -> tuple[int | float | None, str, bool | None, float | None, bool]:
+    """The fields every kind checks alike: budget, top_k, aux_k, balance, skip."""
     budget = _budget(f"{field}.budget", data["budget"])
     top_k = _choice(f"{field}.top_k", data["top_k"], ("auto", *top_k_gates()))
     aux_k = _choice(f"{field}.aux_k", data["aux_k"], (None, True, False))
     balance = _balance(f"{field}.balance", data.get("balance"))
     skip = _choice(f"{field}.skip", data["skip"], (True, False))
-    if kind == "transcoder":
-        k = None if data["k"] is None else _size(f"{field}.k", data["k"], MAX_EXPERTS)
-        for name, default in (("format", None), ("experts", None), ("top_k", "auto"), ("recipe", None),
-                              ("aux_k", None), ("balance", None)):  # fmt: skip
-            if data.get(name) is not default and not (isinstance(default, str) and data[name] == default):
-                raise _refuse(f"{field}.{name}", data[name], f"a transcoder's must be {default!r}")
-        return ReplacementSpec(kind, k, budget, skip)
+    return budget, top_k, aux_k, balance, skip
+
+
+def transcoder_spec_from_data(data: Mapping[str, Any], field: str = "spec") -> ReplacementSpec:
+    """A saved (skip) transcoder's spec, every field checked (``data`` as ``check_spec_fields`` passed it).
+
+    Raises
+    ------
+    ValueError
+        A field of the wrong type, out of range or set where a transcoder has none, named.
+    """
+    data = check_spec_fields(data, field)
+    budget, _, _, _, skip = _common(data, field)
+    k = None if data["k"] is None else _size(f"{field}.k", data["k"], MAX_EXPERTS)
+    for name, default in (("format", None), ("experts", None), ("top_k", "auto"), ("recipe", None),
+                          ("aux_k", None), ("balance", None)):  # fmt: skip
+        if data.get(name) is not default and not (isinstance(default, str) and data[name] == default):
+            raise _refuse(f"{field}.{name}", data[name], f"a transcoder's must be {default!r}")
+    return ReplacementSpec(data["kind"], k, budget, skip)
+
+
+def mumoe_spec_from_data(data: Mapping[str, Any], field: str = "spec") -> ReplacementSpec:
+    """A saved μMoE block's spec, every field checked (``data`` as ``check_spec_fields`` passed it).
+
+    Raises
+    ------
+    ValueError
+        A field of the wrong type or out of range, an unregistered format, or ``k`` keeping more
+        experts than there are, named.
+    """
+    data = check_spec_fields(data, field)
+    budget, top_k, aux_k, balance, skip = _common(data, field)
     if skip:
         raise _refuse(f"{field}.skip", skip, "a μMoE block has no skip")
     formats = available()
@@ -203,4 +234,4 @@ def spec_from_data(data: object, field: str = "spec") -> ReplacementSpec:
         if any(kept > there for kept, there in zip(ks, experts, strict=True)):
             raise _refuse(f"{field}.k", k_data, f"it keeps more experts than the {list(experts)} there are")
     recipe = _choice(f"{field}.recipe", data["recipe"], (None, "mxd-paper", "plain"))
-    return ReplacementSpec(kind, k, budget, False, fmt, experts, top_k, recipe, aux_k, balance)
+    return ReplacementSpec(data["kind"], k, budget, False, fmt, experts, top_k, recipe, aux_k, balance)

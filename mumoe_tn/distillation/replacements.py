@@ -33,7 +33,7 @@ Given plain arguments (a registered format's name, expert counts, ``k``, a budge
 name, a recipe, ``aux_k`` as a bool, ``balance`` as a number; no ``layer=``, ``gate=`` or block
 options), every module these factories build carries ``replacement_spec``, a
 [`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] of those arguments;
-[`factory_from_spec`][mumoe_tn.distillation.replacements.factory_from_spec] gives the factory back,
+[`factory_from_spec`][mumoe_tn.distillation.methods.factory_from_spec] gives the factory back,
 so a saved run ([`save_frontier`][mumoe_tn.distillation.run_files.save_frontier]) rebuilds its
 replacements from data.
 """
@@ -53,7 +53,7 @@ from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.decompositions.registry import available
 from mumoe_tn.decompositions.resolve import Decomposition, format_of
 from mumoe_tn.distillation.losses import GATE_BALANCE_WEIGHT, AuxK, GateBalance
-from mumoe_tn.distillation.replacement_specs import ReplacementSpec
+from mumoe_tn.distillation.replacement_specs import MUMOE_KIND, TRANSCODER_KIND, ReplacementSpec
 from mumoe_tn.distillation.streaming import BlockInfo
 from mumoe_tn.distillation.training import RECIPES, Factory
 from mumoe_tn.distillation.transcoders import Transcoder
@@ -65,7 +65,6 @@ from mumoe_tn.validation import check_positive_float, check_size
 
 __all__ = [
     "PAPER_EXPANSION",
-    "factory_from_spec",
     "mode_split",
     "mumoe_factory",
     "mxd_paper_init",
@@ -281,7 +280,7 @@ def mumoe_factory(
     spec = None
     if described:
         ks = k if isinstance(k, int) else tuple(k)
-        spec = ReplacementSpec("mumoe", ks, budget, False, decomposition, dims, top_k, recipe, aux_k, balance)  # type: ignore[arg-type]
+        spec = ReplacementSpec(MUMOE_KIND, ks, budget, False, decomposition, dims, top_k, recipe, aux_k, balance)  # type: ignore[arg-type]
     gate = options.pop("gate", None) or gates[chosen](k=k)
 
     def build(block: BlockInfo) -> nn.Module:
@@ -343,27 +342,5 @@ def transcoder_factory(k: int | None, budget: int | float | None = None, *, skip
         module.replacement_spec = spec
         return module
 
-    spec = ReplacementSpec("transcoder", k, budget, skip)
+    spec = ReplacementSpec(TRANSCODER_KIND, k, budget, skip)
     return build
-
-
-def factory_from_spec(spec: ReplacementSpec) -> Factory:
-    """The factory a [`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec] describes.
-
-    Parameters
-    ----------
-    spec : ReplacementSpec
-        As a factory of this module attached it to what it built (``module.replacement_spec``),
-        or as read by [`spec_from_data`][mumoe_tn.distillation.replacement_specs.spec_from_data].
-
-    Returns
-    -------
-    Factory
-        A factory that builds the same module again (its weights freshly initialised).
-    """
-    if not isinstance(spec, ReplacementSpec):
-        raise TypeError(f"spec must be a ReplacementSpec, got {type(spec).__name__}")
-    if spec.kind == "transcoder":
-        return transcoder_factory(spec.k, spec.budget, skip=spec.skip)  # type: ignore[arg-type]
-    return mumoe_factory(spec.format, spec.experts, spec.k, spec.budget, top_k=spec.top_k, recipe=spec.recipe,
-                         aux_k=spec.aux_k, balance=spec.balance)  # type: ignore[arg-type]  # fmt: skip

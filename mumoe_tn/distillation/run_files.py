@@ -3,7 +3,9 @@
 [`save_frontier`][mumoe_tn.distillation.run_files.save_frontier] writes ``frontier.json`` (the
 table, and under ``config.saved_run`` what rebuilds the replacements: every block by its name and
 shapes, every method by the [`ReplacementSpec`][mumoe_tn.distillation.replacement_specs.ReplacementSpec]
-of the factory that built it, and the model's directory relative to the run),
+of the factory that built it — its ``kind`` the registered method
+([`METHODS`][mumoe_tn.distillation.methods.METHODS]) that reads and rebuilds it — and the model's
+directory relative to the run),
 ``replacements.safetensors`` (the weights, with the same record in its metadata) and ``model/``
 (``save_pretrained``). It works from any entry point — ``mumoe-tn distill --save``,
 [`run_frontier`][mumoe_tn.distillation.study.run_frontier] or
@@ -53,9 +55,10 @@ from mumoe_tn.conversion.persistence.files import (
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.distillation.frontier import FrontierTable
+from mumoe_tn.distillation.methods import factory_from_spec, spec_from_data
 from mumoe_tn.distillation.replacement_files import fill_replacements, read_replacements, save_replacements
-from mumoe_tn.distillation.replacement_specs import ReplacementSpec, spec_from_data
-from mumoe_tn.distillation.replacements import PAPER_EXPANSION, factory_from_spec
+from mumoe_tn.distillation.replacement_specs import ReplacementSpec
+from mumoe_tn.distillation.replacements import PAPER_EXPANSION
 from mumoe_tn.distillation.streaming import BlockInfo, select_blocks
 
 __all__ = [

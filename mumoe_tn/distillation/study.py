@@ -9,9 +9,11 @@ Methods, by name: ``transcoder`` (TopK) and ``skip-transcoder``; any registered 
 (``mxd``, ``cp``, ``tr``, ``tt``, ``tucker``, …) for a flat μMoE block of ``experts`` experts —
 the block the format converts an MLP to, a Mixture of Decoders for ``mxd`` — and
 ``<format>-hier`` for the same number of experts in two modes (``256`` → ``16×16``), top-k per
-mode with ``∏ k_e = L0``. The budget is the parameter count of a transcoder with
-``expansion × I`` latents (the Mixture of Decoders paper matches a 32× transcoder; 8× here by
-default), or ``budget`` parameters.
+mode with ``∏ k_e = L0``; and any method registered in
+[`METHODS`][mumoe_tn.distillation.methods.METHODS] by its name. Each method's text form is parsed
+once into a [`MethodSpec`][mumoe_tn.distillation.methods.MethodSpec]. The budget is the parameter
+count of a transcoder with ``expansion × I`` latents (the Mixture of Decoders paper matches a 32×
+transcoder; 8× here by default), or ``budget`` parameters.
 
 Without ``model_dir`` a GPT-2-shaped model (byte tokens) is built from a small config and first
 trained on the text — nothing is downloaded; with ``model_dir`` a local Hugging Face causal LM of
@@ -37,20 +39,28 @@ import torch
 from torch import nn
 
 from mumoe_tn.costs.baselines import transcoder_parameters
-from mumoe_tn.decompositions.registry import available
 from mumoe_tn.distillation.causal_lm import context_length, saved_tokenizer
 from mumoe_tn.distillation.corpus import encode_text, read_text, text_files
+from mumoe_tn.distillation.distill_options import DistillOptions
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable
 from mumoe_tn.distillation.interruption import DistillationStopped
+from mumoe_tn.distillation.methods import (
+    DEFAULT_METHODS,
+    MethodSettings,
+    MethodSpec,
+    check_methods,
+    method_factory,
+    parse_methods,
+)
 from mumoe_tn.distillation.process_shares import process_checkpoint, process_world
-from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.run_files import load_frontier, save_frontier
 from mumoe_tn.distillation.streaming import TokenWindows, select_blocks
 from mumoe_tn.distillation.training import Distillation, Factory, distill
 from mumoe_tn.validation import check_positive_float
 
 __all__ = [
+    "DEFAULT_METHODS",
     "THROUGHPUT_COLUMN",
     "FrontierConfig",
     "load_frontier",
@@ -59,11 +69,6 @@ __all__ = [
     "save_frontier",
     "with_throughput",
 ]
-
-#: The methods of the default frontier.
-DEFAULT_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp", "cp-hier", "tr", "tr-hier")
-
-_HIER = "-hier"
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ class FrontierConfig:
     mlps : str
         Regex of the blocks to distil.
     methods : tuple of str
-        Method names (see the module's notes).
+        Method names, each a registered method's text form (see the module's notes and
+        [`parse_method`][mumoe_tn.distillation.methods.parse_method]).
     l0s : tuple of int
         Sparsities: TopK latents, or active experts per token.
     experts : int
@@ -154,39 +160,8 @@ class FrontierConfig:
         )  # fmt: skip
 
 
-def _check_methods(methods: Sequence[str]) -> None:
-    formats = set(available())
-    for method in methods:
-        base = method[: -len(_HIER)] if method.endswith(_HIER) else method
-        if method not in ("transcoder", "skip-transcoder") and base.lower() not in formats:
-            raise ValueError(
-                f"unknown method {method!r}: use 'transcoder', 'skip-transcoder', a format name of {sorted(formats)} "
-                f"or a format name with {_HIER!r} (two expert modes)"
-            )
-
-
-def _check_l0s(methods: Sequence[str], l0s: Sequence[int], experts: int) -> None:
-    """Refuse an L0 that a μMoE block of ``experts`` experts cannot have active (naming ``--experts``)."""
-    for method in methods:
-        if method in ("transcoder", "skip-transcoder"):
-            continue
-        for l0 in l0s:
-            if method.endswith(_HIER):
-                ks, dims = mode_split(l0, 2), mode_split(experts, 2)
-                if any(k > n for k, n in zip(ks, dims, strict=True)):
-                    raise ValueError(
-                        f"L0 {l0} is out of reach of {method!r} with {experts} experts: it keeps {ks[0]}×{ks[1]} of "
-                        f"{dims[0]}×{dims[1]} experts per mode; raise --experts (experts=; --quick uses 16)"
-                    )
-            elif l0 > experts:
-                raise ValueError(
-                    f"L0 {l0} is more than the {experts} experts of {method!r}: raise --experts (experts=; --quick "
-                    f"uses 16) to at least {l0}"
-                )
-
-
 def method_factories(
-    methods: Sequence[str],
+    methods: Sequence[str | MethodSpec],
     l0s: Sequence[int],
     budget: int | float,
     experts: int,
@@ -200,18 +175,21 @@ def method_factories(
 
     Parameters
     ----------
-    methods : Sequence[str]
-        ``"transcoder"``, ``"skip-transcoder"``, a format name, or a format name with ``"-hier"``.
+    methods : Sequence of str or MethodSpec
+        Registered methods (see [`parse_method`][mumoe_tn.distillation.methods.parse_method]):
+        ``"transcoder"``, ``"skip-transcoder"``, a format name, a format name with ``"-hier"``, or
+        their specs; each is parsed once.
     l0s : Sequence[int]
         Sparsities.
     budget : int or float
-        Parameters per replacement, or a multiple of the block's.
+        Parameters per replacement, or a multiple of the block's (a spec's own budget wins).
     experts : int
         Experts of a μMoE block (``-hier``: split into two modes).
     top_k : str, optional
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
-    recipe : {"mxd-paper", "plain"}, optional
-        ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors'.
+    recipe : str, optional
+        The run's recipe: ``"plain"`` builds every Mixture of Decoders with its own init instead of
+        its authors' (a spec's own recipe wins).
     aux_k : bool or None, optional
         The auxiliary-k term on every μMoE block (None: the factory's default).
     balance : float or None, optional
@@ -221,28 +199,18 @@ def method_factories(
     -------
     dict of str to Factory
     """
-    _check_methods(methods)
-    _check_l0s(methods, l0s, experts)
+    specs = parse_methods(methods)
     _check_aux_k(aux_k)
     if balance is not None:
         check_positive_float("balance", balance, allow_zero=True)
+    settings = MethodSettings(experts, top_k, recipe, aux_k, balance)
+    check_methods(specs, l0s, settings)
     factories: dict[str, Factory] = {}
-    for method in methods:
+    for spec in specs:
         for l0 in l0s:
-            if method in ("transcoder", "skip-transcoder"):
-                factories[f"{method}@{l0}"] = transcoder_factory(l0, budget, skip=method == "skip-transcoder")
-                continue
-            name = f"{method}@{l0}" if top_k == "auto" else f"{method}:{top_k}@{l0}"
-            initial = "plain" if recipe == "plain" else None  # None: the authors' init for a Mixture of Decoders
-            if method.endswith(_HIER):
-                dims: int | tuple[int, ...] = mode_split(experts, 2)
-                factories[name] = mumoe_factory(
-                    method[: -len(_HIER)], dims, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k, balance=balance
-                )
-            else:
-                factories[name] = mumoe_factory(
-                    method, experts, l0, budget, top_k=top_k, recipe=initial, aux_k=aux_k, balance=balance
-                )
+            sized = dataclasses.replace(spec, k=l0, budget=budget if spec.budget is None else spec.budget)
+            name, factory = method_factory(sized, settings)
+            factories[name] = factory
     return factories
 
 
@@ -369,11 +337,11 @@ def run_frontier(
     DistillationStopped
         When ``stop()`` returned True (with the checkpoint written, if any).
     """
-    _check_methods(config.methods)
-    _check_l0s(config.methods, config.l0s, config.experts)
+    specs = parse_methods(config.methods)
     _check_aux_k(config.aux_k)
     if config.balance is not None:
         check_positive_float("balance", config.balance, allow_zero=True)
+    check_methods(specs, config.l0s, MethodSettings(config.experts, config.top_k, config.recipe))
     if resume and checkpoint is None:
         raise ValueError("resume=True needs checkpoint= (the file to resume from)")
     if resume and not process_checkpoint(checkpoint).is_file():
@@ -400,18 +368,19 @@ def run_frontier(
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
                                                     first.out_features)  # fmt: skip
     factories = method_factories(
-        config.methods, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe,
+        specs, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe,
         aux_k=config.aux_k, balance=config.balance,
     )  # fmt: skip
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
-    result = distill(
-        model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
-        buffer_tokens=config.buffer_tokens, recipe=config.recipe, lr=config.lr, seed=config.seed,
-        checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, progress=progress, stop=stop,
+    options = DistillOptions(
+        tokens=config.tokens, mlps=config.mlps, batch_size=config.batch_size, buffer_tokens=config.buffer_tokens,
+        recipe=config.recipe, lr=config.lr, seed=config.seed, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+        resume=resume, progress=progress, stop=stop,
         run_config={"model": description, "text_digest": _digest(tokens), **dataclasses.asdict(config)},
     )  # fmt: skip
+    result = distill(model, stream, factories, options=options)
     trained = time.perf_counter() - start
     world = process_world()
     if world is not None and world[0] != 0:

@@ -46,6 +46,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mumoe_tn.distillation.codes import code_module, recording_code
+from mumoe_tn.distillation.distill_options import DistillOptions, distill_options
 from mumoe_tn.distillation.interruption import DistillationStopped
 from mumoe_tn.distillation.losses import L1, Loss, normalised_mse, resolve_losses
 from mumoe_tn.distillation.process_shares import (
@@ -82,6 +83,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "LOSS_READ_EVERY",
     "RECIPES",
+    "DistillOptions",
     "Distillation",
     "Factory",
     "Recipe",
@@ -309,23 +311,8 @@ def distill(
     batches: Iterable[Batch],
     replacements: Mapping[str, Factory],
     *,
-    mlps: str | Callable[[str, nn.Module], bool] = r"mlp$",
-    tokens: int,
-    batch_size: int = 256,
-    buffer_tokens: int = 16_384,
-    recipe: str = "mxd-paper",
-    lr: float | None = None,
-    loss: str | Loss | Sequence[str | Loss] = "normalised-mse",
-    l1: float = 0.0,
-    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
-    seed: int = 0,
-    mask_argument: str | None = "attention_mask",
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 100,
-    resume: bool = False,
-    run_config: Mapping[str, Any] | None = None,
-    progress: bool = True,
-    stop: Callable[[], bool] | None = None,
+    options: DistillOptions | None = None,
+    **keywords: Any,
 ) -> Distillation:
     """Train a replacement of each chosen MLP block of ``model`` on the block's streamed activations.
 
@@ -342,60 +329,15 @@ def distill(
         Method name -> factory: ``factory(block)`` builds a module from a
         [`BlockInfo`][mumoe_tn.distillation.streaming.BlockInfo], e.g. a μMoE block or a transcoder.
         Every method is trained for every block on the same tokens, each with its own optimiser.
-    mlps : str or Callable, optional
-        The blocks (see [`select_blocks`][mumoe_tn.distillation.streaming.select_blocks]).
-    tokens : int
-        Tokens to train on (whole steps of ``batch_size``).
-    batch_size : int, optional
-        Tokens per optimiser step (default 256).
-    buffer_tokens : int, optional
-        Capacity of the activation buffer in tokens (default 16,384); must hold one batch.
-    recipe : {"mxd-paper", "plain"}, optional
-        How every replacement is optimised (see [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]):
-        ``"mxd-paper"`` (default), the Mixture of Decoders authors' — AdamW without weight decay at
-        4e-4, constant after a linear warm-up over the first 4.27 % of the steps (their 5,000 of
-        117,188) — or ``"plain"``, Adam at 1e-3 without warm-up. The replacements' own
-        initialisation is their factory's (see ``recipe=`` of
-        [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
-    lr : float, optional
-        The learning rate (default the recipe's).
-    loss : str or Loss or Sequence, optional
-        The loss terms, summed: registered names or [`Loss`][mumoe_tn.distillation.losses.Loss]
-        instances (see [`mumoe_tn.distillation.losses`][mumoe_tn.distillation.losses]; default
-        ``"normalised-mse"``, the paper's). A replacement adds its own terms in a
-        ``distillation_losses`` attribute (the auxiliary-k term of a μMoE block with a top-k gate).
-    l1 : float, optional
-        Weight ``λ`` of the L1 penalty on the sparse code, the ``"l1"`` term (default 0: the
-        replacement's own sparsity).
-    optimizer : Callable, optional
-        ``optimizer(parameters)`` builds the optimiser of each replacement (default the recipe's
-        with ``lr``); the recipe's warm-up still applies.
-    seed : int, optional
-        Seeds the replacements' initialisation (each from the seed and its block and method
-        names) and the buffer's shuffling; the global RNG is left as it was.
-    mask_argument : str or None, optional
-        The key of a mapping batch that marks real tokens (default ``"attention_mask"``).
-    checkpoint : path, optional
-        Save the run's state here every ``checkpoint_every`` steps and at the end.
-    checkpoint_every : int, optional
-        Steps between checkpoints (default 100).
-    resume : bool, optional
-        Continue from ``checkpoint`` if it exists. Its configuration must match this call's — the
-        blocks, methods, ``tokens``, ``batch_size``, ``buffer_tokens``, ``seed``, ``recipe``,
-        ``lr``, the loss terms, ``run_config`` and the shapes of every replacement's tensors — or a
-        ValueError names the fields that differ.
-    run_config : Mapping, optional
-        Plain data (JSON-like) on what else the run depends on — the model, the factories'
-        settings — stored in the checkpoint and compared on resume.
-    progress : bool, optional
-        Show a tqdm bar of trained tokens with tokens/s and each method's loss (mean over blocks; read
-        every ``LOSS_READ_EVERY`` steps).
-    stop : Callable[[], bool], optional
-        Asked after every optimiser step and before every batch is read: once it returns True the
-        run writes ``checkpoint`` (if given) and raises
-        [`DistillationStopped`][mumoe_tn.distillation.interruption.DistillationStopped]; resume from
-        it with ``resume=True``. [`StopOnSignals`][mumoe_tn.distillation.interruption.StopOnSignals]
-        stops on SIGINT / SIGTERM.
+    options : DistillOptions, optional
+        How to train (see [`DistillOptions`][mumoe_tn.distillation.distill_options.DistillOptions]:
+        ``tokens``, ``mlps``, ``batch_size``, ``buffer_tokens``, ``recipe``, ``lr``, ``loss``,
+        ``l1``, ``optimizer``, ``seed``, ``mask_argument``, ``checkpoint``, ``checkpoint_every``,
+        ``resume``, ``run_config``, ``progress``, ``stop``).
+    **keywords
+        The same options as keywords (``tokens=2048, batch_size=128``), instead of ``options=``:
+        the two forms are mutually exclusive (a ``TypeError`` names the keywords given beside
+        ``options=``).
 
     Returns
     -------
@@ -422,6 +364,14 @@ def distill(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    given = distill_options(options, keywords)
+    mlps, tokens, batch_size, buffer_tokens, recipe, lr, loss, l1 = (
+        given.mlps, given.tokens, given.batch_size, given.buffer_tokens, given.recipe, given.lr, given.loss, given.l1
+    )  # fmt: skip
+    optimizer, seed, mask_argument, checkpoint, checkpoint_every, resume, run_config, progress, stop = (
+        given.optimizer, given.seed, given.mask_argument, given.checkpoint, given.checkpoint_every, given.resume,
+        given.run_config, given.progress, given.stop,
+    )  # fmt: skip
     methods = _check_methods(replacements)
     tokens, batch_size = check_size("tokens", tokens), check_size("batch_size", batch_size)
     capacity, checkpoint_every = (

@@ -36,6 +36,10 @@ def pair():
 
 def nothing():
     return 3
+
+
+def misspelt():
+    return {**build(), "top_kk": 3}
 """
 
 
@@ -62,6 +66,7 @@ def test_explore_writes_the_page(builder, tmp_path, capsys, function):
         ("builder.py", r"MODEL must be FILE.py:FUNCTION or MODULE:FUNCTION, got 'builder.py'"),
         ("{builder}:missing", r"has no function 'missing'"),
         ("{builder}:nothing", r"must return a dict of explore\(\) arguments or a \(model, data\) pair, got int"),
+        ("{builder}:misspelt", r"returned \['top_kk'\], which explore\(\) does not take"),
         ("nowhere.py:build", r"no file 'nowhere.py'"),
         ("no_such_module_here:build", r"cannot import 'no_such_module_here'"),
     ],

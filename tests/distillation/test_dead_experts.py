@@ -6,8 +6,8 @@ from test_losses import ToyLM, one_thread  # noqa: F401 - the fixture applies he
 
 from mumoe_tn.distillation.codes import recording_code, recording_preactivations
 from mumoe_tn.distillation.losses import GATE_BALANCE_WEIGHT, AuxK, GateBalance, LossInputs
-from mumoe_tn.distillation.replacement_specs import spec_from_data
-from mumoe_tn.distillation.replacements import factory_from_spec, mumoe_factory, transcoder_factory
+from mumoe_tn.distillation.methods import factory_from_spec, spec_from_data
+from mumoe_tn.distillation.replacements import mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.streaming import select_blocks
 from mumoe_tn.distillation.training import distill
 from mumoe_tn.gates.specs import TopKGate

@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
+from mumoe_tn.distillation.methods import factory_from_spec, spec_from_data
 from mumoe_tn.distillation.replacement_files import load_replacements, save_replacements
-from mumoe_tn.distillation.replacement_specs import ReplacementSpec, spec_from_data
-from mumoe_tn.distillation.replacements import factory_from_spec, mumoe_factory, transcoder_factory
+from mumoe_tn.distillation.replacement_specs import ReplacementSpec
+from mumoe_tn.distillation.replacements import mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.run_files import MAX_RUN_JSON_BYTES, load_frontier, save_frontier
 from mumoe_tn.distillation.streaming import select_blocks
 from mumoe_tn.distillation.training import distill

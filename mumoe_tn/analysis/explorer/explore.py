@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from torch import nn
 from mumoe_tn.analysis.coefficients import DeadExpertWarning, collect_coefficients, mumoe_layers
 from mumoe_tn.analysis.effects import AblationEffects, ablation_effects, expert_units
 from mumoe_tn.analysis.explorer.collect import LayerRecord
+from mumoe_tn.analysis.explorer.explore_options import ExploreOptions, explore_options
 from mumoe_tn.analysis.explorer.page import render
 from mumoe_tn.analysis.outputs import decoder, logits_of
 from mumoe_tn.analysis.polysemanticity import class_polysemanticity
@@ -118,22 +121,8 @@ def explore(
     data: torch.Tensor,
     path: str | os.PathLike | None = None,
     *,
-    labels: torch.Tensor | None = None,
-    images: torch.Tensor | None = None,
-    vocabulary: Sequence[str] | Callable[[int], str] | None = None,
-    class_names: Sequence[str] | None = None,
-    layers: Iterable[str] | None = None,
-    top_k: int = 12,
-    context: int = 12,
-    batch_size: int = 32,
-    ablation: bool = True,
-    ablation_samples: int = 64,
-    max_rows: int = 8192,
-    threshold: float = 1e-6,
-    bins: int = 24,
-    forward: Callable[[nn.Module, torch.Tensor], object] | None = None,
-    title: str | None = None,
-    progress: bool | None = None,
+    options: ExploreOptions | None = None,
+    **keywords: Any,
 ) -> Exploration:
     """Explore every expert of a model's μMoE layers and write one self-contained HTML page.
 
@@ -155,46 +144,14 @@ def explore(
         context); with ``labels`` a classifier's (class breakdowns, per-class ablation effects).
     path : str or PathLike, optional
         Where to write the HTML page (also possible later with ``Exploration.save``).
-    labels : torch.Tensor, optional
-        Class labels, ``(samples,)``.
-    images : torch.Tensor, optional
-        One image per sample to show with the examples, ``(samples, H, W)``, ``(samples, H, W, 3)``
-        or ``(samples, 3, H, W)``; by default ``data`` itself when it is a classifier's float input
-        of shape ``(samples, H, H)`` or ``(samples, C, H, W)``.
-    vocabulary : sequence of str or Callable, optional
-        Token id -> text (a list, or e.g. ``tokenizer.decode``).
-    class_names : sequence of str, optional
-        Names of the classes (default ``"0"``, ``"1"``, …).
-    layers : Iterable of str, optional
-        Qualified names of the layers to explore (default: all μMoE layers).
-    top_k : int, optional
-        Top-activating examples per unit (kept with a streaming top-k: memory does not grow with
-        the data). Text examples never overlap: of two windows of one sequence within
-        ``2 × context`` positions of each other only the larger coefficient's is shown, and the
-        next largest takes its place.
-    context : int, optional
-        Tokens of context on each side of a text example.
-    batch_size : int, optional
-        Samples per forward pass.
-    ablation : bool, optional
-        Measure each unit's ablation effect (one counterfactual pass per unit over
-        ``ablation_samples`` samples).
-    ablation_samples : int, optional
-        Samples (the first ones) on which ablation effects are measured.
-    max_rows : int, optional
-        Largest batch of replicated samples in the ablation passes.
-    threshold : float, optional
-        A unit is active on a row when its coefficient is at least this.
-    bins : int, optional
-        Histogram bins over ``[0, 1]``, or over ``[0, 2^k]`` where a coefficient exceeds 1 (a
-        ReLU gate's), the smallest such range that holds the largest coefficient.
-    forward : Callable, optional
-        ``forward(model, batch)`` if the model is not simply called; it must return logits (or
-        an output with ``.logits``).
-    title : str, optional
-        The page's title.
-    progress : bool, optional
-        Show progress bars (tqdm, on stderr); by default only on a terminal.
+    options : ExploreOptions, optional
+        What to show and how (see [`ExploreOptions`][mumoe_tn.analysis.explorer.explore_options.ExploreOptions]:
+        ``labels``, ``images``, ``vocabulary``, ``class_names``, ``layers``, ``top_k``,
+        ``context``, ``batch_size``, ``ablation``, ``ablation_samples``, ``max_rows``,
+        ``threshold``, ``bins``, ``forward``, ``title``, ``progress``).
+    **keywords
+        The same options as keywords (``labels=y, top_k=8``), instead of ``options=``: the two
+        forms are mutually exclusive (a ``TypeError`` names the keywords given beside ``options=``).
 
     Returns
     -------
@@ -209,6 +166,10 @@ def explore(
     >>> sorted(report.data["layers"][0]["units"][0])[:3]
     ['ablation', 'dead', 'examples']
     """
+    given = explore_options(options, keywords)
+    labels, images, vocabulary, class_names, layers = (
+        given.labels, given.images, given.vocabulary, given.class_names, given.layers
+    )  # fmt: skip
     model = check_model("model", model)
     data = check_tensor("data", data, non_empty=True)
     if data.ndim < 1:
@@ -235,19 +196,20 @@ def explore(
             image_pixels = None
     else:
         image_pixels = _check_images(images, samples)
-    top_k = check_int("top_k", top_k, minimum=1)
-    context = check_int("context", context, minimum=0)
-    batch_size = check_int("batch_size", batch_size, minimum=1)
-    if not isinstance(ablation, bool):
-        raise TypeError(f"ablation must be a bool, got {ablation!r}")
-    ablation_samples = check_int("ablation_samples", ablation_samples, minimum=1)
-    max_rows = check_int("max_rows", max_rows, minimum=1)
-    threshold = check_real("threshold", threshold)
-    bins = check_int("bins", bins, minimum=2)
-    check_callable("forward", forward)
-    if title is not None and not isinstance(title, str):
-        raise TypeError(f"title must be a str, got {type(title).__name__}")
-    check_progress(progress)
+    if not isinstance(given.ablation, bool):
+        raise TypeError(f"ablation must be a bool, got {given.ablation!r}")
+    check_callable("forward", given.forward)
+    if given.title is not None and not isinstance(given.title, str):
+        raise TypeError(f"title must be a str, got {type(given.title).__name__}")
+    check_progress(given.progress)
+    checked = dataclasses.replace(
+        given, labels=labels, top_k=check_int("top_k", given.top_k, minimum=1),
+        context=check_int("context", given.context, minimum=0),
+        batch_size=check_int("batch_size", given.batch_size, minimum=1),
+        ablation_samples=check_int("ablation_samples", given.ablation_samples, minimum=1),
+        max_rows=check_int("max_rows", given.max_rows, minimum=1), threshold=check_real("threshold", given.threshold),
+        bins=check_int("bins", given.bins, minimum=2),
+    )  # fmt: skip
     if path is not None:
         path = Path(path)
         if not path.parent.is_dir():
@@ -268,18 +230,22 @@ def explore(
     model.eval()
     try:
         return _explore(
-            model, data, path, labels=labels, image_pixels=image_pixels, decode=decode, class_names=class_names,
-            layers={name: found[name] for name in names}, kind=kind, top_k=top_k, context=context,
-            batch_size=batch_size, ablation=ablation, ablation_samples=ablation_samples, max_rows=max_rows,
-            threshold=threshold, bins=bins, forward=forward, title=title, progress=progress,
+            model, data, path, checked, image_pixels=image_pixels, decode=decode, class_names=class_names,
+            layers={name: found[name] for name in names}, kind=kind,
         )  # fmt: skip
     finally:
         model.train(was_training)
 
 
-def _explore(model, data, path, *, labels, image_pixels, decode, class_names, layers: dict[str, MuMoEBase], kind,
-             top_k, context, batch_size, ablation, ablation_samples, max_rows, threshold, bins, forward, title,
-             progress) -> Exploration:  # fmt: skip
+def _explore(model, data, path, options: ExploreOptions, *, image_pixels, decode, class_names,
+             layers: dict[str, MuMoEBase], kind) -> Exploration:  # fmt: skip
+    """The exploration itself, of checked options (``class_names`` and ``layers`` resolved)."""
+    labels, top_k, context, batch_size, ablation, ablation_samples = (
+        options.labels, options.top_k, options.context, options.batch_size, options.ablation, options.ablation_samples
+    )  # fmt: skip
+    max_rows, threshold, bins, forward, title, progress = (
+        options.max_rows, options.threshold, options.bins, options.forward, options.title, options.progress
+    )  # fmt: skip
     samples = data.shape[0]
     batches = list(data.split(batch_size))
     label_batches = None if labels is None else list(labels.split(batch_size))
