@@ -52,6 +52,7 @@ from mumoe_tn.conversion.persistence.files import (
     read_weights,
     weight_files,
 )
+from mumoe_tn.conversion.surgery.block_kinds import BLOCK_KINDS, block_kind
 from mumoe_tn.costs.baselines import transcoder_parameters
 from mumoe_tn.costs.matching import resolve_target
 from mumoe_tn.distillation.frontier import FrontierTable
@@ -305,8 +306,9 @@ def read_record(data: object, field: str = "saved_run") -> SavedRun:
     for name, entry in blocks_data.items():
         where = f"{field}.blocks[{_check_name(f'{field}.blocks', name)!r}]"
         entry = _object(where, entry, _BLOCK_FIELDS)
-        if entry["kind"] not in ("mlp", "gated"):
-            raise ValueError(f"{where}.kind = {entry['kind']!r:.80} is invalid: it must be 'mlp' or 'gated'")
+        distilled = [name for name in BLOCK_KINDS.names() if block_kind(name).mlp and not block_kind(name).split]
+        if not isinstance(entry["kind"], str) or entry["kind"] not in distilled:
+            raise ValueError(f"{where}.kind = {entry['kind']!r:.80} is invalid: it must be one of {distilled}")
         if not isinstance(entry["bias"], bool):
             raise ValueError(f"{where}.bias = {entry['bias']!r:.80} is invalid: it must be true or false")
         for size in ("in_features", "hidden_features", "out_features"):

@@ -51,7 +51,7 @@ from mumoe_tn.conversion.persistence.bounds import (
     MAX_RECORD_SIZE,
     RECORD_VERSION,
 )
-from mumoe_tn.conversion.surgery.block_kinds import GATED, LINEAR, MLP, SPLIT
+from mumoe_tn.conversion.surgery.block_kinds import BLOCK_KINDS, block_kind
 from mumoe_tn.decompositions import available, get_format
 from mumoe_tn.gates.registry import gate_class, gate_class_name, registered_gates
 from mumoe_tn.layers import GATE_INPUTS
@@ -78,8 +78,6 @@ RECORD_KEY = "mumoe_conversion"
 QUANT_METHOD = "mumoe_tn"
 
 
-#: The roles of a recorded module's networks, by kind, in the block's order.
-ROLES = {kind: kind.roles for kind in (LINEAR, MLP, SPLIT, GATED)}
 #: The roles of a block whose encoders stay dense (a Mixture of Decoders): its decoder alone.
 DECODER_ROLES = ("down",)
 
@@ -413,11 +411,12 @@ class ConvertedModule:
         if len(set(paths)) != len(paths):
             raise invalid(f"{field}.paths", paths, "a path may appear once")
         kind = data["kind"]
-        if not isinstance(kind, str) or kind not in ROLES:
-            raise invalid(f"{field}.kind", kind, f"it must be one of {list(ROLES)}")
-        networks = _list(f"{field}.networks", data["networks"], limit=len(ROLES[kind]))
+        if not isinstance(kind, str) or kind not in BLOCK_KINDS:
+            raise invalid(f"{field}.kind", kind, f"it must be one of {BLOCK_KINDS.names()}")
+        registered = block_kind(kind)
+        networks = _list(f"{field}.networks", data["networks"], limit=len(registered.roles))
         # Every layer of the block factorized, or (a Mixture of Decoders) only its decoder.
-        choices = [ROLES[kind]] + ([DECODER_ROLES] if kind != "linear" else [])
+        choices = [registered.roles] + ([DECODER_ROLES] if registered.mlp else [])
         roles = next((each for each in choices if len(each) == len(networks)), None)
         if roles is None:
             raise invalid(f"{field}.networks", networks, f"a {kind!r} module records the roles {choices}")
