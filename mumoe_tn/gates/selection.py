@@ -31,7 +31,7 @@ import math
 import numpy
 import torch
 
-__all__ = ["keep_top_k", "nan_rows", "top_k_logits", "top_k_mask"]
+__all__ = ["keep_top_k", "nan_rows", "partition_applies", "top_k_logits", "top_k_mask"]
 
 #: The dtypes NumPy partitions as torch orders them.
 _PARTITIONED = (torch.float32, torch.float64)
@@ -44,8 +44,24 @@ _FLOATS = {4: numpy.float32, 8: numpy.float64}
 _MIN_ROW = 128
 
 
-def _partitions(x: torch.Tensor, k: int) -> bool:
-    """Whether NumPy's partition may select ``x``'s top ``k`` (faster than ``torch.topk``)."""
+def partition_applies(x: torch.Tensor, k: int) -> bool:
+    """Whether NumPy's partition may select ``x``'s top ``k`` (faster than ``torch.topk``).
+
+    On CPU float32/float64 rows of at least 128 entries in eager mode (not under ``torch.compile``
+    or ``torch.func``); a tie at the ``k``-th value or a non-finite entry still sends a call to
+    ``torch.topk`` once the values are read.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(…, N)``.
+    k : int
+        Entries per row.
+
+    Returns
+    -------
+    bool
+    """
     n = x.shape[-1]
     return (
         x.dtype in _PARTITIONED
@@ -114,7 +130,7 @@ def top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     """
     _check_k(x, k)
     x = x.detach()
-    sign = _partition_sign(x, k, False) if _partitions(x, k) else None
+    sign = _partition_sign(x, k, False) if partition_applies(x, k) else None
     if sign is not None:
         return sign >= 0
     indices = torch.topk(x, k, dim=-1, sorted=False).indices
@@ -142,7 +158,7 @@ def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False, mark_non_finite: 
     """
     _check_k(x, k)
     detached = x.detach()
-    sign = _partition_sign(detached, k, relu) if _partitions(detached, k) else None
+    sign = _partition_sign(detached, k, relu) if partition_applies(detached, k) else None
     if sign is not None:  # sign + 1 clamped to 1: 1 at the top k, 0 elsewhere (x is finite)
         return x * sign.add_(1).clamp_max_(1)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
@@ -169,7 +185,7 @@ def top_k_logits(x: torch.Tensor, k: int, *, mark_non_finite: bool = False) -> t
     """
     _check_k(x, k)
     detached = x.detach()
-    sign = _partition_sign(detached, k, False) if _partitions(detached, k) else None
+    sign = _partition_sign(detached, k, False) if partition_applies(detached, k) else None
     if sign is not None:  # min(sign, 0)·max·2: 0 at the top k, -inf elsewhere (never 0·inf; x is finite)
         return x + sign.clamp_max_(0).mul_(torch.finfo(x.dtype).max).mul_(2)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
