@@ -14,7 +14,10 @@ says which):
   ([`mumoe_tn.gates.simplex_numpy`][mumoe_tn.gates.simplex_numpy]; with gradients, up to
   [`SORTED_ELEMENTS`][mumoe_tn.gates.activation_maps] entries, and the backward in NumPy too); for
   the top-k maps, NumPy's partition finds each row's ``k``-th largest value
-  ([`mumoe_tn.gates.selection`][mumoe_tn.gates.selection]);
+  ([`mumoe_tn.gates.selection`][mumoe_tn.gates.selection]), and without gradients up to
+  `SORTED_ROWS` rows are mapped wholly in NumPy
+  ([`top_k_rows`][mumoe_tn.gates.selection.top_k_rows]; a tie at a row's ``k``-th value or a
+  non-finite logit sends the call to the torch form, whose ``torch.topk`` settles ties);
 - ``"search"``: the sparse maps of larger batches on the CPU in eager mode, by Newton steps on the
   threshold ([`searched_map`][mumoe_tn.gates.simplex_torch.searched_map]);
 - ``"sort"``: torch operations with no value read back to the host, under ``torch.compile``
@@ -39,7 +42,7 @@ import torch
 from torch.autograd import Function
 
 from mumoe_tn.gates import kernels, simplex_numpy, simplex_torch
-from mumoe_tn.gates.selection import keep_top_k, partition_applies, top_k_logits
+from mumoe_tn.gates.selection import keep_top_k, partition_applies, top_k_logits, top_k_rows
 
 __all__ = [
     "FORMS",
@@ -244,7 +247,16 @@ def entmax15(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def _top_k_form(x: torch.Tensor, k: int) -> MapForm:
     if kernels.gate_kernels_apply(x):
         return MapForm("triton", False)
-    return MapForm("numpy" if partition_applies(x, k) else "sort", False)
+    return MapForm("numpy" if _top_k_in_numpy(x) or partition_applies(x, k) else "sort", False)
+
+
+def _top_k_in_numpy(x: torch.Tensor) -> bool:
+    """Whether a top-k map of ``x`` runs wholly in NumPy: few CPU float rows, no gradient, not traced."""
+    if x.device.type != "cpu" or x.dtype not in simplex_numpy.NUMPY_DTYPES or not x.ndim or not x.shape[-1]:
+        return False
+    if (x.requires_grad and torch.is_grad_enabled()) or _traced():
+        return False
+    return x.numel() // x.shape[-1] <= SORTED_ROWS
 
 
 def softmax_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -266,6 +278,10 @@ def softmax_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
     """
     if kernels.gate_kernels_apply(x):
         return kernels.top_k_softmax(x, k)
+    if _top_k_in_numpy(x):
+        y = top_k_rows(x.detach(), k, softmax=True)
+        if y is not None:
+            return y
     return torch.softmax(top_k_logits(x, k, mark_non_finite=True), dim=-1)
 
 
@@ -288,6 +304,10 @@ def relu_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
     """
     if kernels.gate_kernels_apply(x):
         return kernels.relu_top_k(x, k)
+    if _top_k_in_numpy(x):
+        y = top_k_rows(x.detach(), k, softmax=False)
+        if y is not None:
+            return y
     return keep_top_k(x, k, relu=True, mark_non_finite=True)  # ReLU after the top k: the same kept values
 
 

@@ -195,13 +195,54 @@ def test_kernels_are_taken_where_their_mode_allows_and_nowhere_else(monkeypatch)
         assert map_form("entmax15", x) == MapForm("numpy", False)  # CPU tensors: never the kernels in auto mode
 
 
-def test_top_k_maps_take_numpy_on_long_cpu_rows_and_torch_otherwise():
+def test_top_k_maps_take_numpy_on_cpu_and_torch_otherwise(monkeypatch):
     long_rows, short_rows = torch.randn(2, 256), torch.randn(2, 64)
     for name in ("softmax_top_k", "relu_top_k"):
-        assert map_form(name, long_rows, k=3) == MapForm("numpy", False)
-        assert map_form(name, short_rows, k=3) == MapForm("sort", False)
+        assert map_form(name, long_rows, k=3) == MapForm("numpy", False)  # wholly NumPy
+        assert map_form(name, short_rows, k=3) == MapForm("numpy", False)
+        assert map_form(name, long_rows.requires_grad_(), k=3) == MapForm("numpy", False)  # NumPy's partition
+        assert map_form(name, short_rows.requires_grad_(), k=3) == MapForm("sort", False)  # short: torch.topk
+        long_rows.requires_grad_(False)
+        short_rows.requires_grad_(False)
         with mock.patch.object(torch.compiler, "is_compiling", lambda: True):
             assert map_form(name, long_rows, k=3) == MapForm("sort", False)
+    rows = []
+    real = activation_maps.top_k_rows
+    monkeypatch.setattr(
+        activation_maps, "top_k_rows", lambda x, k, softmax: rows.append(softmax) or real(x, k, softmax=softmax)
+    )
+    softmax_top_k(short_rows, 3)
+    relu_top_k(short_rows, 3)
+    softmax_top_k(short_rows.requires_grad_(), 3)  # gradients: the torch form
+    with torch.no_grad():
+        relu_top_k(short_rows, 3)
+    assert rows == [True, False, False]
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(1, 300),
+    k=st.integers(1, 6),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    ties=st.booleans(),
+    non_finite=st.sampled_from([None, math.nan, math.inf, -math.inf]),
+    seed=st.integers(0, 2**16),
+)
+def test_top_k_maps_in_numpy_equal_their_torch_form(rows, width, k, dtype, ties, non_finite, seed):
+    k = min(k, width)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator, dtype=dtype)
+    if ties:
+        x = x.round()
+    if non_finite is not None:
+        x[0, width // 2] = non_finite
+    for ours in (softmax_top_k, relu_top_k):
+        with mock.patch.object(activation_maps, "_top_k_in_numpy", lambda x: False):
+            expected = ours(x, k)  # the torch form (NumPy's partition, else torch.topk)
+        got = ours(x, k)
+        torch.testing.assert_close(got, expected, equal_nan=True)
+        assert got.dtype == dtype and got.shape == x.shape
 
 
 @pytest.mark.parametrize("relu", [False, True])
