@@ -127,7 +127,11 @@ def sorted_rows(rows: np.ndarray, entmax: bool) -> np.ndarray:
     """
     if rows.size == 0:
         return np.empty(rows.shape, rows.dtype)
-    if rows.shape[0] <= SCALAR_ROWS:
+    if rows.shape[0] == 1:  # (a decoding step of one expert mode)
+        single = _single_row(rows[0], entmax)
+        if single is not None:
+            return single[None]
+    elif rows.shape[0] <= SCALAR_ROWS:
         singles = [_single_row(row, entmax) for row in rows]  # None for a non-finite row too: the rows' steps
         if all(single is not None for single in singles):
             return singles[0][None] if len(singles) == 1 else np.stack(singles)
