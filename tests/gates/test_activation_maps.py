@@ -38,8 +38,10 @@ def forced(form: str):
 def logits(draw):
     """Logits of 1-3 dims, float32 or float64, with ties and ``-inf`` entries drawn (each row keeps a finite one)."""
     ndim = draw(st.integers(1, 3))
-    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
+    sizes = draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim))
     dim = draw(st.integers(-ndim, ndim - 1))
+    sizes[dim] = draw(st.integers(1, 40))  # past the search's first partial sort of 16
+    shape = tuple(sizes)
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     x = torch.randn(shape, generator=generator, dtype=torch.float64) * draw(st.sampled_from([0.01, 0.5, 2.0, 30.0]))
