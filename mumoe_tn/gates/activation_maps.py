@@ -112,15 +112,17 @@ def _check(x: torch.Tensor, dim: int, name: str) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _sparse_form(x: torch.Tensor, dim: int) -> MapForm:
+def _sparse_form(x: torch.Tensor, dim: int) -> tuple[str, bool]:
+    """The form of a sparse map's call on ``x`` and whether autograd wraps it (see `MapForm`)."""
     if kernels.gate_kernels_apply(x):
-        return MapForm("triton", False)
-    if (x.requires_grad and torch.is_grad_enabled()) or torch._C._are_functorch_transforms_active():
-        return MapForm(_forward_form(x, dim, True), True)
-    return MapForm(_forward_form(x, dim, False), False)
+        return "triton", False
+    autograd = (x.requires_grad and torch.is_grad_enabled()) or torch._C._are_functorch_transforms_active()
+    return _forward_form(x, dim, autograd), autograd
 
 
-def _along_last(form: Callable[[torch.Tensor, bool], torch.Tensor], x: torch.Tensor, dim: int, entmax: bool):
+def _along_last(
+    form: Callable[[torch.Tensor, bool], torch.Tensor], x: torch.Tensor, dim: int, entmax: bool
+) -> torch.Tensor:
     """``form`` (a map along the last dim) applied along ``dim``."""
     if dim == x.ndim - 1:
         return form(x, entmax)
@@ -334,7 +336,7 @@ def map_form(name: str, x: torch.Tensor, dim: int = -1, k: int = 1) -> MapForm:
         raise ValueError(f"unknown map {name!r}; choose one of {list(_MAPS)}")
     if name in ("softmax_top_k", "relu_top_k"):
         return _top_k_form(x, k)
-    return _sparse_form(x, _check(x, dim, name))
+    return MapForm(*_sparse_form(x, _check(x, dim, name)))
 
 
 def inference_map(activation: Callable[..., torch.Tensor], x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
