@@ -40,8 +40,10 @@ __all__ = [
     "sorted_rows",
 ]
 
-#: Longest support the one-row walk follows entry by entry before it takes the vectorised steps.
-SCALAR_SUPPORT = 64
+#: Longest support the one-row walk follows entry by entry before it takes the vectorised steps on
+#: the row it sorted: a step of the walk costs a few Python operations, the vectorised steps about
+#: as much as forty of them.
+SCALAR_SUPPORT = 24
 
 #: Most rows that take the one-row walk each before the vectorised steps do.
 SCALAR_ROWS = 4
@@ -142,10 +144,11 @@ def sorted_rows(rows: np.ndarray, entmax: bool) -> np.ndarray:
 
 
 def _single_row(row: np.ndarray, entmax: bool) -> np.ndarray | None:
-    """One row, its threshold found by walking the sorted entries (None past `SCALAR_SUPPORT` or not finite).
+    """One row, its threshold found by walking the sorted entries (None where a value is not finite).
 
     The sorted-prefix rule holds for the entries of the support and fails at the first one after
-    it, so the walk stops there. The sums are in float64 (Python floats).
+    it, so the walk stops there; the sums are in float64 (Python floats). A support longer than
+    `SCALAR_SUPPORT` takes the vectorised steps on the sorted row instead.
     """
     ordered = np.sort(row)[::-1]  # NaN sorts last, so first here; -inf last
     head = ordered[:SCALAR_SUPPORT].tolist()
@@ -170,9 +173,31 @@ def _single_row(row: np.ndarray, entmax: bool) -> np.ndarray | None:
                 break
         tau = candidate
     else:
-        if len(head) < len(ordered):
-            return None  # the support may go on: the vectorised steps decide
+        if len(head) < len(ordered):  # the support may go on: the vectorised steps decide
+            tau = _sorted_row_threshold(ordered, peak, entmax)
     return _mapped(row, peak, tau, entmax)
+
+
+def _sorted_row_threshold(ordered: np.ndarray, peak: float, entmax: bool) -> float:
+    """``τ`` of one finite row from its entries in descending order (the vectorised steps of one row)."""
+    shifted = ordered - peak
+    np.maximum(shifted, FLOOR, out=shifted)  # entries below the floor are outside the support
+    count = _counts(len(ordered), ordered.dtype.str)
+    if entmax:
+        shifted *= 0.5
+        total = np.add.accumulate(shifted)
+        tau = total / count  # as in `_vectorised_rows`
+        spread = tau * total
+        spread -= np.add.accumulate(shifted * shifted)
+        spread += 1
+        spread /= count
+        np.sqrt(np.maximum(spread, 0, out=spread), out=spread)
+        tau -= spread
+    else:
+        tau = np.add.accumulate(shifted)
+        tau -= 1
+        tau /= count
+    return float(tau[np.count_nonzero(tau <= shifted) - 1])
 
 
 def _mapped(x: np.ndarray, peak: np.ndarray | float, tau: np.ndarray | float, entmax: bool) -> np.ndarray:

@@ -115,7 +115,8 @@ def test_the_inference_map_equals_the_entmax_package(name, shape, dtype, seed):
 @pytest.mark.parametrize("width", [1, 2, 40, 64, 65, 256])
 @pytest.mark.parametrize("scale", [1e-3, 0.3, 1.0, 30.0])
 def test_one_row_walks_its_support_or_takes_the_vectorised_steps(name, width, scale):
-    # One row (a decoding step): the support is walked entry by entry up to SCALAR_SUPPORT entries.
+    # One row (a decoding step): the support is walked entry by entry up to SCALAR_SUPPORT entries, then
+    # the vectorised steps run on the sorted row.
     gen = torch.Generator().manual_seed(width)
     for dtype in (torch.float32, torch.float64):
         x = (torch.randn(1, width, generator=gen, dtype=torch.float64) * scale).to(dtype)
