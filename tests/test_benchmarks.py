@@ -410,7 +410,7 @@ def test_the_gate_maps_benchmark_times_every_map_and_form_against_softmax(capsys
         assert {*forms, f"{name} inference_map"} <= set(figures)
     main(["--rows", "1", "--width", "8", "--calls", "1", "--rounds", "1"])
     printed = capsys.readouterr().out
-    assert "(1, 8) float32 logits" in printed and printed.count("× softmax") == 15
+    assert "(1, 8) float32 logits of scale 1" in printed and printed.count("× softmax") == 15
 
 
 def test_the_scale_grid_splits_expert_counts_into_equal_powers_of_two():
