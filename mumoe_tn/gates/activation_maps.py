@@ -105,6 +105,8 @@ def _check(x: torch.Tensor, dim: int, name: str) -> int:
         kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"{name} maps a floating-point tensor of logits, got {kind}")
     ndim = x.ndim
+    if ndim == 0:
+        raise ValueError(f"{name} maps logits along a dim, got a 0-d tensor")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
         raise ValueError(
             f"{name}: dim must be an int in [{-ndim}, {ndim - 1}] for logits of shape {tuple(x.shape)}, got {dim!r}"

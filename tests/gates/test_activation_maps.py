@@ -282,5 +282,7 @@ def test_bad_calls_get_the_librarys_errors(name):
     message = rf"{name}: dim must be an int in \[-2, 1\] for logits of shape \(2, 3\), got 2"
     with pytest.raises(ValueError, match=message):
         OURS[name](torch.ones(2, 3), 2)
+    with pytest.raises(ValueError, match=rf"{name} maps logits along a dim, got a 0-d tensor"):
+        OURS[name](torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"unknown map 'softmax'"):
         map_form("softmax", torch.ones(2, 3))
