@@ -397,6 +397,20 @@ def test_the_anatomy_of_an_inference_call_times_every_part():
     assert all(value > 0 for value in timings.values())
 
 
+def test_the_gate_maps_benchmark_times_every_map_and_form_against_softmax(capsys):
+    from benchmarks.gate_maps import main, timings
+
+    figures = timings(torch.randn(2, 16), 2, calls=1, rounds=1)
+    assert next(iter(figures)) == "softmax (torch)" and len(figures) == 15
+    assert all(value > 0 for value in figures.values())
+    for name in ("entmax15", "sparsemax"):
+        forms = {f"{name} {form} form" for form in ("numpy", "search", "sort")}
+        assert {*forms, f"{name} inference_map"} <= set(figures)
+    main(["--rows", "1", "--width", "8", "--calls", "1", "--rounds", "1"])
+    printed = capsys.readouterr().out
+    assert "(1, 8) float32 logits of scale 1" in printed and printed.count("× softmax") == 15
+
+
 def test_the_scale_grid_splits_expert_counts_into_equal_powers_of_two():
     from benchmarks.scale import expert_dims
 

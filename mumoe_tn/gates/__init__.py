@@ -6,7 +6,9 @@
   costs; no torch.
 - [`mumoe_tn.gates.modules`][mumoe_tn.gates.modules]: the gate modules they build, with the registries of
   activations and logit norms.
-- [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax]: entmax15 and sparsemax.
+- [`mumoe_tn.gates.activation_maps`][mumoe_tn.gates.activation_maps]: entmax15, sparsemax and the
+  top-k maps, each choosing its form per call: NumPy ([`mumoe_tn.gates.simplex_numpy`][mumoe_tn.gates.simplex_numpy]),
+  torch ([`mumoe_tn.gates.simplex_torch`][mumoe_tn.gates.simplex_torch]) or Triton.
 - [`mumoe_tn.gates.kernels`][mumoe_tn.gates.kernels]: when entmax15, sparsemax and the top-k gates
   run as the Triton kernels of [`mumoe_tn.gates.triton_kernels`][mumoe_tn.gates.triton_kernels]
   (on CUDA by default; [`use_gate_kernels`][mumoe_tn.gates.kernels.use_gate_kernels] switches).
@@ -39,8 +41,10 @@ _LAZY = {
     "TopKRouter": "mumoe_tn.gates.modules",
     "gate_losses": "mumoe_tn.gates.records",
     "resolve_activation": "mumoe_tn.gates.modules",
-    "entmax15": "mumoe_tn.gates.entmax",
-    "sparsemax": "mumoe_tn.gates.entmax",
+    "entmax15": "mumoe_tn.gates.activation_maps",
+    "sparsemax": "mumoe_tn.gates.activation_maps",
+    "softmax_top_k": "mumoe_tn.gates.activation_maps",
+    "relu_top_k": "mumoe_tn.gates.activation_maps",
     "gate_kernels": "mumoe_tn.gates.kernels",
     "use_gate_kernels": "mumoe_tn.gates.kernels",
     "PerThreadRecords": "mumoe_tn.gates.records",

@@ -52,13 +52,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.caching import DerivedCache
-from mumoe_tn.gates import kernels
+from mumoe_tn.gates import activation_maps, kernels
+from mumoe_tn.gates.activation_maps import entmax15, inference_map, sparsemax
 from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
-from mumoe_tn.gates.entmax import entmax15, inference_map, sparsemax
 from mumoe_tn.gates.gate_inference import GateInference
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.replicas import warn_unsynchronised
-from mumoe_tn.gates.selection import keep_top_k, top_k_logits, top_k_mask
+from mumoe_tn.gates.selection import top_k_logits, top_k_mask
 from mumoe_tn.network import expert_leg, normalise_expert_dims
 from mumoe_tn.registry import Registry
 
@@ -598,9 +598,7 @@ def _per_mode_k(k: int | Sequence[int], expert_dims: tuple[int, ...]) -> tuple[i
 
 def _relu_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` largest of ``ReLU(logits)`` per row kept in place, every other entry 0 (NaN rows stay NaN)."""
-    if kernels.gate_kernels_apply(logits):
-        return kernels.relu_top_k(logits, k)
-    return keep_top_k(logits, k, relu=True, mark_non_finite=True)  # ReLU after the top k: the same kept values
+    return activation_maps.relu_top_k(logits, k)
 
 
 class ReLUTopKRouter(ExpertGate):

@@ -31,7 +31,7 @@ import math
 import numpy
 import torch
 
-__all__ = ["keep_top_k", "nan_rows", "top_k_logits", "top_k_mask"]
+__all__ = ["keep_top_k", "nan_rows", "partition_applies", "top_k_logits", "top_k_mask", "top_k_rows"]
 
 #: The dtypes NumPy partitions as torch orders them.
 _PARTITIONED = (torch.float32, torch.float64)
@@ -44,8 +44,24 @@ _FLOATS = {4: numpy.float32, 8: numpy.float64}
 _MIN_ROW = 128
 
 
-def _partitions(x: torch.Tensor, k: int) -> bool:
-    """Whether NumPy's partition may select ``x``'s top ``k`` (faster than ``torch.topk``)."""
+def partition_applies(x: torch.Tensor, k: int) -> bool:
+    """Whether NumPy's partition may select ``x``'s top ``k`` (faster than ``torch.topk``).
+
+    On CPU float32/float64 rows of at least 128 entries in eager mode (not under ``torch.compile``
+    or ``torch.func``); a tie at the ``k``-th value or a non-finite entry still sends a call to
+    ``torch.topk`` once the values are read.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(…, N)``.
+    k : int
+        Entries per row.
+
+    Returns
+    -------
+    bool
+    """
     n = x.shape[-1]
     return (
         x.dtype in _PARTITIONED
@@ -114,7 +130,7 @@ def top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     """
     _check_k(x, k)
     x = x.detach()
-    sign = _partition_sign(x, k, False) if _partitions(x, k) else None
+    sign = _partition_sign(x, k, False) if partition_applies(x, k) else None
     if sign is not None:
         return sign >= 0
     indices = torch.topk(x, k, dim=-1, sorted=False).indices
@@ -142,7 +158,7 @@ def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False, mark_non_finite: 
     """
     _check_k(x, k)
     detached = x.detach()
-    sign = _partition_sign(detached, k, relu) if _partitions(detached, k) else None
+    sign = _partition_sign(detached, k, relu) if partition_applies(detached, k) else None
     if sign is not None:  # sign + 1 clamped to 1: 1 at the top k, 0 elsewhere (x is finite)
         return x * sign.add_(1).clamp_max_(1)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
@@ -169,12 +185,59 @@ def top_k_logits(x: torch.Tensor, k: int, *, mark_non_finite: bool = False) -> t
     """
     _check_k(x, k)
     detached = x.detach()
-    sign = _partition_sign(detached, k, False) if _partitions(detached, k) else None
+    sign = _partition_sign(detached, k, False) if partition_applies(detached, k) else None
     if sign is not None:  # min(sign, 0)·max·2: 0 at the top k, -inf elsewhere (never 0·inf; x is finite)
         return x + sign.clamp_max_(0).mul_(torch.finfo(x.dtype).max).mul_(2)
     values, indices = torch.topk(x, k, dim=-1, sorted=False)
     kept = torch.full_like(x, -math.inf).scatter_(-1, indices, values)
     return kept + nan_rows(detached) if mark_non_finite and _may_hold_non_finite(detached) else kept
+
+
+def top_k_rows(x: torch.Tensor, k: int, *, softmax: bool) -> torch.Tensor | None:
+    """The top-k maps of CPU float32/float64 logits without autograd, all in NumPy; None where torch decides.
+
+    ``softmax``: the softmax of each row's top ``k`` logits, 0 elsewhere; else the top ``k``
+    through a ReLU, 0 elsewhere. The selection is ``torch.topk``'s wherever it is unique; a row
+    whose ``k``-th and ``k+1``-th largest tie (``topk`` picks among the tied entries) or a
+    non-finite entry gives None, and the caller takes the torch form.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(…, N)`` CPU float32 or float64 logits that do not require gradients.
+    k : int
+        Entries per row, ``1 ≤ k ≤ N``.
+    softmax : bool
+        The softmax top-k map when True, the ReLU top-k map when False.
+
+    Returns
+    -------
+    torch.Tensor or None
+        A new tensor shaped as ``x``, or None.
+    """
+    _check_k(x, k)
+    values = x.numpy()
+    n = values.shape[-1]
+    rows = values.reshape(-1, n)
+    if rows.size == 0 or not math.isfinite(numpy.add.reduce(rows, axis=None)):
+        return None  # (a sum that overflows only sends the call to torch)
+    if k < n:
+        ordered = numpy.partition(rows, n - k, axis=-1)  # ordered[:, n - k]: the k-th largest of each row
+        kth = ordered[:, n - k : n - k + 1]
+        if (ordered[:, : n - k].max(axis=-1, keepdims=True) == kth).any():
+            return None
+        kept = rows >= kth
+    else:
+        kept = True
+    if softmax:
+        y = rows - rows.max(axis=-1, keepdims=True)
+        numpy.exp(y, out=y)
+        y *= kept
+        y /= numpy.add.reduce(y, axis=-1, keepdims=True)
+    else:
+        y = numpy.maximum(rows, 0)
+        y *= kept
+    return torch.from_numpy(y.reshape(values.shape))
 
 
 def _finite_sum(x: torch.Tensor) -> bool:

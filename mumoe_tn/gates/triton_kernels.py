@@ -3,8 +3,9 @@
 Why hand-written kernels: on a GPU a gate's activation is a few hundred numbers per token, so its
 cost is the number of launches, not their arithmetic. Counted as aten calls that compute (views left
 out) on a ``(64, 64)`` batch, the ``entmax`` package's 1.5-entmax is 25 forward and 7 backward (its
-sparsemax 15 and 9); the torch forms of [`mumoe_tn.gates.entmax`][mumoe_tn.gates.entmax] off the
-CPU are 34 and 11 (sparsemax 24 and 7); a top-k router's ``topk``, ``softmax``, ``scatter``,
+sparsemax 15 and 9); the torch form of
+[`mumoe_tn.gates.simplex_torch`][mumoe_tn.gates.simplex_torch] off the CPU (one full sort) is 28 and 11
+(sparsemax 17 and 7); a top-k router's ``topk``, ``softmax``, ``scatter``,
 ``isfinite``, ``where`` … are 11 and 6. Each is a kernel launch the host must queue. Here each
 direction of each map is one kernel: one program per row reads the row, finds the threshold and
 writes the coefficients; the backward reads the coefficients and the incoming gradient and writes

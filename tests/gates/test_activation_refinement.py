@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch_calls import TorchCalls
 
-from mumoe_tn.gates.entmax import FIRST_K, entmax15, sparsemax
+from mumoe_tn.gates.activation_maps import entmax15, sparsemax
+from mumoe_tn.gates.simplex_torch import FIRST_K
 
 PAIRS = [(entmax15, entmax.entmax15), (sparsemax, entmax.sparsemax)]
 

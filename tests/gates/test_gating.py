@@ -10,16 +10,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mumoe_tn.gates import entmax as entmax_module
+from mumoe_tn.gates import activation_maps
 from mumoe_tn.gates.entmax import entmax15, sparsemax
 from mumoe_tn.gates.modules import ACTIVATIONS, GATE_NORMS, ExpertGate, resolve_activation
 
 
 def search(host_checks: bool):
     """The threshold search of the CPU (Newton steps, host-checked fallbacks) or of other devices (full sort)."""
-    if host_checks:
-        return mock.patch.object(entmax_module, "_without_host_checks", lambda x: entmax_module._traced())
-    return mock.patch.object(entmax_module, "_without_host_checks", lambda x: True)
+    form = "search" if host_checks else "sort"
+    return mock.patch.object(activation_maps, "_forward_form", lambda x, dim, with_grad: form)
 
 
 @given(st.integers(1, 8), st.integers(1, 40), st.floats(0.1, 20), st.integers(0, 2**16), st.booleans())

@@ -7,11 +7,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch_calls import AtenCalls
 
-from mumoe_tn.gates import entmax as ours
-from mumoe_tn.gates.entmax import SORTED_ELEMENTS, SORTED_ROWS, inference_map, sorted_forward
+from mumoe_tn.gates import activation_maps as ours
+from mumoe_tn.gates import simplex_numpy, simplex_torch
+from mumoe_tn.gates.activation_maps import SORTED_ELEMENTS, SORTED_ROWS, inference_map
 
 REFERENCES = {"entmax15": entmax.entmax15, "sparsemax": entmax.sparsemax}
 PUBLIC = {"entmax15": ours.entmax15, "sparsemax": ours.sparsemax}
+
+
+def sorted_forward(x, name):
+    """The NumPy form (what a CPU call of few rows without gradients takes)."""
+    return simplex_numpy.forward(x, name == "entmax15")
 
 
 @settings(deadline=None, max_examples=60)
@@ -30,7 +36,7 @@ def test_sorted_forward_equals_the_entmax_package(name, rows, width, scale, dtyp
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got, expected)
     # The same steps in torch (what other devices run).
-    torch.testing.assert_close(ours._torch_sorted_map(x, name == "entmax15"), expected)
+    torch.testing.assert_close(simplex_torch.sorted_map(x, name == "entmax15"), expected)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCES))
@@ -49,7 +55,7 @@ def test_half_precision_rows_are_projected_in_float32(name, dtype):
 def test_non_finite_rows_are_nan_in_that_row_only(name, torch_steps):
     inf, nan = float("inf"), float("nan")
     x = torch.tensor([[1.0, nan, 0.0], [inf, 1.0, 2.0], [-inf, -inf, -inf], [0.0, 1.0, -inf], [3e38, -3e38, 0.0]])
-    got = ours._torch_sorted_map(x, name == "entmax15") if torch_steps else sorted_forward(x, name)
+    got = simplex_torch.sorted_map(x, name == "entmax15") if torch_steps else sorted_forward(x, name)
     assert torch.isnan(got[:3]).all()
     torch.testing.assert_close(got[3:], REFERENCES[name](x[3:], dim=-1))
     assert not torch.isnan(got[3:]).any()
@@ -58,13 +64,14 @@ def test_non_finite_rows_are_nan_in_that_row_only(name, torch_steps):
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 def test_public_maps_take_the_sorted_path_along_any_dim(name, monkeypatch):
     calls = []
-    real = ours.sorted_forward
+    for function in ("forward", "forward_keeping_factors"):
+        real = getattr(simplex_numpy, function)
 
-    def spy(x, which):
-        calls.append(tuple(x.shape))
-        return real(x, which)
+        def spy(x, which, real=real):
+            calls.append(tuple(x.shape))
+            return real(x, which)
 
-    monkeypatch.setattr(ours, "sorted_forward", spy)
+        monkeypatch.setattr(simplex_numpy, function, spy)
     x = torch.randn(4, 7, 3)
     with torch.no_grad():
         got = PUBLIC[name](x, dim=1)
@@ -108,7 +115,8 @@ def test_the_inference_map_equals_the_entmax_package(name, shape, dtype, seed):
 @pytest.mark.parametrize("width", [1, 2, 40, 64, 65, 256])
 @pytest.mark.parametrize("scale", [1e-3, 0.3, 1.0, 30.0])
 def test_one_row_walks_its_support_or_takes_the_vectorised_steps(name, width, scale):
-    # One row (a decoding step): the support is walked entry by entry up to SCALAR_SUPPORT entries.
+    # One row (a decoding step): the support is walked entry by entry up to SCALAR_SUPPORT entries, then
+    # the vectorised steps run on the sorted row.
     gen = torch.Generator().manual_seed(width)
     for dtype in (torch.float32, torch.float64):
         x = (torch.randn(1, width, generator=gen, dtype=torch.float64) * scale).to(dtype)

@@ -302,3 +302,15 @@ def test_one_kernel_per_direction(activation):
     (name,) = forward.kernels
     assert dict(backward.kernels) == {name + "_backward": 1}
     assert not forward.host_reads and not backward.host_reads
+
+
+def test_public_maps_take_the_kernels_along_any_dim():
+    from mumoe_tn.gates.activation_maps import MapForm, entmax15, map_form, sparsemax
+
+    x = _rows(8, 6, 5, 2.0)
+    with kernels.gate_kernels("always"), torch.profiler.profile() as profile:
+        assert map_form("entmax15", x, 0) == MapForm("triton", False)
+        got = {True: entmax15(x, 0), False: sparsemax(x, 0)}
+    assert sum(event.name == "mumoe_tn::sparse_map" for event in profile.events()) == 2
+    for flag, reference in SPARSE_MAPS:
+        torch.testing.assert_close(got[flag], reference(x.double(), dim=0).float(), rtol=1e-5, atol=1e-6)

@@ -53,7 +53,7 @@ KERNELS = {
     "cp 4x4": (5, 35),
     "cp sparsemax": (3, 24),
     "cp top-2 softmax": (8, 30),
-    "mxd relu top-2": (8, 28),
+    "mxd relu top-2": (3, 28),
 }
 
 #: Host reads per call on the CPU path: (eval at B = 1, fwd+bwd at B = 64), budgets as above. The
