@@ -172,4 +172,5 @@ def _inner_blocks(first: Labels, second: Labels, inner: list[str], fixed: tuple[
 
 
 def _singles(labels: Sequence[str]) -> Wish:
+    """``labels`` in this order: one block per label."""
     return tuple((x,) for x in labels)
