@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from mumoe_tn.contractions.intermediate_order import consumer_orders
 from mumoe_tn.contractions.plan_inputs import (
     check_labels,
     check_memory_limit,
@@ -307,12 +308,33 @@ def _layout(
     path: Sequence[tuple[int, ...]],
     lead: str | None,
 ) -> ContractionPlan:
-    """Turn a path into explicit steps with their equations and FMA counts."""
+    """Turn a path into explicit steps with their equations and FMA counts.
+
+    Without ``lead`` each intermediate holds its labels in the order its operands bring them; with
+    it, in the order the step that reads it takes them (``lead`` first; see
+    [`mumoe_tn.contractions.intermediate_order`][mumoe_tn.contractions.intermediate_order]).
+    """
+    results = _results(inputs, output, path, lead)
+    if lead is not None:
+        results = consumer_orders(inputs, output, path, results, lead)
     steps = []
     current = list(inputs)
-    for number, positions in enumerate(path):
+    for positions, result in zip(path, results, strict=True):
         positions = tuple(sorted(positions, reverse=True))
         operands = [current.pop(k) for k in positions]
+        steps.append(_step(positions, tuple(operands), result, sizes))
+        current.append(result)
+    return ContractionPlan(inputs, output, dict(sizes), tuple(steps), tuple(tuple(p) for p in path))
+
+
+def _results(
+    inputs: tuple[Labels, ...], output: Labels, path: Sequence[tuple[int, ...]], lead: str | None
+) -> list[Labels]:
+    """Each step's result: the labels still needed, in the order its operands bring them (``lead`` first)."""
+    results = []
+    current = list(inputs)
+    for number, positions in enumerate(path):
+        operands = [current.pop(k) for k in sorted(positions, reverse=True)]
         remaining = {label for labels in current for label in labels} | set(output)
         if number == len(path) - 1:
             result = output
@@ -324,9 +346,9 @@ def _layout(
                 seen.remove(lead)
                 seen.insert(0, lead)
             result = tuple(seen)
-        steps.append(_step(positions, tuple(operands), result, sizes))
+        results.append(result)
         current.append(result)
-    return ContractionPlan(inputs, output, dict(sizes), tuple(steps), tuple(tuple(p) for p in path))
+    return results
 
 
 def _step(

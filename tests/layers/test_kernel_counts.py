@@ -50,7 +50,7 @@ KERNELS = {
     "tt": (3, 25),
     "tucker": (4, 31),
     "mxd": (3, 21),
-    "cp 4x4": (5, 35),
+    "cp 4x4": (4, 35),
     "cp sparsemax": (3, 24),
     "cp top-2 softmax": (8, 30),
     "mxd relu top-2": (3, 28),
