@@ -54,8 +54,8 @@ from torch.nn import functional as F
 
 from mumoe_tn.caching import DerivedCache
 from mumoe_tn.gates import kernels
-from mumoe_tn.gates.choices import GATE_INITS
 from mumoe_tn.gates.entmax import entmax15, inference_map, sparsemax
+from mumoe_tn.gates.gate_checks import check_gate_options, check_zero_init_bias, per_mode_k
 from mumoe_tn.gates.gate_inference import GateSteps
 from mumoe_tn.gates.gate_protocol import ModeLogits, gate_coefficients, mode_parts
 from mumoe_tn.gates.records import PerThreadRecords
@@ -265,11 +265,7 @@ class ExpertGate(GateSteps, PerThreadRecords):
             raise ValueError(f"in_features must be a positive int, got {in_features!r}")
         if not isinstance(norm, str) or norm not in GATE_NORMS:
             raise ValueError(f"unknown gate norm {norm!r}; choose one of {list(GATE_NORMS)}")
-        if init not in GATE_INITS:
-            raise ValueError(f"unknown gate init {init!r}; choose one of {list(GATE_INITS)}")
-        for name, flag in (("balance_loss", balance_loss), ("z_loss", z_loss), ("bias", bias)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        check_gate_options(init, balance_loss=balance_loss, z_loss=z_loss, bias=bias)
         self.in_features = in_features
         self.expert_dims = normalise_expert_dims(expert_dims)
         self.activation = activation
@@ -479,13 +475,7 @@ class TopKRouter(ExpertGate):
     ) -> None:
         options = {"init": init, "balance_loss": balance_loss, "z_loss": z_loss, "device": device, "dtype": dtype}
         super().__init__(in_features, expert_dims, "softmax", norm, **options)
-        ks = tuple(k) if isinstance(k, Sequence) and not isinstance(k, str) else (k,) * len(self.expert_dims)
-        if len(ks) != len(self.expert_dims):
-            raise ValueError(f"k={k!r} needs one entry per expert mode {self.expert_dims}")
-        for kk, n in zip(ks, self.expert_dims, strict=True):
-            if isinstance(kk, bool) or not isinstance(kk, int) or not 1 <= kk <= n:
-                raise ValueError(f"k must be an int in [1, N_e] for every expert mode {self.expert_dims}, got k={k!r}")
-        self.k = ks
+        self.k = per_mode_k(k, self.expert_dims)
 
     def mode_map(self, mode: int, logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """The softmax over the ``k`` largest logits of mode ``mode`` (the Triton kernel where it applies)."""
@@ -506,22 +496,6 @@ class TopKRouter(ExpertGate):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k={self.k}"
-
-
-def _per_mode_k(k: int | Sequence[int], expert_dims: tuple[int, ...]) -> tuple[int, ...]:
-    """``k`` as one int per expert mode, each in ``[1, N_e]`` (ValueError naming ``k`` and ``N_e`` otherwise)."""
-    ks = tuple(k) if isinstance(k, Sequence) and not isinstance(k, str) else (k,) * len(expert_dims)
-    if len(ks) != len(expert_dims):
-        raise ValueError(f"k={k!r} needs one entry per expert mode {expert_dims}")
-    for mode, (kk, n) in enumerate(zip(ks, expert_dims, strict=True), start=1):
-        if isinstance(kk, bool) or not isinstance(kk, int) or kk < 1:
-            raise ValueError(f"k must be a positive int for every expert mode, got k={k!r}")
-        if kk > n:
-            raise ValueError(
-                f"k={kk} for expert mode {mode} is more than its N_e={n} experts: each mode keeps at most "
-                f"N_e experts (expert dims {expert_dims}, k={k!r})"
-            )
-    return ks
 
 
 def _relu_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -577,12 +551,8 @@ class ReLUTopKRouter(ExpertGate):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.k = _per_mode_k(k, normalise_expert_dims(expert_dims))
-        if init == "zeros" and bias is False:
-            raise ValueError(
-                "init='zeros' needs bias=True for a ReLU top-k gate: with zero projections and no bias every "
-                "logit is 0, the ReLU cuts them all and the gate never gets a gradient"
-            )
+        self.k = per_mode_k(k, normalise_expert_dims(expert_dims))
+        check_zero_init_bias(init, bias)
         super().__init__(in_features, expert_dims, "softmax", norm, init=init, bias=bias, device=device, dtype=dtype)
         self.activation = "relu-topk"
 
