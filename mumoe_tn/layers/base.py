@@ -274,7 +274,7 @@ class MuMoEBase(PerThreadRecords):
             coefficients=tuple(a.detach() if a.requires_grad else a for a in coefficients),
             token_mask=None if tokens is None else tokens.reshape(lead),
         )
-        if not torch.is_autocast_enabled(z.device.type):
+        if any(a.dtype != z.dtype for a in coefficients) and not torch.is_autocast_enabled(z.device.type):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)
         if self.ablation is not None:
             coefficients = self.ablation.mask(coefficients)
