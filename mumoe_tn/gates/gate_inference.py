@@ -1,32 +1,48 @@
-"""What an expert gate computes for inference: its projection with eval-mode norms folded in.
+"""An expert gate's steps, as the layers' programs compose them: projection, norms, activation map.
 
-In eval mode, without gradients, a gate's per-mode projections and their norms are one affine
-map: ``norm(G_eᵀ z + b_e)`` is ``z @ weight.T + bias`` once each norm's running statistics (and
-affine parameters) are folded into ``weight`` and ``bias``.
-[`GateInference`][mumoe_tn.gates.gate_inference.GateInference] is the part of
-[`ExpertGate`][mumoe_tn.gates.modules.ExpertGate] that builds that one matrix (kept under the
-caching key of [`mumoe_tn.caching`][mumoe_tn.caching]) and maps its rows to the coefficients.
+[`GateSteps`][mumoe_tn.gates.gate_inference.GateSteps] is the part of
+[`ExpertGate`][mumoe_tn.gates.modules.ExpertGate] that implements the
+[`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate] protocol. In eval mode, without
+gradients, a gate's per-mode projections and their norms are one affine map: ``norm(G_eᵀ z + b_e)``
+is ``z @ weight.T + bias`` once each norm's running statistics (and affine parameters) are
+folded into ``weight`` and ``bias``; `projection` builds that one matrix (kept under the caching
+key of [`mumoe_tn.caching`][mumoe_tn.caching]). `normalise` applies the norms where they are
+not folded (training, and norms that are no affine map), and `activation_map` picks each mode's
+φ once for logits of one shape; the gate's ``forward`` and a layer's fused inference both run
+them (see [`gate_coefficients`][mumoe_tn.gates.gate_protocol.gate_coefficients]).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-__all__ = ["GateInference"]
+from mumoe_tn.gates.choices import TOKEN_MIXING_NORMS
+from mumoe_tn.gates.gate_protocol import CoefficientMap, ModeLogits, mode_parts
+
+__all__ = ["GateSteps"]
 
 
-class GateInference:
-    """The inference half of an expert gate (a mixin of ``ExpertGate``: it reads the gate's modules)."""
+class GateSteps:
+    """The steps of an expert gate that a layer's program composes (a mixin of ``ExpertGate``).
+
+    A subclass gives ``mode_map`` (each mode's φ) and sets ``shares_map`` False when the modes'
+    maps differ.
+    """
 
     projections: Any
     norms: Any
+    norm: str
     expert_dims: tuple[int, ...]
+    training: bool
     _inference_weights: Any
-    _activate_modes: Any
+    parameters: Any
+
+    #: Whether every mode maps its logits by one function (modes of one size then run through it in one call).
+    shares_map = True
 
     def _folded_weights(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """The projections of every mode stacked, with the norms folded in where they are affine maps.
@@ -76,47 +92,63 @@ class GateInference:
         """Forget the folded projections (needed only after in-place edits through ``.data``)."""
         self._inference_weights.clear()
 
-    def inference_projection(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
-        """The inference gate's one matrix product: ``(weight, bias, folded)`` in ``compute``, cached.
+    def projection_applies(self, z: torch.Tensor) -> bool:
+        """Whether a call on ``z`` may use `projection`: eval mode, no gradient to any parameter, not traced."""
+        if self.training or torch.compiler.is_compiling():
+            return False  # training-mode norms use (masked) batch statistics
+        if torch.is_grad_enabled() and (z.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        return not torch._C._are_functorch_transforms_active()
+
+    def projection(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """The gate's one matrix product: ``(weight, bias, folded)`` in ``compute``, cached.
 
         ``weight`` is ``(ΣN_e, I)``, the projections of every mode stacked, with each eval-mode norm
         folded in where every norm is an affine map (``folded``; then ``z @ weight.T + bias`` are the
-        normalised logits, else the norms still apply, see
-        [`coefficients_from_logits`][mumoe_tn.gates.gate_inference.GateInference.coefficients_from_logits]).
-        The same tensors come back until a projection, a norm's parameter or a running statistic
-        changes (see [`mumoe_tn.caching`][mumoe_tn.caching]), so a caller may build on them by identity.
-        Only for calls that take the inference path (eval mode, no gradient, no losses).
+        normalised logits, else `normalise` still applies). The same tensors come back until a
+        projection, a norm's parameter or a running statistic changes (see
+        [`mumoe_tn.caching`][mumoe_tn.caching]), so a caller may build on them by identity. Only
+        for calls where `projection_applies`.
         """
         return self._folded_weights(compute)
 
-    def coefficients_from_logits(self, logits: torch.Tensor, folded: bool) -> list[torch.Tensor]:
-        """Coefficients of every mode from the rows ``z @ weight.T + bias`` of `inference_projection`.
+    def normalise(self, logits: torch.Tensor, mask: torch.Tensor | None = None) -> ModeLogits:
+        """The logits ``(rows, ΣN_e)`` through each mode's norm: one tensor per mode (one tensor for one mode).
 
-        Parameters
-        ----------
-        logits : torch.Tensor
-            ``(rows, ΣN_e)``, modes side by side (it may be a column slice of a larger product).
-        folded : bool
-            As returned with the projection: whether the norms are already applied.
-
-        Returns
-        -------
-        list of torch.Tensor
-            One ``(rows, N_e)`` tensor per expert mode.
+        With a token ``mask`` (``(rows,)`` booleans, True = real) a norm with batch statistics
+        computes them from the real rows only.
         """
-        if not folded:
-            norms = list(self.norms.values())
-            if len(norms) == 1:
-                logits = norms[0](logits)
-            else:
-                parts = logits.split(self.expert_dims, dim=-1)
-                logits = torch.cat([norm(part) for part, norm in zip(parts, norms, strict=True)], dim=-1)
-        return self._activate_modes(logits)
+        norms = list(self.norms.values())
+        masked = mask is not None and self.norm in TOKEN_MIXING_NORMS
+        if len(norms) == 1:
+            return norms[0](logits, mask) if masked else norms[0](logits)
+        parts = logits.split(self.expert_dims, dim=-1)
+        return [norm(part, mask) if masked else norm(part) for part, norm in zip(parts, norms, strict=True)]
 
-    def _infer(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Coefficients of the rows ``flat`` without gradients: one matrix product, norms folded in."""
-        weight, bias, folded = self._folded_weights(flat.dtype)
-        return self.coefficients_from_logits(F.linear(flat, weight, bias), folded)
+    def mode_map(self, mode: int, logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """φ of expert mode ``mode`` for normalised logits like ``logits`` ``(…, N_e)``."""
+        raise NotImplementedError
+
+    def activation_map(self, logits: torch.Tensor) -> CoefficientMap:
+        """The coefficients of every mode from normalised logits like ``logits`` ``(rows, ΣN_e)``.
+
+        Decided here once for logits of that shape, dtype and device: each mode's form of φ
+        (`mode_map`) and, without gradients, whether modes of one size go through one shared φ in
+        one call on logits side by side (φ acts on each row of each mode alone).
+        """
+        sizes = self.expert_dims
+        maps = [self.mode_map(mode, part) for mode, part in enumerate(mode_parts(logits, sizes))]
+        if len(sizes) > 1 and self.shares_map and len(set(sizes)) == 1 and not logits.requires_grad:
+            modes, size = len(sizes), sizes[0]
+            stacked = self.mode_map(0, logits.view(logits.shape[0], modes, size))
+
+            def side_by_side(normed: ModeLogits) -> list[torch.Tensor]:
+                if isinstance(normed, torch.Tensor):
+                    return list(stacked(normed.view(normed.shape[0], modes, size)).unbind(1))
+                return [map_(part) for map_, part in zip(maps, normed, strict=True)]
+
+            return side_by_side
+        return lambda normed: [map_(part) for map_, part in zip(maps, mode_parts(normed, sizes), strict=True)]
 
 
 def _eval_affine(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -41,6 +41,7 @@ loop adds them to its loss:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -52,13 +53,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.caching import DerivedCache
-from mumoe_tn.gates import activation_maps, kernels
+from mumoe_tn.gates import activation_maps
 from mumoe_tn.gates.activation_maps import entmax15, inference_map, sparsemax
-from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
-from mumoe_tn.gates.gate_inference import GateInference
+from mumoe_tn.gates.gate_checks import check_gate_options, check_zero_init_bias, per_mode_k
+from mumoe_tn.gates.gate_inference import GateSteps
+from mumoe_tn.gates.gate_protocol import ModeLogits, gate_coefficients, mode_parts
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.replicas import warn_unsynchronised
-from mumoe_tn.gates.selection import top_k_logits, top_k_mask
+from mumoe_tn.gates.selection import top_k_mask
 from mumoe_tn.network import expert_leg, normalise_expert_dims
 from mumoe_tn.registry import Registry
 
@@ -212,7 +214,7 @@ def resolve_activation(activation: str | float) -> Callable[[torch.Tensor], torc
     return ACTIVATIONS[activation]
 
 
-class ExpertGate(GateInference, PerThreadRecords):
+class ExpertGate(GateSteps, PerThreadRecords):
     """Gating of every expert mode: ``a_e = φ(norm(G_eᵀ z))`` (paper Eq. 1 and its hierarchical sum).
 
     One bias-free projection ``G_e ∈ R^{I×N_e}`` per expert mode (stored as
@@ -263,11 +265,7 @@ class ExpertGate(GateInference, PerThreadRecords):
             raise ValueError(f"in_features must be a positive int, got {in_features!r}")
         if not isinstance(norm, str) or norm not in GATE_NORMS:
             raise ValueError(f"unknown gate norm {norm!r}; choose one of {list(GATE_NORMS)}")
-        if init not in GATE_INITS:
-            raise ValueError(f"unknown gate init {init!r}; choose one of {list(GATE_INITS)}")
-        for name, flag in (("balance_loss", balance_loss), ("z_loss", z_loss), ("bias", bias)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        check_gate_options(init, balance_loss=balance_loss, z_loss=z_loss, bias=bias)
         self.in_features = in_features
         self.expert_dims = normalise_expert_dims(expert_dims)
         self.activation = activation
@@ -303,70 +301,17 @@ class ExpertGate(GateInference, PerThreadRecords):
             if hasattr(norm, "reset_parameters"):
                 norm.reset_parameters()
 
-    def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
-        """Coefficients ``(rows, N_e)`` of expert mode ``mode`` from its normalised logits."""
-        return self._phi(logits)
+    def mode_map(self, mode: int, logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """φ of expert mode ``mode`` for normalised logits like ``logits``, in its quickest form for them.
 
-    def _activate_modes(self, logits: torch.Tensor) -> list[torch.Tensor]:
-        """Coefficients of every mode from the normalised logits ``(rows, ΣN_e)``, modes side by side.
-
-        Modes of one size go through φ in one call (φ acts on each row of each mode alone).
+        Logits that carry gradients (or a call being traced or transformed) get φ itself; others
+        the form [`inference_map`][mumoe_tn.gates.entmax.inference_map] picks for their rows,
+        dtype and device.
         """
-        sizes = self.expert_dims
-        if len(sizes) == 1:
-            return [self._activate(logits, 0)]
-        if len(set(sizes)) == 1:
-            stacked = self._phi(logits.view(logits.shape[0], len(sizes), sizes[0]))
-            return list(stacked.unbind(1))
-        return [self._activate(part, mode) for mode, part in enumerate(logits.split(sizes, dim=-1))]
-
-    def coefficients_map(self, logits: torch.Tensor, folded: bool) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-        """`coefficients_from_logits` for logits like ``logits``, with what it decides per call decided once.
-
-        What that method decides on every call (norms to apply, modes to split, which form of φ
-        serves these rows: see [`inference_map`][mumoe_tn.gates.entmax.inference_map]) is decided
-        here, for calls with the same rows, dtype and device, for a caller that keeps the map while
-        the gate does not change (a layer's inference program).
-
-        Parameters
-        ----------
-        logits : torch.Tensor
-            ``(rows, ΣN_e)`` logits like those of the calls to serve.
-        folded : bool
-            As returned with `inference_projection`.
-
-        Returns
-        -------
-        Callable
-            Maps such logits to the list of coefficients ``coefficients_from_logits`` returns.
-        """
-        kind = type(self)
-        plain = kind._activate is ExpertGate._activate and kind._activate_modes is ExpertGate._activate_modes
-        if not (folded and plain):
-            return functools.partial(self.coefficients_from_logits, folded=folded)
-        sizes = self.expert_dims
-        phi = _LAST_DIM_MAPS.get(self._phi, self._phi)
-        if len(sizes) == 1:
-            single = inference_map(phi, logits)
-            return lambda rows: [single(rows)]
-        if len(set(sizes)) == 1:  # modes of one size: one call on the (rows, modes, N) view
-            modes, size = len(sizes), sizes[0]
-            stacked = inference_map(phi, logits.new_empty(logits.shape[0], modes, size))
-            return lambda rows: list(stacked(rows.view(rows.shape[0], modes, size)).unbind(1))
-        maps = [inference_map(phi, part) for part in logits.split(sizes, dim=-1)]
-        return lambda rows: [mode(part) for mode, part in zip(maps, rows.split(sizes, dim=-1), strict=True)]
-
-    def inference_applies(self, z: torch.Tensor) -> bool:
-        """Whether a call on ``z`` takes the inference path (eval mode, no gradient, no losses, not traced)."""
-        return self._inference_applies(z)
-
-    def _inference_applies(self, z: torch.Tensor) -> bool:
-        """Whether a call may take the inference path (eval mode, no gradient, no losses to record, not traced)."""
-        if self.training or self.balance_loss or self.z_loss or torch.compiler.is_compiling():
-            return False  # training-mode norms use (masked) batch statistics: the full path
-        if torch.is_grad_enabled() and (z.requires_grad or any(p.requires_grad for p in self.parameters())):
-            return False
-        return not torch._C._are_functorch_transforms_active()
+        phi = self._phi
+        if logits.requires_grad or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return phi
+        return inference_map(_LAST_DIM_MAPS.get(phi, phi), logits)
 
     def _stacked_projection(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projections of every mode as one ``(ΣN_e, I)`` weight and ``(ΣN_e,)`` bias (or None), in ``compute``."""
@@ -403,47 +348,23 @@ class ExpertGate(GateInference, PerThreadRecords):
         """
         lead = z.shape[:-1]
         compute = torch.promote_types(z.dtype, torch.float32)
-        if self._inference_applies(z):
+        autocast = torch.is_autocast_enabled(z.device.type)
+        with torch.autocast(device_type=z.device.type, enabled=False) if autocast else contextlib.nullcontext():
             flat = (z if z.ndim == 2 else z.reshape(-1, z.shape[-1])).to(compute)
-            if torch.is_autocast_enabled(z.device.type):
-                with torch.autocast(device_type=z.device.type, enabled=False):
-                    coefficients = self._infer(flat)
-            else:
-                coefficients = self._infer(flat)
-            if z.ndim == 2:
-                return tuple(coefficients)
-            return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
-        if torch.is_autocast_enabled(z.device.type):
-            with torch.autocast(device_type=z.device.type, enabled=False):
-                coefficients = self._train_coefficients(z, compute, mask)
-        else:
-            coefficients = self._train_coefficients(z, compute, mask)
+            if self.projection_applies(z):
+                weight, bias, folded = self.projection(compute)
+            else:  # the parameters themselves, for autograd, and the norms' batch statistics in training
+                (weight, bias), folded = self._stacked_projection(compute), False
+            coefficients = gate_coefficients(self, F.linear(flat, weight, bias), folded, mask)
         if z.ndim == 2:
             return tuple(coefficients)
         return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
 
-    def _train_coefficients(
-        self, z: torch.Tensor, compute: torch.dtype, mask: torch.Tensor | None
-    ) -> list[torch.Tensor]:
-        """The coefficients of every mode by the general path (batch statistics, losses recorded), autocast off."""
-        flat = (z if z.ndim == 2 else z.reshape(-1, z.shape[-1])).to(compute)
-        logits = F.linear(flat, *self._stacked_projection(compute))
-        norms = self.norms.values()
-        if len(self.expert_dims) == 1:
-            split: Sequence[torch.Tensor] = (logits,)
-        else:
-            split = logits.split(self.expert_dims, dim=-1)
-        masked = mask is not None and self.norm in TOKEN_MIXING_NORMS
-        parts = [norm(part, mask) if masked else norm(part) for part, norm in zip(split, norms, strict=True)]
-        coefficients = [self._activate(part, mode) for mode, part in enumerate(parts)]
-        self._record_losses(parts, coefficients, mask)
-        return coefficients
-
-    def _record_losses(
-        self, logits: list[torch.Tensor], coefficients: list[torch.Tensor], mask: torch.Tensor | None
-    ) -> None:
+    def record(self, logits: ModeLogits, coefficients: list[torch.Tensor], mask: torch.Tensor | None) -> None:
+        """Record the auxiliary losses of a call (see the module notes) from its normalised logits."""
         if not (self.balance_loss or self.z_loss):
             return
+        logits = mode_parts(logits, self.expert_dims)
         if mask is None:
             mean = functools.partial(torch.mean, dim=0)
         else:
@@ -537,6 +458,8 @@ class TopKRouter(ExpertGate):
         As for [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate].
     """
 
+    shares_map = False  # (each mode maps with its own k)
+
     def __init__(
         self,
         in_features: int,
@@ -552,22 +475,11 @@ class TopKRouter(ExpertGate):
     ) -> None:
         options = {"init": init, "balance_loss": balance_loss, "z_loss": z_loss, "device": device, "dtype": dtype}
         super().__init__(in_features, expert_dims, "softmax", norm, **options)
-        ks = tuple(k) if isinstance(k, Sequence) and not isinstance(k, str) else (k,) * len(self.expert_dims)
-        if len(ks) != len(self.expert_dims):
-            raise ValueError(f"k={k!r} needs one entry per expert mode {self.expert_dims}")
-        for kk, n in zip(ks, self.expert_dims, strict=True):
-            if isinstance(kk, bool) or not isinstance(kk, int) or not 1 <= kk <= n:
-                raise ValueError(f"k must be an int in [1, N_e] for every expert mode {self.expert_dims}, got k={k!r}")
-        self.k = ks
+        self.k = per_mode_k(k, self.expert_dims)
 
-    def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
-        if kernels.gate_kernels_apply(logits):
-            return kernels.top_k_softmax(logits, self.k[mode])
-        return torch.softmax(top_k_logits(logits, self.k[mode], mark_non_finite=True), dim=-1)
-
-    def _activate_modes(self, logits: torch.Tensor) -> list[torch.Tensor]:
-        parts = logits.split(self.expert_dims, dim=-1)
-        return [self._activate(part, mode) for mode, part in enumerate(parts)]
+    def mode_map(self, mode: int, logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The softmax over the ``k`` largest logits of mode ``mode`` (the Triton kernel where it applies)."""
+        return functools.partial(activation_maps.softmax_top_k, k=self.k[mode])
 
     def _balance_terms(
         self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
@@ -578,22 +490,6 @@ class TopKRouter(ExpertGate):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k={self.k}"
-
-
-def _per_mode_k(k: int | Sequence[int], expert_dims: tuple[int, ...]) -> tuple[int, ...]:
-    """``k`` as one int per expert mode, each in ``[1, N_e]`` (ValueError naming ``k`` and ``N_e`` otherwise)."""
-    ks = tuple(k) if isinstance(k, Sequence) and not isinstance(k, str) else (k,) * len(expert_dims)
-    if len(ks) != len(expert_dims):
-        raise ValueError(f"k={k!r} needs one entry per expert mode {expert_dims}")
-    for mode, (kk, n) in enumerate(zip(ks, expert_dims, strict=True), start=1):
-        if isinstance(kk, bool) or not isinstance(kk, int) or kk < 1:
-            raise ValueError(f"k must be a positive int for every expert mode, got k={k!r}")
-        if kk > n:
-            raise ValueError(
-                f"k={kk} for expert mode {mode} is more than its N_e={n} experts: each mode keeps at most "
-                f"N_e experts (expert dims {expert_dims}, k={k!r})"
-            )
-    return ks
 
 
 def _relu_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -633,6 +529,8 @@ class ReLUTopKRouter(ExpertGate):
         Factory arguments for the parameters.
     """
 
+    shares_map = False  # (each mode maps with its own k)
+
     def __init__(
         self,
         in_features: int,
@@ -645,12 +543,8 @@ class ReLUTopKRouter(ExpertGate):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.k = _per_mode_k(k, normalise_expert_dims(expert_dims))
-        if init == "zeros" and bias is False:
-            raise ValueError(
-                "init='zeros' needs bias=True for a ReLU top-k gate: with zero projections and no bias every "
-                "logit is 0, the ReLU cuts them all and the gate never gets a gradient"
-            )
+        self.k = per_mode_k(k, normalise_expert_dims(expert_dims))
+        check_zero_init_bias(init, bias)
         super().__init__(in_features, expert_dims, "softmax", norm, init=init, bias=bias, device=device, dtype=dtype)
         self.activation = "relu-topk"
 
@@ -662,12 +556,9 @@ class ReLUTopKRouter(ExpertGate):
                 for projection, k in zip(self.projections.values(), self.k, strict=True):
                     projection.bias.fill_(1.0 / k)
 
-    def _activate(self, logits: torch.Tensor, mode: int) -> torch.Tensor:
-        return _relu_top_k(logits, self.k[mode])
-
-    def _activate_modes(self, logits: torch.Tensor) -> list[torch.Tensor]:
-        parts = logits.split(self.expert_dims, dim=-1)
-        return [self._activate(part, mode) for mode, part in enumerate(parts)]
+    def mode_map(self, mode: int, logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The ``k`` largest ReLU'd logits of mode ``mode`` kept as they are."""
+        return functools.partial(_relu_top_k, k=self.k[mode])
 
     def extra_repr(self) -> str:
         extras = "" if self.init == "default" else f", init={self.init!r}"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
+from mumoe_tn.gates.gate_checks import check_flag, check_gate_options, check_k, check_name, check_zero_init_bias
 from mumoe_tn.gates.registry import register_gate
 
 if TYPE_CHECKING:
@@ -73,16 +74,6 @@ class GateSpec(Protocol):
         ...
 
 
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-
-
-def _check_name(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"{name} must be a non-empty name, got {value!r}")
-
-
 class CausalityWarning(UserWarning):
     """A gate whose training-mode coefficients mix the tokens of a batch, put into a causal model."""
 
@@ -110,11 +101,8 @@ class _LinearLogits:
 
     def _check_shared_options(self) -> None:
         """The norm name, the init and the two loss flags, which every linear-logit gate has."""
-        _check_name("norm", self.norm)
-        if self.init not in GATE_INITS:
-            raise ValueError(f"unknown gate init {self.init!r}; choose one of {list(GATE_INITS)}")
-        _check_flag("balance_loss", self.balance_loss)
-        _check_flag("z_loss", self.z_loss)
+        check_name("norm", self.norm)
+        check_gate_options(self.init, balance_loss=self.balance_loss, z_loss=self.z_loss)
 
     def parameter_count(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
         """``I·ΣN_e``: the projections (the logit norms have no affine parameters)."""
@@ -219,14 +207,7 @@ class TopKGate(_LinearLogits):
     z_loss: bool = False
 
     def __post_init__(self) -> None:
-        ks = self.k if isinstance(self.k, Sequence) and not isinstance(self.k, str) else (self.k,)
-        for k in ks:
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ValueError(
-                    f"k must be a positive int or a sequence of them (one per expert mode), got {self.k!r}"
-                )
-        if not isinstance(self.k, int):
-            object.__setattr__(self, "k", tuple(ks))
+        object.__setattr__(self, "k", check_k(self.k))
         self._check_shared_options()
 
     def build(
@@ -285,25 +266,11 @@ class ReLUTopKGate(_LinearLogits):
     init: str = "default"
 
     def __post_init__(self) -> None:
-        ks = self.k if isinstance(self.k, Sequence) and not isinstance(self.k, str) else (self.k,)
-        if not ks:
-            raise ValueError(f"k must be a positive int or a non-empty sequence of them (one per mode), got {self.k!r}")
-        for k in ks:
-            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-                raise ValueError(
-                    f"k must be a positive int or a sequence of them (one per expert mode), got {self.k!r}"
-                )
-        if not isinstance(self.k, int):
-            object.__setattr__(self, "k", tuple(ks))
-        _check_flag("bias", self.bias)
-        _check_name("norm", self.norm)
-        if self.init not in GATE_INITS:
-            raise ValueError(f"unknown gate init {self.init!r}; choose one of {list(GATE_INITS)}")
-        if self.init == "zeros" and not self.bias:
-            raise ValueError(
-                "init='zeros' needs bias=True for a ReLU top-k gate: with zero projections and no bias every "
-                "logit is 0, the ReLU cuts them all and the gate never gets a gradient"
-            )
+        object.__setattr__(self, "k", check_k(self.k))
+        check_flag("bias", self.bias)
+        check_name("norm", self.norm)
+        check_gate_options(self.init)
+        check_zero_init_bias(self.init, self.bias)
 
     def parameter_count(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
         """``I·ΣN_e`` for the projections, ``+ ΣN_e`` with the biases."""

@@ -11,14 +11,13 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from mumoe_tn.gates.modules import ExpertGate
 from mumoe_tn.gates.records import PerThreadRecords
 from mumoe_tn.gates.specs import GateSpec
 from mumoe_tn.layers.construction import LayerSpec
-from mumoe_tn.layers.experts import FactorizedExperts, batch_bucket
+from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.layers.fused import LeanCoefficients
-from mumoe_tn.layers.program import LayerProgram, ProgramEntry
-from mumoe_tn.masking import current_token_mask, resolve_token_mask
+from mumoe_tn.layers.program import LayerProgram
+from mumoe_tn.masking import resolve_token_mask
 from mumoe_tn.validation import check_bool
 
 __all__ = ["A_LAYER", "GATE_INPUTS", "MuMoEBase"]
@@ -28,9 +27,6 @@ A_LAYER = "a μMoE layer (MuMoE, MuMoEMLP, MuMoEGatedMLP, MixtureOfDecoders)"
 
 #: What the gate of a layer reads: the experts' (normalised) input, or the raw input.
 GATE_INPUTS = ("normed", "raw")
-
-#: Input dtypes the gate computes in as they are (narrower ones are gated in float32, apart from the experts).
-_LEAN_DTYPES = (torch.float32, torch.float64)
 
 
 class MuMoEBase(PerThreadRecords):
@@ -251,14 +247,43 @@ class MuMoEBase(PerThreadRecords):
             )
 
     def _gate(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Validate ``x``, normalise it, compute and record the coefficients, apply any ablation mask."""
-        lean = self._lean_gate(x, mask)
-        if lean is not None:
-            return lean
-        self._check_input(x)
-        tokens = resolve_token_mask(mask, tuple(x.shape[:-1]), x.device)
-        z = self.input_norm(x)
-        gated = x if self.gate_input == "raw" else z
+        """Validate ``x``, normalise it, compute and record the coefficients, apply any ablation mask.
+
+        The projection step is the layer's [`LayerProgram`][mumoe_tn.layers.program.LayerProgram]
+        entry where one serves the call (a plain inference call with a
+        [`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate]: see
+        [`fused_entry`][mumoe_tn.layers.program.LayerProgram.fused_entry]): the gate's projection
+        (eval-mode norms folded in) and the input layers' first products run as one matrix product
+        ``z @ [Gᵀ | M_1 | …]``, then the gate's own normalisation, map and records. Otherwise the
+        gate runs as a module. Every other step is the same either way.
+        """
+        entry = self._program.fused_entry(self, x, mask)  # (made for a validated signature, and no mask applies)
+        if entry is None:
+            self._check_input(x)
+        lead = x.shape[:-1]
+        tokens = None if entry is not None else resolve_token_mask(mask, tuple(lead), x.device)
+        z = x if entry is not None and entry.identity else self.input_norm(x)
+        if entry is None:
+            coefficients = self._gate_module(x if self.gate_input == "raw" else z, tokens)
+        else:
+            flat = z if z.ndim == 2 else z.reshape(-1, z.shape[-1])
+            projected = entry.project(flat)
+            rows = entry.coefficients(projected)
+            coefficients = tuple(rows) if z.ndim == 2 else tuple(a.reshape(*lead, a.shape[-1]) for a in rows)
+        self._remember_all(
+            coefficients=tuple(a.detach() if a.requires_grad else a for a in coefficients),
+            token_mask=None if tokens is None else tokens.reshape(lead),
+        )
+        if any(a.dtype != z.dtype for a in coefficients) and not torch.is_autocast_enabled(z.device.type):
+            coefficients = tuple(a.to(z.dtype) for a in coefficients)
+        if self.ablation is not None:
+            coefficients = self.ablation.mask(coefficients)
+        if entry is not None:
+            coefficients = LeanCoefficients(coefficients, z, flat, tuple(rows), entry.heads(projected))
+        return z, coefficients
+
+    def _gate_module(self, gated: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The coefficients of the gate called as a module (or through the ablation), checked to be a tuple."""
         options = {} if tokens is None else self._gate_mask_options(tokens)
         if self.ablation is None:
             coefficients = self.gate(gated, **options)
@@ -269,75 +294,7 @@ class MuMoEBase(PerThreadRecords):
                 f"the gate {type(self.gate).__name__} must return a tuple of tensors, one per expert mode, "
                 f"got {type(coefficients).__name__}"
             )
-        self._remember("coefficients", tuple(a.detach() for a in coefficients))
-        self._remember("token_mask", None if tokens is None else tokens.reshape(x.shape[:-1]))
-        if not torch.is_autocast_enabled(z.device.type):
-            coefficients = tuple(a.to(z.dtype) for a in coefficients)
-        if self.ablation is not None:
-            coefficients = self.ablation.mask(coefficients)
-        return z, coefficients
-
-    def _lean_gate(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, LeanCoefficients] | None:
-        """`_gate` for a plain inference call, with the gate and the input layers' first products fused.
-
-        Applies without gradients, with an [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate] in
-        eval mode, no ablation, no token mask, no hook on the gate and no autocast, when the gate computes in the
-        input's dtype (float32 or wider). The gate's projection (its eval-mode norms folded in)
-        and the prepared plans' steps that multiply ``z`` by a constant matrix (the first cores
-        the input meets, whichever network) then run as one matrix product
-        ``z @ [Gᵀ | M_1 | …]``. What a call needs beyond its input (the fused matrix, the plans)
-        is the layer's [`LayerProgram`][mumoe_tn.layers.program.LayerProgram] entry for the input's
-        signature, valid while the layer's [`module_state`][mumoe_tn.caching.module_state] key is
-        unchanged (no parameter, buffer, submodule, train/eval flag or hook changed, no optimiser
-        stepped). A forward hook on any
-        submodule (the experts included) sends the call down the general path. None: the general
-        path.
-        """
-        if mask is not None or self.ablation is not None or torch.is_grad_enabled() or type(x) is not torch.Tensor:
-            return None
-        gate = self.gate
-        if x.ndim < 1 or gate._forward_hooks or gate._forward_pre_hooks or torch.compiler.is_compiling():
-            return None  # (the fused product never calls the gate: its hooks must see the general path)
-        width = x.shape[-1]
-        rows = x.numel() // width if width else 0
-        key = (width, x.dtype, x.device, batch_bucket(rows))
-        state = self._program.current(self)
-        if state.hooked:
-            return None  # (the fused product never calls the experts: their hooks must see the general path)
-        program = self._program.entry(key, lambda: self._program_entry(x, rows))
-        if program is None:
-            return None
-        if torch.is_autocast_enabled(key[2].type):  # after the program's input checks: they name bad devices
-            return None
-        if current_token_mask() is not None and resolve_token_mask(None, tuple(x.shape[:-1]), x.device) is not None:
-            return None
-        z = x if program.identity else self.input_norm(x)
-        flat = z if z.ndim == 2 else z.reshape(-1, width)
-        fused = program.fused
-        out = torch.mm(flat, fused.weight) if fused.bias is None else torch.addmm(fused.bias, flat, fused.weight)
-        coefficients = program.coefficients(out[:, : program.n_logits])
-        projected = {id(layer): (plan, step, out[:, start:stop]) for layer, plan, step, start, stop in fused.heads}
-        lead = x.shape[:-1]
-        shaped = tuple(coefficients) if z.ndim == 2 else tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
-        self._remember_all(coefficients=shaped, token_mask=None)
-        return z, LeanCoefficients(shaped, z, flat, tuple(coefficients), projected)
-
-    def _program_entry(self, x: torch.Tensor, rows: int) -> ProgramEntry | None:
-        """What `_lean_gate` runs for inputs like ``x`` (validated here), or None where it does not apply."""
-        self._check_input(x)
-        gate = self.gate
-        if not isinstance(gate, ExpertGate) or gate.expert_dims != self.expert_dims or rows == 0:
-            return None
-        if x.dtype not in _LEAN_DTYPES or not gate.inference_applies(x):
-            return None
-        identity = type(self.input_norm) is nn.Identity
-        if self.gate_input == "raw" and not identity:
-            return None
-        weight, bias, folded = gate.inference_projection(x.dtype)
-        executors = [(experts, experts.inference_executor(rows, self.bias)) for experts in self._input_layers()]
-        fused = self._program.fused.get(weight, bias, executors)
-        logits = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-        return ProgramEntry(fused, weight.shape[0], gate.coefficients_map(logits, folded), identity)
+        return tuple(coefficients)
 
     def _contract(
         self, experts: FactorizedExperts, z: torch.Tensor, coefficients: tuple[torch.Tensor, ...]

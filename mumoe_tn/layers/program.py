@@ -3,17 +3,22 @@
 opt_einsum's ``ContractExpression`` holds a contraction's path and its constants in one object,
 evaluated by the loop that runs the call. A layer's program does the same for a whole μMoE
 layer: per input signature (width, dtype, device, batch bucket) the fused first product of the
-gate and the input layers (eval BatchNorm folded in), the gate's map from logits to
-coefficients and the experts' prepared plans it runs, and the signatures whose inputs have been
+gate and the input layers (eval BatchNorm folded in), the gate's activation map chosen for such
+calls and the experts' prepared plans it runs, and the signatures whose inputs have been
 checked. Everything it holds is valid for one state of the layer, the
 [`module_state`][mumoe_tn.caching.module_state] key (submodules, modes, forward hooks,
 parameters, buffers, optimiser steps): when the key changes, the program forgets every entry at
 once, so no entry can outlive the weights it was made from.
 
-The layer's general path is the same program without its fused entries: the gate and the experts
-run as modules, which keep their own parameter-derived values under the same key
-([`source_key`][mumoe_tn.caching.source_key]). Nothing here changes inside a call that
-``torch.compile`` traces (compiled calls never reach the program), so a captured graph replays.
+The layer's gating is one sequence of steps (checks, token mask, input norm, projection,
+normalisation, activation map, records, ablation mask); the program's fused entry is only another
+way to compute the projection step, for the calls that
+[`fused_entry`][mumoe_tn.layers.program.LayerProgram.fused_entry] admits. Any gate that
+implements [`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate] gets it. Without a fused
+entry the gate and the experts run as modules, which keep their own
+parameter-derived values under the same key ([`source_key`][mumoe_tn.caching.source_key]).
+Nothing here changes inside a call that ``torch.compile`` traces (compiled calls never reach the
+program), so a captured graph replays.
 """
 
 from __future__ import annotations
@@ -21,11 +26,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from mumoe_tn.caching import DerivedState, ModuleState, module_state
+from mumoe_tn.gates.gate_protocol import CoefficientMap, ProgramGate, gate_coefficients
+from mumoe_tn.layers.experts import batch_bucket
 from mumoe_tn.layers.fused import FusedProjection, FusedProjections
+from mumoe_tn.masking import current_token_mask, resolve_token_mask
 
 __all__ = ["MAX_CHECKED", "MAX_SIGNATURES", "LayerProgram", "ProgramEntry"]
 
@@ -35,20 +45,41 @@ MAX_SIGNATURES = 64
 MAX_CHECKED = 256
 """Most input signatures a program remembers as validated (the set starts afresh beyond it)."""
 
+#: Input dtypes the fused product computes in (narrower ones are gated in float32, apart from the experts).
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
 
 @dataclass(frozen=True)
 class ProgramEntry:
-    """One input signature's fused inference.
+    """One input signature's fused projection and the gate steps that follow it.
 
-    ``fused`` is ``[Gᵀ | M_1 | …]`` with its bias; its first ``n_logits`` columns are the gate's,
-    which ``coefficients`` maps to one coefficient tensor per expert mode; ``identity`` says the
-    input norm is the identity, so the fused product reads the input itself.
+    ``fused`` is ``[Gᵀ | M_1 | …]`` with its bias; its first ``n_logits`` columns are the gate's
+    logits (normalised when ``folded``), which the gate's steps map with ``activate``, the gate's
+    activation map chosen for this signature; ``identity`` says the input norm is the identity,
+    so the fused product reads the input itself.
     """
 
     fused: FusedProjection
+    gate: ProgramGate
     n_logits: int
-    coefficients: Callable[[torch.Tensor], list[torch.Tensor]]
+    folded: bool
+    activate: CoefficientMap
     identity: bool
+
+    def project(self, flat: torch.Tensor) -> torch.Tensor:
+        """The projection step of the rows ``flat`` ``(rows, I)``: gate logits and input layers' products."""
+        fused = self.fused
+        return torch.mm(flat, fused.weight) if fused.bias is None else torch.addmm(fused.bias, flat, fused.weight)
+
+    def coefficients(self, projected: torch.Tensor) -> list[torch.Tensor]:
+        """The gate's steps after the projection on the logits of ``projected`` (see `project`)."""
+        return gate_coefficients(self.gate, projected[:, : self.n_logits], self.folded, None, self.activate)
+
+    def heads(self, projected: torch.Tensor) -> dict[int, tuple]:
+        """``id(experts) → (plan, step, columns)``: each fused input layer's part of ``projected``."""
+        return {
+            id(layer): (plan, step, projected[:, start:stop]) for layer, plan, step, start, stop in self.fused.heads
+        }
 
 
 class LayerProgram(DerivedState):
@@ -73,6 +104,51 @@ class LayerProgram(DerivedState):
             with self._lock:
                 self._key, self._state, self._entries = state.key, state, {}
         return state
+
+    def fused_entry(self, layer: Any, x: Any, mask: torch.Tensor | None) -> ProgramEntry | None:
+        """The fused entry that computes the projection step of the call ``layer(x, mask)``, or None.
+
+        The one predicate of the fused projection: it serves a call with no gradient, no token
+        mask (given or current), no ablation, no forward hook on the layer's submodules, no
+        autocast, no trace or functional transform, on a plain tensor; and, per input signature,
+        a gate implementing [`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate] whose
+        `projection_applies`, the layer's expert dims, a float32 or float64 input and an input
+        norm the gate reads through (see `_make_entry`). Made on the first call of a signature
+        (which validates ``x``) and kept while the layer's state is unchanged.
+        """
+        if mask is not None or layer.ablation is not None or torch.is_grad_enabled() or type(x) is not torch.Tensor:
+            return None
+        if x.ndim < 1 or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return None
+        width = x.shape[-1]
+        rows = x.numel() // width if width else 0
+        state = self.current(layer)
+        if state.hooked:
+            return None  # (the fused product calls neither the gate nor the experts: their hooks need them called)
+        found = self.entry((width, x.dtype, x.device, batch_bucket(rows)), lambda: self._make_entry(layer, x, rows))
+        if found is None or torch.is_autocast_enabled(x.device.type):  # (after the entry's checks: they name devices)
+            return None
+        if current_token_mask() is not None and resolve_token_mask(None, tuple(x.shape[:-1]), x.device) is not None:
+            return None
+        return found
+
+    def _make_entry(self, layer: Any, x: torch.Tensor, rows: int) -> ProgramEntry | None:
+        """The fused entry for inputs like ``x`` (validated here), or None where the signature does not admit one."""
+        layer._check_input(x)
+        gate = layer.gate
+        if rows == 0 or x.dtype not in _FUSED_DTYPES or not isinstance(gate, ProgramGate):
+            return None
+        if tuple(gate.expert_dims) != tuple(layer.expert_dims) or not gate.projection_applies(x):
+            return None
+        identity = type(layer.input_norm) is nn.Identity
+        if layer.gate_input == "raw" and not identity:
+            return None
+        weight, bias, folded = gate.projection(x.dtype)
+        _check_projection(gate, weight, bias, x)
+        executors = [(experts, experts.inference_executor(rows, layer.bias)) for experts in layer._input_layers()]
+        fused = self.fused.get(weight, bias, executors)
+        logits = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
+        return ProgramEntry(fused, gate, weight.shape[0], bool(folded), gate.activation_map(logits), identity)
 
     def entry(self, signature: tuple, make: Callable[[], ProgramEntry | None]) -> ProgramEntry | None:
         """The fused entry of ``signature`` for the state last passed to ``current``, made on a miss.
@@ -102,3 +178,24 @@ class LayerProgram(DerivedState):
             self._key, self._state, self._entries = None, None, {}
         self.fused.clear()
         self.checked = set()
+
+
+def _check_projection(gate: Any, weight: Any, bias: Any, x: torch.Tensor) -> None:
+    """A gate's `projection` must be ``(ΣN_e, I)`` (and ``(ΣN_e,)``) tensors in the input's dtype and device."""
+    rows, width = sum(gate.expert_dims), x.shape[-1]
+    for name, value, shape in (("weight", weight, (rows, width)), ("bias", bias, (rows,))):
+        if value is None and name == "bias":
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != x.dtype:
+            if isinstance(value, torch.Tensor):
+                described = f"of shape {tuple(value.shape)} and dtype {value.dtype}"
+            else:
+                described = f"of type {type(value).__name__}"
+            raise ValueError(
+                f"the gate {type(gate).__name__}'s projection({x.dtype}) returned a {name} {described}: "
+                f"it must be a {x.dtype} tensor of shape {shape} (ΣN_e = {rows} rows, I = {width})"
+            )
+        if value.device != x.device:
+            raise ValueError(
+                f"the gate {type(gate).__name__}'s projection {name} is on {value.device}, the input on {x.device}"
+            )
