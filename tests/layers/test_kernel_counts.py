@@ -52,7 +52,7 @@ KERNELS = {
     "mxd": (3, 21),
     "cp 4x4": (4, 35),
     "cp sparsemax": (3, 24),
-    "cp top-2 softmax": (8, 30),
+    "cp top-2 softmax": (3, 30),
     "mxd relu top-2": (3, 28),
 }
 
