@@ -228,7 +228,7 @@ class PlanExecutor:
         for out, instruction, frees in program:
             if registers[out] is None:
                 registers[out] = instruction(registers)
-                if not record:
+                if frees and not record:
                     for value in frees:
                         registers[value] = None
         return registers
