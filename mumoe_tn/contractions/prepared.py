@@ -15,9 +15,12 @@ built from the cores:
 - what remains per call is one ``mm``/``addmm``/multiply per step and a view of its result.
 
 Batched products and products that sum no label run as one ``bmm`` or one broadcasting
-multiplication laid out when the plan is built; other steps run as in ``run_plan`` (``torch.einsum``). The result is
-the plan's contraction, equal to ``run_plan``'s up to rounding. Nothing here records gradients:
-a prepared plan is for calls whose cores need none.
+multiplication laid out when the plan is built; other steps, and a folded-bias step whose other
+factor is computed per call, keep the plan's own instruction (as ``run_plan`` runs it). The
+instructions run through the plan's [`PlanExecutor`][mumoe_tn.contractions.executor.PlanExecutor],
+whose registers start with the cores and cached results in place. The result is the plan's
+contraction, equal to ``run_plan``'s up to rounding. Nothing here records gradients: a prepared
+plan is for calls whose cores need none.
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ class _Instruction:
 
 class PreparedPlan:
     """A plan bound to constant cores (and cached core-only results), run as straight-line steps.
+
+    Built on the plan's [`plan_executor`][mumoe_tn.contractions.executor.plan_executor]: each of its
+    instructions is replaced by a product over prepared matrices where one serves, and the steps
+    whose results are given are dropped.
 
     Parameters
     ----------
