@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from mumoe_tn.contractions.executor import FoldedBias, PlanExecutor, PlanStep
 from mumoe_tn.contractions.pairwise import contract_pair
 from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
 
-__all__ = ["MIN_ELEMENTS", "PlanFunction", "affine_einsum", "affine_is_plain", "plan_program", "use_plan_function"]
+__all__ = ["MIN_ELEMENTS", "PlanFunction", "plan_program", "use_plan_function"]
 
 Labels = tuple[str, ...]
 
@@ -44,42 +45,31 @@ Labels = tuple[str, ...]
 MIN_ELEMENTS = 1 << 18
 
 
-def affine_is_plain(step: ContractionStep, which: int, label: str) -> bool:
-    """Whether the folded-bias step contracts ``z``'s leg ``label`` with exactly one other operand.
-
-    Then ``einsum(z, T[:I]) + T[I]`` computes it; otherwise a column of ones is appended.
-
-    Parameters
-    ----------
-    step : ContractionStep
-        The step that takes ``z``.
-    which : int
-        ``z``'s position among the step's operands.
-    label : str
-        The leg whose last entry ``z`` omits.
-
-    Returns
-    -------
-    bool
-    """
-    others = [k for k in range(len(step.operands)) if k != which]
-    return len(others) == 1 and label in step.operands[others[0]] and label not in step.output
-
-
 @dataclass(frozen=True)
 class _StepProgram:
-    """One step of the plan, with its operands named by value index."""
+    """What the backward pass knows of one step, besides its instruction (which also recomputes it)."""
 
-    step: ContractionStep
-    values: tuple[int, ...]  # value index of each operand (inputs first, then step outputs)
-    output: int  # value index of the result
+    instruction: PlanStep
     elementwise: bool  # every label of every operand is kept: one multiply per output element
     short: int | None  # which operand is z without its trailing 1 (the folded bias), if any
     terminal: tuple[bool, ...]  # per operand: an input of the plan (no earlier step reads its gradient)
 
+    @property
+    def step(self) -> ContractionStep:
+        return self.instruction.step
+
+    @property
+    def values(self) -> tuple[int, ...]:
+        return self.instruction.values
+
+    @property
+    def output(self) -> int:
+        return self.instruction.out
+
 
 @dataclass(frozen=True)
 class _Program:
+    executor: PlanExecutor  # runs the forward pass (and recomputes a dropped intermediate)
     steps: tuple[_StepProgram, ...]
     dropped: frozenset[int]  # intermediates recomputed in backward instead of kept
 
@@ -117,27 +107,24 @@ def _cached_program(
     n_inputs = len(inputs)
     if any(len(set(x)) != len(x) for x in inputs):
         return None  # a repeated label within one operand (a diagonal): autograd handles it
-    current = list(range(n_inputs))
-    short = n_inputs - 1 if ones_appended is not None else None
+    executor = PlanExecutor.of_steps(inputs, plan_steps, ones_appended)
     steps = []
-    for number, step in enumerate(plan_steps):
-        picked = [current.pop(k) for k in step.positions]
+    for instruction in executor.instructions:
+        step = instruction.step
         for k, operand in enumerate(step.operands):
             others = {x for j, labels in enumerate(step.operands) if j != k for x in labels}
             if not set(operand) <= others | set(step.output):
                 return None  # a label summed within one operand alone: autograd handles it
-        which = picked.index(short) if short is not None and short in picked else None
-        if which is not None and not affine_is_plain(step, which, ones_appended):
+        which = instruction.which if isinstance(instruction, FoldedBias) else None
+        if which is not None and not instruction.plain:
             return None
-        output = n_inputs + number
-        terminal = tuple(v < n_inputs for v in picked)
-        steps.append(_StepProgram(step, tuple(picked), output, _is_elementwise(step), which, terminal))
-        current.append(output)
+        terminal = tuple(v < n_inputs for v in instruction.values)
+        steps.append(_StepProgram(instruction, _is_elementwise(step), which, terminal))
     dropped = set()
     for program in steps[:-1]:
         if program.elementwise and all(v < n_inputs or v not in dropped for v in program.values):
             dropped.add(program.output)
-    return _Program(tuple(steps), frozenset(dropped))
+    return _Program(executor, tuple(steps), frozenset(dropped))
 
 
 def use_plan_function(
@@ -212,47 +199,6 @@ def _span(tensor: torch.Tensor, labels: Labels, target: Labels) -> int:
     return span
 
 
-def affine_einsum(step: ContractionStep, tensors: Sequence[torch.Tensor], which: int, label: str) -> torch.Tensor:
-    """``einsum(z, T[:I]) + T[I]``: the step with operand ``which`` lacking the trailing 1 of ``label``.
-
-    Only for steps where [`affine_is_plain`][mumoe_tn.contractions.backward.affine_is_plain] holds.
-
-    Parameters
-    ----------
-    step : ContractionStep
-        The step.
-    tensors : Sequence of torch.Tensor
-        Its two operands, in equation order.
-    which : int
-        The position of ``z``.
-    label : str
-        The leg whose last entry ``z`` omits.
-
-    Returns
-    -------
-    torch.Tensor
-    """
-    z = tensors[which]
-    other = 1 - which
-    labels, tensor = step.operands[other], tensors[other]
-    axis = labels.index(label)
-    picked = list(tensors)
-    picked[other] = tensor.narrow(axis, 0, z.shape[-1])
-    result = contract_pair(step.operands, step.output, picked, step.equation)
-    # The ones column meets T's last slice along the leg: add it, arranged like the result.
-    rest = [x for x in labels if x != label]
-    bias = tensor.select(axis, tensor.shape[axis] - 1)
-    bias = bias.permute(*(rest.index(x) for x in step.output if x in rest))
-    shape = [result.shape[k] if x in rest else 1 for k, x in enumerate(step.output)]
-    return result.add_(bias.reshape(shape)) if not result.requires_grad else result + bias.reshape(shape)
-
-
-def _forward_step(program: _StepProgram, tensors: list[torch.Tensor], label: str | None) -> torch.Tensor:
-    if program.short is None:
-        return contract_pair(program.step.operands, program.step.output, tensors, program.step.equation)
-    return affine_einsum(program.step, tensors, program.short, label)
-
-
 class PlanFunction(torch.autograd.Function):
     """Run a plan as one autograd node (see the module notes).
 
@@ -262,10 +208,8 @@ class PlanFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, program: _Program, label: str | None, *operands: torch.Tensor) -> torch.Tensor:
-        values: list[torch.Tensor | None] = [*operands, *([None] * len(program.steps))]
-        for program_step in program.steps:
-            tensors = [values[v] for v in program_step.values]
-            values[program_step.output] = _forward_step(program_step, tensors, label)
+        executor = program.executor
+        values = executor.run(executor.start(operands), record=True)  # the intermediates are kept for backward
         result = values[program.steps[-1].output]
         for value in program.dropped:
             values[value] = None
@@ -299,7 +243,7 @@ class PlanFunction(torch.autograd.Function):
             if out_grad is not None:
                 for value in program_step.values:
                     if values[value] is None:
-                        _recompute(program, value, values, ctx.label, n_inputs)
+                        _recompute(program, value, values, n_inputs)
                 # Every gradient but the caller's (that of the last step) is a buffer of this pass;
                 # with create_graph=True the backward pass is recorded, so nothing is overwritten.
                 grad_owned = number != len(program.steps) - 1 and not torch.is_grad_enabled()
@@ -317,14 +261,12 @@ def _needs_grad(program: _Program, inputs: Sequence[bool]) -> list[bool]:
     return needs
 
 
-def _recompute(
-    program: _Program, value: int, values: list[torch.Tensor | None], label: str | None, n_inputs: int
-) -> None:
+def _recompute(program: _Program, value: int, values: list[torch.Tensor | None], n_inputs: int) -> None:
     program_step = program.steps[value - n_inputs]
     for operand in program_step.values:
         if values[operand] is None:
-            _recompute(program, operand, values, label, n_inputs)
-    values[value] = _forward_step(program_step, [values[v] for v in program_step.values], label)
+            _recompute(program, operand, values, n_inputs)
+    values[value] = program_step.instruction(values)
 
 
 def _step_backward(

@@ -6,9 +6,9 @@ from collections.abc import Collection, Mapping, Sequence
 
 import torch
 
-from mumoe_tn.contractions.backward import PlanFunction, affine_einsum, affine_is_plain, use_plan_function
-from mumoe_tn.contractions.pairwise import contract_pair
-from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
+from mumoe_tn.contractions.backward import PlanFunction, use_plan_function
+from mumoe_tn.contractions.executor import plan_executor
+from mumoe_tn.contractions.plan import ContractionPlan
 
 __all__ = ["constant_intermediates", "run_plan"]
 
@@ -28,6 +28,7 @@ def run_plan(
     so torch never searches a path at call time, ``torch.compile(fullgraph=True)`` traces it, and autocast applies per
     step. Operands are used as given unless ``constants`` supplies precomputed results of
     some steps (see [`constant_intermediates`][mumoe_tn.contractions.execute.constant_intermediates]).
+    The steps run through the plan's [`PlanExecutor`][mumoe_tn.contractions.executor.PlanExecutor].
 
     Parameters
     ----------
@@ -39,7 +40,7 @@ def run_plan(
         A label of the *last* operand whose final entry is omitted and taken to be 1 (the
         folded bias: the input ``z`` lacks the trailing 1 of leg ``i``). The step that
         contracts it computes ``einsum(z, T[:I]) + T[I]`` instead of concatenating a column
-        of ones onto ``z``.
+        of ones onto ``z`` (see [`FoldedBias`][mumoe_tn.contractions.executor.FoldedBias]).
     constants : Mapping[int, torch.Tensor], optional
         Step index -> that step's result, computed earlier from operands that have not
         changed since; those steps are skipped.
@@ -57,24 +58,13 @@ def run_plan(
         program = use_plan_function(plan, operands, ones_appended)
         if program is not None:
             return PlanFunction.apply(program, ones_appended, *operands)
-    current = list(operands)
-    short = len(current) - 1 if ones_appended is not None else -1
-    for number, step in enumerate(plan.steps):
-        if constants is not None and number in constants:
-            short -= sum(1 for k in step.positions if k < short)  # z is never part of a constant step
-            for k in step.positions:
-                current.pop(k)
-            current.append(constants[number])
-            continue
-        if short in step.positions:
-            picked = [current.pop(k) for k in step.positions]
-            current.append(_affine_step(step, picked, step.positions.index(short), ones_appended))
-            short = -1
-            continue
-        short -= sum(1 for k in step.positions if k < short)  # later pops shift it down
-        picked = [current.pop(k) for k in step.positions]
-        current.append(contract_pair(step.operands, step.output, picked, step.equation))
-    return current[0]
+    executor = plan_executor(plan, ones_appended)
+    if constants is None:
+        return executor(operands)
+    registers = executor.start(operands)
+    for number, tensor in constants.items():  # their steps are skipped
+        registers[executor.n_inputs + number] = tensor
+    return executor.run(registers)[executor.result]
 
 
 def constant_intermediates(
@@ -96,24 +86,12 @@ def constant_intermediates(
     -------
     dict of int to torch.Tensor
         Step index -> result, for [`run_plan`][mumoe_tn.contractions.execute.run_plan]'s ``constants``.
+
+    Raises
+    ------
+    ValueError
+        If one of ``steps`` reads an operand beyond the ``len(operands)`` given.
     """
-    current: list[torch.Tensor | None] = [*operands, *([None] * (len(plan.inputs) - len(operands)))]
-    results = {}
-    for number, step in enumerate(plan.steps):
-        picked = [current.pop(k) for k in step.positions]
-        if number in steps:
-            if any(tensor is None for tensor in picked):
-                raise ValueError(f"step {number} of the plan depends on operands beyond the {len(operands)} given")
-            results[number] = contract_pair(step.operands, step.output, picked, step.equation)
-        current.append(results.get(number))
-    return results
-
-
-def _affine_step(step: ContractionStep, picked: list[torch.Tensor], which: int, label: str) -> torch.Tensor:
-    """One step in which operand ``which`` lacks the final entry (a 1) of leg ``label``."""
-    if not affine_is_plain(step, which, label):
-        # Not a plain contraction of z's leg with one tensor: append the ones explicitly.
-        z = picked[which]
-        picked[which] = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
-        return torch.einsum(step.equation, *picked)
-    return affine_einsum(step, picked, which, label)
+    registers = plan_executor(plan).constants(plan, operands, steps)
+    n_inputs = len(plan.inputs)
+    return {number: registers[n_inputs + number] for number in range(len(plan.steps)) if number in steps}

@@ -15,9 +15,12 @@ built from the cores:
 - what remains per call is one ``mm``/``addmm``/multiply per step and a view of its result.
 
 Batched products and products that sum no label run as one ``bmm`` or one broadcasting
-multiplication laid out when the plan is built; other steps run as in ``run_plan`` (``torch.einsum``). The result is
-the plan's contraction, equal to ``run_plan``'s up to rounding. Nothing here records gradients:
-a prepared plan is for calls whose cores need none.
+multiplication laid out when the plan is built; other steps, and a folded-bias step whose other
+factor is computed per call, keep the plan's own instruction (as ``run_plan`` runs it). The
+instructions run through the plan's [`PlanExecutor`][mumoe_tn.contractions.executor.PlanExecutor],
+whose registers start with the cores and cached results in place. The result is the plan's
+contraction, equal to ``run_plan``'s up to rounding. Nothing here records gradients: a prepared
+plan is for calls whose cores need none.
 """
 
 from __future__ import annotations
@@ -25,20 +28,20 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from mumoe_tn.contractions.executor import FoldedBias, Instruction, PlanExecutor, PlanStep, plan_executor
 from mumoe_tn.contractions.pairwise import (
     align_axes,
     batched_product,
     broadcast_product,
-    contract_pair,
     matrix_product,
     run_batched,
 )
-from mumoe_tn.contractions.plan import BATCH_LABEL, ContractionPlan, ContractionStep
+from mumoe_tn.contractions.plan import BATCH_LABEL, ContractionPlan
 
 __all__ = ["InputProjection", "PreparedPlan"]
 
@@ -55,29 +58,43 @@ class _Side:
     split: int  # leading axes that form the matrix's rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Instruction:
-    """One step of a prepared plan.
+    """One product of a prepared plan over registers.
 
-    ``kind`` is ``"mm"``, ``"addmm"``, ``"mul"``, ``"broadcast"`` (a product of the operands with
-    their axes aligned as ``form`` says), ``"bmm"`` (a batched product laid out as ``form`` says),
-    ``"einsum"`` or ``"ones"`` (einsum after appending the folded bias's 1 to the operand at
-    position ``shape[0]``).
+    ``kind`` is ``"mm"`` (``left @ right``, each a prepared matrix or a register viewed as one),
+    ``"mul"``, ``"broadcast"`` (a product of the operands with their axes aligned as ``form``
+    says) or ``"bmm"`` (a batched product laid out as ``form`` says).
     """
 
     kind: str
     out: int
+    frees: tuple[int, ...]
     left: _Side | None = None
     right: _Side | None = None
-    bias: torch.Tensor | None = None
     shape: tuple[int, ...] | None = None  # the result's shape (-1 for the batch), or None: keep the matrix
-    step: ContractionStep | None = None
-    operands: tuple[Any, ...] = ()  # einsum / mul / broadcast / bmm: (slot or constant tensor) per operand
+    operands: tuple[Any, ...] = ()  # mul / broadcast / bmm: (register or constant tensor) per operand
     form: Any = None  # broadcast: each operand's (order, missing axes); bmm: its BatchedProduct
+
+    def __call__(self, registers: list[Any]) -> torch.Tensor:
+        kind = self.kind
+        if kind == "mm":
+            result = torch.mm(_as_matrix(self.left, registers), _as_matrix(self.right, registers))
+            return result if self.shape is None else result.view(self.shape)
+        operands = [registers[x] if isinstance(x, int) else x for x in self.operands]
+        if kind == "mul":
+            return operands[0] * operands[1]
+        if kind == "bmm":
+            return run_batched(self.form, operands[0], operands[1])
+        return align_axes(operands[0], *self.form[0]) * align_axes(operands[1], *self.form[1])
 
 
 class PreparedPlan:
     """A plan bound to constant cores (and cached core-only results), run as straight-line steps.
+
+    Built on the plan's [`plan_executor`][mumoe_tn.contractions.executor.plan_executor]: each of its
+    instructions is replaced by a product over prepared matrices where one serves, and the steps
+    whose results are given are dropped.
 
     Parameters
     ----------
@@ -116,21 +133,19 @@ class PreparedPlan:
         self._sizes = dict(plan.sizes)
         for labels, core in zip(plan.inputs, cores, strict=False):  # the cores lead the plan's inputs
             self._sizes.update(zip(labels, core.shape, strict=True))
-        slots = list(range(n_inputs))  # the value index of each position of the plan's operand list
-        short = n_inputs - 1 if ones_appended is not None else None
-        self._instructions: list[_Instruction] = []
-        for number, step in enumerate(plan.steps):
-            picked = [slots.pop(k) for k in step.positions]
-            out = n_inputs + number
+        plain = plan_executor(plan, ones_appended)
+        instructions: list[Instruction] = []
+        for number, instruction in enumerate(plain.instructions):
             if number in constants:
                 values.append((constants[number], ("constant", id(constants[number]))))
             else:
                 values.append((None, None))
-                self._instructions.append(self._compile(step, picked, values, out, short, ones_appended))
-            slots.append(out)
-        self._result = slots[0]
+                instructions.append(self._compile(instruction, values))
         # The registers as a call starts: constants in place, the rest filled as the steps run.
-        self._registers: list[Any] = [tensor for tensor, _ in values]
+        registers = tuple(tensor for tensor, _ in values)
+        self._executor = PlanExecutor(tuple(instructions), n_inputs, plain.result, registers)
+        # Where each instruction's result goes, and how a product computed elsewhere is viewed there.
+        self._results = [(instruction.out, getattr(instruction, "shape", None)) for instruction in instructions]
         self._rows_start = len(plan.inputs) - self.n_rows_operands
 
     # ------------------------------------------------------------------ building
@@ -151,27 +166,16 @@ class PreparedPlan:
             return _Side(slot, None, order, split)
         return _Side(slot, self._matrix(key, tensor, order, split), None, split)
 
-    def _compile(
-        self,
-        step: ContractionStep,
-        picked: list[int],
-        values: list[tuple[torch.Tensor | None, tuple | None]],
-        out: int,
-        short: int | None,
-        label: str | None,
-    ) -> _Instruction:
+    def _compile(self, instruction: PlanStep, values: list[tuple[torch.Tensor | None, tuple | None]]) -> Instruction:
+        """The step ``instruction`` over prepared matrices where it is a product they serve, else as it is."""
+        step, picked, out, frees = instruction.step, instruction.values, instruction.out, instruction.frees
         shape = tuple(-1 if x == BATCH_LABEL else self._sizes[x] for x in step.output)
-        if short in picked:
-            prepared = self._affine(step, picked, values, out, short, label, shape) if len(picked) == 2 else None
-            if prepared is not None:
-                return prepared
-            # z lacks the trailing 1 of its leg: append it, then contract as the step says.
-            operands = tuple(self._operand(values, k) for k in picked)
-            return _Instruction("ones", out, step=step, operands=operands, shape=(picked.index(short),))
+        if isinstance(instruction, FoldedBias):
+            return self._folded(instruction, values, shape) if len(picked) == 2 else instruction
         if len(picked) == 2:
             first, second = step.operands
             if first == second == step.output:
-                return _Instruction("mul", out, operands=tuple(self._operand(values, k) for k in picked))
+                return _Instruction("mul", out, frees, operands=tuple(self._operand(values, k) for k in picked))
             product = matrix_product(first, second, step.output)
             if product is not None:
                 left, right = (picked[1], picked[0]) if product.swap else (picked[0], picked[1])
@@ -180,6 +184,7 @@ class PreparedPlan:
                 return _Instruction(
                     "mm",
                     out,
+                    frees,
                     left=self._side(values[left], left, product.left_order, n_rows),
                     right=self._side(values[right], right, product.right_order, n_inner),
                     shape=keep,
@@ -187,41 +192,34 @@ class PreparedPlan:
             operands = tuple(self._operand(values, k) for k in picked)
             aligned = broadcast_product(first, second, step.output)
             if aligned is not None:
-                return _Instruction("broadcast", out, operands=operands, form=aligned)
+                return _Instruction("broadcast", out, frees, operands=operands, form=aligned)
             batched = batched_product(first, second, step.output)
             if batched is not None:
-                return _Instruction("bmm", out, operands=operands, form=batched)
-        return _Instruction("einsum", out, step=step, operands=tuple(self._operand(values, k) for k in picked))
+                return _Instruction("bmm", out, frees, operands=operands, form=batched)
+        return instruction  # contract_pair over the registers, the cores among them
 
-    def _affine(
+    def _folded(
         self,
-        step: ContractionStep,
-        picked: list[int],
+        instruction: FoldedBias,
         values: list[tuple[torch.Tensor | None, tuple | None]],
-        out: int,
-        short: int,
-        label: str | None,
         shape: tuple[int, ...],
-    ) -> _Instruction | None:
-        """``z @ T[:I] + T[I]`` as one ``addmm``, where ``z`` is the rows and the other factor a constant."""
-        which = picked.index(short)
+    ) -> FoldedBias:
+        """The folded-bias step as one ``addmm`` of ``z``'s rows where the other factor is a constant."""
+        step, label, which = instruction.step, instruction.label, instruction.which
         other = 1 - which
-        tensor, key = values[picked[other]]
+        tensor, key = values[instruction.values[other]]
         z_labels, t_labels = step.operands[which], step.operands[other]
         product = matrix_product(z_labels, t_labels, step.output)
         if tensor is None or product is None or product.swap or product.n_inner != 1 or label not in t_labels:
-            return None
+            return instruction
         if product.left_order is not None or z_labels[-1] != label:
-            return None
+            return instruction
         axis = t_labels.index(label)
         size = tensor.shape[axis]
         weight = self._matrix((*key, "head"), tensor.narrow(axis, 0, size - 1), product.right_order, 1)
         bias = self._matrix((*key, "last"), tensor.narrow(axis, size - 1, 1), product.right_order, 1)
         keep = None if len(step.output) == 2 and product.n_rows == 1 else shape
-        return _Instruction(
-            "addmm", out, left=_Side(short, None, None, product.n_rows), right=_Side(0, weight, None, 1), bias=bias,
-            shape=keep,
-        )  # fmt: skip
+        return replace(instruction, weight=weight, bias=bias, n_rows=product.n_rows, shape=keep)
 
     @staticmethod
     def _operand(values: list[tuple[torch.Tensor | None, tuple | None]], k: int) -> Any:
@@ -238,15 +236,19 @@ class PreparedPlan:
         per-call intermediate, or needs its column of ones appended).
         """
         z_slot = len(self.plan.inputs) - 1
-        for position, instruction in enumerate(self._instructions):
-            left, right = instruction.left, instruction.right
-            if instruction.kind not in ("mm", "addmm") or left is None or right is None:
+        for position, instruction in enumerate(self._executor.instructions):
+            if isinstance(instruction, FoldedBias):
+                if instruction.weight is not None and instruction.n_rows == 1:
+                    bias = instruction.bias.reshape(-1)
+                    return InputProjection(position, instruction.weight, bias, instruction.shape)
                 continue
+            if not isinstance(instruction, _Instruction) or instruction.kind != "mm":
+                continue
+            left, right = instruction.left, instruction.right
             if left.matrix is None and left.slot == z_slot and left.order is None and left.split == 1:
                 if right.matrix is None:
                     return None
-                bias = None if instruction.bias is None else instruction.bias.reshape(-1)
-                return InputProjection(position, right.matrix, bias, instruction.shape)
+                return InputProjection(position, right.matrix, None, instruction.shape)
         return None
 
     # ------------------------------------------------------------------ running
@@ -259,19 +261,13 @@ class PreparedPlan:
         """
         if len(rows) != self.n_rows_operands:
             raise ValueError(f"the prepared plan takes {self.n_rows_operands} operands per call, got {len(rows)}")
-        registers = self._registers.copy()
-        registers[self._rows_start : self._rows_start + len(rows)] = rows
-        if projected is None:
-            for instruction in self._instructions:
-                registers[instruction.out] = _run(instruction, registers)
-        else:
-            skipped, result = projected
-            for position, instruction in enumerate(self._instructions):
-                if position == skipped:
-                    registers[instruction.out] = result if instruction.shape is None else result.view(instruction.shape)
-                else:
-                    registers[instruction.out] = _run(instruction, registers)
-        return registers[self._result]
+        executor = self._executor
+        registers = executor.start(rows, self._rows_start)
+        if projected is not None:  # the step's product, computed by the caller: the step is skipped
+            position, result = projected
+            out, shape = self._results[position]
+            registers[out] = result if shape is None else result.view(shape)
+        return executor.run(registers)[executor.result]
 
 
 @dataclass(frozen=True)
@@ -305,24 +301,3 @@ def _as_matrix(side: _Side, registers: list[Any]) -> torch.Tensor:
     if value.ndim == 2 and side.split == 1:
         return value
     return value.reshape(math.prod(value.shape[: side.split]), -1)
-
-
-def _run(instruction: _Instruction, registers: list[Any]) -> torch.Tensor:
-    kind = instruction.kind
-    if kind == "mm" or kind == "addmm":
-        left, right = _as_matrix(instruction.left, registers), _as_matrix(instruction.right, registers)
-        result = torch.mm(left, right) if kind == "mm" else torch.addmm(instruction.bias, left, right)
-        return result if instruction.shape is None else result.view(instruction.shape)
-    operands = [registers[x] if isinstance(x, int) else x for x in instruction.operands]
-    if kind == "ones":
-        (which,) = instruction.shape
-        z = operands[which]
-        operands[which] = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
-    if kind == "mul":
-        return operands[0] * operands[1]
-    if kind == "bmm":
-        return run_batched(instruction.form, operands[0], operands[1])
-    if kind == "broadcast":
-        return align_axes(operands[0], *instruction.form[0]) * align_axes(operands[1], *instruction.form[1])
-    step = instruction.step
-    return contract_pair(step.operands, step.output, operands, step.equation)

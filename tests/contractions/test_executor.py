@@ -1,0 +1,123 @@
+"""The one executor of a plan's steps: what it records, what it skips, the folded bias in every form."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mumoe_tn.contractions import plan_forward, plan_inference
+from mumoe_tn.contractions.executor import FoldedBias, PlanExecutor, plan_executor
+from mumoe_tn.contractions.prepared import PreparedPlan
+from mumoe_tn.decompositions import build
+
+DTYPE = torch.float64
+NETWORKS = {
+    "cp": lambda: build("cp", 6, 7, 5, 4),
+    "tr": lambda: build("tr", (3, 2), 5, 4, (2, 3, 2, 3)),
+    "tucker": lambda: build("tucker", 4, 6, 5, (3, 2, 3)),
+}
+
+
+def _call(network, batch, seed=0):
+    """Cores, coefficients and an input without its trailing 1, and the input with it."""
+    gen = torch.Generator().manual_seed(seed)
+    cores = [torch.randn(shape, generator=gen, dtype=DTYPE) for shape in network.core_shapes.values()]
+    coefficients = [torch.rand(batch, n, generator=gen, dtype=DTYPE) for n in network.expert_dims]
+    z = torch.randn(batch, network.in_features - 1, generator=gen, dtype=DTYPE)
+    full = torch.cat([z, torch.ones(batch, 1, dtype=DTYPE)], dim=-1)
+    return cores, coefficients, z, full
+
+
+def _reference(network, cores, coefficients, full):
+    """The contraction by one ``torch.einsum`` over the whole network, the ones column explicit."""
+    inputs, output = network.forward_equation()
+    symbols = {label: chr(ord("A") + k) for k, label in enumerate(sorted({x for xs in inputs for x in xs}))}
+    terms = ["".join(symbols[x] for x in labels) for labels in inputs]
+    equation = ",".join(terms) + "->" + "".join(symbols[x] for x in output)
+    return torch.einsum(equation, *cores, *coefficients, full)
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_a_plain_call_lets_every_intermediate_go_and_a_recording_one_keeps_them(name):
+    network = NETWORKS[name]()
+    cores, coefficients, z, full = _call(network, 3)
+    plan = plan_forward(network, 3)
+    executor = plan_executor(plan, "i")
+    operands = [*cores, *coefficients, z]
+    n_inputs, n_steps = len(operands), len(plan.steps)
+    plain = executor.run(executor.start(operands))
+    kept = executor.run(executor.start(operands), record=True)
+    intermediates = range(n_inputs, n_inputs + n_steps)
+    assert [plain[k] is None for k in intermediates] == [k != executor.result for k in intermediates]
+    assert all(kept[k] is not None for k in intermediates)
+    expected = _reference(network, cores, coefficients, full)
+    torch.testing.assert_close(plain[executor.result], expected)
+    torch.testing.assert_close(kept[executor.result], expected)
+
+
+def test_a_register_filled_before_the_loop_skips_the_step_that_writes_it():
+    network = NETWORKS["cp"]()
+    cores, coefficients, z, full = _call(network, 4)
+    plan = plan_forward(network, 4)
+    executor = plan_executor(plan, "i")
+    first = executor.instructions[0].out
+    registers = executor.start([*cores, *coefficients, z])
+    registers[first] = torch.zeros_like(executor.instructions[0](registers))
+    # CP's steps multiply: a zero product in place of the first step's zeroes the result
+    assert torch.count_nonzero(executor.run(registers)[executor.result]) == 0
+    recorded = executor.run(executor.start([*cores, *coefficients, z]), record=True)
+    registers = executor.start([*cores, *coefficients, z])
+    registers[first] = recorded[first]
+    torch.testing.assert_close(executor.run(registers)[executor.result], _reference(network, cores, coefficients, full))
+
+
+def test_only_the_core_only_steps_run_when_the_constants_are_computed():
+    network = NETWORKS["tr"]()
+    cores, *_ = _call(network, 2)
+    plan, steps = plan_inference(network, 2)
+    assert steps, "the TR network has core-only steps to cache"
+    executor = plan_executor(plan)
+    registers = executor.constants(plan, cores, steps)
+    ran = {k - executor.n_inputs for k in range(executor.n_inputs, len(registers)) if registers[k] is not None}
+    assert ran == set(steps)
+    outside = min(set(range(len(plan.steps))) - set(steps))
+    with pytest.raises(ValueError, match=f"step {outside} of the plan depends on operands beyond the 4 given"):
+        executor.constants(plan, cores, {outside})
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_the_folded_bias_gives_the_explicit_ones_column_in_each_of_its_forms(name):
+    network = NETWORKS[name]()
+    cores, coefficients, z, full = _call(network, 5, seed=3)
+    plan = plan_forward(network, 5)
+    executor = plan_executor(plan, "i")
+    (position,) = [k for k, step in enumerate(executor.instructions) if isinstance(step, FoldedBias)]
+    folded = executor.instructions[position]
+    assert folded.plain and folded.weight is None  # T narrowed and its last slice added
+    expected = _reference(network, cores, coefficients, full)
+    operands = [*cores, *coefficients, z]
+    torch.testing.assert_close(executor(operands), expected)
+    # the column of ones appended, then the step as planned
+    ones = (*executor.instructions[:position], replace(folded, plain=False), *executor.instructions[position + 1 :])
+    torch.testing.assert_close(
+        PlanExecutor(ones, executor.n_inputs, executor.result, executor.registers)(operands), expected
+    )
+    # one addmm over the prepared core, where the other factor is a core
+    prepared = PreparedPlan(plan, cores, ones_appended="i")
+    torch.testing.assert_close(prepared([*coefficients, z]), expected)
+
+
+def test_a_prepared_plan_runs_its_folded_bias_as_one_addmm_and_skips_a_product_given_to_it():
+    network = NETWORKS["cp"]()
+    cores, coefficients, z, full = _call(network, 2)
+    prepared = PreparedPlan(plan_forward(network, 2), cores, ones_appended="i")
+    projection = prepared.input_projection
+    assert projection is not None and projection.bias is not None  # the folded bias's row
+    head = torch.addmm(projection.bias, z, projection.matrix)
+    expected = _reference(network, cores, coefficients, full)
+    torch.testing.assert_close(prepared([*coefficients, z], (projection.position, head)), expected)
+    # the product handed in is used as it is: the step that computes it does not run
+    zero = torch.zeros_like(head)
+    assert torch.count_nonzero(prepared([*coefficients, z], (projection.position, zero))) == 0
