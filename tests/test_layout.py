@@ -33,8 +33,8 @@ FLOORS = {
     "layers": 5,
     "conversion": 6,
     "analysis": 6,
-    "distillation": 6,
     "design": 7,
+    "distillation": 7,
     "cli": 8,
     "plugins": 8,
 }
