@@ -1,7 +1,7 @@
 """Benchmarks of mumoe_tn, in two kinds.
 
-- Speed and memory: ``python -m benchmarks.run`` (its sections in ``benchmarks.sections``,
-  ``benchmarks.decoding_section`` and ``benchmarks.host_section``; the floors in
+- Speed and memory: ``python -m benchmarks.run`` (its sections, listed in ``benchmarks.section_list``,
+  in ``benchmarks.sections``, ``benchmarks.decoding_section`` and ``benchmarks.host_section``; the floors in
   ``benchmarks.floors``, the compiled cases in ``benchmarks.compiled_host``; measured with
   ``benchmarks.measure``), ``benchmarks.scale``, ``benchmarks.anatomy``, ``benchmarks.compiled``.
 - Accuracy: ``python -m benchmarks.quality`` (training quality at equal parameters, over seeds;

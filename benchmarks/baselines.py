@@ -343,12 +343,6 @@ class AuthorsMxD(nn.Module):
         return (hidden @ self.decoder) * (a @ self.experts) + self.output_bias
 
 
-def _compiled(**options: Any) -> nn.Module:
-    from benchmarks.compiled_host import Compiled  # it builds the case it wraps from BUILDERS
-
-    return Compiled(**options)
-
-
 BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "mxd_block": _mxd_block,
     "mxd_authors": AuthorsMxD,
@@ -360,13 +354,51 @@ BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "handwritten": HandwrittenContraction,
     "handwritten_layer": HandwrittenLayer,
     "fewest_calls": fewest_calls,
-    "compiled": _compiled,
+    "compiled": lambda **options: Compiled(**options),
     "peer": _peer,
     "soft_moe": _soft_moe,
     "st_moe": TopKMoE,
     "dense_moe": DenseMoE,
     "generation": Generation,
 }
+
+
+#: Graphs dynamo may keep for one code object (the forward of every compiled layer of one class).
+COMPILED_GRAPHS_PER_CLASS = 64
+
+
+class Compiled(nn.Module):
+    """The module of ``case`` and its ``torch.compile`` (``fullgraph=True``); calls run the compiled one.
+
+    Parameters
+    ----------
+    case : dict
+        The wrapped case, as :meth:`benchmarks.baselines.Case.to_json` writes it.
+    backend : str, optional
+        ``torch.compile`` backend (default ``"inductor"``; ``"eager"`` traces without generating code).
+    mode : str, optional
+        ``torch.compile`` mode of the inductor backend (default: its default mode).
+
+    Notes
+    -----
+    Constructing one raises dynamo's ``recompile_limit`` (process-wide) to at least
+    :data:`COMPILED_GRAPHS_PER_CLASS`: the compiled layers of one class share one cache.
+    """
+
+    def __init__(self, *, case: dict, backend: str = "inductor", mode: str | None = None) -> None:
+        super().__init__()
+        inner = Case.from_json(case)
+        if inner.model == "compiled":
+            raise ValueError(f"case {inner.label!r} is compiled already")
+        self.eager = BUILDERS[inner.model](**inner.options)
+        # Every compiled layer of one class shares its forward's code object, whose cache holds
+        # `recompile_limit` graphs in all (8 by default): room for those of many compiled layers.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, COMPILED_GRAPHS_PER_CLASS)
+        self.compiled = torch.compile(self.eager, backend=backend, mode=mode, fullgraph=True)
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.compiled(*args)
 
 
 def build_module(case: Case, device: torch.device | str = "cpu") -> nn.Module:

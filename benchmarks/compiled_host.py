@@ -1,6 +1,6 @@
 """Compiled cases of the host section: another case's module under ``torch.compile``, its graphs counted.
 
-A :class:`Compiled` case wraps the module of the case it names (built and seeded as that case
+A :class:`benchmarks.baselines.Compiled` case wraps the module of the case it names (built and seeded as that case
 alone would be) in ``torch.compile(module, backend=..., fullgraph=True)``: on the CPU the
 inductor backend generates and compiles C++ for each graph. :class:`CompiledHostRunner` times it
 as the host section times every case, after a warm-up at its build (one training step with grad,
@@ -15,16 +15,11 @@ would undercount them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
-from torch import nn
 
-from benchmarks.baselines import BUILDERS, Case
+from benchmarks.baselines import Case
 from benchmarks.measure import HostRunner
-
-#: Graphs dynamo may keep for one code object (the forward of every compiled layer of one class).
-COMPILED_GRAPHS_PER_CLASS = 64
 
 
 def compiled_graphs() -> int:
@@ -34,47 +29,13 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-class Compiled(nn.Module):
-    """The module of ``case`` and its ``torch.compile`` (``fullgraph=True``); calls run the compiled one.
-
-    Parameters
-    ----------
-    case : dict
-        The wrapped case, as :meth:`benchmarks.baselines.Case.to_json` writes it.
-    backend : str, optional
-        ``torch.compile`` backend (default ``"inductor"``; ``"eager"`` traces without generating code).
-    mode : str, optional
-        ``torch.compile`` mode of the inductor backend (default: its default mode).
-
-    Notes
-    -----
-    Constructing one raises dynamo's ``recompile_limit`` (process-wide) to at least
-    :data:`COMPILED_GRAPHS_PER_CLASS`: the compiled layers of one class share one cache.
-    """
-
-    def __init__(self, *, case: dict, backend: str = "inductor", mode: str | None = None) -> None:
-        super().__init__()
-        inner = Case.from_json(case)
-        if inner.model == "compiled":
-            raise ValueError(f"case {inner.label!r} is compiled already")
-        self.eager = BUILDERS[inner.model](**inner.options)
-        # Every compiled layer of one class shares its forward's code object, whose cache holds
-        # `recompile_limit` graphs in all (8 by default): room for those of many compiled layers.
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, COMPILED_GRAPHS_PER_CLASS)
-        self.compiled = torch.compile(self.eager, backend=backend, mode=mode, fullgraph=True)
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        return self.compiled(*args)
-
-
 def compiled_case(case: Case, label: str, *, backend: str = "inductor") -> Case:
     """The case that times ``case``'s module under ``torch.compile``, with the same tokens."""
     return Case(label, "compiled", {"case": case.to_json(), "backend": backend}, case.batch, case.seq)
 
 
 class CompiledHostRunner(HostRunner):
-    """A :class:`Compiled` case in the host section: warmed up (compiled) when built, its later graphs counted.
+    """A compiled case (`benchmarks.baselines.Compiled`) timed: warmed up (compiled) when built, later graphs counted.
 
     Building it runs one training step and one eval call, so that a case that fails to compile
     fails where every case's build is reported, and records the graphs they compiled and their

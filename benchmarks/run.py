@@ -32,7 +32,8 @@ from benchmarks.baselines import PEER_MODULES, PEER_PACKAGES, Case, count_params
 from benchmarks.compiled_host import CompiledHostRunner
 from benchmarks.measure import HostRunner, MemoryProbe, Runner, Timing, alternate
 from benchmarks.scale import extras as scale_extras
-from benchmarks.sections import FULL, QUICK, SECTIONS, Section, Sizes, make_sections
+from benchmarks.section_list import SECTIONS, make_sections
+from benchmarks.sections import FULL, QUICK, Section, Sizes
 
 HERE = Path(__file__).resolve().parent
 COMMAND = "python -m benchmarks.run"

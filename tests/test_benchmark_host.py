@@ -17,7 +17,8 @@ from benchmarks import report, run  # noqa: E402
 from benchmarks.baselines import Case, build_module  # noqa: E402
 from benchmarks.compiled_host import CompiledHostRunner, compiled_case, compiled_graphs  # noqa: E402
 from benchmarks.floors import FLOORS, fewest_calls  # noqa: E402
-from benchmarks.sections import FULL, make_sections  # noqa: E402
+from benchmarks.section_list import make_sections  # noqa: E402
+from benchmarks.sections import FULL  # noqa: E402
 
 #: Small layers whose ranks all differ, so that a core read along the wrong axis cannot pass.
 FLOOR_LAYERS = {

@@ -21,7 +21,8 @@ from benchmarks.baselines import (  # noqa: E402
     make_inputs,
 )
 from benchmarks.measure import MemoryProbe, Runner, Timing, alternate, live_peak_bytes_here  # noqa: E402
-from benchmarks.sections import FULL, SECTIONS, make_sections  # noqa: E402
+from benchmarks.section_list import SECTIONS, make_sections  # noqa: E402
+from benchmarks.sections import FULL  # noqa: E402
 
 LAYER = {"in_features": 6, "out_features": 5, "rank": 3}
 
