@@ -39,7 +39,7 @@ from mumoe_tn.conversion.persistence.storage import check_stored
 from mumoe_tn.distillation.streaming import BlockInfo
 
 if TYPE_CHECKING:
-    from mumoe_tn.distillation.training import ReplacementTrainer
+    from mumoe_tn.distillation.trainer import ReplacementTrainer
 
 __all__ = [
     "BUFFER_ELEMENT_BYTES",
