@@ -1,8 +1,8 @@
-"""Names a package serves on first access: its ``__getattr__`` imports each from its module then.
+"""Names a module serves on first access: its ``__getattr__`` imports each from its home then.
 
-A package whose torch names must not load with it (``mumoe_tn``, ``mumoe_tn.gates``,
-``mumoe_tn.contractions``) lists those names with the module that defines each and sets
-``__getattr__ = lazy_getattr(__name__, homes)``.
+A module whose names must not load with it — the torch names of ``mumoe_tn``, ``mumoe_tn.gates``
+and ``mumoe_tn.contractions``, the Triton maps of ``mumoe_tn.gates.kernels`` — lists those names
+with the module that defines each and sets ``__getattr__ = lazy_getattr(__name__, homes)``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def lazy_getattr(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]
     Parameters
     ----------
     package : str
-        The package's dotted name, quoted when a name it does not have is asked for.
+        The dotted name of the module served, quoted when a name it does not have is asked for.
     homes : Mapping[str, str]
         The dotted name of the module that defines each lazy name, by name.
 
