@@ -10,11 +10,9 @@ The torch-free parts (`mumoe_tn.network`, `mumoe_tn.decompositions`,
 
 from __future__ import annotations
 
-from importlib import import_module as _import_module
-from typing import Any as _Any
-
 from mumoe_tn import decompositions
 from mumoe_tn.decompositions import Format, register
+from mumoe_tn.lazy_names import lazy_getattr as _lazy_getattr
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.plugins import install_transformers_hook as _install_transformers_hook
 
@@ -56,11 +54,7 @@ _install_transformers_hook()
 
 __all__ = ["ExpertNetwork", "Format", "decompositions", "register", *sorted(_LAZY)]
 
-
-def __getattr__(name: str) -> _Any:
-    if name in _LAZY:
-        return getattr(_import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mumoe_tn' has no attribute {name!r}")
+__getattr__ = _lazy_getattr(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -30,6 +30,20 @@ __all__ = [
 ]
 
 
+def _number(name: str, value: object, kind: type | tuple[type, ...], described: str) -> Any:
+    """``value`` if it is a ``kind`` other than a bool; a TypeError saying it must be ``described`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{name} must be {described}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _at_least(name: str, value: float, minimum: float | None) -> Any:
+    """``value`` unless it is below ``minimum`` (a ValueError then; None: no bound)."""
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
 def check_size(what: str, value: object) -> int:
     """Return ``value`` if it is a positive int (not a bool).
 
@@ -51,8 +65,7 @@ def check_size(what: str, value: object) -> int:
     ValueError
         If ``value`` is not positive.
     """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what} must be a positive int, got {value!r} ({type(value).__name__})")
+    value = _number(what, value, int, "a positive int")
     if value <= 0:
         raise ValueError(f"{what} must be a positive int, got {value}")
     return value
@@ -81,9 +94,7 @@ def check_positive_float(what: str, value: object, *, allow_zero: bool = False) 
     -------
     float
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    value = float(_number(what, value, (int, float), "a real number"))
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{what} must be a finite number {bound}, got {value!r}")
@@ -100,12 +111,7 @@ def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     ValueError
         If ``value < minimum``.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
+    return _at_least(name, int(_number(name, value, numbers.Integral, "an int")), minimum)
 
 
 def check_real(name: str, value: object, *, minimum: float | None = None) -> float:
@@ -118,14 +124,10 @@ def check_real(name: str, value: object, *, minimum: float | None = None) -> flo
     ValueError
         If ``value`` is NaN or infinite, or below ``minimum``.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    value = float(value)
+    value = float(_number(name, value, numbers.Real, "a real number"))
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
+    return _at_least(name, value, minimum)
 
 
 def check_callable(name: str, value: object) -> Callable | None:

@@ -24,6 +24,7 @@ FLOORS = {
     "validation": 0,
     "registry": 0,
     "caching": 0,
+    "lazy_names": 0,
     "network": 1,
     "decompositions": 2,
     "gates": 2,

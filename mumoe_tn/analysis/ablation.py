@@ -22,9 +22,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from mumoe_tn.analysis.layer_checks import check_layer
 from mumoe_tn.layers import FactorizedExperts, MuMoEBase
-from mumoe_tn.layers.base import A_LAYER
-from mumoe_tn.validation import check_instance, check_int
+from mumoe_tn.validation import check_int
 
 __all__ = ["ExpertAblation", "ablate"]
 
@@ -271,7 +271,7 @@ def ablate(layer: MuMoEBase, experts: object, *, group_size: int | None = None) 
     >>> with ablate(hierarchical, (2, None)):  # n1 = 2, every n2
     ...     y = hierarchical(torch.randn(2, 8))
     """
-    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
+    layer = check_layer(layer)
     if layer.ablation is not None:
         raise ValueError("this layer already has an active ablation; nest ablations on different layers only")
     if group_size is not None and (

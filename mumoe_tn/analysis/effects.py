@@ -24,12 +24,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from mumoe_tn.analysis.ablation import ExpertAblation, _multi_indices, ablate
+from mumoe_tn.analysis.layer_checks import check_layer_in_model
 from mumoe_tn.analysis.outputs import decoder, logits_of
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.layers import MuMoEBase
-from mumoe_tn.layers.base import A_LAYER
-from mumoe_tn.validation import check_callable, check_inside, check_instance, check_int, check_model, check_tensor
+from mumoe_tn.validation import check_callable, check_int, check_tensor
 
 __all__ = ["AblationEffects", "ablation_effects", "expert_units"]
 
@@ -232,9 +232,7 @@ def ablation_effects(
     -------
     AblationEffects
     """
-    model = check_model("model", model)
-    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
-    check_inside(model, layer)
+    model, layer = check_layer_in_model(model, layer)
     inputs = check_tensor("inputs", inputs, non_empty=True)
     if inputs.ndim < 1:
         raise ValueError(f"inputs must have a sample dimension, got shape {tuple(inputs.shape)}")

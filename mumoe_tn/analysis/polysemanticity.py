@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from mumoe_tn.analysis.ablation import ExpertAblation, ablate
+from mumoe_tn.analysis.layer_checks import check_layer_in_model
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.layers import MuMoEBase
-from mumoe_tn.layers.base import A_LAYER
-from mumoe_tn.validation import check_callable, check_inside, check_instance, check_int, check_model, check_tensor
+from mumoe_tn.validation import check_callable, check_int, check_tensor
 
 __all__ = ["Polysemanticity", "class_accuracies", "class_polysemanticity"]
 
@@ -155,9 +155,7 @@ def class_polysemanticity(
     -------
     Polysemanticity
     """
-    model = check_model("model", model)
-    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
-    check_inside(model, layer)
+    model, layer = check_layer_in_model(model, layer)
     inputs = check_tensor("inputs", inputs, non_empty=True)
     labels = check_tensor("labels", labels, ndim=1, kind="int")
     if inputs.ndim < 1 or labels.shape[0] != inputs.shape[0]:

@@ -16,16 +16,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from mumoe_tn.analysis.coefficients import default_forward
+from mumoe_tn.analysis.layer_checks import check_layer, check_layer_in_model
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.layers import MuMoEBase
-from mumoe_tn.layers.base import A_LAYER
 from mumoe_tn.validation import (
     check_callable,
-    check_inside,
-    check_instance,
     check_int,
-    check_model,
     check_real,
     check_tensor,
 )
@@ -79,9 +76,7 @@ def mean_coefficients(
     torch.Tensor
         Shape ``(N_1, …, N_E)``.
     """
-    model = check_model("model", model)
-    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
-    check_inside(model, layer)
+    model, layer = check_layer_in_model(model, layer)
     check_callable("forward", forward)
     check_progress(progress)
     if isinstance(batches, torch.Tensor) or not isinstance(batches, Iterable):
@@ -138,7 +133,7 @@ def rewrite(layer: MuMoEBase, head: int, mean: torch.Tensor, scale: float) -> Re
     -------
     torch.utils.hooks.RemovableHandle
     """
-    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
+    layer = check_layer(layer)
     head = check_int("head", head)
     mean = check_tensor("mean", mean, kind="float", finite=True)
     scale = check_real("scale", scale)
@@ -159,7 +154,7 @@ def rewrite(layer: MuMoEBase, head: int, mean: torch.Tensor, scale: float) -> Re
 
 def blind_threshold(layer: MuMoEBase, head: int, scale: float = 2.5) -> RemovableHandle:
     """The blind-threshold baseline: ``ā`` all ones, an unconditional shift of ``head``."""
-    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
+    layer = check_layer(layer)
     return rewrite(layer, head, torch.ones(layer.expert_dims), scale)
 
 

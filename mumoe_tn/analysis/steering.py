@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from mumoe_tn.analysis.layer_checks import check_layer
 from mumoe_tn.layers import MuMoEBase
-from mumoe_tn.layers.base import A_LAYER
-from mumoe_tn.validation import check_instance, check_real, check_tensor
+from mumoe_tn.validation import check_real, check_tensor
 
 __all__ = ["steer"]
 
@@ -33,7 +33,7 @@ def steer(layer: MuMoEBase, direction: torch.Tensor, strength: float = 1.0) -> R
     torch.utils.hooks.RemovableHandle
         Call ``.remove()`` to stop steering.
     """
-    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
+    layer = check_layer(layer)
     direction = check_tensor("direction", direction, kind="float", finite=True)
     strength = check_real("strength", strength)
     if direction.ndim != 1 or direction.shape[0] != layer.in_features:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mumoe_tn.analysis.layer_checks import check_layer_in_model
 from mumoe_tn.analysis.outputs import decoder
 from mumoe_tn.analysis.progress import check_progress
 from mumoe_tn.analysis.progress import progress as progress_bar
 from mumoe_tn.layers import MuMoEBase
-from mumoe_tn.layers.base import A_LAYER
-from mumoe_tn.validation import check_callable, check_inside, check_instance, check_int, check_model, check_tensor
+from mumoe_tn.validation import check_callable, check_int, check_tensor
 
 __all__ = ["TokenCoefficients", "token_coefficients"]
 
@@ -161,9 +161,7 @@ def token_coefficients(
     -------
     TokenCoefficients
     """
-    model = check_model("model", model)
-    layer = check_instance("layer", layer, MuMoEBase, A_LAYER)
-    check_inside(model, layer)
+    model, layer = check_layer_in_model(model, layer)
     sequences = check_tensor("sequences", sequences, ndim=2, kind="int", non_empty=True)
     batch_size = check_int("batch_size", batch_size, minimum=1)
     check_callable("forward", forward)

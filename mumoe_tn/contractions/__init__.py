@@ -5,9 +5,6 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from mumoe_tn.contractions.inference_plan import constant_steps, per_call_cost, per_call_fma, plan_inference
 from mumoe_tn.contractions.plan import (
     OPTIMIZERS,
@@ -24,6 +21,7 @@ from mumoe_tn.contractions.plan import (
     plan_forward,
     resolve_optimizer,
 )
+from mumoe_tn.lazy_names import lazy_getattr
 
 _LAZY = {
     "run_plan": "mumoe_tn.contractions.execute",
@@ -59,8 +57,4 @@ __all__ = [
     *sorted(_LAZY),
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mumoe_tn.contractions' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -430,14 +430,7 @@ def match_layer(
     def count(sizes: Mapping[str, int]) -> int:
         return layer_parameters(network.with_sizes(**sizes), bias=bias, gate=gate, input_norm=input_norm).total
 
-    what = f"a {network.name} layer scaling {names}" + _lifted_note(lifted)
-    first = _rank_limiting(network, names)
-    sizes, step = solve_bonds(
-        count, names, target, what=what, multiple=rank_multiple, first=first, acceptable=_whole([network])
-    )
-    matched = (network.with_sizes(**sizes),)
-    note = _closer_collapsing(count, sizes, target, rank_multiple, lambda sizes: (network.with_sizes(**sizes),))
-    return _checked(Match(min(sizes.values()), names, count(sizes), target, step, matched, (), sizes, lifted), note)
+    return _checked(*_scaled_match([network], names, lifted, count, target, rank_multiple, f"a {network.name} layer"))
 
 
 def match_block(
@@ -474,20 +467,42 @@ def match_block(
     lifted = _lift_collapsing_bonds([first, second], names)
     first, second = first.with_sizes(**_own(first, lifted)), second.with_sizes(**_own(second, lifted))
 
-    def resized(sizes: Mapping[str, int]) -> tuple[ExpertNetwork, ExpertNetwork]:
-        return first.with_sizes(**sizes), second.with_sizes(**sizes)
-
     def count(sizes: Mapping[str, int]) -> int:
-        return block_parameters(*resized(sizes), bias=bias, gate=gate).total
+        return block_parameters(first.with_sizes(**sizes), second.with_sizes(**sizes), bias=bias, gate=gate).total
 
-    what = f"a {first.name} block scaling {names}" + _lifted_note(lifted)
-    limiting = _rank_limiting(first, names) + _rank_limiting(second, names)
+    return _checked(
+        *_scaled_match([first, second], names, lifted, count, target, rank_multiple, f"a {first.name} block")
+    )
+
+
+def _scaled_match(
+    networks: Sequence[ExpertNetwork],
+    names: tuple[str, ...],
+    lifted: Mapping[str, int],
+    count: Callable[[Mapping[str, int]], int],
+    target: int,
+    rank_multiple: int,
+    what: str,
+) -> tuple[Match, str]:
+    """The sizes of the bonds ``names`` of ``networks`` (``lifted`` already) whose ``count`` is closest to ``target``.
+
+    The bonds that limit the input and output factor ranks are tried first, and no size that
+    collapses an expert mode of any network is accepted. Returns the match, not yet checked, and
+    the note on a closer size that would collapse one (checked by the caller, whose caller the
+    warnings name).
+    """
+
+    def resized(sizes: Mapping[str, int]) -> tuple[ExpertNetwork, ...]:
+        return tuple(network.with_sizes(**sizes) for network in networks)
+
+    what = f"{what} scaling {names}" + _lifted_note(lifted)
+    limiting = tuple(bond for network in networks for bond in _rank_limiting(network, names))
     sizes, step = solve_bonds(
-        count, names, target, what=what, multiple=rank_multiple, first=limiting, acceptable=_whole([first, second])
+        count, names, target, what=what, multiple=rank_multiple, first=limiting, acceptable=_whole(networks)
     )
     note = _closer_collapsing(count, sizes, target, rank_multiple, resized)
     matched = resized(sizes)
-    return _checked(Match(min(sizes.values()), names, count(sizes), target, step, matched, (), sizes, lifted), note)
+    return Match(min(sizes.values()), names, count(sizes), target, step, matched, (), sizes, lifted), note
 
 
 def _lifted_note(lifted: Mapping[str, int]) -> str:

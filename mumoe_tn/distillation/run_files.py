@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -46,10 +46,9 @@ from mumoe_tn.conversion.persistence.files import (
     FileBytes,
     Headers,
     check_unchanged,
-    header_shapes,
+    gather_weights,
     member_file,
     read_once,
-    read_weights,
     weight_files,
 )
 from mumoe_tn.conversion.surgery.block_kinds import BLOCK_KINDS, block_kind
@@ -409,19 +408,15 @@ def _read_model(root: Path, relative: str, reads: list[FileBytes]) -> nn.Module:
                     f"{relative}/config.json")  # fmt: skip
     if not isinstance(config, dict):
         raise ValueError(f"{relative}/config.json is invalid: it must be a JSON object")
-    state: dict[str, torch.Tensor] = {}
-    headers: Headers = {}
-    for file in weight_files(resolved, reads):  # one file, or the shards a checked index names
-        name = file.relative_to(root).as_posix()
-        if file.suffix != ".safetensors":
-            raise ValueError(f"{name} is not a safetensors file: a run's model is saved with save_pretrained")
-        found, found_headers, _ = read_weights(_read_member(root, name, reads))
-        for key in found:
-            if key in state:
-                raise ValueError(f"{name}: tensor {key!r:.120} is stored in two weight files of the model")
-        state.update(found)
-        headers.update(found_headers)
-    shapes = header_shapes(headers)
+
+    def weight_reads() -> Iterator[tuple[str, FileBytes]]:
+        for file in weight_files(resolved, reads):  # one file, or the shards a checked index names
+            name = file.relative_to(root).as_posix()
+            if file.suffix != ".safetensors":
+                raise ValueError(f"{name} is not a safetensors file: a run's model is saved with save_pretrained")
+            yield name, _read_member(root, name, reads)
+
+    state, shapes = gather_weights(weight_reads(), "the model")
     check_config_fields(config)
     check_config_widths(config, shapes)  # cheap bounds first: the layout check builds the class on the meta device
     model_type = config.get("model_type")

@@ -25,12 +25,10 @@ The descriptors import without torch; the torch names load on first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from mumoe_tn.gates.choices import GATE_INITS, TOKEN_MIXING_NORMS
 from mumoe_tn.gates.registry import register_gate, registered_gates, unregister_gate
 from mumoe_tn.gates.specs import DEFAULT_GATE, CausalityWarning, Gate, GateSpec, ReLUTopKGate, TopKGate
+from mumoe_tn.lazy_names import lazy_getattr
 
 _LAZY = {
     "ACTIVATIONS": "mumoe_tn.gates.modules",
@@ -69,8 +67,4 @@ __all__ = [
     *sorted(_LAZY),
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'mumoe_tn.gates' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -14,6 +14,12 @@ The mode starts from the environment variable ``MUMOE_TN_GATE_KERNELS`` (read wh
 first imported; ``auto``, ``never`` or ``always``) and [`use_gate_kernels`][mumoe_tn.gates.kernels.use_gate_kernels]
 changes it. Under ``torch.func`` transforms the torch paths are taken (the kernels' operators
 define no batching rule).
+
+``kernels.sparse_map``, ``kernels.top_k_softmax`` and ``kernels.relu_top_k`` are the kernel
+module's own functions ([`sparse_map`][mumoe_tn.gates.triton_kernels.sparse_map],
+[`top_k_softmax`][mumoe_tn.gates.triton_kernels.top_k_softmax],
+[`relu_top_k`][mumoe_tn.gates.triton_kernels.relu_top_k]), served from it on first access, so that
+Triton is imported only when a gate map runs as a kernel.
 """
 
 from __future__ import annotations
@@ -26,16 +32,19 @@ from types import ModuleType
 
 import torch
 
+from mumoe_tn.lazy_names import lazy_getattr
+
+#: The kernel maps: the Triton module's own functions, served from it on first access.
+_LAZY = dict.fromkeys(("relu_top_k", "sparse_map", "top_k_softmax"), "mumoe_tn.gates.triton_kernels")
+
 __all__ = [
     "GATE_KERNELS_ENV",
     "GATE_KERNEL_MODES",
     "gate_kernels",
     "gate_kernels_apply",
     "mode_from_environment",
-    "relu_top_k",
-    "sparse_map",
-    "top_k_softmax",
     "use_gate_kernels",
+    *sorted(_LAZY),
 ]
 
 #: Environment variable that sets the starting mode.
@@ -142,52 +151,4 @@ def gate_kernels_apply(x: torch.Tensor) -> bool:
     return _kernels() is not None
 
 
-def sparse_map(x: torch.Tensor, entmax: bool) -> torch.Tensor:
-    """1.5-entmax (``entmax=True``) or sparsemax of ``x`` along its last dim, as Triton kernels.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        Logits ``(…, N)``; see [`gate_kernels_apply`][mumoe_tn.gates.kernels.gate_kernels_apply].
-    entmax : bool
-        1.5-entmax when True, sparsemax when False.
-
-    Returns
-    -------
-    torch.Tensor
-    """
-    return _kernels().sparse_map(x, entmax)
-
-
-def top_k_softmax(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The softmax of each row's ``k`` largest logits, 0 elsewhere, as Triton kernels.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        Logits ``(…, N)``.
-    k : int
-        Entries kept per row.
-
-    Returns
-    -------
-    torch.Tensor
-    """
-    return _kernels().top_k_softmax(x, k)
-
-
-def relu_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Each row's ``k`` largest logits' positive parts, 0 elsewhere, as Triton kernels.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        Logits ``(…, N)``.
-    k : int
-        Entries kept per row.
-
-    Returns
-    -------
-    torch.Tensor
-    """
-    return _kernels().relu_top_k(x, k)
+__getattr__ = lazy_getattr(__name__, _LAZY)

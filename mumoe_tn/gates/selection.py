@@ -31,7 +31,7 @@ import math
 import numpy
 import torch
 
-__all__ = ["keep_top_k", "nan_rows", "partition_applies", "top_k_logits", "top_k_mask", "top_k_rows"]
+__all__ = ["check_top_k", "keep_top_k", "nan_rows", "partition_applies", "top_k_logits", "top_k_mask", "top_k_rows"]
 
 #: The dtypes NumPy partitions as torch orders them.
 _PARTITIONED = (torch.float32, torch.float64)
@@ -108,9 +108,10 @@ def _partition_sign(x: torch.Tensor, k: int, positive: bool) -> torch.Tensor | N
     return (x - torch.from_numpy(kth).reshape(*x.shape[:-1], 1)).sign_()
 
 
-def _check_k(x: torch.Tensor, k: int) -> None:
+def check_top_k(x: torch.Tensor, k: int) -> None:
+    """Require ``k`` to be an int in ``[1, N]`` for the rows ``(…, N)`` of ``x`` (ValueError otherwise)."""
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max(x.shape[-1], 1):
-        raise ValueError(f"k must be an int in [1, {x.shape[-1]}] (the last dim of x), got {k!r}")
+        raise ValueError(f"k must be an int in [1, {x.shape[-1]}] (the last dim of x), got k={k!r}")
 
 
 def top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -128,7 +129,7 @@ def top_k_mask(x: torch.Tensor, k: int) -> torch.Tensor:
     torch.Tensor
         ``(…, N)`` booleans.
     """
-    _check_k(x, k)
+    check_top_k(x, k)
     x = x.detach()
     sign = _partition_sign(x, k, False) if partition_applies(x, k) else None
     if sign is not None:
@@ -156,7 +157,7 @@ def keep_top_k(x: torch.Tensor, k: int, *, relu: bool = False, mark_non_finite: 
     torch.Tensor
         Shaped as ``x``.
     """
-    _check_k(x, k)
+    check_top_k(x, k)
     detached = x.detach()
     sign = _partition_sign(detached, k, relu) if partition_applies(detached, k) else None
     if sign is not None:  # sign + 1 clamped to 1: 1 at the top k, 0 elsewhere (x is finite)
@@ -183,7 +184,7 @@ def top_k_logits(x: torch.Tensor, k: int, *, mark_non_finite: bool = False) -> t
     torch.Tensor
         Shaped as ``x``; gradients reach the kept entries.
     """
-    _check_k(x, k)
+    check_top_k(x, k)
     detached = x.detach()
     sign = _partition_sign(detached, k, False) if partition_applies(detached, k) else None
     if sign is not None:  # min(sign, 0)·max·2: 0 at the top k, -inf elsewhere (never 0·inf; x is finite)
@@ -215,7 +216,7 @@ def top_k_rows(x: torch.Tensor, k: int, *, softmax: bool) -> torch.Tensor | None
     torch.Tensor or None
         A new tensor shaped as ``x``, or None.
     """
-    _check_k(x, k)
+    check_top_k(x, k)
     values = x.numpy()
     n = values.shape[-1]
     rows = values.reshape(-1, n)

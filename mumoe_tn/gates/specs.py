@@ -79,12 +79,18 @@ class CausalityWarning(UserWarning):
 
 
 class _LinearLogits:
-    """Costs shared by gates whose logits are one bias-free ``I × N_e`` projection per mode."""
+    """Costs and building shared by gates whose logits are one ``I × N_e`` projection per mode."""
 
     norm: str
     init: str
     balance_loss: bool
     z_loss: bool
+    #: The class of `mumoe_tn.gates.modules` that ``build`` makes, the field it takes after the
+    #: sizes (its selection: the activation or ``k``), and the fields it takes as options besides
+    #: the norm and the init.
+    _module_class: ClassVar[str]
+    _selection_field: ClassVar[str]
+    _option_fields: ClassVar[tuple[str, ...]] = ("balance_loss", "z_loss")
 
     @property
     def mixes_tokens(self) -> bool:
@@ -103,6 +109,24 @@ class _LinearLogits:
         """The norm name, the init and the two loss flags, which every linear-logit gate has."""
         check_name("norm", self.norm)
         check_gate_options(self.init, balance_loss=self.balance_loss, z_loss=self.z_loss)
+
+    def build(
+        self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
+    ) -> nn.Module:
+        """The gate module of `mumoe_tn.gates.modules` this descriptor names, with its options.
+
+        An [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate] for a ``Gate``, a
+        [`TopKRouter`][mumoe_tn.gates.modules.TopKRouter] for a ``TopKGate``, a
+        [`ReLUTopKRouter`][mumoe_tn.gates.modules.ReLUTopKRouter] for a ``ReLUTopKGate``.
+        """
+        from mumoe_tn.gates import modules
+
+        module_class = getattr(modules, self._module_class)
+        options = {name: getattr(self, name) for name in self._option_fields}
+        selection = getattr(self, self._selection_field)
+        return module_class(
+            in_features, expert_dims, selection, self.norm, init=self.init, device=device, dtype=dtype, **options
+        )
 
     def parameter_count(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
         """``I·ΣN_e``: the projections (the logit norms have no affine parameters)."""
@@ -146,6 +170,9 @@ class Gate(_LinearLogits):
     balance_loss: bool = False
     z_loss: bool = False
 
+    _module_class: ClassVar[str] = "ExpertGate"
+    _selection_field: ClassVar[str] = "activation"
+
     def __post_init__(self) -> None:
         activation = self.activation
         if isinstance(activation, bool) or not isinstance(activation, (str, int, float)):
@@ -155,24 +182,6 @@ class Gate(_LinearLogits):
                 f"entmax alpha must be a finite number > 1 (1 is softmax: use 'softmax'), got {activation!r}"
             )
         self._check_shared_options()
-
-    def build(
-        self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
-    ) -> nn.Module:
-        """An [`ExpertGate`][mumoe_tn.gates.modules.ExpertGate] with these options."""
-        from mumoe_tn.gates.modules import ExpertGate
-
-        return ExpertGate(
-            in_features,
-            expert_dims,
-            self.activation,
-            self.norm,
-            init=self.init,
-            balance_loss=self.balance_loss,
-            z_loss=self.z_loss,
-            device=device,
-            dtype=dtype,
-        )
 
 
 @register_gate
@@ -206,27 +215,12 @@ class TopKGate(_LinearLogits):
     balance_loss: bool = False
     z_loss: bool = False
 
+    _module_class: ClassVar[str] = "TopKRouter"
+    _selection_field: ClassVar[str] = "k"
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "k", check_k(self.k))
         self._check_shared_options()
-
-    def build(
-        self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
-    ) -> nn.Module:
-        """A [`TopKRouter`][mumoe_tn.gates.modules.TopKRouter] with these options."""
-        from mumoe_tn.gates.modules import TopKRouter
-
-        return TopKRouter(
-            in_features,
-            expert_dims,
-            self.k,
-            self.norm,
-            init=self.init,
-            balance_loss=self.balance_loss,
-            z_loss=self.z_loss,
-            device=device,
-            dtype=dtype,
-        )
 
 
 @register_gate
@@ -265,6 +259,10 @@ class ReLUTopKGate(_LinearLogits):
     norm: str = "none"
     init: str = "default"
 
+    _module_class: ClassVar[str] = "ReLUTopKRouter"
+    _selection_field: ClassVar[str] = "k"
+    _option_fields: ClassVar[tuple[str, ...]] = ("bias",)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "k", check_k(self.k))
         check_flag("bias", self.bias)
@@ -275,16 +273,6 @@ class ReLUTopKGate(_LinearLogits):
     def parameter_count(self, in_features: int, expert_dims: tuple[int, ...]) -> int:
         """``I·ΣN_e`` for the projections, ``+ ΣN_e`` with the biases."""
         return (in_features + int(self.bias)) * sum(expert_dims)
-
-    def build(
-        self, in_features: int, expert_dims: tuple[int, ...], *, device: Any = None, dtype: Any = None
-    ) -> nn.Module:
-        """A [`ReLUTopKRouter`][mumoe_tn.gates.modules.ReLUTopKRouter] with these options."""
-        from mumoe_tn.gates.modules import ReLUTopKRouter
-
-        return ReLUTopKRouter(
-            in_features, expert_dims, self.k, self.norm, bias=self.bias, init=self.init, device=device, dtype=dtype
-        )
 
 
 #: The gate every layer uses unless told otherwise: entmax15 on BatchNorm'd logits.

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import torch
 
+from mumoe_tn.gates.selection import check_top_k
+
 try:
     import triton
     import triton.language as tl
@@ -371,11 +373,6 @@ def sparse_map(x: torch.Tensor, entmax: bool) -> torch.Tensor:
     return _sparse_map_op(x, entmax)
 
 
-def _check_k(x: torch.Tensor, k: int) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max(x.shape[-1], 1):
-        raise ValueError(f"k must be an int in [1, {x.shape[-1]}] (the logits' last dim), got k={k!r}")
-
-
 def top_k_softmax(x: torch.Tensor, k: int) -> torch.Tensor:
     """The softmax of each row's ``k`` largest logits, 0 elsewhere (exactly ``k`` kept; ties by lowest index).
 
@@ -391,7 +388,7 @@ def top_k_softmax(x: torch.Tensor, k: int) -> torch.Tensor:
     torch.Tensor
         Same shape and dtype as ``x``.
     """
-    _check_k(x, k)
+    check_top_k(x, k)
     return _top_k_op(x, k, False)
 
 
@@ -410,5 +407,5 @@ def relu_top_k(x: torch.Tensor, k: int) -> torch.Tensor:
     torch.Tensor
         Same shape and dtype as ``x``.
     """
-    _check_k(x, k)
+    check_top_k(x, k)
     return _top_k_op(x, k, True)

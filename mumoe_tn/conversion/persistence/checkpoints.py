@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ from mumoe_tn.conversion.persistence.files import (
     FileBytes,
     Headers,
     check_unchanged,
+    gather_weights,
     header_shapes,
     member_file,
     read_json,
@@ -260,21 +261,16 @@ def _load_hf(cls: type, path: Path, *, dtype: torch.dtype | None, strict: bool) 
     generation = None
     if os.path.lexists(root / GENERATION_CONFIG):
         generation = read_json(member_file(root, GENERATION_CONFIG, GENERATION_CONFIG), GENERATION_CONFIG, reads)
-    state: dict[str, torch.Tensor] = {}
-    headers: Headers = {}
-    for file in weight_files(root, reads):
-        read = read_once(file, "weight file", follow=False)
-        found, found_headers, _ = read_weights(read)
-        reads.append(dataclasses.replace(read, data=b""))
-        del read
-        for key, tensor in found.items():
-            if key in headers:
-                raise ValueError(f"{str(file)!r}: tensor {key!r:.200} is stored in two weight files of the checkpoint")
-            headers[key] = found_headers[key]
-            state[key] = tensor.clone()  # own memory: the parsed tensors view the read's bytes
-        del found
+
+    def weight_reads() -> Iterator[tuple[str, FileBytes]]:
+        for file in weight_files(root, reads):
+            read = read_once(file, "weight file", follow=False)
+            reads.append(dataclasses.replace(read, data=b""))
+            yield repr(str(file)), read
+            del read
+
+    state, shapes = gather_weights(weight_reads(), "the checkpoint")
     check_unchanged(reads, str(path))  # every file read was, at one instant, the version read
-    shapes = header_shapes(headers)
     check_config_widths(config, shapes)  # cheap bounds first: the layout check builds the class on the meta device
     model_config = _config_object(cls, path, config)
     skip = [module_path for module in record.modules for module_path in module.paths]

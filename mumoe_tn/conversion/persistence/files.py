@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ __all__ = [
     "check_json_files",
     "check_unchanged",
     "file_identity",
+    "gather_weights",
     "header_shapes",
     "member_file",
     "read_all_headers",
@@ -355,13 +356,56 @@ def header_shapes(headers: Headers) -> dict[str, tuple[int, ...]]:
     return {key: shape for key, (shape, _) in headers.items()}
 
 
+def _add_once(headers: Headers, found: Headers, name: str, owner: str) -> None:
+    """Add one weight file's headers to ``headers``, refusing a tensor another file of ``owner`` holds."""
+    for key, value in found.items():
+        if key in headers:
+            raise ValueError(f"{name}: tensor {key!r:.200} is stored in two weight files of {owner}")
+        headers[key] = value
+
+
 def read_all_headers(files: Sequence[Path]) -> Headers:
     """The headers of every weight file together; a tensor stored in two files is refused."""
     headers: Headers = {}
     for file in files:
         found, _ = read_headers(file)
-        for key, value in found.items():
-            if key in headers:
-                raise ValueError(f"{str(file)!r}: tensor {key!r:.200} is stored in two weight files of the checkpoint")
-            headers[key] = value
+        _add_once(headers, found, repr(str(file)), "the checkpoint")
     return headers
+
+
+def gather_weights(
+    reads: Iterable[tuple[str, FileBytes]], owner: str
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+    """The tensors of weight files read one after another, each copied into memory of its own, and their shapes.
+
+    Parameters
+    ----------
+    reads : Iterable of (str, FileBytes)
+        Each file's name as an error quotes it, and its bytes as read once; a file's bytes are let
+        go before the next file is asked for.
+    owner : str
+        What the files make up (``"the checkpoint"``, ``"the model"``), for the error.
+
+    Returns
+    -------
+    state : dict of str to torch.Tensor
+        Every tensor, by key.
+    shapes : dict of str to tuple of int
+        Their shapes, by key.
+
+    Raises
+    ------
+    ValueError
+        If a file is not a valid weight file (see
+        [`read_weights`][mumoe_tn.conversion.persistence.files.read_weights]), or a tensor is
+        stored in two of them.
+    """
+    state: dict[str, torch.Tensor] = {}
+    headers: Headers = {}
+    for name, read in reads:
+        found, found_headers, _ = read_weights(read)
+        del read
+        _add_once(headers, found_headers, name, owner)
+        state.update((key, tensor.clone()) for key, tensor in found.items())  # the parsed tensors view the bytes
+        del found
+    return state, header_shapes(headers)

@@ -262,11 +262,9 @@ def test_a_load_opens_the_checkpoint_file_once(tmp_path, monkeypatch):
 
 
 def test_a_shard_or_index_replaced_after_it_was_read_fails_the_load(hf_dir, tmp_path, monkeypatch):
-    import mumoe_tn.conversion.persistence.checkpoints as checkpoints
-
     shards = sorted(set(json.loads((hf_dir / INDEX).read_text())["weight_map"].values()))
     assert len(shards) >= 2
-    original = checkpoints.read_weights
+    original = checkpoint_files.read_weights
     for victim in (shards[0], INDEX):
         folder = _copy(hf_dir, tmp_path / victim)
 
@@ -276,7 +274,7 @@ def test_a_shard_or_index_replaced_after_it_was_read_fails_the_load(hf_dir, tmp_
                 os.replace(folder / f".{victim}", folder / victim)
             return original(read)
 
-        monkeypatch.setattr(checkpoints, "read_weights", read_then_replace)
+        monkeypatch.setattr(checkpoint_files, "read_weights", read_then_replace)
         with pytest.raises(ValueError, match=rf"'{re.escape(str(folder.resolve() / victim))}' was replaced or changed"):
             load_converted(transformers.GPT2LMHeadModel, folder)
 
@@ -327,3 +325,17 @@ def test_a_directory_swapped_during_loads_gives_one_whole_version(hf_dir, tmp_pa
         writer.stop.set()
         writer.join()
     assert seen and writer.replaced > 12
+
+
+def test_gathered_weight_files_refuse_a_tensor_stored_in_two_of_them(tmp_path):
+    from safetensors.torch import save
+
+    def read(name, tensors):
+        return name, checkpoint_files.FileBytes(tmp_path / f"{name}.safetensors", save(tensors), (0, 0, 0, 0))
+
+    first = read("a", {"w": torch.arange(6.0).reshape(2, 3)})
+    state, shapes = checkpoint_files.gather_weights([first, read("b", {"v": torch.ones(4)})], "the model")
+    assert shapes == {"w": (2, 3), "v": (4,)}
+    assert torch.equal(state["w"], torch.arange(6.0).reshape(2, 3)) and torch.equal(state["v"], torch.ones(4))
+    with pytest.raises(ValueError, match=r"^b: tensor 'w' is stored in two weight files of the model$"):
+        checkpoint_files.gather_weights([first, read("b", {"w": torch.zeros(2, 3)})], "the model")
