@@ -99,7 +99,7 @@ def source_key(sources: Sequence[torch.Tensor]) -> tuple | None:
         ``torch.inference_mode``, they have no version counter).
     """
     try:
-        return (optimiser_steps(), *((id(t), t.data_ptr(), t._version) for t in sources))
+        return (optimiser_steps(), *[(id(t), t.data_ptr(), t._version) for t in sources])
     except RuntimeError:
         return None
 
@@ -142,19 +142,26 @@ def module_state(module: nn.Module) -> ModuleState:
     """
     modules = [module]
     for current in modules:  # grows as it goes: every submodule, breadth first
-        modules.extend(child for child in current._modules.values() if child is not None)
-    tensors = tuple(
-        t for m in modules for group in (m._parameters, m._buffers) for t in group.values() if t is not None
-    )
-    hooks = tuple(
-        (tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) if m._forward_hooks or m._forward_pre_hooks else ()
-        for m in modules
-    )
-    hooked = any(hooks[1:])
+        if current._modules:
+            modules.extend([child for child in current._modules.values() if child is not None])
+    tensors: list[torch.Tensor] = []
+    hooks = []
+    hooked = False
+    for m in modules:
+        if m._parameters:
+            tensors += [t for t in m._parameters.values() if t is not None]
+        if m._buffers:
+            tensors += [t for t in m._buffers.values() if t is not None]
+        if m._forward_hooks or m._forward_pre_hooks:
+            hooks.append((tuple(m._forward_hooks), tuple(m._forward_pre_hooks)))
+            hooked = hooked or m is not module
+        else:
+            hooks.append(())
     values = source_key(tensors)
     if values is None:
-        return ModuleState(None, hooked, tensors)
-    return ModuleState((tuple(map(id, modules)), tuple(m.training for m in modules), hooks, values), hooked, tensors)
+        return ModuleState(None, hooked, tuple(tensors))
+    key = (tuple(map(id, modules)), tuple([m.training for m in modules]), tuple(hooks), values)
+    return ModuleState(key, hooked, tuple(tensors))
 
 
 class DerivedState:
@@ -179,10 +186,12 @@ class DerivedValues(DerivedState):
     when that key changes every value is forgotten at once. A μMoE layer's program is one
     (see [`LayerProgram`][mumoe_tn.layers.program.LayerProgram]); a gate or an expert layer has one
     of its own, which the layer holding it *adopts*: the module's values then live in the layer's
-    holder under the layer's key (which covers every submodule), as long as the layer holds the
-    module as a direct child. A module used on its own, or moved out of its layer, keys its values
-    by its own state. Thread-safe (two threads may make one value twice, never keep a stale one);
-    a pickle or deep copy carries no value and no adoption.
+    holder, as long as the layer holds the module as a direct child, each valid for the module's
+    part of the layer's key (its own ``module_state``, so a call validates that part alone) and
+    forgotten with everything else when the layer's key changes. A module used on its own, or
+    moved out of its layer, keeps its values in its own holder under its own state.
+    Thread-safe (two threads may make one value twice, never keep a stale one); a pickle or deep
+    copy carries no value and no adoption.
     """
 
     #: Most values kept for one state (the holder starts afresh beyond it).
@@ -223,8 +232,7 @@ class DerivedValues(DerivedState):
         """
         owner = self.owner(root)
         if owner is not None:
-            parent, holder = owner
-            return holder.get(parent, (id(root), name), make)
+            return owner[1].get_adopted(root, (id(root), name), make)
         state = self.state(root)
         if state.key is None:
             return make()
@@ -239,8 +247,28 @@ class DerivedValues(DerivedState):
                 self._values[name] = made
         return made
 
+    def get_adopted(self, module: nn.Module, name: Hashable, make: Callable[[], T]) -> T:
+        """The value ``name`` derived from ``module`` (a child whose holder this one adopted), kept here.
+
+        It is valid for the [`module_state`][mumoe_tn.caching.module_state] of ``module``, a part of
+        the adopting root's key: the value goes when the module changes, and with every other value
+        when the root does. A call validates the module's part alone, not the whole root again.
+        """
+        state = module_state(module)
+        if state.key is None:
+            return make()
+        found = self._values.get(name)
+        if type(found) is _Adopted and found.key == state.key:
+            return found.value
+        made = make()
+        with self._lock:
+            if len(self._values) >= self.MAX_VALUES:
+                self._values = {}
+            self._values[name] = _Adopted(state.key, state.tensors, made)
+        return made
+
     def adopt(self, parent: nn.Module, holder: DerivedValues) -> None:
-        """Keep this holder's values in ``holder``, under ``parent``'s key, while ``parent`` holds the module.
+        """Keep this holder's values in ``holder`` (see `get_adopted`) while ``parent`` holds the module.
 
         Parameters
         ----------
@@ -264,7 +292,7 @@ class DerivedValues(DerivedState):
         if owner is None:
             return None
         parent, holder = owner[0](), owner[1]()
-        if parent is None or holder is None or not any(child is root for child in parent._modules.values()):
+        if parent is None or holder is None or root not in parent._modules.values():  # (modules compare by identity)
             return None
         return parent, holder
 
@@ -279,6 +307,15 @@ class DerivedValues(DerivedState):
 
 
 _MISSING = object()
+
+
+class _Adopted(NamedTuple):
+    """An adopted module's value, with the key it is valid for and the tensors that key names (kept alive)."""
+
+    key: tuple
+    tensors: tuple[torch.Tensor, ...]
+    value: Any
+
 
 #: The name 0.3 pickled its holders under: they load as empty holders (their owners replace them).
 DerivedCache = DerivedValues

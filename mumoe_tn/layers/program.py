@@ -88,8 +88,9 @@ class LayerProgram(DerivedValues):
     [`module_state`][mumoe_tn.caching.module_state]. It holds, by name: the fused entry of each
     input signature (``("entry", signature)``), the fused matrices (``("fused", …)``), and,
     for each gate and expert layer it has adopted (its direct children), their values under
-    ``(id(child), name)``: the gate's folded projection per compute dtype, each expert layer's
-    prepared cores per ``pad_bonds`` (padded cores, core-only intermediates, bound plans). Besides
+    ``(id(child), name)``, each checked against the child's part of the key: the gate's folded
+    projection per compute dtype, each expert layer's prepared cores per ``pad_bonds`` (padded
+    cores, core-only intermediates, bound plans). Besides
     them it remembers the input signatures that passed the layer's checks (``checked``, which do
     not depend on the weights). Dropped on pickling and deep copies (a copy derives its own).
     Thread-safe: concurrent calls may build the same entry twice, never a stale one.

@@ -153,3 +153,16 @@ def test_a_standalone_expert_layer_uses_the_holder_class_of_layers():
     _eval_output(experts, z, coefficients)
     assert isinstance(experts._derived, DerivedValues)
     assert (("prepared", experts.pad_bonds)) in experts._derived._values
+
+
+def test_calls_that_take_the_module_path_follow_every_change_of_the_gate_and_experts():
+    # A token mask sends the call down the module path, which checks the children's values itself.
+    layer = _layer()
+    x = torch.randn(3, 6, dtype=DTYPE)
+    mask = torch.ones(3, dtype=torch.bool)
+    _eval_output(layer, x, mask)
+    for module in (layer.experts1, layer.gate, layer.experts2):
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.mul_(1.5)
+        torch.testing.assert_close(_eval_output(layer, x, mask), layer(x, mask).detach())
