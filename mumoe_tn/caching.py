@@ -1,17 +1,18 @@
 """Values derived from parameters, kept until one of the parameters changes.
 
 Inference reuses what depends on the weights alone — padded cores, pre-contracted core-only
-sub-networks, a gate's projection with its eval-mode norm folded in — instead of recomputing it
-on every call. A [`DerivedCache`][mumoe_tn.caching.DerivedCache] holds one such value and the
-identity of the tensors it was made from. It is valid while every source tensor is the same
-object, at the same storage, with the same version counter. That covers every route by which a
-weight changes through PyTorch:
+sub-networks, a gate's projection with its eval-mode norm folded in, the fused first product of a
+layer — instead of recomputing it on every call. Every such value lives in one kind of holder, a
+[`DerivedValues`][mumoe_tn.caching.DerivedValues], under one key,
+[`module_state`][mumoe_tn.caching.module_state]: the identity, train/eval flag and forward hooks of
+every submodule of the holder's root, and the identity, storage and version counter of every
+parameter and buffer. A value is valid while the key is unchanged. That covers every route by
+which a weight changes through PyTorch:
 
 - optimizer steps, ``load_state_dict``, ``copy_``, ``mul_`` and other in-place operations on the
   parameter (each bumps its version counter);
 - ``.to()``, ``.half()``, ``.cuda()``, assigning ``param.data`` or a new ``nn.Parameter`` (new
-  storage or a new object).
-
+  storage or a new object); ``train()``/``eval()``, a hook added or removed, a submodule replaced;
 - a step of any ``torch.optim`` optimiser, fused ones included: torch's fused kernels
   (``AdamW(fused=True)``, ``SGD(fused=True)``, …) update parameters without bumping their version
   counters, so every key also holds the number of optimiser steps taken in the process (counted
@@ -24,25 +25,23 @@ own, which is why autograd does not see such edits either. Edit parameters in pl
 ``torch.no_grad()`` instead, or call ``clear()`` (every μMoE layer's ``clear_inference_cache()``)
 afterwards.
 
-[`module_state`][mumoe_tn.caching.module_state] is the same key for a whole module tree: every
-submodule by identity, train/eval flag and forward hooks, every parameter and buffer as above.
-
-A cache keeps its source tensors (and their storages) alive while it holds a value, so a new
-tensor can never reuse the address of one it remembers. It holds one value at a time, is safe to
-share between threads, and is dropped when the module is pickled or deep-copied.
+A holder keeps the key's tensors (and their storages) alive while it holds values, so a new
+tensor can never reuse the address of one it remembers. It is safe to share between threads, and
+it is dropped when its module is pickled or deep-copied (the copy derives its own values).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["DerivedCache", "DerivedState", "ModuleState", "module_state", "optimiser_steps", "source_key"]
+__all__ = ["DerivedState", "DerivedValues", "ModuleState", "module_state", "optimiser_steps", "source_key"]
 
 T = TypeVar("T")
 
@@ -100,7 +99,7 @@ def source_key(sources: Sequence[torch.Tensor]) -> tuple | None:
         ``torch.inference_mode``, they have no version counter).
     """
     try:
-        return (optimiser_steps(), *((id(t), t.data_ptr(), t._version) for t in sources))
+        return (optimiser_steps(), *[(id(t), t.data_ptr(), t._version) for t in sources])
     except RuntimeError:
         return None
 
@@ -143,19 +142,26 @@ def module_state(module: nn.Module) -> ModuleState:
     """
     modules = [module]
     for current in modules:  # grows as it goes: every submodule, breadth first
-        modules.extend(child for child in current._modules.values() if child is not None)
-    tensors = tuple(
-        t for m in modules for group in (m._parameters, m._buffers) for t in group.values() if t is not None
-    )
-    hooks = tuple(
-        (tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) if m._forward_hooks or m._forward_pre_hooks else ()
-        for m in modules
-    )
-    hooked = any(hooks[1:])
+        if current._modules:
+            modules.extend([child for child in current._modules.values() if child is not None])
+    tensors: list[torch.Tensor] = []
+    hooks = []
+    hooked = False
+    for m in modules:
+        if m._parameters:
+            tensors += [t for t in m._parameters.values() if t is not None]
+        if m._buffers:
+            tensors += [t for t in m._buffers.values() if t is not None]
+        if m._forward_hooks or m._forward_pre_hooks:
+            hooks.append((tuple(m._forward_hooks), tuple(m._forward_pre_hooks)))
+            hooked = hooked or m is not module
+        else:
+            hooks.append(())
     values = source_key(tensors)
     if values is None:
-        return ModuleState(None, hooked, tensors)
-    return ModuleState((tuple(map(id, modules)), tuple(m.training for m in modules), hooks, values), hooked, tensors)
+        return ModuleState(None, hooked, tuple(tensors))
+    key = (tuple(map(id, modules)), tuple([m.training for m in modules]), tuple(hooks), values)
+    return ModuleState(key, hooked, tuple(tensors))
 
 
 class DerivedState:
@@ -171,51 +177,145 @@ class DerivedState:
         return type(self)()
 
 
-class DerivedCache(DerivedState, Generic[T]):
-    """One value derived from some tensors, recomputed only when one of them changes."""
+class DerivedValues(DerivedState):
+    """Every value derived from one module tree, valid for one state of it: the one holder of derived state.
+
+    A value is found by a name (a hashable: what it is and the options it depends on, e.g.
+    ``("projection", torch.float32)``) and is valid while the
+    [`module_state`][mumoe_tn.caching.module_state] of the root it was made for is unchanged:
+    when that key changes every value is forgotten at once. A μMoE layer's program is one
+    (see [`LayerProgram`][mumoe_tn.layers.program.LayerProgram]); a gate or an expert layer has one
+    of its own, which the layer holding it *adopts*: the module's values then live in the layer's
+    holder, as long as the layer holds the module as a direct child, each valid for the module's
+    part of the layer's key (its own ``module_state``, so a call validates that part alone) and
+    forgotten with everything else when the layer's key changes. A module used on its own, or
+    moved out of its layer, keeps its values in its own holder under its own state.
+    Thread-safe (two threads may make one value twice, never keep a stale one); a pickle or deep
+    copy carries no value and no adoption.
+    """
+
+    #: Most values kept for one state (the holder starts afresh beyond it).
+    MAX_VALUES = 512
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._key: tuple | None = None
-        self._alive: tuple[torch.Tensor, ...] = ()
-        self._value: T | None = None
+        self._state: ModuleState | None = None  # keeps the key's tensors alive: no address is reused
+        self._values: dict[Hashable, Any] = {}
+        self._owner: tuple[weakref.ref, weakref.ref] | None = None
 
-    def get(self, sources: Sequence[torch.Tensor], make: Callable[[], T]) -> T:
-        """The value for the current ``sources``: the cached one, or ``make()`` stored in its place.
+    def state(self, root: nn.Module) -> ModuleState:
+        """``root``'s state now; every value made for another state is forgotten."""
+        state = module_state(root)
+        if state.key is None or state.key != self._key:
+            with self._lock:
+                self._key, self._state, self._values = state.key, state, {}
+        return state
+
+    def get(self, root: nn.Module, name: Hashable, make: Callable[[], T]) -> T:
+        """The value ``name`` of ``root`` as it is now: the kept one, or ``make()`` kept in its place.
 
         Parameters
         ----------
-        sources : Sequence of torch.Tensor
-            The tensors the value is derived from.
+        root : nn.Module
+            The module whose state the value is derived from (the module that owns this holder).
+        name : Hashable
+            What the value is, with every option it depends on that is not in the module's state.
         make : Callable
-            Computes the value from the current sources.
+            Computes the value from the module as it is now.
 
         Returns
         -------
         object
-            ``make()``'s result, computed now or on an earlier call with the same sources.
+            ``make()``'s result, computed now or on an earlier call in the same state. Where the
+            state cannot be tracked (inference tensors) nothing is kept.
         """
-        key = source_key(sources)
-        if key is None:
+        owner = self.owner(root)
+        if owner is not None:
+            return owner[1].get_adopted(root, (id(root), name), make)
+        state = self.state(root)
+        if state.key is None:
             return make()
+        found = self._values.get(name, _MISSING)
+        if found is not _MISSING:
+            return found
+        made = make()
         with self._lock:
-            if key == self._key:
-                return self._value  # type: ignore[return-value]
-        value = make()
-        with self._lock:
-            self._key = key
-            # The sources and their storages stay alive: no new tensor can take an address in the key.
-            self._alive = tuple(sources) + tuple(t.detach() for t in sources)
-            self._value = value
-        return value
+            if self._key == state.key:
+                if len(self._values) >= self.MAX_VALUES:
+                    self._values = {}
+                self._values[name] = made
+        return made
 
-    def peek(self, sources: Sequence[torch.Tensor]) -> T | None:
-        """The cached value if it is valid for ``sources``, else None (computes nothing)."""
-        key = source_key(sources)
+    def get_adopted(self, module: nn.Module, name: Hashable, make: Callable[[], T]) -> T:
+        """The value ``name`` derived from ``module`` (a child whose holder this one adopted), kept here.
+
+        It is valid for the [`module_state`][mumoe_tn.caching.module_state] of ``module``, a part of
+        the adopting root's key: the value goes when the module changes, and with every other value
+        when the root does. A call validates the module's part alone, not the whole root again.
+        """
+        state = module_state(module)
+        if state.key is None:
+            return make()
+        found = self._values.get(name)
+        if type(found) is _Adopted and found.key == state.key:
+            return found.value
+        made = make()
         with self._lock:
-            return self._value if key is not None and key == self._key else None
+            if len(self._values) >= self.MAX_VALUES:
+                self._values = {}
+            self._values[name] = _Adopted(state.key, state.tensors, made)
+        return made
+
+    def adopt(self, parent: nn.Module, holder: DerivedValues) -> None:
+        """Keep this holder's values in ``holder`` (see `get_adopted`) while ``parent`` holds the module.
+
+        Parameters
+        ----------
+        parent : nn.Module
+            The module (a μMoE layer) that holds this holder's module as a direct child.
+        holder : DerivedValues
+            ``parent``'s holder.
+        """
+        with self._lock:
+            self._owner = (weakref.ref(parent), weakref.ref(holder))
+            self._key, self._state, self._values = None, None, {}
+
+    def adopted_by(self, holder: DerivedValues) -> bool:
+        """Whether this holder's values are kept in ``holder`` (see `adopt`)."""
+        owner = self._owner
+        return owner is not None and owner[1]() is holder
+
+    def owner(self, root: nn.Module) -> tuple[nn.Module, DerivedValues] | None:
+        """The adopting module and its holder, while that module still holds ``root`` as a child; else None."""
+        owner = self._owner
+        if owner is None:
+            return None
+        parent, holder = owner[0](), owner[1]()
+        if parent is None or holder is None or root not in parent._modules.values():  # (modules compare by identity)
+            return None
+        return parent, holder
 
     def clear(self) -> None:
-        """Forget the value (the next ``get`` recomputes it)."""
+        """Forget every value (an adopting holder's too: the next call derives afresh)."""
         with self._lock:
-            self._key, self._alive, self._value = None, (), None
+            self._key, self._state, self._values = None, None, {}
+            owner = self._owner
+        holder = None if owner is None else owner[1]()
+        if holder is not None:
+            holder.clear()
+
+
+_MISSING = object()
+
+
+class _Adopted(NamedTuple):
+    """An adopted module's value, with the key it is valid for and the tensors that key names (kept alive)."""
+
+    key: tuple
+    tensors: tuple[torch.Tensor, ...]
+    value: Any
+
+
+#: The name 0.3 pickled its holders under: they load as empty holders (their owners replace them).
+DerivedCache = DerivedValues

@@ -41,6 +41,7 @@ __all__ = [
     "FoldedBias",
     "Instruction",
     "PlanExecutor",
+    "PlanExecutors",
     "PlanStep",
     "affine_einsum",
     "affine_is_plain",
@@ -49,9 +50,6 @@ __all__ = [
 
 Labels = tuple[str, ...]
 Registers = list[torch.Tensor | None]
-
-#: Most plans whose executors are kept (a layer has one plan per batch bucket and kind).
-MAX_EXECUTORS = 512
 
 
 class Instruction(Protocol):
@@ -252,7 +250,7 @@ class PlanExecutor:
 
 
 def plan_executor(plan: ContractionPlan, ones_appended: str | None = None) -> PlanExecutor:
-    """The plain executor of ``plan`` (made once per plan and folded-bias label).
+    """The plain executor of ``plan`` (made once per plan and folded-bias label, and kept by the plan).
 
     Parameters
     ----------
@@ -266,21 +264,28 @@ def plan_executor(plan: ContractionPlan, ones_appended: str | None = None) -> Pl
     PlanExecutor
         One [`PlanStep`][mumoe_tn.contractions.executor.PlanStep] per step, the step that reads the
         last input a [`FoldedBias`][mumoe_tn.contractions.executor.FoldedBias] where ``ones_appended`` is given.
+        The plan keeps it (at most one per label, freed with the plan, never pickled or copied with it).
     """
     if torch.compiler.is_compiling():  # traced once into the graph: nothing to keep
         return PlanExecutor.of_steps(plan.inputs, plan.steps, ones_appended)
-    key = (id(plan), ones_appended)
-    found = _EXECUTORS.get(key)
-    if found is None or found[0] is not plan:
-        if len(_EXECUTORS) >= MAX_EXECUTORS:
-            _EXECUTORS.clear()
-        # The plan is kept with its executor: its id is not reused while the entry lives.
-        found = (plan, PlanExecutor.of_steps(plan.inputs, plan.steps, ones_appended))
-        _EXECUTORS[key] = found
-    return found[1]
+    executors = plan.__dict__.get(_EXECUTORS)
+    if executors is None:
+        executors = plan.__dict__.setdefault(_EXECUTORS, PlanExecutors())
+    found = executors.get(ones_appended)
+    if found is None:
+        found = executors.setdefault(ones_appended, PlanExecutor.of_steps(plan.inputs, plan.steps, ones_appended))
+    return found
 
 
-_EXECUTORS: dict[tuple[int, str | None], tuple[ContractionPlan, PlanExecutor]] = {}
+#: The attribute of a plan that holds its executors.
+_EXECUTORS = "_executors"
+
+
+class PlanExecutors(dict):
+    """A plan's executors by folded-bias label: derived from the plan, so a pickle or copy of the plan has none."""
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (type(self), ())
 
 
 def affine_is_plain(step: ContractionStep, which: int, label: str) -> bool:

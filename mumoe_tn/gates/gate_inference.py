@@ -5,11 +5,12 @@
 [`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate] protocol. In eval mode, without
 gradients, a gate's per-mode projections and their norms are one affine map: ``norm(G_eᵀ z + b_e)``
 is ``z @ weight.T + bias`` once each norm's running statistics (and affine parameters) are
-folded into ``weight`` and ``bias``; `projection` builds that one matrix (kept under the caching
-key of [`mumoe_tn.caching`][mumoe_tn.caching]). `normalise` applies the norms where they are
-not folded (training, and norms that are no affine map), and `activation_map` picks each mode's
-φ once for logits of one shape; the gate's ``forward`` and a layer's fused inference both run
-them (see [`gate_coefficients`][mumoe_tn.gates.gate_protocol.gate_coefficients]).
+folded into ``weight`` and ``bias``; `projection` builds that one matrix (kept in the gate's
+[`DerivedValues`][mumoe_tn.caching.DerivedValues], which the layer holding the gate adopts).
+`normalise` applies the norms where they are not folded (training, and norms that are no affine
+map), and `activation_map` picks each mode's φ once for logits of one shape; the gate's
+``forward`` and a layer's fused inference both run them (see
+[`gate_coefficients`][mumoe_tn.gates.gate_protocol.gate_coefficients]).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mumoe_tn.caching import DerivedValues
 from mumoe_tn.gates.choices import TOKEN_MIXING_NORMS
 from mumoe_tn.gates.gate_protocol import CoefficientMap, ModeLogits, mode_parts
 
@@ -38,7 +40,7 @@ class GateSteps:
     norm: str
     expert_dims: tuple[int, ...]
     training: bool
-    _inference_weights: Any
+    _derived: DerivedValues
     parameters: Any
 
     #: Whether every mode maps its logits by one function (modes of one size then run through it in one call).
@@ -49,48 +51,39 @@ class GateSteps:
 
         Returns ``(weight, bias, folded)``: ``norm(G_eᵀ z + b_e)`` of every mode is ``z @ weight.T + bias``
         when ``folded``; otherwise the norms still have to be applied to ``z @ weight.T + bias``
-        (``bias`` is None when there is nothing to add). Made once
-        per change of the projections or the norms' statistics (see [`mumoe_tn.caching`][mumoe_tn.caching]).
+        (``bias`` is None when there is nothing to add). Made once per state of the gate (its
+        projections, the norms' statistics and modes; see [`mumoe_tn.caching`][mumoe_tn.caching])
+        and compute dtype.
         """
+        return self._derived.get(self, ("projection", compute), lambda: self._fold(compute))
+
+    def _fold(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """`_folded_weights` computed afresh."""
         projections = [projection.weight for projection in self.projections.values()]
         offsets = [projection.bias for projection in self.projections.values()]
         norms = list(self.norms.values())
-        sources = [*projections, *(b for b in offsets if b is not None)]
-        for norm in norms:  # the norms' own tensors (their running statistics included)
-            sources += [t for t in norm._parameters.values() if t is not None]
-            sources += [t for t in norm._buffers.values() if t is not None]
-
-        modes = tuple(norm.training for norm in norms)  # a norm folds only in eval mode
-
-        def make() -> tuple[torch.Tensor, torch.Tensor | None, bool, tuple]:
-            affine = [None if isinstance(norm, nn.Identity) else _eval_affine(norm) for norm in norms]
-            foldable = all(
-                isinstance(norm, nn.Identity) or map_ is not None for norm, map_ in zip(norms, affine, strict=True)
-            )
-            weights, biases = [], []
-            for weight, offset, map_ in zip(projections, offsets, affine, strict=True):
-                weight = weight.detach().to(compute)
-                offset = weight.new_zeros(weight.shape[0]) if offset is None else offset.detach().to(compute)
-                if foldable and map_ is not None:
-                    scale, shift = (t.detach().to(compute) for t in map_)
-                    weights.append(weight * scale[:, None])
-                    biases.append(offset * scale + shift)
-                else:
-                    weights.append(weight)
-                    biases.append(offset)
-            has_bias = any(b is not None for b in offsets) or (foldable and any(map_ is not None for map_ in affine))
-            stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
-            return stacked.contiguous(), torch.cat(biases) if has_bias else None, foldable, modes
-
-        made = self._inference_weights.get(sources, make)
-        if made[3] != modes:  # a norm went to or from training mode since: its statistics fold differently
-            self._inference_weights.clear()
-            made = self._inference_weights.get(sources, make)
-        return made[:3]
+        affine = [None if isinstance(norm, nn.Identity) else _eval_affine(norm) for norm in norms]
+        foldable = all(
+            isinstance(norm, nn.Identity) or map_ is not None for norm, map_ in zip(norms, affine, strict=True)
+        )
+        weights, biases = [], []
+        for weight, offset, map_ in zip(projections, offsets, affine, strict=True):
+            weight = weight.detach().to(compute)
+            offset = weight.new_zeros(weight.shape[0]) if offset is None else offset.detach().to(compute)
+            if foldable and map_ is not None:
+                scale, shift = (t.detach().to(compute) for t in map_)
+                weights.append(weight * scale[:, None])
+                biases.append(offset * scale + shift)
+            else:
+                weights.append(weight)
+                biases.append(offset)
+        has_bias = any(b is not None for b in offsets) or (foldable and any(map_ is not None for map_ in affine))
+        stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
+        return stacked.contiguous(), torch.cat(biases) if has_bias else None, foldable
 
     def clear_inference_cache(self) -> None:
         """Forget the folded projections (needed only after in-place edits through ``.data``)."""
-        self._inference_weights.clear()
+        self._derived.clear()
 
     def projection_applies(self, z: torch.Tensor) -> bool:
         """Whether a call on ``z`` may use `projection`: eval mode, no gradient to any parameter, not traced."""

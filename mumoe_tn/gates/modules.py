@@ -52,7 +52,7 @@ from entmax import entmax_bisect
 from torch import nn
 from torch.nn import functional as F
 
-from mumoe_tn.caching import DerivedCache
+from mumoe_tn.caching import DerivedValues
 from mumoe_tn.gates import activation_maps
 from mumoe_tn.gates.activation_maps import entmax15, inference_map, sparsemax
 from mumoe_tn.gates.gate_checks import check_gate_options, check_zero_init_bias, per_mode_k
@@ -285,8 +285,13 @@ class ExpertGate(GateSteps, PerThreadRecords):
         self.norms = nn.ModuleDict(
             {leg: GATE_NORMS[norm](n, factory) for leg, n in zip(legs, self.expert_dims, strict=True)}
         )
-        self._inference_weights: DerivedCache[tuple[torch.Tensor, torch.Tensor | None, bool, tuple]] = DerivedCache()
+        self._derived = DerivedValues()
         self.reset_parameters()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.pop("_inference_weights", None)  # the holder a 0.3 gate pickled instead
+        super().__setstate__(state)
+        self.__dict__.setdefault("_derived", DerivedValues())
 
     def reset_parameters(self) -> None:
         """Re-initialise the projections (by ``init``) and the norms' running statistics."""

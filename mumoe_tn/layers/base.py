@@ -257,6 +257,8 @@ class MuMoEBase(PerThreadRecords):
         ``z @ [Gᵀ | M_1 | …]``, then the gate's own normalisation, map and records. Otherwise the
         gate runs as a module. Every other step is the same either way.
         """
+        if not torch.compiler.is_compiling():
+            self._program.adopt_children(self)
         entry = self._program.fused_entry(self, x, mask)  # (made for a validated signature, and no mask applies)
         if entry is None:
             self._check_input(x)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mumoe_tn.caching import DerivedCache
+from mumoe_tn.caching import DerivedValues
 from mumoe_tn.contractions.autotune import fastest_plan
 from mumoe_tn.contractions.dense import expert_matrix, materialise
 from mumoe_tn.contractions.execute import constant_intermediates, run_plan
@@ -179,7 +179,7 @@ class FactorizedExperts(nn.Module):
         self.pad_bonds = pad_bonds  # checked by the property
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         self._plans_lock = threading.RLock()
-        self._prepared: DerivedCache[_PreparedCores] = DerivedCache()
+        self._derived = DerivedValues()  # the prepared cores, per pad_bonds (see mumoe_tn.caching)
         self._checked: set[tuple] = set()
         optimizer = "auto" if lazy_optimizer else self._path_optimizer()
         self._compile_plan = plan_forward(network, COMPILE_PLAN_BATCH, optimizer, memory_limit=self.memory_limit)
@@ -198,9 +198,10 @@ class FactorizedExperts(nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.pop("_prepared", None)  # the holder a 0.3 layer pickled instead
         super().__setstate__(state)
         self._plans_lock = threading.RLock()
-        self._prepared = DerivedCache()
+        self._derived = DerivedValues()
         self._checked = set()
 
     @property
@@ -212,9 +213,7 @@ class FactorizedExperts(nn.Module):
     def pad_bonds(self, value: int | None) -> None:
         if value is not None:
             check_size("pad_bonds", value)
-        self._pad_bonds = value
-        if "_prepared" in self.__dict__:
-            self._prepared.clear()
+        self._pad_bonds = value  # (the prepared cores are kept per value: nothing to forget)
 
     @classmethod
     def from_tensors(
@@ -324,7 +323,7 @@ class FactorizedExperts(nn.Module):
         change PyTorch does not track (see [`mumoe_tn.caching`][mumoe_tn.caching]); every other change
         is noticed on the next call.
         """
-        self._prepared.clear()
+        self._derived.clear()
 
     def _inference_program(
         self, batch: int, prepared: _PreparedCores, rows: list[torch.Tensor], ones: str | None
@@ -350,8 +349,9 @@ class FactorizedExperts(nn.Module):
 
     def _prepared_cores(self, cores: list[torch.Tensor]) -> _PreparedCores:
         """What inference derives from ``cores`` (this layer's, in network order), kept until a core changes."""
-        return self._prepared.get(
-            cores, lambda: _PreparedCores(cores, self.network, bond_padding(self.network, self.pad_bonds))
+        pad = self.pad_bonds
+        return self._derived.get(
+            self, ("prepared", pad), lambda: _PreparedCores(cores, self.network, bond_padding(self.network, pad))
         )
 
     def forward(

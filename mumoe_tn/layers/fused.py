@@ -7,27 +7,23 @@ expert layer by the core (or pre-contracted core-only intermediate) its prepared
 [`PreparedPlan.input_projection`][mumoe_tn.contractions.prepared.PreparedPlan]). Which core
 that is comes from the layer's plan for its network, not from the format: CP's input factor,
 TR's and TT's input core viewed as ``I × (r_a·r_b)``, Tucker's input factor, MxD's decoder.
-`FusedProjections` keeps ``[Gᵀ | M_1 | …]`` and the
-stacked biases, so one ``addmm`` replaces one product per matrix; it is rebuilt when the gate's
-folded projection or a prepared plan is (both are remade exactly when a parameter changes).
+`fuse_projection` makes ``[Gᵀ | M_1 | …]`` and the
+stacked biases, so one ``addmm`` replaces one product per matrix; the layer's program keeps it
+with its other derived values (see [`mumoe_tn.layers.program`][mumoe_tn.layers.program]).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mumoe_tn.caching import DerivedState
+from mumoe_tn.caching import DerivedValues
 from mumoe_tn.contractions.prepared import PreparedPlan
 
-__all__ = ["FusedProjection", "FusedProjections", "LeanCoefficients"]
-
-#: Most fused matrices a layer keeps (one per set of prepared plans in use: batch buckets rarely differ).
-MAX_FUSED = 8
+__all__ = ["FusedProjection", "LeanCoefficients", "fuse_projection"]
 
 
 @dataclass(frozen=True)
@@ -50,45 +46,10 @@ class FusedProjection:
     heads: tuple[tuple[Any, PreparedPlan, int, int, int], ...]
 
 
-class FusedProjections(DerivedState):
-    """The fused matrices of one layer, found by the identity of the tensors and plans they are made from.
-
-    The gate's cached projection and the prepared plans are new objects whenever a parameter
-    changes, and each entry keeps those it was made from alive, so an identity match means the
-    entry is current. Dropped on pickling and deep copies, like the other inference caches.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[tuple, tuple[tuple, FusedProjection]] = {}
-
-    def get(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        executors: Sequence[tuple[Any, PreparedPlan | None]],
-    ) -> FusedProjection:
-        """The fused matrix of the gate's ``weight`` (``(ΣN_e, I)``) and ``bias`` with the plans' input steps."""
-        key = (id(weight), id(bias), tuple(id(executor) for _, executor in executors))
-        found = self._entries.get(key)
-        if found is not None:
-            return found[1]
-        fused = _fuse(weight, bias, executors)
-        with self._lock:
-            if len(self._entries) >= MAX_FUSED:
-                self._entries = {}
-            self._entries[key] = ((weight, bias, tuple(executors)), fused)
-        return fused
-
-    def clear(self) -> None:
-        """Forget every fused matrix."""
-        with self._lock:
-            self._entries = {}
-
-
-def _fuse(
+def fuse_projection(
     weight: torch.Tensor, bias: torch.Tensor | None, executors: Sequence[tuple[Any, PreparedPlan | None]]
 ) -> FusedProjection:
+    """The fused matrix of the gate's ``weight`` (``(ΣN_e, I)``) and ``bias`` with the plans' input steps."""
     matrices, biases, heads = [weight.t()], [bias], []
     start = weight.shape[0]
     for experts, executor in executors:
@@ -135,3 +96,7 @@ class LeanCoefficients(tuple):
         made = super().__new__(cls, values)
         made.z, made.flat, made.rows, made.projected = z, flat, rows, projected
         return made
+
+
+#: The name 0.3 pickled a layer's fused matrices under: it loads as an empty holder (the layer drops it).
+FusedProjections = DerivedValues

@@ -2,45 +2,44 @@
 
 opt_einsum's ``ContractExpression`` holds a contraction's path and its constants in one object,
 evaluated by the loop that runs the call. A layer's program does the same for a whole μMoE
-layer: per input signature (width, dtype, device, batch bucket) the fused first product of the
-gate and the input layers (eval BatchNorm folded in), the gate's activation map chosen for such
-calls and the experts' prepared plans it runs, and the signatures whose inputs have been
-checked. Everything it holds is valid for one state of the layer, the
-[`module_state`][mumoe_tn.caching.module_state] key (submodules, modes, forward hooks,
-parameters, buffers, optimiser steps): when the key changes, the program forgets every entry at
-once, so no entry can outlive the weights it was made from.
+layer, and it is the one place where what the layer derives from its weights lives: per input
+signature (width, dtype, device, batch bucket) the fused first product of the gate and the input
+layers (eval BatchNorm folded in) and the gate's activation map chosen for such calls; the gate's
+folded projection; each expert layer's prepared cores (padded cores, pre-contracted core-only
+intermediates, the plans bound to them). Everything it holds is valid for one state of the layer,
+the [`module_state`][mumoe_tn.caching.module_state] key (submodules, modes, forward hooks,
+parameters, buffers, optimiser steps): when the key changes, the program forgets every value at
+once, so no value can outlive the weights it was made from. The plans themselves depend on shapes
+and options only: they stay in each expert layer's plan table (one per batch bucket and kind),
+and each plan carries its own executors (see
+[`plan_executor`][mumoe_tn.contractions.executor.plan_executor]).
 
 The layer's gating is one sequence of steps (checks, token mask, input norm, projection,
 normalisation, activation map, records, ablation mask); the program's fused entry is only another
 way to compute the projection step, for the calls that
 [`fused_entry`][mumoe_tn.layers.program.LayerProgram.fused_entry] admits. Any gate that
 implements [`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate] gets it. Without a fused
-entry the gate and the experts run as modules, which keep their own
-parameter-derived values under the same key ([`source_key`][mumoe_tn.caching.source_key]).
+entry the gate and the experts run as modules; the program has adopted their holders (see
+[`DerivedValues.adopt`][mumoe_tn.caching.DerivedValues.adopt]), so what they derive is kept here too.
 Nothing here changes inside a call that ``torch.compile`` traces (compiled calls never reach the
 program), so a captured graph replays.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from mumoe_tn.caching import DerivedState, ModuleState, module_state
+from mumoe_tn.caching import DerivedValues
 from mumoe_tn.gates.gate_protocol import CoefficientMap, ProgramGate, gate_coefficients
 from mumoe_tn.layers.experts import batch_bucket
-from mumoe_tn.layers.fused import FusedProjection, FusedProjections
+from mumoe_tn.layers.fused import FusedProjection, fuse_projection
 from mumoe_tn.masking import current_token_mask, resolve_token_mask
 
-__all__ = ["MAX_CHECKED", "MAX_SIGNATURES", "LayerProgram", "ProgramEntry"]
-
-MAX_SIGNATURES = 64
-"""Most input signatures (width, dtype, device, batch bucket) a program keeps fused entries for."""
+__all__ = ["MAX_CHECKED", "LayerProgram", "ProgramEntry"]
 
 MAX_CHECKED = 256
 """Most input signatures a program remembers as validated (the set starts afresh beyond it)."""
@@ -82,28 +81,31 @@ class ProgramEntry:
         }
 
 
-class LayerProgram(DerivedState):
-    """What one μMoE layer derives for its calls, valid for one state of the layer.
+class LayerProgram(DerivedValues):
+    """What one μMoE layer derives for its calls, valid for one state of the layer: its one holder of derived state.
 
-    Dropped on pickling and deep copies (a copy derives its own). Thread-safe: concurrent calls
-    may build the same entry twice, never a stale one.
+    A [`DerivedValues`][mumoe_tn.caching.DerivedValues] keyed by the layer's
+    [`module_state`][mumoe_tn.caching.module_state]. It holds, by name: the fused entry of each
+    input signature (``("entry", signature)``), the fused matrices (``("fused", …)``), and,
+    for each gate and expert layer it has adopted (its direct children), their values under
+    ``(id(child), name)``, each checked against the child's part of the key: the gate's folded
+    projection per compute dtype, each expert layer's prepared cores per ``pad_bonds`` (padded
+    cores, core-only intermediates, bound plans). Besides
+    them it remembers the input signatures that passed the layer's checks (``checked``, which do
+    not depend on the weights). Dropped on pickling and deep copies (a copy derives its own).
+    Thread-safe: concurrent calls may build the same entry twice, never a stale one.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._key: tuple | None = None
-        self._state: ModuleState | None = None  # keeps the key's tensors alive: no address is reused
-        self._entries: dict[tuple, ProgramEntry] = {}
-        self.fused = FusedProjections()
+        super().__init__()
         self.checked: set[tuple] = set()
 
-    def current(self, layer: torch.nn.Module) -> ModuleState:
-        """The layer's state now; every entry made for another state is forgotten."""
-        state = module_state(layer)
-        if state.key != self._key or state.key is None:
-            with self._lock:
-                self._key, self._state, self._entries = state.key, state, {}
-        return state
+    def adopt_children(self, layer: nn.Module) -> None:
+        """Keep the derived values of ``layer``'s direct children (gate, expert layers) here, under the layer's key."""
+        for child in layer._modules.values():
+            holder = None if child is None else child.__dict__.get("_derived")
+            if isinstance(holder, DerivedValues) and not holder.adopted_by(self):
+                holder.adopt(layer, self)
 
     def fused_entry(self, layer: Any, x: Any, mask: torch.Tensor | None) -> ProgramEntry | None:
         """The fused entry that computes the projection step of the call ``layer(x, mask)``, or None.
@@ -122,10 +124,15 @@ class LayerProgram(DerivedState):
             return None
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
-        state = self.current(layer)
+        state = self.state(layer)
         if state.hooked:
             return None  # (the fused product calls neither the gate nor the experts: their hooks need them called)
-        found = self.entry((width, x.dtype, x.device, batch_bucket(rows)), lambda: self._make_entry(layer, x, rows))
+        name = ("entry", (width, x.dtype, x.device, batch_bucket(rows)))
+        found = self._values.get(name)
+        if found is None:
+            found = self._make_entry(layer, x, rows)
+            if found is not None:  # (nothing is kept where the fused path does not apply)
+                self.get(layer, name, lambda: found)
         if found is None or torch.is_autocast_enabled(x.device.type):  # (after the entry's checks: they name devices)
             return None
         if current_token_mask() is not None and resolve_token_mask(None, tuple(x.shape[:-1]), x.device) is not None:
@@ -146,25 +153,20 @@ class LayerProgram(DerivedState):
         weight, bias, folded = gate.projection(x.dtype)
         _check_projection(gate, weight, bias, x)
         executors = [(experts, experts.inference_executor(rows, layer.bias)) for experts in layer._input_layers()]
-        fused = self.fused.get(weight, bias, executors)
+        fused = self._fused(layer, weight, bias, executors)
         logits = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
         return ProgramEntry(fused, gate, weight.shape[0], bool(folded), gate.activation_map(logits), identity)
 
-    def entry(self, signature: tuple, make: Callable[[], ProgramEntry | None]) -> ProgramEntry | None:
-        """The fused entry of ``signature`` for the state last passed to ``current``, made on a miss.
+    def _fused(self, layer: Any, weight: torch.Tensor, bias: torch.Tensor | None, executors: list) -> FusedProjection:
+        """The fused matrix of ``weight``, ``bias`` and ``executors``, shared by the signatures that use the same ones.
 
-        ``make`` returns None where the fused path does not apply (nothing is kept then).
+        Found by the identity of its parts, which the kept value holds alive (no identity is reused).
         """
-        found = self._entries.get(signature)
-        if found is not None:
-            return found
-        made = make()
-        if made is not None and self._key is not None:
-            with self._lock:
-                if len(self._entries) >= MAX_SIGNATURES:
-                    self._entries = {}
-                self._entries[signature] = made
-        return made
+        parts = (weight, bias, *(executor for _, executor in executors))
+        made = self.get(layer, ("fused", *map(id, parts)), lambda: (parts, fuse_projection(weight, bias, executors)))
+        if all(a is b for a, b in zip(made[0], parts, strict=True)):
+            return made[1]
+        return fuse_projection(weight, bias, executors)
 
     def remember_checked(self, signature: tuple) -> None:
         """Record that inputs of ``signature`` passed the layer's checks."""
@@ -174,9 +176,7 @@ class LayerProgram(DerivedState):
 
     def clear(self) -> None:
         """Forget everything (the next call derives afresh)."""
-        with self._lock:
-            self._key, self._state, self._entries = None, None, {}
-        self.fused.clear()
+        super().clear()
         self.checked = set()
 
 
