@@ -43,6 +43,7 @@ from mumoe_tn.distillation.corpus import encode_text, read_text, text_files
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable
 from mumoe_tn.distillation.interruption import DistillationStopped
+from mumoe_tn.distillation.method_recipes import check_method_recipes, recipe_of
 from mumoe_tn.distillation.process_shares import process_checkpoint, process_world
 from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.run_files import load_frontier, save_frontier
@@ -97,10 +98,15 @@ class FrontierConfig:
         Parameters per replacement.
     tokens, batch_size, buffer_tokens : int
         Distillation tokens, tokens per step, activation buffer.
-    recipe : {"mxd-paper", "plain"}
-        The training recipe of every replacement (see
-        [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]); a Mixture of Decoders is also
-        initialised by its authors' recipe with ``"mxd-paper"``.
+    recipe : str
+        The training recipe of every replacement (a name of
+        [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]); a Mixture of Decoders is initialised
+        by its authors' recipe but with ``"plain"``, a transcoder by Gao et al.'s with
+        ``"topk-paper"``.
+    method_recipes : tuple of (str, str)
+        Methods with a recipe of their own instead of ``recipe``: (method name, recipe name) pairs;
+        [`BEST_RECIPES`][mumoe_tn.distillation.method_recipes.BEST_RECIPES] holds each method's
+        best in the recipe sweep.
     lr : float or None
         The learning rate for every replacement (default the recipe's).
     eval_tokens : int
@@ -138,6 +144,7 @@ class FrontierConfig:
     batch_size: int = 256
     buffer_tokens: int = 16_384
     recipe: str = "mxd-paper"
+    method_recipes: tuple[tuple[str, str], ...] = ()
     lr: float | None = None
     eval_tokens: int = 16_384
     seed: int = 0
@@ -210,8 +217,10 @@ def method_factories(
         Experts of a μMoE block (``-hier``: split into two modes).
     top_k : str, optional
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
-    recipe : {"mxd-paper", "plain"}, optional
-        ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors'.
+    recipe : str, optional
+        ``"plain"`` builds every Mixture of Decoders with its own init instead of its authors',
+        ``"topk-paper"`` every transcoder with Gao et al.'s (see ``recipe=`` of
+        [`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory]).
     aux_k : bool or None, optional
         The auxiliary-k term on every μMoE block (None: the factory's default).
     balance : float or None, optional
@@ -230,7 +239,10 @@ def method_factories(
     for method in methods:
         for l0 in l0s:
             if method in ("transcoder", "skip-transcoder"):
-                factories[f"{method}@{l0}"] = transcoder_factory(l0, budget, skip=method == "skip-transcoder")
+                own = "topk-paper" if recipe == "topk-paper" else None
+                factories[f"{method}@{l0}"] = transcoder_factory(
+                    l0, budget, skip=method == "skip-transcoder", recipe=own
+                )
                 continue
             name = f"{method}@{l0}" if top_k == "auto" else f"{method}:{top_k}@{l0}"
             initial = "plain" if recipe == "plain" else None  # None: the authors' init for a Mixture of Decoders
@@ -374,6 +386,7 @@ def run_frontier(
     _check_aux_k(config.aux_k)
     if config.balance is not None:
         check_positive_float("balance", config.balance, allow_zero=True)
+    _check_methods(list(check_method_recipes(config.method_recipes)))
     if resume and checkpoint is None:
         raise ValueError("resume=True needs checkpoint= (the file to resume from)")
     if resume and not process_checkpoint(checkpoint).is_file():
@@ -399,16 +412,22 @@ def run_frontier(
     first = blocks[0]
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
                                                     first.out_features)  # fmt: skip
-    factories = method_factories(
-        config.methods, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe,
-        aux_k=config.aux_k, balance=config.balance,
-    )  # fmt: skip
+    factories, recipes = {}, {}
+    for method in config.methods:  # each method at its own recipe (config.recipe unless method_recipes names one)
+        own = recipe_of(method, config.method_recipes, config.recipe)
+        built = method_factories(
+            (method,), config.l0s, budget, config.experts, top_k=config.top_k, recipe=own, aux_k=config.aux_k,
+            balance=config.balance,
+        )  # fmt: skip
+        factories.update(built)
+        recipes.update(dict.fromkeys(built, own))
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
     result = distill(
         model, stream, factories, mlps=config.mlps, tokens=config.tokens, batch_size=config.batch_size,
-        buffer_tokens=config.buffer_tokens, recipe=config.recipe, lr=config.lr, seed=config.seed,
+        buffer_tokens=config.buffer_tokens,
+        recipe=config.recipe if not config.method_recipes else recipes, lr=config.lr, seed=config.seed,
         checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume, progress=progress, stop=stop,
         run_config={"model": description, "text_digest": _digest(tokens), **dataclasses.asdict(config)},
     )  # fmt: skip
