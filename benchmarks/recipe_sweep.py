@@ -61,6 +61,7 @@ CANDIDATES = (
     Candidate("adam-warmup", DEFAULT_METHODS, "adam-warmup"),
     Candidate("low-lr", DEFAULT_METHODS, "low-lr"),
     Candidate("topk-paper", TRANSCODERS, "topk-paper"),
+    Candidate("topk-transcoder", TRANSCODERS, "topk-transcoder"),
     Candidate("mxd-paper, aux-k on", MUMOE, "mxd-paper", {"aux_k": True}),
     Candidate("mxd-paper, balance off", FLAT_SOFTMAX, "mxd-paper", {"balance": 0.0}),
     Candidate("mxd-paper, balance on", HIERARCHICAL_SOFTMAX, "mxd-paper", {"balance": 4e-5}),

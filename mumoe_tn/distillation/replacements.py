@@ -364,18 +364,22 @@ def transcoder_factory(
         ``32 · I`` latents without a skip).
     skip : bool, optional
         A skip transcoder.
-    recipe : {None, "topk-paper"}, optional
+    recipe : {None, "topk-paper", "topk-transcoder"}, optional
         None (default): the transcoder papers' initialisation (decoder and skip zero).
         ``"topk-paper"``: Gao et al.'s ([`topk_paper_init`][mumoe_tn.distillation.replacements.topk_paper_init])
         with their auxiliary-k term on dead latents ([`AuxK`][mumoe_tn.distillation.losses.AuxK],
-        weight 1/32), to train with the ``"topk-paper"`` recipe.
+        weight 1/32), to train with the ``"topk-paper"`` recipe. ``"topk-transcoder"``: the
+        papers' initialisation with that auxiliary-k term (as EleutherAI's ``sparsify`` builds a
+        transcoder), to train with the ``"topk-transcoder"`` recipe.
 
     Returns
     -------
     Factory
     """
-    if recipe not in (None, "topk-paper"):
-        raise ValueError(f"recipe of a transcoder factory must be None or 'topk-paper', got {recipe!r:.80}")
+    if recipe not in (None, "topk-paper", "topk-transcoder"):
+        raise ValueError(
+            f"recipe of a transcoder factory must be None, 'topk-paper' or 'topk-transcoder', got {recipe!r:.80}"
+        )
 
     def build(block: BlockInfo) -> nn.Module:
         target = paper_budget(block) if budget is None else _budget(budget, block)
@@ -385,6 +389,7 @@ def transcoder_factory(
         )
         if recipe == "topk-paper":
             topk_paper_init(module)
+        if recipe is not None:
             module.distillation_losses = (AuxK(),)
         module.replacement_spec = spec
         return module

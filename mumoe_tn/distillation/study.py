@@ -239,7 +239,7 @@ def method_factories(
     for method in methods:
         for l0 in l0s:
             if method in ("transcoder", "skip-transcoder"):
-                own = "topk-paper" if recipe == "topk-paper" else None
+                own = recipe if recipe in ("topk-paper", "topk-transcoder") else None
                 factories[f"{method}@{l0}"] = transcoder_factory(
                     l0, budget, skip=method == "skip-transcoder", recipe=own
                 )

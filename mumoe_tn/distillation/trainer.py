@@ -54,6 +54,9 @@ class Recipe:
         None: ``lr`` for every replacement. An int: the rate scales as ``lr · sqrt(reference_latents
         / M)`` with the replacement's number of latents ``M`` (its ``latents`` attribute), as Gao
         et al. 2024 scale theirs.
+    clip_norm : float or None
+        Clip the gradient of the replacement's parameters to this total norm before each step
+        (None: no clipping).
     """
 
     name: str
@@ -64,6 +67,7 @@ class Recipe:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     reference_latents: int | None = None
+    clip_norm: float | None = None
 
     def rate(self, module: nn.Module, lr: float | None = None) -> float:
         """The learning rate of ``module``: ``lr`` (default the recipe's), scaled by its latents if the recipe says so.
@@ -111,6 +115,16 @@ RECIPES = {
     "topk-paper": Recipe(
         "topk-paper", lr=2e-4, optimizer="adam", weight_decay=0.0, warmup=0.0, eps=6.25e-10, reference_latents=2**14
     ),
+    "topk-transcoder": Recipe(
+        "topk-transcoder",
+        lr=2e-4,
+        optimizer="adam",
+        weight_decay=0.0,
+        warmup=0.0,
+        eps=6.25e-10,
+        reference_latents=2**14,
+        clip_norm=1.0,
+    ),
 }
 """The training recipes by name.
 
@@ -124,6 +138,9 @@ EleutherAI's ``sparsify`` trains its transcoders): Adam with ``eps`` 6.25e-10 at
 transcoder for it with unit-norm decoder columns, the encoder the decoder's transpose and the
 auxiliary-k term (see ``recipe=`` of
 [`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory]).
+``"topk-transcoder"``: the same optimiser as EleutherAI's ``sparsify`` trains a transcoder with it
+— the gradient clipped to norm 1 — and a transcoder built as there: the decoder zero and free (no
+unit-norm columns), the auxiliary-k term on.
 """
 
 
@@ -239,6 +256,7 @@ class ReplacementTrainer:
             renormalise_columns(parameter, dim)
         rate = recipe.rate(module, lr)
         self.optimizer = optimizer(parameters) if optimizer is not None else recipe.build(parameters, rate)
+        self.parameters, self.clip_norm = parameters, recipe.clip_norm
         warmup = partial(_warmup_factor, steps=round(recipe.warmup * steps))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup)
         self._records_code = any(term.needs_code for term in self.terms)
@@ -276,6 +294,8 @@ class ReplacementTrainer:
         loss.backward()
         for _, parameter, dim in self.unit_norm:
             project_column_gradients(parameter, dim)
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.clip_norm, foreach=True)
         self.optimizer.step()
         self.schedule.step()
         for _, parameter, dim in self.unit_norm:

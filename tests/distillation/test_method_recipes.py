@@ -76,7 +76,7 @@ def test_topk_paper_init_and_factory():
     assert module.distillation_losses[0].weight == 1 / 32
     plain = transcoder_factory(4, 2.0)(block)
     assert torch.count_nonzero(plain.decoder.weight) == 0 and not hasattr(plain, "unit_norm")
-    with pytest.raises(ValueError, match="None or 'topk-paper'.*'mxd-paper'"):
+    with pytest.raises(ValueError, match="None, .topk-paper. or .topk-transcoder., got .mxd-paper."):
         transcoder_factory(4, 2.0, recipe="mxd-paper")
     with pytest.raises(ValueError, match="equal input and output widths, got 8 and 6"):
         topk_paper_init(Transcoder(8, 16, 6, k=2))
@@ -129,3 +129,30 @@ def test_method_recipes_are_checked():
 def test_best_recipes_name_every_default_method_once_with_a_known_recipe():
     chosen = check_method_recipes(BEST_RECIPES)
     assert sorted(chosen) == sorted(DEFAULT_METHODS)
+
+
+def test_topk_transcoder_recipe_clips_the_gradient_and_keeps_the_decoder_free():
+    block = select_blocks(TinyLM(), "mlp$")[0]
+    module = transcoder_factory(4, 2.0, recipe="topk-transcoder")(block)
+    assert torch.count_nonzero(module.decoder.weight) == 0 and not hasattr(module, "unit_norm")
+    assert [type(term) for term in module.distillation_losses] == [AuxK]
+    assert RECIPES["topk-transcoder"].clip_norm == 1.0 and RECIPES["topk-transcoder"].eps == 6.25e-10
+    trainer = ReplacementTrainer(module, recipe="topk-transcoder")
+    norms = []
+
+    class Spy:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self):
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+            self.optimizer.step()
+
+        def __getattr__(self, name):
+            return getattr(self.optimizer, name)
+
+    trainer.optimizer = Spy(trainer.optimizer)
+    x = 100 * torch.randn(64, 8)  # a large target: the raw gradient's norm is far above 1
+    trainer.step(x, -x)
+    assert norms[0] == pytest.approx(1.0, rel=1e-4)
