@@ -65,6 +65,8 @@ CANDIDATES = (
     Candidate("mxd-paper, aux-k on", MUMOE, "mxd-paper", {"aux_k": True}),
     Candidate("mxd-paper, balance off", FLAT_SOFTMAX, "mxd-paper", {"balance": 0.0}),
     Candidate("mxd-paper, balance on", HIERARCHICAL_SOFTMAX, "mxd-paper", {"balance": 4e-5}),
+    Candidate("plain, balance off", FLAT_SOFTMAX, "plain", {"balance": 0.0}),
+    Candidate("adam-warmup, balance off", FLAT_SOFTMAX, "adam-warmup", {"balance": 0.0}),
 )
 
 

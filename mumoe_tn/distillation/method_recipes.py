@@ -20,14 +20,14 @@ __all__ = ["BEST_RECIPES", "check_method_recipes", "recipe_of"]
 
 #: Each method's best recipe in the recipe sweep (method name, recipe name).
 BEST_RECIPES: tuple[tuple[str, str], ...] = (
-    ("transcoder", "mxd-paper"),
-    ("skip-transcoder", "mxd-paper"),
-    ("mxd", "mxd-paper"),
-    ("mxd-hier", "mxd-paper"),
-    ("cp", "mxd-paper"),
-    ("cp-hier", "mxd-paper"),
-    ("tr", "mxd-paper"),
-    ("tr-hier", "mxd-paper"),
+    ("transcoder", "topk-transcoder"),
+    ("skip-transcoder", "topk-transcoder"),
+    ("mxd", "adam-warmup"),
+    ("mxd-hier", "plain"),
+    ("cp", "plain"),
+    ("cp-hier", "plain"),
+    ("tr", "plain"),
+    ("tr-hier", "plain"),
 )
 
 
