@@ -127,6 +127,11 @@ def choose(summary: dict[str, dict[str, dict[str, float]]]) -> dict[str, str]:
     return chosen
 
 
+def _rows_only(table: FrontierTable) -> dict:
+    """The table as JSON data without its per-sequence losses (the candidates' own files keep them)."""
+    return {key: value for key, value in json.loads(table.to_json()).items() if key != "sequences"}
+
+
 def write_report(directory: Path, out: Path = HERE) -> Path:
     """Read every candidate's table in ``directory``; write ``recipe-sweep-cpu.{json,md}`` to ``out``."""
     tables, configs = {}, {}
@@ -176,7 +181,7 @@ def write_report(directory: Path, out: Path = HERE) -> Path:
     stored = {
         "chosen": chosen,
         "summary": summary,
-        "runs": {name: json.loads(t.to_json()) for name, t in tables.items()},
+        "runs": {name: _rows_only(t) for name, t in tables.items()},
     }
     (out / "recipe-sweep-cpu.json").write_text(json.dumps(stored, indent=1) + "\n")
     return out / "recipe-sweep-cpu.md"
