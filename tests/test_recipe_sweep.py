@@ -1,4 +1,4 @@
-"""benchmarks/recipe_sweep.py: each method's mean score per candidate and the choice, ties going to the shared recipe."""
+"""benchmarks/recipe_sweep.py: each method's mean score per candidate and the choice, and how ties are broken."""
 
 import sys
 from pathlib import Path
@@ -32,6 +32,16 @@ def test_the_best_mean_score_wins_and_a_tie_goes_to_the_shared_recipe():
     assert summary["cp"].keys() == {"mxd-paper", "plain"}
     # cp: plain is 0.0003 above the shared recipe, within the tie margin of 0.0005
     assert recipe_sweep.choose(summary) == {"transcoder": "plain", "cp": "mxd-paper"}
+
+
+def test_a_change_of_a_recipes_defaults_must_beat_the_recipe():
+    tables = {
+        "mxd-paper": _table({"cp": 0.950, "tr": 0.950}),
+        "plain": _table({"cp": 0.9800, "tr": 0.9800}),
+        "plain, balance off": _table({"cp": 0.9803, "tr": 0.9820}),
+    }
+    chosen = recipe_sweep.choose(recipe_sweep.summarise(tables))
+    assert chosen == {"cp": "plain", "tr": "plain, balance off"}
 
 
 def test_the_report_lists_every_candidate_and_the_choice(tmp_path):
