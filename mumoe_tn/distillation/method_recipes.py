@@ -7,7 +7,9 @@ a name of [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]), and ``BEST_RECIPE
 width 64, two layers, byte tokens), L0 8 and 32, 200,000 tokens, every method under every
 candidate recipe that applies to it, and per method the recipe with the best mean CE-loss score
 (a tie within 0.0005: the shared ``"mxd-paper"``). The sweep's table is in
-``benchmarks/recipe-sweep-cpu.md`` and the distillation guide.
+``benchmarks/recipe-sweep-cpu.md`` and the distillation guide. The table holds recipes, not loss
+weights: where the sweep's best also changed the balance term's weight (flat CP: half the
+default), the method keeps its recipe with the factory's default weight.
 """
 
 from __future__ import annotations
