@@ -7,15 +7,19 @@ Run from the repository root::
     python -m benchmarks.frontier --quick         # a smoke run (writes to a temporary folder)
     python -m benchmarks.frontier --report-only   # rewrite the Markdown and the plot from the JSON
     python -m benchmarks.frontier --merge FILE.json   # (one-seed tables) add the rows of another run
+    python -m benchmarks.frontier --per-method-recipes   # each method at its own best recipe (the recipe sweep's):
+                                                  #   benchmarks/frontier-best-cpu.{json,md,png}
 
 It runs [`mumoe_tn.distillation.study.run_frontier`][mumoe_tn.distillation.study.run_frontier] once per
 seed (each seed trains its own model, draws its own data windows and initialises its own
 replacements), ``--jobs`` seeds at a time, one torch thread each, with the Mixture of Decoders
-authors' recipe (``--recipe plain`` for the library's former one). The report gives, for every
-method and L0, the CE-loss score (mean over the blocks) with a Student-t interval over the seeds,
-and the paired differences against the TopK and the skip transcoder — per seed, so that what a
-seed does to both sides cancels — overall and per block, with the machine, the load average and
-the wall time from start to table. Needs the ``hf`` extra (transformers), scipy and matplotlib.
+authors' recipe (``--recipe plain`` for the library's former one; ``--per-method-recipes``:
+each method at the recipe [`BEST_RECIPES`][mumoe_tn.distillation.methods.BEST_RECIPES]
+gives it). The report gives, for every method and L0, the CE-loss score (mean over the blocks)
+with a Student-t interval over the seeds, and the paired differences against the TopK and the
+skip transcoder — per seed, so that what a seed does to both sides cancels — overall and per
+block, with the machine, the load average and the wall time from start to table. Needs the
+``hf`` extra (transformers), scipy and matplotlib.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import torch
 
 from benchmarks.quality_stats import paired_differences, t_interval
 from mumoe_tn.distillation.frontier import FrontierTable, plot_frontier
-from mumoe_tn.distillation.methods import parse_methods, reference_methods
+from mumoe_tn.distillation.methods import BEST_RECIPES, parse_methods, reference_methods
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
+from mumoe_tn.distillation.trainer import RECIPES
 
 #: The methods of the claim: MxD (flat and two modes) and the hierarchical CP and TR blocks against both transcoders.
 CLAIM_METHODS = ("transcoder", "skip-transcoder", "mxd", "mxd-hier", "cp-hier", "tr-hier")
@@ -218,6 +223,14 @@ def interval_tables(tables: Mapping[int, FrontierTable]) -> list[str]:
     return lines
 
 
+def _recipes_line(config: Mapping) -> str:
+    """How the replacements were trained: the shared recipe, and the methods with one of their own."""
+    own = [f"{method} `{recipe}`" for method, recipe in config.get("method_recipes") or ()
+           if method in (config.get("methods") or ())]  # fmt: skip
+    shared = f"recipe `{config.get('recipe', '?')}`"
+    return f"{shared}, but {', '.join(own)}" if own else shared
+
+
 def write_seeds_report(tables: Mapping[int, FrontierTable], config: Mapping, out: Path, *, kind: str = "cpu") -> Path:
     """Write ``frontier-{kind}.md`` and ``.png`` (the first seed's rows) for a run over seeds; returns the image."""
     first = tables[min(tables)]
@@ -228,7 +241,7 @@ def write_seeds_report(tables: Mapping[int, FrontierTable], config: Mapping, out
         "",
         f"Model: {c.get('model', '?')}; blocks `{c.get('mlps', '?')}`; budget ≈{c.get('budget', 0):,} parameters per "
         f"replacement (a transcoder of {c.get('expansion', '?')}×I latents); {c.get('trained_tokens', 0):,} training "
-        f"tokens each (batch {c.get('batch_size', '?')}, recipe `{c.get('recipe', '?')}`); "
+        f"tokens each (batch {c.get('batch_size', '?')}, {_recipes_line(c)}); "
         f"{c.get('eval_tokens', 0):,} held-out tokens; μMoE blocks with {c.get('experts', '?')} experts (flat, or two "
         f"modes for `-hier`), top-k gates. Seeds {', '.join(map(str, sorted(tables)))}: each trains its own model, "
         "draws its own windows and initialises its own replacements.",
@@ -261,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, help=f"training tokens per replacement (default {CLAIM_TOKENS:,})")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds (default 0 1 2)")
     parser.add_argument("--jobs", type=int, default=2, help="seeds run at a time, one thread each (default 2)")
-    parser.add_argument("--recipe", choices=("mxd-paper", "plain"), default="mxd-paper", help="training recipe")
+    parser.add_argument("--recipe", choices=tuple(RECIPES), default="mxd-paper", help="training recipe")
+    parser.add_argument("--per-method-recipes", action="store_true",
+                        help="each method at its own recipe (BEST_RECIPES, from the recipe sweep); writes "
+                        "frontier-best-cpu.*")  # fmt: skip
     parser.add_argument("--top-k", choices=("auto", "softmax", "relu"), default="auto", help="the μMoE top-k gate")
     parser.add_argument("--aux-k", choices=tuple(AUX_K), default="auto",
                         help="the auxiliary-k term on the μMoE blocks (auto: the factory's default)")  # fmt: skip
@@ -270,15 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(args.seeds)) != len(args.seeds) or args.jobs < 1:
         raise SystemExit(f"--seeds must be distinct and --jobs positive, got {args.seeds} and {args.jobs}")
     out = args.out or (Path(tempfile.mkdtemp(prefix="frontier-")) if args.quick else HERE)
-    stored = out / "frontier-cpu.json"
+    kind = "best-cpu" if args.per_method_recipes else "cpu"
+    stored = out / f"frontier-{kind}.json"
     if args.report_only or args.merge:
         data = json.loads(stored.read_text())
         if "runs" in data:
             if args.merge:
                 raise SystemExit(f"{stored} holds a run over seeds: --merge adds one-seed tables only")
             tables = {int(seed): FrontierTable.from_json(json.dumps(run)) for seed, run in data["runs"].items()}
-            image = write_seeds_report(tables, data.get("config", {}), out)
-            print(f"wrote {out / 'frontier-cpu.md'} and {image}")
+            image = write_seeds_report(tables, data.get("config", {}), out, kind=kind)
+            print(f"wrote {out / f'frontier-{kind}.md'} and {image}")
             return 0
         table = FrontierTable.from_json(stored.read_text())
         if args.merge:
@@ -293,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
                     "seconds", "load_average", "machine")}]  # fmt: skip
             table = FrontierTable(kept + extra.rows, {**table.config, "methods": methods, "merged_runs": runs})
             stored.write_text(table.to_json() + "\n")
-        image = write_report(table, out)
+        image = write_report(table, out, kind=kind)
     else:
         start = time.perf_counter()
         config = FrontierConfig.quick() if args.quick else FrontierConfig(methods=CLAIM_METHODS, tokens=CLAIM_TOKENS)
         changes = {"top_k": args.top_k, "recipe": args.recipe, "aux_k": AUX_K[args.aux_k]}
+        if args.per_method_recipes:
+            changes["method_recipes"] = BEST_RECIPES
         changes.update({k: v for k, v in (("tokens", args.tokens), ("methods", args.methods), ("l0s", args.l0s))
                         if v is not None})  # fmt: skip
         for key in ("methods", "l0s"):
@@ -315,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         runs = {str(seed): json.loads(table.to_json()) for seed, table in tables.items()}
         stored.write_text(json.dumps({"config": run_config, "runs": runs}, indent=1) + "\n")
-        image = write_seeds_report(tables, run_config, out)
+        image = write_seeds_report(tables, run_config, out, kind=kind)
     if out == HERE and not args.quick:
-        shutil.copyfile(image, DOCS_IMAGE)
-    print(f"wrote {stored}, {out / 'frontier-cpu.md'} and {image}")
+        shutil.copyfile(image, DOCS_IMAGE.with_name(f"frontier-{kind}.png"))
+    print(f"wrote {stored}, {out / f'frontier-{kind}.md'} and {image}")
     return 0
 
 

@@ -105,3 +105,23 @@ def test_the_aux_k_flag_reaches_every_seeds_config(tmp_path, monkeypatch, flag, 
     with pytest.raises(SystemExit):
         frontier.main(["--quick", "--aux-k", flag, "--out", str(tmp_path)])
     assert seen == [expected]
+
+
+def test_the_per_method_recipes_flag_gives_every_seed_the_chosen_table(tmp_path, monkeypatch):
+    from mumoe_tn.distillation.methods import BEST_RECIPES
+
+    seen = []
+
+    def run_seeds(config, seeds, jobs=1):
+        seen.append(config.method_recipes)
+        return {seed: _table(["transcoder", "cp"]) for seed in seeds}
+
+    monkeypatch.setattr(frontier, "run_seeds", run_seeds)
+    argv = ["--quick", "--seeds", "0", "1", "--per-method-recipes", "--out", str(tmp_path)]
+    assert frontier.main(argv) == 0
+    assert seen == [BEST_RECIPES]
+    assert (tmp_path / "frontier-best-cpu.json").is_file() and not (tmp_path / "frontier-cpu.json").exists()
+    assert frontier._recipes_line({"recipe": "mxd-paper", "methods": ["cp", "transcoder"],
+                                   "method_recipes": [["transcoder", "topk-paper"], ["tr", "plain"]]}) == (
+        "recipe `mxd-paper`, but transcoder `topk-paper`"
+    )  # fmt: skip

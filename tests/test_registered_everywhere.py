@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 import hf_models
 
 from mumoe_tn.cli import main
-from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
 from mumoe_tn.conversion.convert import convert
+from mumoe_tn.conversion.persistence.checkpoints import load_converted, save_converted
 from mumoe_tn.decompositions import unregister
 from mumoe_tn.decompositions.cp import CPFormat
 from mumoe_tn.design import families, search_space

@@ -25,11 +25,12 @@ import torch
 
 from mumoe_tn.cli.arguments import UsageError, add_output_formats, check_plot
 from mumoe_tn.distillation.interruption import DistillationStopped, StopOnSignals
-from mumoe_tn.distillation.methods import HIERARCHICAL_SUFFIX, METHODS, parse_methods
+from mumoe_tn.distillation.methods import BEST_RECIPES, HIERARCHICAL_SUFFIX, METHODS, parse_methods
 from mumoe_tn.distillation.paired import paired_against
 from mumoe_tn.distillation.process_shares import joined_process_group, process_checkpoint, process_world
 from mumoe_tn.distillation.replacements import top_k_gate_names
 from mumoe_tn.distillation.study import FrontierConfig, run_frontier
+from mumoe_tn.distillation.trainer import RECIPES
 
 __all__ = ["DESCRIPTION", "HELP", "checkpoint_steps", "config_from", "configure", "resume_command", "run"]
 
@@ -68,9 +69,11 @@ def configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--eval-tokens", type=int, help=f"held-out evaluation tokens (default {d.eval_tokens:,})")
     parser.add_argument("--batch-size", type=int, help=f"tokens per optimiser step (default {d.batch_size})")
     parser.add_argument("--buffer-tokens", type=int, help=f"activation buffer capacity (default {d.buffer_tokens:,})")
-    parser.add_argument("--recipe", choices=("mxd-paper", "plain"), help="training recipe: 'mxd-paper' (default: "
-                        "the MxD authors' init, unit-norm expert vectors, AdamW 4e-4 with warm-up) or 'plain' "
-                        "(Adam 1e-3)")  # fmt: skip
+    parser.add_argument("--recipe", choices=sorted(RECIPES), help="training recipe of every method: 'mxd-paper' "
+                        "(default: the MxD authors' init, unit-norm expert vectors, AdamW 4e-4 with warm-up), "
+                        "'plain' (Adam 1e-3), or another")  # fmt: skip
+    parser.add_argument("--per-method-recipes", action="store_true", help="train each method with its own best "
+                        "recipe from the recipe sweep (BEST_RECIPES; --recipe for the others)")  # fmt: skip
     parser.add_argument("--lr", type=float, help="learning rate (default the recipe's)")
     parser.add_argument(
         "--pretrain-steps", type=int, help=f"training steps of the built model (default {d.pretrain_steps})"
@@ -119,6 +122,8 @@ def config_from(args: argparse.Namespace) -> FrontierConfig:
                  "pretrain_steps", "width", "depth"):  # fmt: skip
         if name in changes and changes[name] <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {changes[name]}")
+    if getattr(args, "per_method_recipes", False):
+        changes["method_recipes"] = BEST_RECIPES
     if "methods" in changes:  # parsed once here: an unknown method is named before any model is built
         changes["methods"] = tuple(spec.text for spec in parse_methods(changes["methods"]))
     if any(l0 <= 0 for l0 in changes.get("l0s", ())):

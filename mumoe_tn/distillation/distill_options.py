@@ -39,13 +39,15 @@ class DistillOptions:
         Tokens per optimiser step (default 256).
     buffer_tokens : int
         Capacity of the activation buffer in tokens (default 16,384); must hold one batch.
-    recipe : str
-        How every replacement is optimised (see [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]):
-        ``"mxd-paper"`` (default), the Mixture of Decoders authors' — AdamW without weight decay at
-        4e-4, constant after a linear warm-up over the first 4.27 % of the steps (their 5,000 of
-        117,188) — or ``"plain"``, Adam at 1e-3 without warm-up. The replacements' own
-        initialisation is their factory's (see ``recipe=`` of
-        [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
+    recipe : str or Mapping[str, str]
+        How every replacement is optimised, a name of
+        [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]: ``"mxd-paper"`` (default), the Mixture
+        of Decoders authors' — AdamW without weight decay at 4e-4, constant after a linear warm-up
+        over the first 4.27 % of the steps (their 5,000 of 117,188) — ``"plain"``, Adam at 1e-3
+        without warm-up, or another; or a mapping of every method name to its recipe's name. The
+        replacements' own initialisation is their factory's (see ``recipe=`` of
+        [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory] and
+        [`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory]).
     lr : float or None
         The learning rate (default the recipe's).
     loss : str or Loss or Sequence
@@ -98,7 +100,7 @@ class DistillOptions:
     mlps: str | Callable[[str, nn.Module], bool] = r"mlp$"
     batch_size: int = 256
     buffer_tokens: int = 16_384
-    recipe: str = "mxd-paper"
+    recipe: str | Mapping[str, str] = "mxd-paper"
     lr: float | None = None
     loss: str | Loss | Sequence[str | Loss] = "normalised-mse"
     l1: float = 0.0

@@ -57,11 +57,12 @@ from mumoe_tn.distillation.replacement_specs import (
     mumoe_spec_from_data,
     transcoder_spec_from_data,
 )
-from mumoe_tn.distillation.replacements import mode_split, mumoe_factory, transcoder_factory
+from mumoe_tn.distillation.replacements import TRANSCODER_RECIPES, mode_split, mumoe_factory, transcoder_factory
 from mumoe_tn.distillation.training import RECIPES, Factory
 from mumoe_tn.registry import Registry
 
 __all__ = [
+    "BEST_RECIPES",
     "DEFAULT_METHODS",
     "HIERARCHICAL_SUFFIX",
     "METHODS",
@@ -202,12 +203,18 @@ class DistillationMethod:
     rebuild: Callable[[ReplacementSpec], Factory] | None = None
 
 
+def _transcoder_recipe(spec: MethodSpec, settings: MethodSettings) -> str | None:
+    """The recipe a transcoder is initialised for: the spec's or the run's, where it is a transcoder's own."""
+    recipe = spec.recipe or settings.recipe
+    return recipe if recipe in TRANSCODER_RECIPES else None
+
+
 def _transcoder(spec: MethodSpec, settings: MethodSettings) -> Factory:
-    return transcoder_factory(spec.k, spec.budget)
+    return transcoder_factory(spec.k, spec.budget, recipe=_transcoder_recipe(spec, settings))
 
 
 def _skip_transcoder(spec: MethodSpec, settings: MethodSettings) -> Factory:
-    return transcoder_factory(spec.k, spec.budget, skip=True)
+    return transcoder_factory(spec.k, spec.budget, skip=True, recipe=_transcoder_recipe(spec, settings))
 
 
 def _rebuild_transcoder(spec: ReplacementSpec) -> Factory:
@@ -394,6 +401,25 @@ def parse_methods(methods: Sequence[str | MethodSpec]) -> tuple[MethodSpec, ...]
     if isinstance(methods, (str, MethodSpec)) or not isinstance(methods, Sequence) or not methods:
         raise ValueError(f"methods must be a non-empty sequence of method names, got {methods!r:.80}")
     return tuple(parse_method(method) for method in methods)
+
+
+BEST_RECIPES: tuple[tuple[str, str], ...] = (
+    ("transcoder", "topk-transcoder"),
+    ("skip-transcoder", "topk-transcoder"),
+    ("mxd", "adam-warmup"),
+    ("mxd-hier", "plain"),
+    ("cp", "plain"),
+    ("cp-hier", "plain"),
+    ("tr", "plain"),
+    ("tr-hier", "plain"),
+)
+"""Each method's best recipe in the recipe sweep, as (method name, recipe name) pairs.
+
+Chosen by ``python -m benchmarks.recipe_sweep`` (see
+[`mumoe_tn.distillation.method_recipes`][mumoe_tn.distillation.method_recipes]);
+``FrontierConfig(method_recipes=BEST_RECIPES)`` and ``mumoe-tn distill --per-method-recipes``
+train each method with its own.
+"""
 
 
 def method_factory(spec: MethodSpec, settings: MethodSettings | None = None) -> tuple[str, Factory]:

@@ -65,11 +65,13 @@ from mumoe_tn.validation import check_positive_float, check_size
 
 __all__ = [
     "PAPER_EXPANSION",
+    "TRANSCODER_RECIPES",
     "mode_split",
     "mumoe_factory",
     "mxd_paper_init",
     "paper_budget",
     "top_k_gate_names",
+    "topk_paper_init",
     "transcoder_factory",
 ]
 
@@ -315,7 +317,46 @@ def mumoe_factory(
     return build
 
 
-def transcoder_factory(k: int | None, budget: int | float | None = None, *, skip: bool = False) -> Factory:
+def topk_paper_init(transcoder: Transcoder) -> Transcoder:
+    """Initialise ``transcoder`` as Gao et al. 2024 initialise their TopK autoencoders, in place.
+
+    Every decoder column a random direction of norm 1, the encoder the decoder's transpose, both
+    biases and the skip zero; the decoder columns are declared unit-norm (``unit_norm``: the
+    training step keeps them at norm 1 and removes the gradient's component along them, see
+    [`unit_norm_parameters`][mumoe_tn.distillation.trainer.unit_norm_parameters]).
+
+    Raises
+    ------
+    TypeError
+        If ``transcoder`` is not a [`Transcoder`][mumoe_tn.distillation.transcoders.Transcoder].
+    ValueError
+        If its input and output widths differ (the encoder cannot be the decoder's transpose).
+    """
+    if not isinstance(transcoder, Transcoder):
+        raise TypeError(f"topk_paper_init takes a Transcoder, got {type(transcoder).__name__}")
+    if transcoder.in_features != transcoder.out_features:
+        raise ValueError(
+            "the 'topk-paper' initialisation sets the encoder to the decoder's transpose, which needs equal input and "
+            f"output widths, got {transcoder.in_features} and {transcoder.out_features}: use recipe=None"
+        )
+    with torch.no_grad():
+        decoder = transcoder.decoder.weight
+        decoder.normal_()
+        decoder.div_(decoder.norm(dim=0, keepdim=True).clamp_min(1e-12))
+        transcoder.encoder.weight.copy_(decoder.T)
+        transcoder.encoder.bias.zero_()
+        transcoder.decoder.bias.zero_()
+    transcoder.unit_norm = {"decoder.weight": 0}
+    return transcoder
+
+
+TRANSCODER_RECIPES = ("topk-paper", "topk-transcoder")
+"""The recipes a transcoder factory initialises its transcoder for (``recipe=`` of ``transcoder_factory``)."""
+
+
+def transcoder_factory(
+    k: int | None, budget: int | float | None = None, *, skip: bool = False, recipe: str | None = None
+) -> Factory:
     """A factory of (skip) transcoders whose latent count meets ``budget``.
 
     Parameters
@@ -327,11 +368,22 @@ def transcoder_factory(k: int | None, budget: int | float | None = None, *, skip
         ``32 · I`` latents without a skip).
     skip : bool, optional
         A skip transcoder.
+    recipe : {None, "topk-paper", "topk-transcoder"}, optional
+        None (default): the transcoder papers' initialisation (decoder and skip zero).
+        ``"topk-paper"``: Gao et al.'s ([`topk_paper_init`][mumoe_tn.distillation.replacements.topk_paper_init])
+        with their auxiliary-k term on dead latents ([`AuxK`][mumoe_tn.distillation.losses.AuxK],
+        weight 1/32), to train with the ``"topk-paper"`` recipe. ``"topk-transcoder"``: the
+        papers' initialisation with that auxiliary-k term (as EleutherAI's ``sparsify`` builds a
+        transcoder), to train with the ``"topk-transcoder"`` recipe.
 
     Returns
     -------
     Factory
     """
+    if recipe is not None and recipe not in TRANSCODER_RECIPES:
+        raise ValueError(
+            f"recipe of a transcoder factory must be None, 'topk-paper' or 'topk-transcoder', got {recipe!r:.80}"
+        )
 
     def build(block: BlockInfo) -> nn.Module:
         target = paper_budget(block) if budget is None else _budget(budget, block)
@@ -339,6 +391,10 @@ def transcoder_factory(k: int | None, budget: int | float | None = None, *, skip
         module = Transcoder(
             block.in_features, latents, block.out_features, k=k, skip=skip, device=block.device, dtype=block.dtype
         )
+        if recipe == "topk-paper":
+            topk_paper_init(module)
+        if recipe is not None:
+            module.distillation_losses = (AuxK(),)
         module.replacement_spec = spec
         return module
 

@@ -45,12 +45,14 @@ from mumoe_tn.distillation.distill_options import DistillOptions
 from mumoe_tn.distillation.faithfulness import evaluate_replacements
 from mumoe_tn.distillation.frontier import FrontierTable
 from mumoe_tn.distillation.interruption import DistillationStopped
+from mumoe_tn.distillation.method_recipes import check_method_recipes
 from mumoe_tn.distillation.methods import (
     DEFAULT_METHODS,
     MethodSettings,
     MethodSpec,
     check_methods,
     method_factory,
+    parse_method,
     parse_methods,
 )
 from mumoe_tn.distillation.process_shares import process_checkpoint, process_world
@@ -103,10 +105,15 @@ class FrontierConfig:
         Parameters per replacement.
     tokens, batch_size, buffer_tokens : int
         Distillation tokens, tokens per step, activation buffer.
-    recipe : {"mxd-paper", "plain"}
-        The training recipe of every replacement (see
-        [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]); a Mixture of Decoders is also
-        initialised by its authors' recipe with ``"mxd-paper"``.
+    recipe : str
+        The training recipe of every replacement (a name of
+        [`RECIPES`][mumoe_tn.distillation.trainer.RECIPES]); a Mixture of Decoders is initialised
+        by its authors' recipe but with ``"plain"``, a transcoder by Gao et al.'s with
+        ``"topk-paper"``.
+    method_recipes : tuple of (str, str)
+        Methods with a recipe of their own instead of ``recipe``: (method name, recipe name) pairs;
+        [`BEST_RECIPES`][mumoe_tn.distillation.methods.BEST_RECIPES] holds each method's
+        best in the recipe sweep.
     lr : float or None
         The learning rate for every replacement (default the recipe's).
     eval_tokens : int
@@ -144,6 +151,7 @@ class FrontierConfig:
     batch_size: int = 256
     buffer_tokens: int = 16_384
     recipe: str = "mxd-paper"
+    method_recipes: tuple[tuple[str, str], ...] = ()
     lr: float | None = None
     eval_tokens: int = 16_384
     seed: int = 0
@@ -189,7 +197,9 @@ def method_factories(
         The μMoE blocks' top-k gate (see [`mumoe_factory`][mumoe_tn.distillation.replacements.mumoe_factory]).
     recipe : str, optional
         The run's recipe: ``"plain"`` builds every Mixture of Decoders with its own init instead of
-        its authors' (a spec's own recipe wins).
+        its authors', ``"topk-paper"`` and ``"topk-transcoder"`` every transcoder with theirs (see
+        ``recipe=`` of [`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory];
+        a spec's own recipe wins).
     aux_k : bool or None, optional
         The auxiliary-k term on every μMoE block (None: the factory's default).
     balance : float or None, optional
@@ -342,6 +352,9 @@ def run_frontier(
     if config.balance is not None:
         check_positive_float("balance", config.balance, allow_zero=True)
     check_methods(specs, config.l0s, MethodSettings(config.experts, config.top_k, config.recipe))
+    method_recipes = {
+        parse_method(method).text: recipe for method, recipe in check_method_recipes(config.method_recipes).items()
+    }
     if resume and checkpoint is None:
         raise ValueError("resume=True needs checkpoint= (the file to resume from)")
     if resume and not process_checkpoint(checkpoint).is_file():
@@ -367,17 +380,23 @@ def run_frontier(
     first = blocks[0]
     budget = config.budget or transcoder_parameters(first.in_features, config.expansion * first.in_features,
                                                     first.out_features)  # fmt: skip
-    factories = method_factories(
-        specs, config.l0s, budget, config.experts, top_k=config.top_k, recipe=config.recipe,
-        aux_k=config.aux_k, balance=config.balance,
-    )  # fmt: skip
+    factories: dict[str, Factory] = {}
+    recipes: dict[str, str] = {}
+    for spec in specs:  # each method at its own recipe: the run's, unless method_recipes names one
+        own = method_recipes.get(spec.text, config.recipe)
+        built = method_factories(
+            (spec,), config.l0s, budget, config.experts, top_k=config.top_k, recipe=own,
+            aux_k=config.aux_k, balance=config.balance,
+        )  # fmt: skip
+        factories.update(built)
+        recipes.update(dict.fromkeys(built, own))
     windows = config.batch_size // context if config.batch_size >= context else 1
     steps = math.ceil(config.tokens / (windows * context)) * 2 + 8
     stream = TokenWindows(train, context, max(1, windows), steps, seed=config.seed + 1)
     options = DistillOptions(
         tokens=config.tokens, mlps=config.mlps, batch_size=config.batch_size, buffer_tokens=config.buffer_tokens,
-        recipe=config.recipe, lr=config.lr, seed=config.seed, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-        resume=resume, progress=progress, stop=stop,
+        recipe=recipes if method_recipes else config.recipe, lr=config.lr, seed=config.seed, checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every, resume=resume, progress=progress, stop=stop,
         run_config={"model": description, "text_digest": _digest(tokens), **dataclasses.asdict(config)},
     )  # fmt: skip
     result = distill(model, stream, factories, options=options)

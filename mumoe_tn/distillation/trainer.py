@@ -36,15 +36,27 @@ class Recipe:
     Attributes
     ----------
     name : str
-        ``"mxd-paper"`` or ``"plain"`` (see ``RECIPES``).
+        Its name in ``RECIPES``.
     lr : float
-        The learning rate (``distill(lr=...)`` overrides it).
+        The learning rate (``distill(lr=...)`` overrides it); with ``reference_latents`` the rate
+        at that many latents.
     optimizer : {"adam", "adamw"}
         ``torch.optim.Adam`` or ``torch.optim.AdamW``.
     weight_decay : float
         AdamW's weight decay.
     warmup : float
         Linear warm-up over this fraction of the run's steps, then a constant learning rate.
+    betas : tuple of float
+        Adam's decay rates of the moment estimates.
+    eps : float
+        Adam's term added to the denominator.
+    reference_latents : int or None
+        None: ``lr`` for every replacement. An int: the rate scales as ``lr · sqrt(reference_latents
+        / M)`` with the replacement's number of latents ``M`` (its ``latents`` attribute), as Gao
+        et al. 2024 scale theirs.
+    clip_norm : float or None
+        Clip the gradient of the replacement's parameters to this total norm before each step
+        (None: no clipping).
     """
 
     name: str
@@ -52,6 +64,30 @@ class Recipe:
     optimizer: str
     weight_decay: float
     warmup: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    reference_latents: int | None = None
+    clip_norm: float | None = None
+
+    def rate(self, module: nn.Module, lr: float | None = None) -> float:
+        """The learning rate of ``module``: ``lr`` (default the recipe's), scaled by its latents if the recipe says so.
+
+        Raises
+        ------
+        ValueError
+            If the recipe scales by latents and ``module`` has no positive int ``latents``.
+        """
+        base = self.lr if lr is None else lr
+        if self.reference_latents is None:
+            return base
+        latents = getattr(module, "latents", None)
+        if isinstance(latents, bool) or not isinstance(latents, int) or latents < 1:
+            raise ValueError(
+                f"the recipe {self.name!r} scales its learning rate by the number of latents, which "
+                f"{type(module).__name__} does not state (a positive int `latents` attribute, as a Transcoder's): "
+                "use it for transcoders only"
+            )
+        return base * (self.reference_latents / latents) ** 0.5
 
     def build(self, parameters: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
         """The optimiser of one replacement: torch's fused implementation where the parameters allow it.
@@ -61,21 +97,50 @@ class Recipe:
         get the multi-tensor (``foreach``) one.
         """
         kind = torch.optim.AdamW if self.optimizer == "adamw" else torch.optim.Adam
+        settings = {"lr": lr, "weight_decay": self.weight_decay, "betas": self.betas, "eps": self.eps}
         try:
-            return kind(parameters, lr=lr, weight_decay=self.weight_decay, fused=True)
+            return kind(parameters, **settings, fused=True)
         except RuntimeError:
-            return kind(parameters, lr=lr, weight_decay=self.weight_decay, foreach=True)
+            return kind(parameters, **settings, foreach=True)
 
+
+#: The Mixture of Decoders authors' warm-up: 5,000 of 117,188 steps (480 M tokens in batches of 4,096).
+MXD_WARMUP = 5_000 / (480e6 / 4096)
 
 RECIPES = {
-    "mxd-paper": Recipe("mxd-paper", lr=4e-4, optimizer="adamw", weight_decay=0.0, warmup=5_000 / (480e6 / 4096)),
+    "mxd-paper": Recipe("mxd-paper", lr=4e-4, optimizer="adamw", weight_decay=0.0, warmup=MXD_WARMUP),
     "plain": Recipe("plain", lr=1e-3, optimizer="adam", weight_decay=0.0, warmup=0.0),
+    "adam-warmup": Recipe("adam-warmup", lr=1e-3, optimizer="adam", weight_decay=0.0, warmup=MXD_WARMUP),
+    "low-lr": Recipe("low-lr", lr=2e-4, optimizer="adam", weight_decay=0.0, warmup=MXD_WARMUP),
+    "topk-paper": Recipe(
+        "topk-paper", lr=2e-4, optimizer="adam", weight_decay=0.0, warmup=0.0, eps=6.25e-10, reference_latents=2**14
+    ),
+    "topk-transcoder": Recipe(
+        "topk-transcoder",
+        lr=2e-4,
+        optimizer="adam",
+        weight_decay=0.0,
+        warmup=0.0,
+        eps=6.25e-10,
+        reference_latents=2**14,
+        clip_norm=1.0,
+    ),
 }
 """The training recipes by name.
 
 ``"mxd-paper"``: the Mixture of Decoders authors' (AdamW without weight decay at 4e-4, constant
 after a warm-up of 5,000 of their 117,188 steps — 480 M tokens in batches of 4,096 — the same
-fraction of this run's steps). ``"plain"``: Adam at 1e-3, no warm-up.
+fraction of this run's steps). ``"plain"``: Adam at 1e-3, no warm-up. ``"adam-warmup"``: Adam at
+1e-3 after the same warm-up. ``"low-lr"``: Adam at 2e-4 after the same warm-up. ``"topk-paper"``:
+the TopK autoencoders' of Gao et al. 2024 ("Scaling and evaluating sparse autoencoders", as
+EleutherAI's ``sparsify`` trains its transcoders): Adam with ``eps`` 6.25e-10 at
+``2e-4 / sqrt(M / 2**14)`` for ``M`` latents (1.13e-3 for 512), no warm-up; the factories build a
+transcoder for it with unit-norm decoder columns, the encoder the decoder's transpose and the
+auxiliary-k term (see ``recipe=`` of
+[`transcoder_factory`][mumoe_tn.distillation.replacements.transcoder_factory]).
+``"topk-transcoder"``: the same optimiser as EleutherAI's ``sparsify`` trains a transcoder with it
+— the gradient clipped to norm 1 — and a transcoder built as there: the decoder zero and free (no
+unit-norm columns), the auxiliary-k term on.
 """
 
 
@@ -189,8 +254,9 @@ class ReplacementTrainer:
         self.unit_norm = unit_norm_parameters(module)
         for _, parameter, dim in self.unit_norm:
             renormalise_columns(parameter, dim)
-        rate = recipe.lr if lr is None else lr
+        rate = recipe.rate(module, lr)
         self.optimizer = optimizer(parameters) if optimizer is not None else recipe.build(parameters, rate)
+        self.parameters, self.clip_norm = parameters, recipe.clip_norm
         warmup = partial(_warmup_factor, steps=round(recipe.warmup * steps))
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup)
         self._records_code = any(term.needs_code for term in self.terms)
@@ -228,6 +294,8 @@ class ReplacementTrainer:
         loss.backward()
         for _, parameter, dim in self.unit_norm:
             project_column_gradients(parameter, dim)
+        if self.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.clip_norm, foreach=True)
         self.optimizer.step()
         self.schedule.step()
         for _, parameter, dim in self.unit_norm:

@@ -183,8 +183,8 @@ class _Run:
         methods: dict[str, Factory],
         *,
         seed: int,
-        lr: float,
-        recipe: Recipe,
+        lr: float | None,
+        recipes: Mapping[str, Recipe],
         steps: int,
         losses: tuple[Loss, ...],
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
@@ -201,7 +201,7 @@ class _Run:
                     continue
                 module = _built(factory, block, method, seed)
                 self.trainers[block.name, method] = ReplacementTrainer(
-                    module, recipe=recipe, steps=steps, lr=lr, losses=losses, optimizer=optimizer,
+                    module, recipe=recipes[method], steps=steps, lr=lr, losses=losses, optimizer=optimizer,
                     name=f"the replacement {method!r} of {block.name!r}",
                 )  # fmt: skip
                 self.modules[block.name][method] = module
@@ -306,6 +306,25 @@ def _save(state: Mapping[str, Any], path: Path) -> None:
     os.replace(temporary, path)
 
 
+def _recipes_of(recipe: object, methods: Mapping[str, Factory]) -> dict[str, Recipe]:
+    """Every method's recipe: ``recipe`` a name of ``RECIPES`` for all, or a mapping of every method to one."""
+    if isinstance(recipe, str):
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
+        return dict.fromkeys(methods, RECIPES[recipe])
+    if not isinstance(recipe, Mapping):
+        raise TypeError(f"recipe must be a recipe's name or a mapping of method names to them, got {recipe!r:.80}")
+    missing, unknown = sorted(set(methods) - set(recipe)), sorted(set(recipe) - set(methods), key=str)
+    if missing or unknown:
+        raise ValueError(
+            f"recipe= must name a recipe for every method and for no other: missing {missing}, not methods {unknown}"
+        )
+    for method, name in recipe.items():
+        if not isinstance(name, str) or name not in RECIPES:
+            raise ValueError(f"recipe of {method!r} must be one of {sorted(RECIPES)}, got {name!r:.80}")
+    return {method: RECIPES[recipe[method]] for method in methods}
+
+
 def distill(
     model: nn.Module,
     batches: Iterable[Batch],
@@ -380,10 +399,12 @@ def distill(
     )
     if capacity < batch_size:
         raise ValueError(f"buffer_tokens must hold at least one step of batch_size={batch_size}, got {capacity}")
-    if not isinstance(recipe, str) or recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
-    training = RECIPES[recipe]
-    lr = training.lr if lr is None else check_positive_float("lr", lr)
+    recipes = _recipes_of(recipe, methods)
+    if lr is not None:
+        lr = check_positive_float("lr", lr)
+    elif isinstance(recipe, str):
+        lr = RECIPES[recipe].lr
+    recorded = recipe if isinstance(recipe, str) else dict(sorted(recipe.items()))
     l1 = check_positive_float("l1", l1, allow_zero=True)
     terms = resolve_losses(loss)
     if l1 > 0:
@@ -407,14 +428,14 @@ def distill(
     names = [block.name for block in own]
     config = {
         **dict(run_config or {}), "blocks": [block.name for block in blocks], "methods": sorted(methods),
-        "tokens": tokens, "batch_size": batch_size, "buffer_tokens": capacity, "seed": seed, "recipe": recipe,
+        "tokens": tokens, "batch_size": batch_size, "buffer_tokens": capacity, "seed": seed, "recipe": recorded,
         "lr": lr, "loss": [term.config() for term in terms],
     }  # fmt: skip
     if world is not None:
         config["processes"] = {"rank": world[0], "world_size": world[1]}
         path = None if path is None else process_checkpoint(path, world)
     with outcomes_shared(world, checkpoint=path, tokens=tokens, trained=lambda: 0):  # no process left waiting
-        run = _Run(own, methods, seed=seed, lr=lr, recipe=training, steps=tokens // batch_size, losses=terms,
+        run = _Run(own, methods, seed=seed, lr=lr, recipes=recipes, steps=tokens // batch_size, losses=terms,
                    optimizer=optimizer, capacity=capacity, pairs=share)  # fmt: skip
         if resume and checkpoint is not None:
             check_resume_files(checkpoint, world)

@@ -218,3 +218,17 @@ def test_each_family_is_interrupted_resumed_saved_and_reloaded(tmp_path, capsys,
     assert all(sorted(replacements[name]) == ["mxd@2", "transcoder@2"] for name in names)
     rows = [(row["block"], row["method"], row["nmse"]) for row in printed["rows"]]
     assert [(row.block, row.method, pytest.approx(row.nmse)) for row in table.rows] == rows
+
+
+def test_the_recipe_options_reach_the_frontier_config():
+    import argparse
+
+    from mumoe_tn.cli.distill_command import config_from, configure
+    from mumoe_tn.distillation.methods import BEST_RECIPES
+
+    parser = configure(argparse.ArgumentParser(exit_on_error=False))
+    config = config_from(parser.parse_args([*QUICK[1:], "--quick", "--per-method-recipes", "--recipe", "adam-warmup"]))
+    assert config.method_recipes == BEST_RECIPES and config.recipe == "adam-warmup"
+    assert config_from(parser.parse_args(QUICK)).method_recipes == ()
+    with pytest.raises((SystemExit, argparse.ArgumentError)):
+        parser.parse_args([*QUICK, "--recipe", "no-such-recipe"])
