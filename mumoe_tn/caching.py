@@ -113,8 +113,8 @@ class ModuleState(NamedTuple):
         Equal for two states exactly when no submodule, mode, hook, parameter, buffer or
         optimiser step differs; None where a tensor cannot be tracked (an inference tensor).
     hooked : bool
-        Whether a submodule below the root has forward hooks: a fused path that skips calling
-        it would skip them.
+        Whether a submodule below the root has forward hooks or a ``forward`` set on the instance:
+        a fused path that skips calling it would skip them.
     tensors : tuple of torch.Tensor
         Every parameter and buffer the key names; a holder of the key keeps them alive, so no new
         tensor can take an address the key remembers.
@@ -136,9 +136,10 @@ def module_state(module: nn.Module) -> ModuleState:
     Returns
     -------
     ModuleState
-        Every submodule by identity, train/eval flag and forward hooks (as the identities of the
-        hook dictionaries' entries), every parameter and buffer by identity, storage and version,
-        and the optimiser steps taken (as [`source_key`][mumoe_tn.caching.source_key]).
+        Every submodule by identity, train/eval flag, forward hooks (as the identities of the
+        hook dictionaries' entries) and any ``forward`` set on the instance, every parameter and
+        buffer by identity, storage and version, and the optimiser steps taken (as
+        [`source_key`][mumoe_tn.caching.source_key]).
     """
     modules = [module]
     for current in modules:  # grows as it goes: every submodule, breadth first
@@ -152,8 +153,9 @@ def module_state(module: nn.Module) -> ModuleState:
             tensors += [t for t in m._parameters.values() if t is not None]
         if m._buffers:
             tensors += [t for t in m._buffers.values() if t is not None]
-        if m._forward_hooks or m._forward_pre_hooks:
-            hooks.append((tuple(m._forward_hooks), tuple(m._forward_pre_hooks)))
+        substituted = m.__dict__.get("forward")  # a forward set on the instance: user code to be called
+        if m._forward_hooks or m._forward_pre_hooks or substituted is not None:
+            hooks.append((tuple(m._forward_hooks), tuple(m._forward_pre_hooks), id(substituted)))
             hooked = hooked or m is not module
         else:
             hooks.append(())

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks  # torch keeps the global hooks there, with no public reader
 
 from mumoe_tn.caching import DerivedValues
 from mumoe_tn.gates.gate_protocol import CoefficientMap, ProgramGate, gate_coefficients
@@ -111,8 +112,9 @@ class LayerProgram(DerivedValues):
         """The fused entry that computes the projection step of the call ``layer(x, mask)``, or None.
 
         The one predicate of the fused projection: it serves a call with no gradient, no token
-        mask (given or current), no ablation, no forward hook on the layer's submodules, no
-        autocast, no trace or functional transform, on a plain tensor; and, per input signature,
+        mask (given or current), no ablation, no forward hook (global, or on the layer's
+        submodules) and no ``forward`` set on a submodule's instance, no autocast, no trace or
+        functional transform, on a plain tensor; and, per input signature,
         a gate implementing [`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate] whose
         `projection_applies`, the layer's expert dims, a float32 or float64 input and an input
         norm the gate reads through (see `_make_entry`). Made on the first call of a signature
@@ -125,7 +127,7 @@ class LayerProgram(DerivedValues):
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
         state = self.state(layer)
-        if state.hooked:
+        if state.hooked or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
             return None  # (the fused product calls neither the gate nor the experts: their hooks need them called)
         name = ("entry", (width, x.dtype, x.device, batch_bucket(rows)))
         found = self._values.get(name)
