@@ -27,12 +27,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
 
-from mumoe_tn.contractions.executor import FoldedBias, PlanExecutor, PlanStep
+from mumoe_tn.contractions.executor import FoldedBias, PlanExecutor, PlanStep, kept_by_plan, plan_executor
 from mumoe_tn.contractions.pairwise import contract_pair
 from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
 
@@ -97,17 +96,14 @@ def plan_program(plan: ContractionPlan, ones_appended: str | None = None) -> _Pr
         operand, a label summed within one operand alone, a folded bias that needs its column of
         ones appended); then the plain einsum steps run.
     """
-    return _cached_program(plan.inputs, plan.steps, ones_appended)
+    return kept_by_plan(plan, ("program", ones_appended), lambda: _program_of(plan, ones_appended))
 
 
-@lru_cache(maxsize=256)
-def _cached_program(
-    inputs: tuple[Labels, ...], plan_steps: tuple[ContractionStep, ...], ones_appended: str | None
-) -> _Program | None:
-    n_inputs = len(inputs)
-    if any(len(set(x)) != len(x) for x in inputs):
+def _program_of(plan: ContractionPlan, ones_appended: str | None) -> _Program | None:
+    n_inputs = len(plan.inputs)
+    if any(len(set(x)) != len(x) for x in plan.inputs):
         return None  # a repeated label within one operand (a diagonal): autograd handles it
-    executor = PlanExecutor.of_steps(inputs, plan_steps, ones_appended)
+    executor = plan_executor(plan, ones_appended)
     steps = []
     for instruction in executor.instructions:
         step = instruction.step
@@ -165,7 +161,7 @@ def _grad_of_operand(
 ) -> torch.Tensor:
     """``∂ einsum(…) / ∂ operand`` applied to ``grad``: contract it with the other operands.
 
-    Every label of the operand is in the output or in another operand (checked by `_cached_program`).
+    Every label of the operand is in the output or in another operand (checked by `_program_of`).
     For a ``terminal`` operand (an input, whose gradient no later step reads) with one other
     operand whose gradient is smaller than both tensors it is made from (a weight's gradient, summed
     over the batch), the labels from the side spanning fewer entries come first: they are the rows

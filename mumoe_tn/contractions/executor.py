@@ -27,9 +27,9 @@ The folded bias (the input ``z`` omits the trailing 1 of leg ``i``) is one instr
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +45,7 @@ __all__ = [
     "PlanStep",
     "affine_einsum",
     "affine_is_plain",
+    "kept_by_plan",
     "plan_executor",
 ]
 
@@ -266,15 +267,25 @@ def plan_executor(plan: ContractionPlan, ones_appended: str | None = None) -> Pl
         last input a [`FoldedBias`][mumoe_tn.contractions.executor.FoldedBias] where ``ones_appended`` is given.
         The plan keeps it (at most one per label, freed with the plan, never pickled or copied with it).
     """
-    if torch.compiler.is_compiling():  # traced once into the graph: nothing to keep
-        return PlanExecutor.of_steps(plan.inputs, plan.steps, ones_appended)
-    executors = plan.__dict__.get(_EXECUTORS)
-    if executors is None:
-        executors = plan.__dict__.setdefault(_EXECUTORS, PlanExecutors())
-    found = executors.get(ones_appended)
-    if found is None:
-        found = executors.setdefault(ones_appended, PlanExecutor.of_steps(plan.inputs, plan.steps, ones_appended))
-    return found
+    return kept_by_plan(plan, ones_appended, lambda: PlanExecutor.of_steps(plan.inputs, plan.steps, ones_appended))
+
+
+def kept_by_plan(plan: ContractionPlan, key: Any, make: Callable[[], Any]) -> Any:
+    """A value derived from ``plan`` alone (its executors, its backward program): made once, kept by the plan.
+
+    The plan holds them in a [`PlanExecutors`][mumoe_tn.contractions.executor.PlanExecutors] by
+    ``key``, freed with the plan and never pickled or copied with it; while ``torch.compile``
+    traces, the value is made afresh and nothing is kept (nothing Python-side changes in a
+    compiled region).
+    """
+    if torch.compiler.is_compiling():
+        return make()
+    kept = plan.__dict__.get(_EXECUTORS)
+    if kept is None:
+        kept = plan.__dict__.setdefault(_EXECUTORS, PlanExecutors())
+    if key not in kept:
+        kept.setdefault(key, make())
+    return kept[key]
 
 
 #: The attribute of a plan that holds its executors.
@@ -282,7 +293,7 @@ _EXECUTORS = "_executors"
 
 
 class PlanExecutors(dict):
-    """A plan's executors by folded-bias label: derived from the plan, so a pickle or copy of the plan has none."""
+    """What a plan keeps derived from itself (executors by folded-bias label, …): a pickle or copy has none."""
 
     def __reduce__(self) -> tuple[type, tuple]:
         return (type(self), ())

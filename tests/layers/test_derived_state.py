@@ -14,6 +14,7 @@ import torch
 from mumoe_tn import MuMoE, MuMoEMLP
 from mumoe_tn.caching import DerivedValues
 from mumoe_tn.contractions import plan_forward
+from mumoe_tn.contractions.backward import plan_program
 from mumoe_tn.contractions.executor import plan_executor
 from mumoe_tn.decompositions import cp
 from mumoe_tn.layers.experts import FactorizedExperts
@@ -144,6 +145,14 @@ def test_a_plan_keeps_its_executors_and_frees_them_with_it():
     del plan, executor, other
     gc.collect()
     assert gone() is None
+
+
+def test_a_plan_keeps_its_backward_program_beside_its_executors():
+    plan = plan_forward(cp((4,), 6, 5, 3), 8)
+    program = plan_program(plan, None)
+    assert program is not None and plan_program(plan, None) is program
+    assert program.executor is plan_executor(plan)  # one executor per plan, the backward's included
+    assert plan_program(copy.deepcopy(plan), None) is not program
 
 
 def test_a_standalone_expert_layer_uses_the_holder_class_of_layers():
