@@ -22,10 +22,18 @@ class PerThreadRecords(nn.Module):
     """An ``nn.Module`` that records per-forward values separately for every thread.
 
     Values recorded in eager mode live in thread-local storage, so concurrent forward passes
-    on one module never see each other's records. While ``torch.compile`` traces the module
-    (dynamo cannot trace thread-local storage) they are kept on the module, shared by threads.
-    Records are dropped by pickling, ``copy.deepcopy`` and ``torch.save``.
+    on one module never see each other's records. A call compiled by ``torch.compile`` changes
+    nothing Python-side but what a backward pass reads: only the names in
+    `RECORDED_UNDER_COMPILE` (the gate's auxiliary losses), and only in training mode with
+    gradients on. Those are kept on the module, shared by threads (dynamo cannot trace
+    thread-local storage) and written by dynamo after the graph; an eager call drops them
+    again, so the last call's record is the one read. A compiled call in eval mode or without
+    gradients, the one a CUDA graph captures for decoding, records nothing. Records are dropped
+    by pickling, ``copy.deepcopy`` and ``torch.save``.
     """
+
+    #: The records a compiled call keeps (in training mode, with gradients on): those a loss reads.
+    RECORDED_UNDER_COMPILE = frozenset({"losses"})
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,16 +44,20 @@ class PerThreadRecords(nn.Module):
 
     def _remember_all(self, **values: Any) -> None:
         """`_remember` each of ``values``."""
-        compiling = torch.compiler.is_compiling()
+        if torch.compiler.is_compiling():
+            if self.training and torch.is_grad_enabled():
+                for name in self.RECORDED_UNDER_COMPILE.intersection(values):
+                    setattr(self, f"_compiled_{name}", values[name])
+            return
+        state = self.__dict__
         for name, value in values.items():
-            if compiling:
-                setattr(self, f"_compiled_{name}", value)
-            else:
-                setattr(self._thread_records, name, value)
+            setattr(self._thread_records, name, value)
+            if name in self.RECORDED_UNDER_COMPILE:
+                state.pop(f"_compiled_{name}", None)  # (an eager call's record is now the last one)
 
     def _recall(self, name: str) -> Any:
-        value = getattr(self._thread_records, name, None)
-        return self.__dict__.get(f"_compiled_{name}") if value is None else value
+        compiled = self.__dict__.get(f"_compiled_{name}")
+        return getattr(self._thread_records, name, None) if compiled is None else compiled
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: value for key, value in self.__dict__.items() if not key.startswith("_compiled_")}

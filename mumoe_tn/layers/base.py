@@ -130,12 +130,17 @@ class MuMoEBase(PerThreadRecords):
 
     @property
     def last_token_mask(self) -> torch.Tensor | None:
-        """Which tokens of this thread's last forward pass were real (None: all of them)."""
+        """Which tokens of this thread's last eager forward pass were real (None: all of them)."""
         return self._recall("token_mask")
 
     @property
     def last_coefficients(self) -> tuple[torch.Tensor, ...] | None:
-        """The (detached) coefficients of this thread's last forward pass, one per expert mode."""
+        """The (detached) coefficients of this thread's last eager forward pass, one per expert mode.
+
+        A call compiled by ``torch.compile`` records none (see
+        [`PerThreadRecords`][mumoe_tn.gates.records.PerThreadRecords]): call the layer eagerly to
+        read them.
+        """
         return self._recall("coefficients")
 
     @last_coefficients.setter

@@ -186,7 +186,8 @@ class MuMoEMLP(_MLPBlock):
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
-        The (detached) shared coefficients of the last forward pass in the calling thread.
+        The (detached) shared coefficients of the last eager forward pass in the calling thread
+        (a compiled call records none).
     ablation : object or None
         An active counterfactual ablation, applied to both layers (see [`MuMoE`][mumoe_tn.layers.moe.MuMoE]).
     """
@@ -276,7 +277,8 @@ class MuMoEGatedMLP(_MLPBlock):
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
-        The (detached) shared coefficients of this thread's last forward pass.
+        The (detached) shared coefficients of this thread's last eager forward pass (a compiled
+        call records none).
     """
 
     default_hidden_activation = nn.SiLU

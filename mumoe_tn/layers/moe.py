@@ -74,8 +74,8 @@ class MuMoE(MuMoEBase):
     Attributes
     ----------
     last_coefficients : tuple of torch.Tensor or None
-        The (detached) expert coefficients of the last forward pass in the calling thread,
-        one per expert mode (before any ablation).
+        The (detached) expert coefficients of the last eager forward pass in the calling thread,
+        one per expert mode (before any ablation; a compiled call records none).
     ablation : object or None
         An active counterfactual ablation (see [`mumoe_tn.analysis.ablation`][mumoe_tn.analysis.ablation]): it masks
         coefficients inside the contraction, or removes single experts' contributions, and
