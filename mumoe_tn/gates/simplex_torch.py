@@ -52,8 +52,11 @@ FIRST_K = 16
 #: logits four steps settle all but about one row in a thousand (64 or 256 experts).
 NEWTON_STEPS = 4
 
-#: Floor of the max-shifted logits; the supports of both maps lie within 2 of the maximum.
-FLOOR = -4.0
+#: Floor of the max-shifted logits; the supports of both maps lie within 2 of the maximum. An int:
+#: ``torch.compile`` with ``dynamic=True`` makes a float read from a module a graph input, and one
+#: read inside the map's autograd ``Function`` that a graph applies twice (a gate with two expert
+#: modes) fails to trace; an int global it keeps as a constant.
+FLOOR = -4
 
 _HALF = (torch.float16, torch.bfloat16)
 

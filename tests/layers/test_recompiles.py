@@ -48,25 +48,13 @@ def toy_registrations():
         yield
 
 
-SPARSE_GATES_WITH_MODES_FAIL = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "with dynamic=True and gradients on, dynamo fails inside torch while tracing the sorted entmax/sparsemax "
-        "autograd.Function (activation_maps._SparseMap → simplex_torch.sorted_map) of a gate with two expert "
-        "modes: 'lift_tracked_freevar_to_input should not be called on root SubgraphTracer' (static shapes compile)"
-    ),
-)
-
-
 def _cases() -> list:
     """Every format × gate; the block and the expert modes taken in turn, so each format and gate meets each."""
     cases = []
     for i, (fmt, gate) in enumerate(itertools.product(FORMATS, GATES)):
         block = "mxd" if fmt == "mxd" else ("moe", "mlp", "gated")[i % 3]
         dims = 4 if i % 2 else (2, 3)
-        marks = SPARSE_GATES_WITH_MODES_FAIL if gate in ("entmax15", "sparsemax") and dims != 4 else ()
-        cases.append(pytest.param(fmt, gate, block, dims, marks=marks))
+        cases.append(pytest.param(fmt, gate, block, dims))
     return cases
 
 
