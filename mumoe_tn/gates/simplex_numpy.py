@@ -12,7 +12,9 @@ it while ``Σ_{j≤k} (d − d_j)²`` is at most 4 (1.5-entmax) or ``Σ_{j≤k} 
 (sparsemax), the same support as the threshold rule's, and one threshold is taken at its end. For
 a support of up to [`WALK_LENGTH`][mumoe_tn.gates.simplex_numpy] entries this costs less than the
 vectorised steps' fixed run of calls, and a decoding row costs a sort, the read and the four or
-five calls of its result; a longer support, more rows and non-finite rows take the vectorised steps.
+five calls of its result; a longer support, more rows and non-finite rows take the vectorised steps,
+on each row's top `WALK_LENGTH` entries only where every row's support ends among them (a
+quarter of the prefix sums at 256 logits, which cost most).
 [`backward_factors`][mumoe_tn.gates.simplex_numpy.backward_factors] and
 [`factored_backward`][mumoe_tn.gates.simplex_numpy.factored_backward] are the backward of the
 same rows: the closed-form vector-Jacobian product from factors kept by the forward pass, four
@@ -29,6 +31,7 @@ import functools
 import itertools
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -70,9 +73,18 @@ def _constant(value: float, code: str) -> np.ndarray:
     return array
 
 
-#: 0 and 1/4 in each NumPy float dtype (by type code), operands of the maps' last steps.
-_ZERO = {code: _constant(0.0, code) for code in "fd"}
-_QUARTER = {code: _constant(0.25, code) for code in "fd"}
+class _Operands(NamedTuple):
+    """The constants of the steps as 0-d arrays of one dtype: quicker operands than Python floats."""
+
+    zero: np.ndarray
+    quarter: np.ndarray
+    half: np.ndarray
+    one: np.ndarray
+    floor: np.ndarray
+
+
+#: The steps' constants in each NumPy float dtype (by type code).
+_OPERANDS = {code: _Operands(*(_constant(value, code) for value in (0.0, 0.25, 0.5, 1.0, FLOOR))) for code in "fd"}
 
 #: The torch dtypes NumPy computes in; half precision is widened to float32 first.
 NUMPY_DTYPES = (torch.float32, torch.float64)
@@ -266,54 +278,76 @@ def _mapped_row(row: np.ndarray, peak: float, shift: float, entmax: bool) -> np.
     scalar = row.dtype.type  # (NumPy scalars of the row's dtype: quicker operands than Python floats)
     y = np.subtract(row, scalar(peak))  # shifted first: x − peak is exact where it matters (entries near the peak)
     y += scalar(shift)
-    np.maximum(y, _ZERO[y.dtype.char], out=y)
+    operands = _OPERANDS[y.dtype.char]
+    np.maximum(y, operands.zero, out=y)
     if entmax:
         y *= y
-        y *= _QUARTER[y.dtype.char]
+        y *= operands.quarter
     return y
 
 
-def _mapped(x: np.ndarray, peak: np.ndarray | float, tau: np.ndarray | float, entmax: bool) -> np.ndarray:
+def _mapped(x: np.ndarray, peak: np.ndarray, tau: np.ndarray, entmax: bool) -> np.ndarray:
     """``(x − peak − τ)₊`` (sparsemax) or ``((x − peak)/2 − τ)₊²`` (1.5-entmax), as a new array."""
+    operands = _OPERANDS[x.dtype.char]
     y = x - peak  # shifted first: x − peak is exact where it matters (entries near the peak)
     if entmax:
-        y *= 0.5
+        y *= operands.half
     y -= tau
-    np.maximum(y, 0, out=y)
+    np.maximum(y, operands.zero, out=y)
     if entmax:
         y *= y
     return y
 
 
 def _vectorised_rows(rows: np.ndarray, entmax: bool) -> np.ndarray:
-    ordered = np.sort(rows, axis=-1)[:, ::-1]  # NaN sorts last, so first here: it becomes the peak
+    ascending = np.sort(rows, axis=-1)
+    if rows.shape[-1] > WALK_LENGTH and _supports_end_among(ascending[:, -WALK_LENGTH:], entmax):
+        ascending = ascending[:, -WALK_LENGTH:]  # the steps need no more than each row's top entries
+    ordered = ascending[:, ::-1]  # NaN sorts last, so first here: it becomes the peak
     peak = ordered[:, :1]
+    operands = _OPERANDS[rows.dtype.char]
     shifted = ordered - peak
-    np.maximum(shifted, FLOOR, out=shifted)  # entries below the floor are outside the support
-    count = _counts(rows.shape[-1], rows.dtype.str)
+    np.maximum(shifted, operands.floor, out=shifted)  # entries below the floor are outside the support
+    width = ordered.shape[-1]
+    count = _counts(width, rows.dtype.str)
     if entmax:
-        shifted *= 0.5
+        shifted *= operands.half
         total = np.add.accumulate(shifted, axis=-1)
         tau = total / count  # τ_k: the smaller root of Σ_{j≤k} (x_j − τ)² = 1, from the prefix sums
         spread = tau * total
         spread -= np.add.accumulate(shifted * shifted, axis=-1)
-        spread += 1
+        spread += operands.one
         spread /= count
-        np.sqrt(np.maximum(spread, 0, out=spread), out=spread)
+        np.sqrt(np.maximum(spread, operands.zero, out=spread), out=spread)
         tau -= spread
     else:
         tau = np.add.accumulate(shifted, axis=-1)  # τ_k = (Σ_{j≤k} x_j − 1) / k
-        tau -= 1
+        tau -= operands.one
         tau /= count
     # (add.accumulate, add.reduce and a flat take: NumPy's quickest forms for a few short rows)
     support = np.add.reduce(tau <= shifted, axis=-1)  # 0 for a NaN row: a τ of another entry, unused
-    width = rows.shape[-1]
     threshold = tau.ravel().take(np.arange(0, width * len(support), width) + (support - 1) % width)[:, None]
     y = _mapped(rows, peak, threshold, entmax)
     # peak − peak is 0 for a finite peak and NaN for NaN or ±inf: added to the result, it turns
     # exactly the rows softmax makes NaN into NaN and leaves the others unchanged.
     y += peak - peak
     return y
+
+
+def _supports_end_among(tops: np.ndarray, entmax: bool) -> bool:
+    """Whether the support of every row ends among its top entries ``tops`` (rows in ascending order).
+
+    The rule of `_walk` for the lowest of each row's top entries: it fails in every row (not for
+    a row holding NaN or ``-inf`` among them). The first row is asked alone first: rows of one
+    batch mostly answer alike, and where its support goes on the others need not be asked.
+    """
+    if _support_reaches(tops[0], entmax):
+        return False
+    distance = tops - tops[:, :1]
+    if entmax:
+        distance *= distance
+        return bool(np.add.reduce(distance, axis=-1).min() > 4.0)  # (a NaN minimum compares false)
+    return bool(np.add.reduce(distance, axis=-1).min() >= 1.0)
 
 
 @functools.lru_cache(maxsize=16)

@@ -178,6 +178,26 @@ def test_one_row_support_ends_where_the_entmax_package_ends_it(name, dtype):
     assert all(any(k in band for k in supports) for band in bands), sorted(supports)
 
 
+@settings(deadline=None, max_examples=80)
+@given(
+    name=st.sampled_from(sorted(REFERENCES)),
+    rows=st.integers(2, SORTED_ROWS),
+    width=st.integers(WALK_LENGTH - 1, 512),
+    scales=st.lists(st.sampled_from([1e-3, 0.1, 0.3, 1.0, 10.0]), min_size=1, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_whose_supports_end_early_or_late_equal_the_entmax_package(name, rows, width, scales, dtype, seed):
+    # several rows, each scaled by one of `scales`: the steps of all rows run on each row's top
+    # WALK_LENGTH entries only where every row's support ends among them
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.tensor(scales, dtype=torch.float64)[torch.randint(len(scales), (rows, 1), generator=generator)]
+    x = (torch.randn(rows, width, generator=generator, dtype=torch.float64) * scale).to(dtype)
+    got = sorted_forward(x, name)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, REFERENCES[name](x, dim=-1))
+
+
 @pytest.mark.parametrize("name", sorted(REFERENCES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_one_non_finite_or_huge_row(name, dtype):
