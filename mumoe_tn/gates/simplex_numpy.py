@@ -80,11 +80,15 @@ class _Operands(NamedTuple):
     quarter: np.ndarray
     half: np.ndarray
     one: np.ndarray
+    four: np.ndarray
     floor: np.ndarray
+    ceiling: np.ndarray
 
 
 #: The steps' constants in each NumPy float dtype (by type code).
-_OPERANDS = {code: _Operands(*(_constant(value, code) for value in (0.0, 0.25, 0.5, 1.0, FLOOR))) for code in "fd"}
+_OPERANDS = {
+    code: _Operands(*(_constant(value, code) for value in (0.0, 0.25, 0.5, 1.0, 4.0, FLOOR, -FLOOR))) for code in "fd"
+}
 
 #: The torch dtypes NumPy computes in; half precision is widened to float32 first.
 NUMPY_DTYPES = (torch.float32, torch.float64)
@@ -246,19 +250,20 @@ def _support_reaches(top: np.ndarray, entmax: bool) -> bool:
 
 def _sorted_row_sums(ordered: np.ndarray, peak: float, entmax: bool) -> tuple[int, float, float]:
     """The support's count, Σd and Σd² of one finite row from its entries in ascending order (vectorised)."""
-    distance = np.subtract(peak, ordered[::-1])  # descending entries: distances ascending
-    np.minimum(distance, -FLOOR, out=distance)  # beyond the floor is outside the support, whatever the rule
+    operands = _OPERANDS[ordered.dtype.char]
+    distance = np.subtract(ordered.dtype.type(peak), ordered[::-1])  # descending entries: distances ascending
+    np.minimum(distance, operands.ceiling, out=distance)  # beyond the floor is outside the support, whatever the rule
     total = np.add.accumulate(distance)
     rule = _counts(len(ordered), ordered.dtype.str) * distance
     rule -= total  # Σ_{j≤k} (d_k − d_j), sparsemax's rule
     if not entmax:
-        count = int(np.count_nonzero(rule < 1.0))
+        count = int(np.count_nonzero(rule < operands.one))
         return count, total.item(count - 1), 0.0
     total_sq = np.add.accumulate(distance * distance)
     rule -= total
     rule *= distance
     rule += total_sq  # Σ_{j≤k} (d_k − d_j)² = k d_k² − 2 d_k Σd + Σd²
-    count = int(np.count_nonzero(rule <= 4.0))
+    count = int(np.count_nonzero(rule <= operands.four))
     return count, total.item(count - 1), total_sq.item(count - 1)
 
 
