@@ -241,9 +241,11 @@ def _walk(
 def _support_reaches(top: np.ndarray, entmax: bool) -> bool:
     """Whether the support of a row takes every one of its top entries ``top`` (in ascending order).
 
-    The rule of `_walk` for the lowest of them, its distances taken from that entry.
+    The rule of `_walk` for the lowest of them, its distances taken from that entry (those beyond
+    the floor clamped to it: the rule fails all the same, and a huge row's squares do not overflow).
     """
     distance = top - top[0]
+    np.minimum(distance, _OPERANDS[top.dtype.char].ceiling, out=distance)
     if entmax:
         return float(np.dot(distance, distance)) <= 4.0
     return float(np.add.reduce(distance)) < 1.0

@@ -1,5 +1,7 @@
 """Sparsemax and 1.5-entmax of a few rows (decoding, small training batches) against the ``entmax`` package."""
 
+import warnings
+
 import entmax
 import pytest
 import torch
@@ -210,6 +212,13 @@ def test_one_non_finite_or_huge_row(name, dtype):
         got = sorted_forward(x, name)
         assert got.dtype == dtype and not torch.isnan(got).any()
         torch.testing.assert_close(got, REFERENCES[name](x.double(), dim=-1).to(dtype))
+    # more than FIRST_STEPS entries tied at the top, the rest a huge distance below (no overflow warning)
+    x = torch.full((1, 100), -huge * 0.6, dtype=dtype)
+    x[0, : FIRST_STEPS + 8] = huge * 0.6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = sorted_forward(x, name)
+    torch.testing.assert_close(got, torch.where(x > 0, 1 / (FIRST_STEPS + 8), 0.0).to(dtype))
 
 
 @given(
