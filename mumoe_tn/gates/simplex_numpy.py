@@ -347,9 +347,16 @@ def _supports_end_among(tops: np.ndarray, entmax: bool) -> bool:
 
     The rule of `_walk` for the lowest of each row's top entries: it fails in every row (not for
     a row holding NaN or ``-inf`` among them). The first row is asked alone first: rows of one
-    batch mostly answer alike, and where its support goes on the others need not be asked.
+    batch mostly answer alike, and where its support goes on the others need not be asked. Its
+    rule is at most ``(n − 1) d²`` or ``(n − 1) d`` for ``n`` entries within ``d`` of its maximum,
+    which answers for a flat row without the rule.
     """
-    if _support_reaches(tops[0], entmax):
+    first = tops[0]
+    gap = first.item(-1) - first.item(0)  # d of its lowest top entry
+    bound = (len(first) - 1) * (gap * gap if entmax else gap)
+    if (bound <= 4.0) if entmax else (bound < 1.0):
+        return False
+    if _support_reaches(first, entmax):
         return False
     distance = tops - tops[:, :1]
     if entmax:
