@@ -189,13 +189,13 @@ def _single_row(row: np.ndarray, entmax: bool) -> np.ndarray | None:
     """One row, its support found by walking its sorted entries (None where a value is not finite).
 
     The walk reads the row's top `WALK_LENGTH` entries once, as Python floats, and takes
-    `FIRST_STEPS` of them. Where the support goes on, one product over the top `WALK_LENGTH`
-    entries says whether it ends among them: then the walk goes on, else the vectorised steps on
-    the sorted row find it. The sums are in float64 (Python floats).
+    `FIRST_STEPS` of them. Where the support goes on, the rule for the lowest of the top entries,
+    from the entries taken so far, says whether it ends among them (the rule's sum over more
+    entries is no smaller): then the walk goes on, else the vectorised steps on the sorted row
+    find it. The sums are in float64 (Python floats).
     """
     ordered = np.sort(row)  # ascending: NaN sorts last, so it is the peak; -inf first
-    top = ordered[-WALK_LENGTH:]
-    head = top.tolist()
+    head = ordered[-WALK_LENGTH:].tolist()
     peak, lowest = head[-1], ordered.item(0)
     if not (math.isfinite(peak) and math.isfinite(lowest)) or peak - lowest > _LARGEST[row.dtype.char]:
         return None  # NaN or ±inf, or x − peak would overflow: the rows' steps handle those
@@ -203,7 +203,7 @@ def _single_row(row: np.ndarray, entmax: bool) -> np.ndarray | None:
     entries = reversed(head)  # descending
     ended, count, total, total_sq = _walk(itertools.islice(entries, FIRST_STEPS), peak, entmax, 0, 0.0, 0.0)
     if not ended and count < width:
-        if width <= WALK_LENGTH or not _support_reaches(top, entmax):
+        if width <= WALK_LENGTH or _walk((head[0],), peak, entmax, count, total, total_sq)[0]:
             ended, count, total, total_sq = _walk(entries, peak, entmax, count, total, total_sq)
         if not ended and count < width:  # (the support goes past the top entries)
             count, total, total_sq = _sorted_row_sums(ordered, peak, entmax)
