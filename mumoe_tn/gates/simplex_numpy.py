@@ -205,7 +205,7 @@ def _single_row(row: np.ndarray, entmax: bool) -> np.ndarray | None:
     if not ended and count < width:
         if width <= WALK_LENGTH or _walk((head[0],), peak, entmax, count, total, total_sq)[0]:
             ended, count, total, total_sq = _walk(entries, peak, entmax, count, total, total_sq)
-        if not ended and count < width:  # (the support goes past the top entries)
+        if not ended and count < width:  # (the support may go past the top entries)
             count, total, total_sq = _sorted_row_sums(ordered, peak, entmax)
     return _mapped_row(row, peak, _shift(count, total, total_sq, entmax), entmax)
 
