@@ -90,7 +90,7 @@ _NUMPY_INPUTS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def _forward_form(x: torch.Tensor, dim: int, with_grad: bool) -> str:
     """The form of a sparse map's forward pass for ``x`` (not the kernels): ``"numpy"``, ``"search"`` or ``"sort"``."""
-    if x.device.type != "cpu" or x.dtype not in _NUMPY_INPUTS or _traced():
+    if not x.is_cpu or x.dtype not in _NUMPY_INPUTS or _traced():
         return "sort"
     size = x.shape[dim]
     numel = x.numel()

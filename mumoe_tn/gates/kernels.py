@@ -144,7 +144,7 @@ def gate_kernels_apply(x: torch.Tensor) -> bool:
     mode = _state["mode"]
     if mode == "never" or x.dtype not in KERNEL_DTYPES or x.ndim == 0:
         return False
-    if mode == "auto" and x.device.type != "cuda":
+    if mode == "auto" and not x.is_cuda:
         return False
     if torch._C._are_functorch_transforms_active():
         return False
