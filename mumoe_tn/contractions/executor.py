@@ -355,8 +355,14 @@ def affine_einsum(
     other = 1 - which
     labels, tensor = step.operands[other], tensors[other]
     axis = labels.index(label)
+    head = tensor.narrow(axis, 0, z.shape[-1])
+    rows = step.operands[which]
+    if z.ndim == 2 == tensor.ndim and rows[1] == label and tuple(step.output) == (rows[0], labels[1 - axis]):
+        # rows of z times a matrix, plus its last row: one addmm (T[:I] transposed where T is (K, I + 1))
+        bias = tensor.select(axis, tensor.shape[axis] - 1)
+        return torch.addmm(bias, z, head if axis == 0 else head.T)
     picked = list(tensors)
-    picked[other] = tensor.narrow(axis, 0, z.shape[-1])
+    picked[other] = head
     result = contract_pair(step.operands, step.output, picked, step.equation, form)
     # The ones column meets T's last slice along the leg: add it, arranged like the result. Each
     # view left out where it would change nothing is one autograd node fewer per call.

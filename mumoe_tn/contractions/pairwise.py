@@ -188,7 +188,7 @@ def run_batched(product: BatchedProduct, first: torch.Tensor, second: torch.Tens
     left = first if product.left_order is None else first.permute(product.left_order)
     right = second if product.right_order is None else second.permute(product.right_order)
     find = batched_layout if torch.compiler.is_compiling() else _cached_batched_layout
-    left_stack, right_stack, shape = find(product, left.shape, right.shape)
+    left_stack, right_stack, shape = find(product.n_batch, product.n_rows, product.n_inner, left.shape, right.shape)
     # (no reshape where an operand already is the stack: each is one more autograd node per call)
     left = left if left.shape == left_stack else left.reshape(left_stack)
     right = right if right.shape == right_stack else right.reshape(right_stack)
@@ -199,24 +199,26 @@ def run_batched(product: BatchedProduct, first: torch.Tensor, second: torch.Tens
 
 
 def batched_layout(
-    product: BatchedProduct, left: torch.Size, right: torch.Size
+    nb: int, nr: int, ni: int, left: torch.Size, right: torch.Size
 ) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, ...]]:
-    """The stacks of matrices ``product`` multiplies for operands shaped ``left`` and ``right``, and the result's shape.
+    """The stacks of matrices a batched product multiplies for operands shaped ``left`` and ``right``.
 
-    ``left`` and ``right`` are the shapes after the product's permutations.
+    ``left`` is ``(batch…, rows…, inner…)`` and ``right`` ``(batch…, inner…, columns…)``, with
+    ``nb`` batch, ``nr`` row and ``ni`` inner axes (as a
+    [`BatchedProduct`][mumoe_tn.contractions.pairwise.BatchedProduct] counts them). Returns the
+    two stacks' shapes and the result's.
 
     Raises
     ------
     ValueError
         If a shared label has two sizes.
     """
-    nb, nr = product.n_batch, product.n_rows
     batch, rows = left[:nb], left[nb : nb + nr]
-    columns = right[nb + product.n_inner :]
-    if right[:nb] != batch or left[nb + nr :] != right[nb : nb + product.n_inner]:
+    columns = right[nb + ni :]
+    if right[:nb] != batch or left[nb + nr :] != right[nb : nb + ni]:
         raise ValueError(
             f"shared labels have sizes {(*batch, *left[nb + nr :])} in one operand and "
-            f"{tuple(right[: nb + product.n_inner])} in the other"
+            f"{tuple(right[: nb + ni])} in the other"
         )
     size, inner = math.prod(batch), math.prod(left[nb + nr :])
     return (size, math.prod(rows), inner), (size, inner, math.prod(columns)), (*batch, *rows, *columns)
