@@ -155,13 +155,19 @@ def module_state(module: nn.Module) -> ModuleState:
     for m in modules:
         add(id(m))
         add(m.training)
-        if m._parameters:
-            tensors += [t for t in m._parameters.values() if t is not None]
-        if m._buffers:
-            tensors += [t for t in m._buffers.values() if t is not None]
-        substituted = m.__dict__.get("forward")  # a forward set on the instance: user code to be called
-        if m._forward_hooks or m._forward_pre_hooks or substituted is not None:
-            add((tuple(m._forward_hooks), tuple(m._forward_pre_hooks), id(substituted)))
+        found = m.__dict__  # (read from the instance's dict: the attribute lookups cost more than the reads)
+        try:
+            parameters, buffers = found["_parameters"], found["_buffers"]
+            hooks, pre_hooks = found["_forward_hooks"], found["_forward_pre_hooks"]
+        except KeyError:  # a module that keeps them elsewhere: read them as attributes
+            parameters, buffers, hooks, pre_hooks = m._parameters, m._buffers, m._forward_hooks, m._forward_pre_hooks
+        if parameters:
+            tensors += [t for t in parameters.values() if t is not None]
+        if buffers:
+            tensors += [t for t in buffers.values() if t is not None]
+        substituted = found.get("forward")  # a forward set on the instance: user code to be called
+        if hooks or pre_hooks or substituted is not None:
+            add((tuple(hooks), tuple(pre_hooks), id(substituted)))
             hooked = hooked or m is not module
         else:
             add(None)
