@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -269,16 +269,24 @@ def pair_form(first: Labels, second: Labels, output: Labels) -> tuple[str, Any]:
     ``("mul", None)`` (the same labels throughout), ``("broadcast", …)`` (see `broadcast_product`),
     ``("mm", MatrixProduct)``, ``("bmm", BatchedProduct)``, or ``("einsum", None)``.
     """
+    finders = (("broadcast", broadcast_product), ("mm", matrix_product), ("bmm", batched_product))
+    return _first_form(finders, first, second, output)
+
+
+def _first_form(finders: tuple, first: Labels, second: Labels, output: Labels) -> tuple[str, Any]:
     if first == second == output:
         return "mul", None
-    for kind, find in (("broadcast", broadcast_product), ("mm", matrix_product), ("bmm", batched_product)):
+    for kind, find in finders:
         form = find(first, second, output)
         if form is not None:
             return kind, form
     return "einsum", None
 
 
-_cached_pair_form = lru_cache(maxsize=4096)(pair_form)
+# (the eager cache binds the finders once, at import; a traced call looks them up as it runs)
+_cached_pair_form = lru_cache(maxsize=4096)(
+    partial(_first_form, (("broadcast", broadcast_product), ("mm", matrix_product), ("bmm", batched_product)))
+)
 
 
 def align_axes(tensor: torch.Tensor, order: tuple[int, ...] | None, missing: tuple[int, ...]) -> torch.Tensor:
