@@ -333,6 +333,8 @@ def affine_einsum(
     """``einsum(z, T[:I]) + T[I]``: the step with operand ``which`` lacking the trailing 1 of ``label``.
 
     Only for steps where [`affine_is_plain`][mumoe_tn.contractions.executor.affine_is_plain] holds.
+    Where ``z`` is rows ``(B, I)`` and ``T`` a matrix whose other leg is the result's columns, it
+    is one ``addmm`` (one kernel and one autograd node, as ``nn.Linear``).
 
     Parameters
     ----------
