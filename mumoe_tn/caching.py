@@ -145,25 +145,41 @@ def module_state(module: nn.Module) -> ModuleState:
     for current in modules:  # grows as it goes: every submodule, breadth first
         if current._modules:
             modules.extend([child for child in current._modules.values() if child is not None])
+    # One flat tuple, compared in one pass: the optimiser steps, the number of submodules, then
+    # (identity, mode, hooks) of each submodule and (identity, storage, version) of each tensor.
+    # The count fixes where each field sits, so two keys are equal only field by field.
+    key: list[Any] = [0, len(modules)]
+    add = key.append
     tensors: list[torch.Tensor] = []
-    hooks = []
     hooked = False
     for m in modules:
-        if m._parameters:
-            tensors += [t for t in m._parameters.values() if t is not None]
-        if m._buffers:
-            tensors += [t for t in m._buffers.values() if t is not None]
-        substituted = m.__dict__.get("forward")  # a forward set on the instance: user code to be called
-        if m._forward_hooks or m._forward_pre_hooks or substituted is not None:
-            hooks.append((tuple(m._forward_hooks), tuple(m._forward_pre_hooks), id(substituted)))
+        add(id(m))
+        add(m.training)
+        found = m.__dict__  # (read from the instance's dict: the attribute lookups cost more than the reads)
+        try:
+            parameters, buffers = found["_parameters"], found["_buffers"]
+            hooks, pre_hooks = found["_forward_hooks"], found["_forward_pre_hooks"]
+        except KeyError:  # a module that keeps them elsewhere: read them as attributes
+            parameters, buffers, hooks, pre_hooks = m._parameters, m._buffers, m._forward_hooks, m._forward_pre_hooks
+        if parameters:
+            tensors += [t for t in parameters.values() if t is not None]
+        if buffers:
+            tensors += [t for t in buffers.values() if t is not None]
+        substituted = found.get("forward")  # a forward set on the instance: user code to be called
+        if hooks or pre_hooks or substituted is not None:
+            add((tuple(hooks), tuple(pre_hooks), id(substituted)))
             hooked = hooked or m is not module
         else:
-            hooks.append(())
-    values = source_key(tensors)
-    if values is None:
+            add(None)
+    try:
+        for t in tensors:
+            add(id(t))
+            add(t.data_ptr())
+            add(t._version)
+    except RuntimeError:  # an inference tensor: no version counter
         return ModuleState(None, hooked, tuple(tensors))
-    key = (tuple(map(id, modules)), tuple([m.training for m in modules]), tuple(hooks), values)
-    return ModuleState(key, hooked, tuple(tensors))
+    key[0] = optimiser_steps()
+    return ModuleState(tuple(key), hooked, tuple(tensors))
 
 
 class DerivedState:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from mumoe_tn.contractions.inference_plan import constant_steps
-from mumoe_tn.contractions.pairwise import contract_pair
+from mumoe_tn.contractions.pairwise import contract_pair, pair_form
 from mumoe_tn.contractions.plan import ContractionPlan, ContractionStep
 
 __all__ = [
@@ -86,9 +86,15 @@ class PlanStep:
     out: int
     frees: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        # How the step's pair of operands multiplies, worked out once (it depends on the labels alone).
+        operands = self.step.operands
+        form = pair_form(*operands, self.step.output) if len(operands) == 2 else None
+        object.__setattr__(self, "_form", form)
+
     def __call__(self, registers: Registers) -> torch.Tensor:
         step = self.step
-        return contract_pair(step.operands, step.output, [registers[v] for v in self.values], step.equation)
+        return contract_pair(step.operands, step.output, [registers[v] for v in self.values], step.equation, self._form)
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,11 +140,11 @@ class FoldedBias(PlanStep):
             return result if self.shape is None else result.view(self.shape)
         tensors = [registers[v] for v in self.values]
         if self.plain:
-            return affine_einsum(self.step, tensors, self.which, self.label)
+            return affine_einsum(self.step, tensors, self.which, self.label, self._form)
         z = tensors[self.which]
         tensors[self.which] = torch.cat([z, z.new_ones(*z.shape[:-1], 1)], dim=-1)
         step = self.step
-        return contract_pair(step.operands, step.output, tensors, step.equation)
+        return contract_pair(step.operands, step.output, tensors, step.equation, self._form)
 
 
 @dataclass(frozen=True, eq=False)
@@ -321,10 +327,14 @@ def affine_is_plain(step: ContractionStep, which: int, label: str) -> bool:
     return len(others) == 1 and label in step.operands[others[0]] and label not in step.output
 
 
-def affine_einsum(step: ContractionStep, tensors: Sequence[torch.Tensor], which: int, label: str) -> torch.Tensor:
+def affine_einsum(
+    step: ContractionStep, tensors: Sequence[torch.Tensor], which: int, label: str, form: tuple | None = None
+) -> torch.Tensor:
     """``einsum(z, T[:I]) + T[I]``: the step with operand ``which`` lacking the trailing 1 of ``label``.
 
     Only for steps where [`affine_is_plain`][mumoe_tn.contractions.executor.affine_is_plain] holds.
+    Where ``z`` is rows ``(B, I)`` and ``T`` a matrix whose other leg is the result's columns, it
+    is one ``addmm`` (one kernel and one autograd node, as ``nn.Linear``).
 
     Parameters
     ----------
@@ -336,6 +346,8 @@ def affine_einsum(step: ContractionStep, tensors: Sequence[torch.Tensor], which:
         The position of ``z``.
     label : str
         The leg whose last entry ``z`` omits.
+    form : tuple, optional
+        How the step's pair multiplies (``pair_form``), if known.
 
     Returns
     -------
@@ -345,12 +357,23 @@ def affine_einsum(step: ContractionStep, tensors: Sequence[torch.Tensor], which:
     other = 1 - which
     labels, tensor = step.operands[other], tensors[other]
     axis = labels.index(label)
+    head = tensor.narrow(axis, 0, z.shape[-1])
+    rows = step.operands[which]
+    if z.ndim == 2 == tensor.ndim and rows[1] == label and tuple(step.output) == (rows[0], labels[1 - axis]):
+        # rows of z times a matrix, plus its last row: one addmm (T[:I] transposed where T is (K, I + 1))
+        bias = tensor.select(axis, tensor.shape[axis] - 1)
+        return torch.addmm(bias, z, head if axis == 0 else head.T)
     picked = list(tensors)
-    picked[other] = tensor.narrow(axis, 0, z.shape[-1])
-    result = contract_pair(step.operands, step.output, picked, step.equation)
-    # The ones column meets T's last slice along the leg: add it, arranged like the result.
+    picked[other] = head
+    result = contract_pair(step.operands, step.output, picked, step.equation, form)
+    # The ones column meets T's last slice along the leg: add it, arranged like the result. Each
+    # view left out where it would change nothing is one autograd node fewer per call.
     rest = [x for x in labels if x != label]
     bias = tensor.select(axis, tensor.shape[axis] - 1)
-    bias = bias.permute(*(rest.index(x) for x in step.output if x in rest))
-    shape = [result.shape[k] if x in rest else 1 for k, x in enumerate(step.output)]
-    return result.add_(bias.reshape(shape)) if not result.requires_grad else result + bias.reshape(shape)
+    order = tuple(rest.index(x) for x in step.output if x in rest)
+    if order != tuple(range(len(order))):
+        bias = bias.permute(order)
+    if step.output[len(step.output) - len(order) :] != tuple(x for x in step.output if x in rest):
+        bias = bias.reshape([result.shape[k] if x in rest else 1 for k, x in enumerate(step.output)])
+    # (otherwise the bias's axes are the result's last ones, in order: it broadcasts as it is)
+    return result.add_(bias) if not result.requires_grad else result + bias

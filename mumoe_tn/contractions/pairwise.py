@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
+from typing import Any
 
 import torch
 
@@ -32,10 +33,12 @@ __all__ = [
     "BatchedProduct",
     "MatrixProduct",
     "align_axes",
+    "batched_layout",
     "batched_product",
     "broadcast_product",
     "contract_pair",
     "matrix_product",
+    "pair_form",
     "run_batched",
 ]
 
@@ -184,30 +187,46 @@ def run_batched(product: BatchedProduct, first: torch.Tensor, second: torch.Tens
     """
     left = first if product.left_order is None else first.permute(product.left_order)
     right = second if product.right_order is None else second.permute(product.right_order)
-    nb, nr = product.n_batch, product.n_rows
-    batch, rows = left.shape[:nb], left.shape[nb : nb + nr]
-    columns = right.shape[nb + product.n_inner :]
-    if right.shape[:nb] != batch or left.shape[nb + nr :] != right.shape[nb : nb + product.n_inner]:
-        raise ValueError(
-            f"shared labels have sizes {(*batch, *left.shape[nb + nr :])} in one operand and "
-            f"{tuple(right.shape[: nb + product.n_inner])} in the other"
-        )
-    size, inner = math.prod(batch), math.prod(left.shape[nb + nr :])
-    stacks = (size, math.prod(rows), inner), (size, inner, math.prod(columns))
+    find = batched_layout if torch.compiler.is_compiling() else _cached_batched_layout
+    left_stack, right_stack, shape = find(product.n_batch, product.n_rows, product.n_inner, left.shape, right.shape)
     # (no reshape where an operand already is the stack: each is one more autograd node per call)
-    left = left if left.shape == stacks[0] else left.reshape(stacks[0])
-    right = right if right.shape == stacks[1] else right.reshape(stacks[1])
+    left = left if left.shape == left_stack else left.reshape(left_stack)
+    right = right if right.shape == right_stack else right.reshape(right_stack)
     result = torch.bmm(left, right)
-    shape = (*batch, *rows, *columns)
     if result.shape != shape:
         result = result.view(shape)
     return result if product.output_order is None else result.permute(product.output_order)
 
 
+def batched_layout(
+    nb: int, nr: int, ni: int, left: torch.Size, right: torch.Size
+) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, ...]]:
+    """The stacks of matrices a batched product multiplies for operands shaped ``left`` and ``right``.
+
+    ``left`` is ``(batch…, rows…, inner…)`` and ``right`` ``(batch…, inner…, columns…)``, with
+    ``nb`` batch, ``nr`` row and ``ni`` inner axes (as a
+    [`BatchedProduct`][mumoe_tn.contractions.pairwise.BatchedProduct] counts them). Returns the
+    two stacks' shapes and the result's.
+
+    Raises
+    ------
+    ValueError
+        If a shared label has two sizes.
+    """
+    batch, rows = left[:nb], left[nb : nb + nr]
+    columns = right[nb + ni :]
+    if right[:nb] != batch or left[nb + nr :] != right[nb : nb + ni]:
+        raise ValueError(
+            f"shared labels have sizes {(*batch, *left[nb + nr :])} in one operand and "
+            f"{tuple(right[: nb + ni])} in the other"
+        )
+    size, inner = math.prod(batch), math.prod(left[nb + nr :])
+    return (size, math.prod(rows), inner), (size, inner, math.prod(columns)), (*batch, *rows, *columns)
+
+
 # Eager calls look the form up per step; torch.compile traces the function itself (it warns that it
 # ignores an lru_cache wrapper) and bakes the answer into the graph.
-_cached_matrix_product = lru_cache(maxsize=4096)(matrix_product)
-_cached_batched_product = lru_cache(maxsize=4096)(batched_product)
+_cached_batched_layout = lru_cache(maxsize=4096)(batched_layout)
 
 
 def broadcast_product(
@@ -244,7 +263,30 @@ def broadcast_product(
     return forms[0], forms[1]
 
 
-_cached_broadcast_product = lru_cache(maxsize=4096)(broadcast_product)
+def pair_form(first: Labels, second: Labels, output: Labels) -> tuple[str, Any]:
+    """How ``einsum(first, second -> output)`` runs: ``(kind, form)``, the first of these forms that serves.
+
+    ``("mul", None)`` (the same labels throughout), ``("broadcast", …)`` (see `broadcast_product`),
+    ``("mm", MatrixProduct)``, ``("bmm", BatchedProduct)``, or ``("einsum", None)``.
+    """
+    finders = (("broadcast", broadcast_product), ("mm", matrix_product), ("bmm", batched_product))
+    return _first_form(finders, first, second, output)
+
+
+def _first_form(finders: tuple, first: Labels, second: Labels, output: Labels) -> tuple[str, Any]:
+    if first == second == output:
+        return "mul", None
+    for kind, find in finders:
+        form = find(first, second, output)
+        if form is not None:
+            return kind, form
+    return "einsum", None
+
+
+# (the eager cache binds the finders once, at import; a traced call looks them up as it runs)
+_cached_pair_form = lru_cache(maxsize=4096)(
+    partial(_first_form, (("broadcast", broadcast_product), ("mm", matrix_product), ("bmm", batched_product)))
+)
 
 
 def align_axes(tensor: torch.Tensor, order: tuple[int, ...] | None, missing: tuple[int, ...]) -> torch.Tensor:
@@ -274,7 +316,11 @@ def _size_mismatch(operands: Sequence[Labels], product: MatrixProduct, left: tor
 
 
 def contract_pair(
-    operands: Sequence[Labels], output: Labels, tensors: Sequence[torch.Tensor], equation: str | None = None
+    operands: Sequence[Labels],
+    output: Labels,
+    tensors: Sequence[torch.Tensor],
+    equation: str | None = None,
+    form: tuple[str, Any] | None = None,
 ) -> torch.Tensor:
     """The einsum of ``tensors`` (labelled ``operands``) into ``output``: one ``mm`` or product where possible.
 
@@ -288,6 +334,8 @@ def contract_pair(
         The operands.
     equation : str, optional
         The step's ``torch.einsum`` equation, if known (made from the labels where needed).
+    form : tuple, optional
+        ``pair_form(*operands, output)`` of two operands, if known (looked up where needed).
 
     Returns
     -------
@@ -307,34 +355,31 @@ def contract_pair(
             raise ValueError(f"operand {k} has shape {tuple(tensor.shape)} but {len(labels)} labels {labels}")
     if len(tensors) == 2:
         first, second = operands
-        if first == second == output:
+        if form is None:
+            form = (pair_form if torch.compiler.is_compiling() else _cached_pair_form)(first, second, output)
+        kind, form = form
+        if kind == "mul":
             return tensors[0] * tensors[1]
-        find_broadcast = broadcast_product if torch.compiler.is_compiling() else _cached_broadcast_product
-        shapes = find_broadcast(first, second, output)
-        if shapes is not None:
-            return align_axes(tensors[0], *shapes[0]) * align_axes(tensors[1], *shapes[1])
-        find = matrix_product if torch.compiler.is_compiling() else _cached_matrix_product
-        product = find(first, second, output)
-        if product is not None:
-            left, right = (tensors[1], tensors[0]) if product.swap else (tensors[0], tensors[1])
-            if product.left_order is not None:
-                left = left.permute(product.left_order)
-            if product.right_order is not None:
-                right = right.permute(product.right_order)
-            if left.shape[product.n_rows :] != right.shape[: product.n_inner]:
-                raise ValueError(_size_mismatch(operands, product, left.shape, right.shape))
-            rows, columns = left.shape[: product.n_rows], right.shape[product.n_inner :]
-            result = torch.mm(_as_matrix(left, product.n_rows), _as_matrix(right, product.n_inner))
+        if kind == "broadcast":
+            return align_axes(tensors[0], *form[0]) * align_axes(tensors[1], *form[1])
+        if kind == "mm":
+            left, right = (tensors[1], tensors[0]) if form.swap else (tensors[0], tensors[1])
+            if form.left_order is not None:
+                left = left.permute(form.left_order)
+            if form.right_order is not None:
+                right = right.permute(form.right_order)
+            if left.shape[form.n_rows :] != right.shape[: form.n_inner]:
+                raise ValueError(_size_mismatch(operands, form, left.shape, right.shape))
+            rows, columns = left.shape[: form.n_rows], right.shape[form.n_inner :]
+            result = torch.mm(_as_matrix(left, form.n_rows), _as_matrix(right, form.n_inner))
             if len(rows) == 1 and len(columns) == 1:
                 return result
             return result.view((*rows, *columns))
-        find_batched = batched_product if torch.compiler.is_compiling() else _cached_batched_product
-        batched = find_batched(first, second, output)
-        if batched is not None:
+        if kind == "bmm":
             shared = tuple(x for x in first if x in second)
             left = tuple(tensors[0].shape[first.index(x)] for x in shared)
             right = tuple(tensors[1].shape[second.index(x)] for x in shared)
             if left != right:
                 raise ValueError(f"shared labels {shared} have sizes {left} in one operand and {right} in the other")
-            return run_batched(batched, tensors[0], tensors[1])
+            return run_batched(form, tensors[0], tensors[1])
     return torch.einsum(einsum_equation(operands, output) if equation is None else equation, *tensors)

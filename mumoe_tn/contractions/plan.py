@@ -49,7 +49,7 @@ import importlib.util
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from mumoe_tn.contractions.intermediate_order import consumer_orders
@@ -182,9 +182,9 @@ class ContractionPlan:
         """Total fused multiply-adds of the planned contraction (1 FMA = 1 FLOP)."""
         return sum(step.fma for step in self.steps)
 
-    @property
+    @cached_property
     def largest_intermediate(self) -> int:
-        """Number of elements of the largest intermediate or result."""
+        """Number of elements of the largest intermediate or result (worked out once: a plan does not change)."""
         return max((_size(step.output, self.sizes) for step in self.steps), default=0)
 
     def to_dict(self) -> dict[str, Any]:

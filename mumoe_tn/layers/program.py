@@ -129,13 +129,14 @@ class LayerProgram(DerivedValues):
         state = self.state(layer)
         if state.hooked or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
             return None  # (the fused product calls neither the gate nor the experts: their hooks need them called)
-        name = ("entry", (width, x.dtype, x.device, batch_bucket(rows)))
+        device = x.device
+        name = ("entry", (width, x.dtype, device, batch_bucket(rows)))
         found = self._values.get(name)
         if found is None:
             found = self._make_entry(layer, x, rows)
             if found is not None:  # (nothing is kept where the fused path does not apply)
                 self.get(layer, name, lambda: found)
-        if found is None or torch.is_autocast_enabled(x.device.type):  # (after the entry's checks: they name devices)
+        if found is None or torch.is_autocast_enabled(device.type):  # (after the entry's checks: they name devices)
             return None
         if current_token_mask() is not None and resolve_token_mask(None, tuple(x.shape[:-1]), x.device) is not None:
             return None

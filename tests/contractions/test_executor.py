@@ -6,9 +6,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch_calls import AtenCalls
 
 from mumoe_tn.contractions import plan_forward, plan_inference
-from mumoe_tn.contractions.executor import FoldedBias, PlanExecutor, plan_executor
+from mumoe_tn.contractions.executor import FoldedBias, PlanExecutor, affine_einsum, plan_executor
+from mumoe_tn.contractions.plan import ContractionStep
 from mumoe_tn.contractions.prepared import PreparedPlan
 from mumoe_tn.decompositions import build
 
@@ -121,3 +123,30 @@ def test_a_prepared_plan_runs_its_folded_bias_as_one_addmm_and_skips_a_product_g
     # the product handed in is used as it is: the step that computes it does not run
     zero = torch.zeros_like(head)
     assert torch.count_nonzero(prepared([*coefficients, z], (projection.position, zero))) == 0
+
+
+@pytest.mark.parametrize("core_labels", [("i", "r"), ("r", "i")], ids=["(I+1, K)", "(K, I+1)"])
+def test_a_two_way_core_takes_its_folded_bias_in_one_addmm_with_the_same_gradients(core_labels):
+    step = ContractionStep((0, 1), "", ("b", "r"), 0, (("b", "i"), core_labels))
+    gen = torch.Generator().manual_seed(4)
+    z = torch.randn(5, 3, generator=gen, dtype=DTYPE, requires_grad=True)
+    core = torch.randn([4 if x == "i" else 6 for x in core_labels], generator=gen, dtype=DTYPE, requires_grad=True)
+    with AtenCalls() as calls:
+        ours = affine_einsum(step, [z, core], 0, "i")
+    assert dict(calls.kernels) == {"addmm": 1}  # the product and the bias row in one kernel
+    full = torch.cat([z, torch.ones(5, 1, dtype=DTYPE)], dim=-1)
+    reference = torch.einsum(f"bi,{''.join(core_labels)}->br", full, core)
+    torch.testing.assert_close(ours, reference)
+    grad = torch.randn(5, 6, generator=gen, dtype=DTYPE)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, (z, core), grad), torch.autograd.grad(reference, (z, core), grad)
+    )
+
+
+def test_a_folded_bias_that_keeps_a_label_of_z_is_no_matrix_product():
+    # z (b, i) against T (b, i + 1) summed over i: the result keeps b from both sides, no addmm form
+    step = ContractionStep((0, 1), "", ("b",), 0, (("b", "i"), ("b", "i")))
+    gen = torch.Generator().manual_seed(5)
+    z, core = torch.randn(5, 3, generator=gen, dtype=DTYPE), torch.randn(5, 4, generator=gen, dtype=DTYPE)
+    full = torch.cat([z, torch.ones(5, 1, dtype=DTYPE)], dim=-1)
+    torch.testing.assert_close(affine_einsum(step, [z, core], 0, "i"), torch.einsum("bi,bi->b", full, core))

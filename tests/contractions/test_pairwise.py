@@ -2,12 +2,18 @@
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch_calls import TorchCalls
 
 from mumoe_tn.contractions import pairwise
-from mumoe_tn.contractions.pairwise import batched_product, broadcast_product, contract_pair, matrix_product
+from mumoe_tn.contractions.pairwise import (
+    batched_product,
+    broadcast_product,
+    contract_pair,
+    matrix_product,
+    pair_form,
+)
 
 DTYPE = torch.float64
 LABELS = "abcdefg"
@@ -215,3 +221,35 @@ def test_mismatched_tensors_are_refused_with_the_labels(operands, output, shapes
     tensors = [torch.ones(shape, dtype=DTYPE) for shape in shapes]
     with pytest.raises(ValueError, match=message):
         contract_pair(operands, output, tensors)
+
+
+@given(pairs())
+@example((("b", "i"), ("b", "i"), ("b", "i"), {"b": 2, "i": 3}))  # mul
+@example((("b",), ("i",), ("b", "i"), {"b": 2, "i": 3}))  # broadcast
+@example((("b", "i"), ("i", "o"), ("b", "o"), {"b": 2, "i": 3, "o": 4}))  # mm
+@example((("c", "b", "i"), ("c", "i", "o"), ("c", "b", "o"), {"c": 2, "b": 3, "i": 4, "o": 2}))  # bmm
+@example((("b", "i", "j"), ("i", "o"), ("b", "o"), {"b": 2, "i": 3, "j": 2, "o": 4}))  # einsum: j summed alone
+def test_a_step_s_form_is_the_first_that_serves_and_a_given_one_is_used_as_it_is(case):
+    first, second, output, sizes = case
+    forms = {"broadcast": broadcast_product, "mm": matrix_product, "bmm": batched_product}
+    kind, form = pair_form(first, second, output)
+    served = [k for k, find in forms.items() if find(first, second, output) is not None]
+    if first == second == output:
+        assert (kind, form) == ("mul", None)
+    else:
+        assert kind == (served[0] if served else "einsum")
+        assert form == (forms[kind](first, second, output) if served else None)
+    gen = torch.Generator().manual_seed(2)
+    a, b = _tensor(first, sizes, gen), _tensor(second, sizes, gen)
+    reference = torch.einsum(_equation(first, second, output), a, b)
+    torch.testing.assert_close(contract_pair((first, second), output, [a, b], None, (kind, form)), reference)
+
+
+def test_a_batched_product_refuses_mismatched_sizes_on_every_call():
+    # the stacks are looked up per pair of shapes; a shape that fails is never kept as looked up
+    product = batched_product(("c", "b", "i"), ("c", "i", "o"), ("c", "b", "o"))
+    a, b = torch.ones(2, 3, 4, dtype=DTYPE), torch.ones(3, 4, 5, dtype=DTYPE)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^shared labels have sizes \(2, 4\) in one operand and \(3, 4\)"):
+            pairwise.run_batched(product, a, b)
+    torch.testing.assert_close(pairwise.run_batched(product, a, b[:2]), torch.einsum("cbi,cio->cbo", a, b[:2]))
