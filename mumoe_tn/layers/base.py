@@ -28,6 +28,9 @@ A_LAYER = "a μMoE layer (MuMoE, MuMoEMLP, MuMoEGatedMLP, MixtureOfDecoders)"
 #: What the gate of a layer reads: the experts' (normalised) input, or the raw input.
 GATE_INPUTS = ("normed", "raw")
 
+#: What a call records, as a call the layer's program serves gives it to `_remember_eager`.
+_RECORDED = ("coefficients", "token_mask")
+
 
 class MuMoEBase(PerThreadRecords):
     """Base of layers whose factorized expert layers share one gate: MuMoE, MuMoEMLP, MuMoEGatedMLP.
@@ -293,7 +296,7 @@ class MuMoEBase(PerThreadRecords):
         else:
             lead = z.shape[:-1]
             coefficients = tuple([a.reshape(*lead, a.shape[-1]) for a in rows])
-        self._remember_all(coefficients=coefficients, token_mask=None)  # (nothing requires a gradient here)
+        self._remember_eager(_RECORDED, (coefficients, None))  # (eager, and nothing requires a gradient here)
         dtype = z.dtype
         for a in coefficients:
             if a.dtype != dtype:  # (autocast is off: the entry admits no autocast call)
