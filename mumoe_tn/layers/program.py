@@ -134,7 +134,8 @@ class LayerProgram(DerivedValues):
         a gate implementing [`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate] whose
         `projection_applies`, the layer's expert dims, a float32 or float64 input and an input
         norm the gate reads through (see `_make_entry`). Made on the first call of a signature
-        (which validates ``x``) and kept while the layer's state is unchanged.
+        (which validates ``x`` and adopts the layer's children's holders, see `adopt_children`)
+        and kept while the layer's state is unchanged.
         """
         if mask is not None or layer.ablation is not None or torch.is_grad_enabled() or type(x) is not torch.Tensor:
             return None
