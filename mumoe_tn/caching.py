@@ -141,6 +141,12 @@ def module_state(module: nn.Module) -> ModuleState:
         buffer by identity, storage and version, and the optimiser steps taken (as
         [`source_key`][mumoe_tn.caching.source_key]).
     """
+    key, hooked, tensors = _state_parts(module)
+    return ModuleState(key, hooked, tuple(tensors))
+
+
+def _state_parts(module: nn.Module) -> tuple[tuple | None, bool, list[torch.Tensor]]:
+    """`module_state`'s fields, the tensors as a list (a caller that holds an equal key needs no tuple)."""
     modules = [module]
     for current in modules:  # grows as it goes: every submodule, breadth first
         if current._modules:
@@ -177,9 +183,9 @@ def module_state(module: nn.Module) -> ModuleState:
             add(t.data_ptr())
             add(t._version)
     except RuntimeError:  # an inference tensor: no version counter
-        return ModuleState(None, hooked, tuple(tensors))
+        return None, hooked, tensors
     key[0] = optimiser_steps()
-    return ModuleState(tuple(key), hooked, tuple(tensors))
+    return tuple(key), hooked, tensors
 
 
 class DerivedState:
@@ -224,10 +230,13 @@ class DerivedValues(DerivedState):
 
     def state(self, root: nn.Module) -> ModuleState:
         """``root``'s state now; every value made for another state is forgotten."""
-        state = module_state(root)
-        if state.key is None or state.key != self._key:
-            with self._lock:
-                self._key, self._state, self._values = state.key, state, {}
+        key, hooked, tensors = _state_parts(root)
+        kept = self._state
+        if kept is not None and key is not None and kept.key == key:
+            return kept  # (an equal key names the same tensors and hooks: the kept state is this one)
+        state = ModuleState(key, hooked, tuple(tensors))
+        with self._lock:
+            self._key, self._state, self._values = key, state, {}
         return state
 
     def get(self, root: nn.Module, name: Hashable, make: Callable[[], T]) -> T:

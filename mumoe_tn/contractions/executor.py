@@ -137,7 +137,8 @@ class FoldedBias(PlanStep):
             if z.ndim != 2 or self.n_rows != 1:
                 z = z.reshape(math.prod(z.shape[: self.n_rows]), -1)
             result = torch.addmm(self.bias, z, self.weight)
-            return result if self.shape is None else result.view(self.shape)
+            shape = self.shape  # (a view by separate sizes parses faster than by one tuple)
+            return result if shape is None else result.view(*shape) if shape else result.view(shape)
         tensors = [registers[v] for v in self.values]
         if self.plain:
             return affine_einsum(self.step, tensors, self.which, self.label, self._form)

@@ -188,13 +188,16 @@ def run_batched(product: BatchedProduct, first: torch.Tensor, second: torch.Tens
     left = first if product.left_order is None else first.permute(product.left_order)
     right = second if product.right_order is None else second.permute(product.right_order)
     find = batched_layout if torch.compiler.is_compiling() else _cached_batched_layout
-    left_stack, right_stack, shape = find(product.n_batch, product.n_rows, product.n_inner, left.shape, right.shape)
+    left_shape, right_shape = left.shape, right.shape  # (each read of a shape builds a new object)
+    left_stack, right_stack, shape = find(product.n_batch, product.n_rows, product.n_inner, left_shape, right_shape)
     # (no reshape where an operand already is the stack: each is one more autograd node per call)
-    left = left if left.shape == left_stack else left.reshape(left_stack)
-    right = right if right.shape == right_stack else right.reshape(right_stack)
+    if left_shape != left_stack:
+        left = left.reshape(*left_stack)  # (separate sizes parse faster than one tuple)
+    if right_shape != right_stack:
+        right = right.reshape(*right_stack)
     result = torch.bmm(left, right)
-    if result.shape != shape:
-        result = result.view(shape)
+    if (left_stack[0], left_stack[1], right_stack[2]) != shape:
+        result = result.view(*shape)  # (never empty: a batched product has a batch axis)
     return result if product.output_order is None else result.permute(product.output_order)
 
 
@@ -374,7 +377,7 @@ def contract_pair(
             result = torch.mm(_as_matrix(left, form.n_rows), _as_matrix(right, form.n_inner))
             if len(rows) == 1 and len(columns) == 1:
                 return result
-            return result.view((*rows, *columns))
+            return result.view(*rows, *columns) if rows or columns else result.view(())  # (sizes: faster)
         if kind == "bmm":
             shared = tuple(x for x in first if x in second)
             left = tuple(tensors[0].shape[first.index(x)] for x in shared)

@@ -80,13 +80,18 @@ class _Instruction:
         kind = self.kind
         if kind == "mm":
             result = torch.mm(_as_matrix(self.left, registers), _as_matrix(self.right, registers))
-            return result if self.shape is None else result.view(self.shape)
-        operands = [registers[x] if isinstance(x, int) else x for x in self.operands]
+            shape = self.shape  # (a view by separate sizes parses faster than by one tuple)
+            return result if shape is None else result.view(*shape) if shape else result.view(shape)
+        first, second = self.operands  # (a register's number, or a constant tensor)
+        if type(first) is int:
+            first = registers[first]
+        if type(second) is int:
+            second = registers[second]
         if kind == "mul":
-            return operands[0] * operands[1]
+            return first * second
         if kind == "bmm":
-            return run_batched(self.form, operands[0], operands[1])
-        return align_axes(operands[0], *self.form[0]) * align_axes(operands[1], *self.form[1])
+            return run_batched(self.form, first, second)
+        return align_axes(first, *self.form[0]) * align_axes(second, *self.form[1])
 
 
 class PreparedPlan:
@@ -266,7 +271,7 @@ class PreparedPlan:
         if projected is not None:  # the step's product, computed by the caller: the step is skipped
             position, result = projected
             out, shape = self._results[position]
-            registers[out] = result if shape is None else result.view(shape)
+            registers[out] = result if shape is None else result.view(*shape) if shape else result.view(shape)
         return executor.run(registers)[executor.result]
 
 

@@ -55,6 +55,16 @@ class PerThreadRecords(nn.Module):
             if name in self.RECORDED_UNDER_COMPILE:
                 state.pop(f"_compiled_{name}", None)  # (an eager call's record is now the last one)
 
+    def _remember_eager(self, names: tuple[str, ...], values: tuple[Any, ...]) -> None:
+        """`_remember_all` of a call ``torch.compile`` does not trace: ``names[k]`` records ``values[k]``."""
+        records = self._thread_records
+        for name, value in zip(names, values, strict=True):
+            setattr(records, name, value)
+        if not self.RECORDED_UNDER_COMPILE.isdisjoint(names):
+            state = self.__dict__
+            for name in self.RECORDED_UNDER_COMPILE.intersection(names):
+                state.pop(f"_compiled_{name}", None)  # (an eager call's record is now the last one)
+
     def _recall(self, name: str) -> Any:
         compiled = self.__dict__.get(f"_compiled_{name}")
         return getattr(self._thread_records, name, None) if compiled is None else compiled

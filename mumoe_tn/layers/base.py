@@ -16,7 +16,7 @@ from mumoe_tn.gates.specs import GateSpec
 from mumoe_tn.layers.construction import LayerSpec
 from mumoe_tn.layers.experts import FactorizedExperts
 from mumoe_tn.layers.fused import LeanCoefficients
-from mumoe_tn.layers.program import LayerProgram
+from mumoe_tn.layers.program import LayerProgram, ProgramEntry
 from mumoe_tn.masking import resolve_token_mask
 from mumoe_tn.validation import check_bool
 
@@ -27,6 +27,9 @@ A_LAYER = "a μMoE layer (MuMoE, MuMoEMLP, MuMoEGatedMLP, MixtureOfDecoders)"
 
 #: What the gate of a layer reads: the experts' (normalised) input, or the raw input.
 GATE_INPUTS = ("normed", "raw")
+
+#: What a call records, as a call the layer's program serves gives it to `_remember_eager`.
+_RECORDED = ("coefficients", "token_mask")
 
 
 class MuMoEBase(PerThreadRecords):
@@ -262,21 +265,16 @@ class MuMoEBase(PerThreadRecords):
         ``z @ [Gᵀ | M_1 | …]``, then the gate's own normalisation, map and records. Otherwise the
         gate runs as a module. Every other step is the same either way.
         """
+        entry = self._program.fused_entry(self, x, mask)  # (made for a validated signature, and no mask applies)
+        if entry is not None:
+            return self._gate_fused(x, entry)
         if not torch.compiler.is_compiling():
             self._program.adopt_children(self)
-        entry = self._program.fused_entry(self, x, mask)  # (made for a validated signature, and no mask applies)
-        if entry is None:
-            self._check_input(x)
+        self._check_input(x)
         lead = x.shape[:-1]
-        tokens = None if entry is not None else resolve_token_mask(mask, tuple(lead), x.device)
-        z = x if entry is not None and entry.identity else self.input_norm(x)
-        if entry is None:
-            coefficients = self._gate_module(x if self.gate_input == "raw" else z, tokens)
-        else:
-            flat = z if z.ndim == 2 else z.reshape(-1, z.shape[-1])
-            projected = entry.project(flat)
-            rows = entry.coefficients(projected)
-            coefficients = tuple(rows) if z.ndim == 2 else tuple(a.reshape(*lead, a.shape[-1]) for a in rows)
+        tokens = resolve_token_mask(mask, tuple(lead), x.device)
+        z = self.input_norm(x)
+        coefficients = self._gate_module(x if self.gate_input == "raw" else z, tokens)
         self._remember_all(
             coefficients=tuple(a.detach() if a.requires_grad else a for a in coefficients),
             token_mask=None if tokens is None else tokens.reshape(lead),
@@ -285,9 +283,26 @@ class MuMoEBase(PerThreadRecords):
             coefficients = tuple(a.to(z.dtype) for a in coefficients)
         if self.ablation is not None:
             coefficients = self.ablation.mask(coefficients)
-        if entry is not None:
-            coefficients = LeanCoefficients(coefficients, z, flat, tuple(rows), entry.heads(projected))
         return z, coefficients
+
+    def _gate_fused(self, x: torch.Tensor, entry: ProgramEntry) -> tuple[torch.Tensor, LeanCoefficients]:
+        """`_gate`'s steps where the program's ``entry`` serves the call: no gradient, mask, ablation or autocast."""
+        z = x if entry.identity else self.input_norm(x)
+        flat = z if z.ndim == 2 else z.reshape(-1, z.shape[-1])
+        rows, heads = entry.run(flat)
+        rows = tuple(rows)
+        if z.ndim == 2:
+            coefficients = rows
+        else:
+            lead = z.shape[:-1]
+            coefficients = tuple([a.reshape(*lead, a.shape[-1]) for a in rows])
+        self._remember_eager(_RECORDED, (coefficients, None))  # (eager, and nothing requires a gradient here)
+        dtype = z.dtype
+        for a in coefficients:
+            if a.dtype != dtype:  # (autocast is off: the entry admits no autocast call)
+                coefficients = tuple([a.to(dtype) for a in coefficients])
+                break
+        return z, LeanCoefficients(coefficients, z, flat, rows, heads)
 
     def _gate_module(self, gated: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """The coefficients of the gate called as a module (or through the ablation), checked to be a tuple."""

@@ -27,7 +27,7 @@ program), so a captured graph replays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ class ProgramEntry:
     ``fused`` is ``[Gᵀ | M_1 | …]`` with its bias; its first ``n_logits`` columns are the gate's
     logits (normalised when ``folded``), which the gate's steps map with ``activate``, the gate's
     activation map chosen for this signature; ``identity`` says the input norm is the identity,
-    so the fused product reads the input itself.
+    so the fused product reads the input itself; ``device_type`` is the signature's device type.
     """
 
     fused: FusedProjection
@@ -65,21 +65,37 @@ class ProgramEntry:
     folded: bool
     activate: CoefficientMap
     identity: bool
+    device_type: str
+    #: The widths of the product's parts, side by side: the logits, then each fused layer's columns.
+    widths: tuple[int, ...] = field(init=False)
+    #: ``(id(experts), plan, step)`` of each fused layer, in the order of its columns.
+    readers: tuple[tuple[int, Any, int], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        heads = self.fused.heads
+        widths = (self.n_logits, *(stop - start for _, _, _, start, stop in heads))
+        object.__setattr__(self, "widths", widths)
+        object.__setattr__(self, "readers", tuple((id(layer), plan, step) for layer, plan, step, _, _ in heads))
 
     def project(self, flat: torch.Tensor) -> torch.Tensor:
         """The projection step of the rows ``flat`` ``(rows, I)``: gate logits and input layers' products."""
         fused = self.fused
         return torch.mm(flat, fused.weight) if fused.bias is None else torch.addmm(fused.bias, flat, fused.weight)
 
-    def coefficients(self, projected: torch.Tensor) -> list[torch.Tensor]:
-        """The gate's steps after the projection on the logits of ``projected`` (see `project`)."""
-        return gate_coefficients(self.gate, projected[:, : self.n_logits], self.folded, None, self.activate)
+    def run(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], dict[int, tuple]]:
+        """The projection step and the gate's steps after it on the rows ``flat`` ``(rows, I)``.
 
-    def heads(self, projected: torch.Tensor) -> dict[int, tuple]:
-        """``id(experts) → (plan, step, columns)``: each fused input layer's part of ``projected``."""
-        return {
-            id(layer): (plan, step, projected[:, start:stop]) for layer, plan, step, start, stop in self.fused.heads
-        }
+        Returns
+        -------
+        coefficients : list of torch.Tensor
+            One ``(rows, N_e)`` tensor per expert mode.
+        heads : dict
+            ``id(experts) → (plan, step, columns)``: each fused input layer's part of the product.
+        """
+        logits, *parts = self.project(flat).split_with_sizes(self.widths, 1)  # (one call for every part)
+        coefficients = gate_coefficients(self.gate, logits, self.folded, None, self.activate)
+        heads = {key: (plan, step, part) for (key, plan, step), part in zip(self.readers, parts, strict=True)}
+        return coefficients, heads
 
 
 class LayerProgram(DerivedValues):
@@ -118,7 +134,8 @@ class LayerProgram(DerivedValues):
         a gate implementing [`ProgramGate`][mumoe_tn.gates.gate_protocol.ProgramGate] whose
         `projection_applies`, the layer's expert dims, a float32 or float64 input and an input
         norm the gate reads through (see `_make_entry`). Made on the first call of a signature
-        (which validates ``x``) and kept while the layer's state is unchanged.
+        (which validates ``x`` and adopts the layer's children's holders, see `adopt_children`)
+        and kept while the layer's state is unchanged.
         """
         if mask is not None or layer.ablation is not None or torch.is_grad_enabled() or type(x) is not torch.Tensor:
             return None
@@ -129,14 +146,14 @@ class LayerProgram(DerivedValues):
         state = self.state(layer)
         if state.hooked or module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
             return None  # (the fused product calls neither the gate nor the experts: their hooks need them called)
-        device = x.device
-        name = ("entry", (width, x.dtype, device, batch_bucket(rows)))
+        name = ("entry", (width, x.dtype, x.device, batch_bucket(rows)))
         found = self._values.get(name)
         if found is None:
+            self.adopt_children(layer)
             found = self._make_entry(layer, x, rows)
             if found is not None:  # (nothing is kept where the fused path does not apply)
                 self.get(layer, name, lambda: found)
-        if found is None or torch.is_autocast_enabled(device.type):  # (after the entry's checks: they name devices)
+        if found is None or torch.is_autocast_enabled(found.device_type):  # (after the entry's checks: devices)
             return None
         if current_token_mask() is not None and resolve_token_mask(None, tuple(x.shape[:-1]), x.device) is not None:
             return None
@@ -158,7 +175,8 @@ class LayerProgram(DerivedValues):
         executors = [(experts, experts.inference_executor(rows, layer.bias)) for experts in layer._input_layers()]
         fused = self._fused(layer, weight, bias, executors)
         logits = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-        return ProgramEntry(fused, gate, weight.shape[0], bool(folded), gate.activation_map(logits), identity)
+        activate = gate.activation_map(logits)
+        return ProgramEntry(fused, gate, weight.shape[0], bool(folded), activate, identity, x.device.type)
 
     def _fused(self, layer: Any, weight: torch.Tensor, bias: torch.Tensor | None, executors: list) -> FusedProjection:
         """The fused matrix of ``weight``, ``bias`` and ``executors``, shared by the signatures that use the same ones.

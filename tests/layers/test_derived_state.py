@@ -175,3 +175,18 @@ def test_calls_that_take_the_module_path_follow_every_change_of_the_gate_and_exp
             for parameter in module.parameters():
                 parameter.mul_(1.5)
         torch.testing.assert_close(_eval_output(layer, x, mask), layer(x, mask).detach())
+
+
+def test_a_holder_keeps_one_state_while_the_key_holds_and_follows_hooks_and_parameters_below():
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
+    holder = DerivedValues()
+    first = holder.state(module)
+    assert holder.state(module) is first and not first.hooked
+    handle = module[1].register_forward_hook(lambda *args: None)
+    hooked = holder.state(module)
+    assert hooked.hooked and hooked.key != first.key
+    handle.remove()
+    assert not holder.state(module).hooked
+    module[0].weight = torch.nn.Parameter(torch.zeros(2, 3))
+    replaced = holder.state(module)
+    assert replaced.key != first.key and any(t is module[0].weight for t in replaced.tensors)
