@@ -55,6 +55,7 @@ from torch.nn import functional as F
 from mumoe_tn.caching import DerivedValues
 from mumoe_tn.gates import activation_maps
 from mumoe_tn.gates.activation_maps import entmax15, inference_map, sparsemax
+from mumoe_tn.gates.batch_norm_step import batch_norm_matrix
 from mumoe_tn.gates.gate_checks import check_gate_options, check_zero_init_bias, per_mode_k
 from mumoe_tn.gates.gate_inference import GateSteps
 from mumoe_tn.gates.gate_protocol import ModeLogits, gate_coefficients, mode_parts
@@ -136,11 +137,16 @@ class LogitBatchNorm(nn.BatchNorm1d):
             warn_unsynchronised(self)
         if not self.training or mask is None:
             self._check_rows(input.shape[0])
-            return super().forward(input)
+            return self._batch_norm(input)
         real = input[mask]
         self._check_rows(real.shape[0], " real")
-        normed = super().forward(real)
+        normed = self._batch_norm(real)
         return torch.zeros_like(input).masked_scatter(mask[:, None].expand_as(input), normed)
+
+    def _batch_norm(self, input: torch.Tensor) -> torch.Tensor:
+        """``nn.BatchNorm1d.forward``: in its quicker form for this class itself, as inherited for a subclass."""
+        normed = batch_norm_matrix(self, input) if type(self) is LogitBatchNorm else None
+        return super().forward(input) if normed is None else normed
 
     def eval_affine(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The eval-mode map as ``(scale, shift)``: ``norm(x) = x · scale + shift`` (None in training).
