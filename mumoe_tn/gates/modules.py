@@ -41,7 +41,6 @@ loop adds them to its loss:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -327,12 +326,14 @@ class ExpertGate(GateSteps, PerThreadRecords):
     def _stacked_projection(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projections of every mode as one ``(ΣN_e, I)`` weight and ``(ΣN_e,)`` bias (or None), in ``compute``."""
         projections = list(self.projections.values())
-        weights = [projection.weight.to(compute) for projection in projections]
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        if len(projections) == 1:  # (no copy, no cast where the dtype is already the compute dtype's)
+            weight, bias = projections[0].weight, projections[0].bias
+            weight = weight if weight.dtype == compute else weight.to(compute)
+            return weight, bias if bias is None or bias.dtype == compute else bias.to(compute)
+        weight = torch.cat([projection.weight.to(compute) for projection in projections])
         if projections[0].bias is None:
             return weight, None
-        biases = [projection.bias.to(compute) for projection in projections]
-        return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
+        return weight, torch.cat([projection.bias.to(compute) for projection in projections])
 
     def _balance_terms(
         self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
@@ -357,19 +358,25 @@ class ExpertGate(GateSteps, PerThreadRecords):
         tuple of torch.Tensor
             One tensor ``(…, N_e)`` per expert mode, each row on the probability simplex.
         """
-        lead = z.shape[:-1]
-        compute = torch.promote_types(z.dtype, torch.float32)
-        autocast = torch.is_autocast_enabled(z.device.type)
-        with torch.autocast(device_type=z.device.type, enabled=False) if autocast else contextlib.nullcontext():
-            flat = (z if z.ndim == 2 else z.reshape(-1, z.shape[-1])).to(compute)
-            if self.projection_applies(z):
-                weight, bias, folded = self.projection(compute)
-            else:  # the parameters themselves, for autograd, and the norms' batch statistics in training
-                (weight, bias), folded = self._stacked_projection(compute), False
-            coefficients = gate_coefficients(self, F.linear(flat, weight, bias), folded, mask)
+        if torch.is_autocast_enabled(z.device.type):
+            with torch.autocast(device_type=z.device.type, enabled=False):
+                coefficients = self._coefficients(z, mask)
+        else:
+            coefficients = self._coefficients(z, mask)
         if z.ndim == 2:
             return tuple(coefficients)
-        return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
+        return tuple(a.reshape(*z.shape[:-1], a.shape[-1]) for a in coefficients)
+
+    def _coefficients(self, z: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+        """`forward`'s coefficients as ``(rows, N_e)`` tensors, computed in float32 or wider (autocast off)."""
+        compute = torch.promote_types(z.dtype, torch.float32)
+        flat = z if z.ndim == 2 else z.reshape(-1, z.shape[-1])
+        flat = flat if flat.dtype == compute else flat.to(compute)
+        if self.projection_applies(z):
+            weight, bias, folded = self.projection(compute)
+        else:  # the parameters themselves, for autograd, and the norms' batch statistics in training
+            (weight, bias), folded = self._stacked_projection(compute), False
+        return gate_coefficients(self, F.linear(flat, weight, bias), folded, mask)
 
     def record(self, logits: ModeLogits, coefficients: list[torch.Tensor], mask: torch.Tensor | None) -> None:
         """Record the auxiliary losses of a call (see the module notes) from its normalised logits."""
