@@ -368,6 +368,10 @@ def contract_pair(
                 left = left.permute(form.left_order)
             if form.right_order is not None:
                 right = right.permute(form.right_order)
+            if left.ndim == 2 == right.ndim and form.n_rows == 1:  # (a plain matrix product)
+                if left.shape[1] != right.shape[0]:
+                    raise ValueError(_size_mismatch(operands, form, left.shape, right.shape))
+                return torch.mm(left, right)
             if left.shape[form.n_rows :] != right.shape[: form.n_inner]:
                 raise ValueError(_size_mismatch(operands, form, left.shape, right.shape))
             rows, columns = left.shape[: form.n_rows], right.shape[form.n_inner :]
