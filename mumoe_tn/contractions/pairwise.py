@@ -350,9 +350,10 @@ def contract_pair(
     """
     if len(operands) != len(tensors):
         raise ValueError(f"{len(tensors)} tensors for {len(operands)} labelled operands {tuple(operands)}")
-    for k, (labels, tensor) in enumerate(zip(operands, tensors, strict=True)):
-        if tensor.ndim != len(labels):
-            raise ValueError(f"operand {k} has shape {tuple(tensor.shape)} but {len(labels)} labels {labels}")
+    if len(tensors) != 2 or tensors[0].ndim != len(operands[0]) or tensors[1].ndim != len(operands[1]):
+        for k, (labels, tensor) in enumerate(zip(operands, tensors, strict=True)):
+            if tensor.ndim != len(labels):
+                raise ValueError(f"operand {k} has shape {tuple(tensor.shape)} but {len(labels)} labels {labels}")
     if len(tensors) == 2:
         first, second = operands
         if form is None:
