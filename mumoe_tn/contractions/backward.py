@@ -135,16 +135,16 @@ def use_plan_function(
     product to recompute: autograd's per-step nodes free as early and reuse the permuted core
     copies the forward einsums made), or when the plan has a step the program does not express.
     """
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in operands):
-        return None
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return None
+    if len(plan.steps) < 2 or plan.largest_intermediate < MIN_ELEMENTS:
+        return None  # (the plan's own property, read before the operands)
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in operands):
         return None
     if torch.is_autocast_enabled(operands[0].device.type):
         return None
     if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
         return None  # checkpoint-style hooks must see every saved tensor
-    if len(plan.steps) < 2 or plan.largest_intermediate < MIN_ELEMENTS:
-        return None
     program = plan_program(plan, ones_appended)
     # Without an elementwise step to recompute, autograd's per-step nodes free as early and
     # reuse the permuted copies of the cores that the forward einsums made.

@@ -290,13 +290,14 @@ def kept_by_plan(plan: ContractionPlan, key: Any, make: Callable[[], Any]) -> An
     kept = plan.__dict__.get(_EXECUTORS)
     if kept is None:
         kept = plan.__dict__.setdefault(_EXECUTORS, PlanExecutors())
-    if key not in kept:
-        kept.setdefault(key, make())
-    return kept[key]
+    found = kept.get(key, _NOT_KEPT)
+    return kept.setdefault(key, make()) if found is _NOT_KEPT else found
 
 
 #: The attribute of a plan that holds its executors.
 _EXECUTORS = "_executors"
+#: What `kept_by_plan` reads for a key not kept yet (a kept value may be None).
+_NOT_KEPT = object()
 
 
 class PlanExecutors(dict):

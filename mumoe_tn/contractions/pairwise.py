@@ -353,9 +353,10 @@ def contract_pair(
     """
     if len(operands) != len(tensors):
         raise ValueError(f"{len(tensors)} tensors for {len(operands)} labelled operands {tuple(operands)}")
-    for k, (labels, tensor) in enumerate(zip(operands, tensors, strict=True)):
-        if tensor.ndim != len(labels):
-            raise ValueError(f"operand {k} has shape {tuple(tensor.shape)} but {len(labels)} labels {labels}")
+    if len(tensors) != 2 or tensors[0].ndim != len(operands[0]) or tensors[1].ndim != len(operands[1]):
+        for k, (labels, tensor) in enumerate(zip(operands, tensors, strict=True)):
+            if tensor.ndim != len(labels):
+                raise ValueError(f"operand {k} has shape {tuple(tensor.shape)} but {len(labels)} labels {labels}")
     if len(tensors) == 2:
         first, second = operands
         if form is None:
@@ -371,6 +372,10 @@ def contract_pair(
                 left = left.permute(form.left_order)
             if form.right_order is not None:
                 right = right.permute(form.right_order)
+            if left.ndim == 2 == right.ndim and form.n_rows == 1:  # (a plain matrix product)
+                if left.shape[1] != right.shape[0]:
+                    raise ValueError(_size_mismatch(operands, form, left.shape, right.shape))
+                return torch.mm(left, right)
             if left.shape[form.n_rows :] != right.shape[: form.n_inner]:
                 raise ValueError(_size_mismatch(operands, form, left.shape, right.shape))
             rows, columns = left.shape[: form.n_rows], right.shape[form.n_inner :]

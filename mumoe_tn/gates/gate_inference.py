@@ -130,6 +130,15 @@ class GateSteps:
         one call on logits side by side (φ acts on each row of each mode alone).
         """
         sizes = self.expert_dims
+        if len(sizes) == 1:
+            phi = self.mode_map(0, logits)
+
+            def one_mode(normed: ModeLogits) -> list[torch.Tensor]:
+                if isinstance(normed, torch.Tensor):  # (the logits as they come: no split)
+                    return [phi(normed)]
+                return [phi(part) for _, part in zip(sizes, normed, strict=True)]
+
+            return one_mode
         maps = [self.mode_map(mode, part) for mode, part in enumerate(mode_parts(logits, sizes))]
         if len(sizes) > 1 and self.shares_map and len(set(sizes)) == 1 and not logits.requires_grad:
             modes, size = len(sizes), sizes[0]

@@ -41,7 +41,6 @@ loop adds them to its loss:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -55,6 +54,7 @@ from torch.nn import functional as F
 from mumoe_tn.caching import DerivedValues
 from mumoe_tn.gates import activation_maps
 from mumoe_tn.gates.activation_maps import entmax15, inference_map, sparsemax
+from mumoe_tn.gates.batch_norm_step import batch_norm_matrix
 from mumoe_tn.gates.gate_checks import check_gate_options, check_zero_init_bias, per_mode_k
 from mumoe_tn.gates.gate_inference import GateSteps
 from mumoe_tn.gates.gate_protocol import ModeLogits, gate_coefficients, mode_parts
@@ -136,11 +136,16 @@ class LogitBatchNorm(nn.BatchNorm1d):
             warn_unsynchronised(self)
         if not self.training or mask is None:
             self._check_rows(input.shape[0])
-            return super().forward(input)
+            return self._batch_norm(input)
         real = input[mask]
         self._check_rows(real.shape[0], " real")
-        normed = super().forward(real)
+        normed = self._batch_norm(real)
         return torch.zeros_like(input).masked_scatter(mask[:, None].expand_as(input), normed)
+
+    def _batch_norm(self, input: torch.Tensor) -> torch.Tensor:
+        """``nn.BatchNorm1d.forward``: in its quicker form for this class itself, as inherited for a subclass."""
+        normed = batch_norm_matrix(self, input) if type(self) is LogitBatchNorm else None
+        return super().forward(input) if normed is None else normed
 
     def eval_affine(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The eval-mode map as ``(scale, shift)``: ``norm(x) = x · scale + shift`` (None in training).
@@ -321,12 +326,14 @@ class ExpertGate(GateSteps, PerThreadRecords):
     def _stacked_projection(self, compute: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The projections of every mode as one ``(ΣN_e, I)`` weight and ``(ΣN_e,)`` bias (or None), in ``compute``."""
         projections = list(self.projections.values())
-        weights = [projection.weight.to(compute) for projection in projections]
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        if len(projections) == 1:  # (no copy, no cast where the dtype is already the compute dtype's)
+            weight, bias = projections[0].weight, projections[0].bias
+            weight = weight if weight.dtype == compute else weight.to(compute)
+            return weight, bias if bias is None or bias.dtype == compute else bias.to(compute)
+        weight = torch.cat([projection.weight.to(compute) for projection in projections])
         if projections[0].bias is None:
             return weight, None
-        biases = [projection.bias.to(compute) for projection in projections]
-        return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
+        return weight, torch.cat([projection.bias.to(compute) for projection in projections])
 
     def _balance_terms(
         self, logits: torch.Tensor, coefficients: torch.Tensor, mode: int
@@ -351,19 +358,25 @@ class ExpertGate(GateSteps, PerThreadRecords):
         tuple of torch.Tensor
             One tensor ``(…, N_e)`` per expert mode, each row on the probability simplex.
         """
-        lead = z.shape[:-1]
-        compute = torch.promote_types(z.dtype, torch.float32)
-        autocast = torch.is_autocast_enabled(z.device.type)
-        with torch.autocast(device_type=z.device.type, enabled=False) if autocast else contextlib.nullcontext():
-            flat = (z if z.ndim == 2 else z.reshape(-1, z.shape[-1])).to(compute)
-            if self.projection_applies(z):
-                weight, bias, folded = self.projection(compute)
-            else:  # the parameters themselves, for autograd, and the norms' batch statistics in training
-                (weight, bias), folded = self._stacked_projection(compute), False
-            coefficients = gate_coefficients(self, F.linear(flat, weight, bias), folded, mask)
+        if torch.is_autocast_enabled(z.device.type):
+            with torch.autocast(device_type=z.device.type, enabled=False):
+                coefficients = self._coefficients(z, mask)
+        else:
+            coefficients = self._coefficients(z, mask)
         if z.ndim == 2:
             return tuple(coefficients)
-        return tuple(a.reshape(*lead, a.shape[-1]) for a in coefficients)
+        return tuple(a.reshape(*z.shape[:-1], a.shape[-1]) for a in coefficients)
+
+    def _coefficients(self, z: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+        """`forward`'s coefficients as ``(rows, N_e)`` tensors, computed in float32 or wider (autocast off)."""
+        compute = torch.promote_types(z.dtype, torch.float32)
+        flat = z if z.ndim == 2 else z.reshape(-1, z.shape[-1])
+        flat = flat if flat.dtype == compute else flat.to(compute)
+        if self.projection_applies(z):
+            weight, bias, folded = self.projection(compute)
+        else:  # the parameters themselves, for autograd, and the norms' batch statistics in training
+            (weight, bias), folded = self._stacked_projection(compute), False
+        return gate_coefficients(self, F.linear(flat, weight, bias), folded, mask)
 
     def record(self, logits: ModeLogits, coefficients: list[torch.Tensor], mask: torch.Tensor | None) -> None:
         """Record the auxiliary losses of a call (see the module notes) from its normalised logits."""

@@ -222,9 +222,9 @@ class MuMoEBase(PerThreadRecords):
         if type(x) is torch.Tensor and not torch.jit.is_tracing() and not torch.compiler.is_compiling():
             experts = self._expert_layers()[0]
             weight = getattr(experts, next(iter(experts.network.cores)))
-            if x.device == weight.device:  # (autocast is asked of known devices only)
-                autocast = torch.is_autocast_enabled(x.device.type)
-                key = (x.shape[-1:], x.dtype, x.device, weight.dtype, weight.device, autocast)
+            device = x.device  # (each read makes a device object)
+            if device == weight.device:  # (autocast is asked of known devices only)
+                key = (x.shape[-1:], x.dtype, device, weight.dtype, torch.is_autocast_enabled(device.type))
                 if key in self._program.checked:
                     return
         self._check_new_input(x)
@@ -311,7 +311,9 @@ class MuMoEBase(PerThreadRecords):
             coefficients = self.gate(gated, **options)
         else:
             coefficients = self.ablation.gate(self.gate, gated, **options)
-        if isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, Sequence):
+        if type(coefficients) is not tuple and (
+            isinstance(coefficients, torch.Tensor) or not isinstance(coefficients, Sequence)
+        ):
             raise TypeError(
                 f"the gate {type(self.gate).__name__} must return a tuple of tensors, one per expert mode, "
                 f"got {type(coefficients).__name__}"

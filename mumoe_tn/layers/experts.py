@@ -544,11 +544,11 @@ def _operands_key(z: Any, coefficients: Any, append_one: bool, weight: torch.Ten
     """What decides whether ``forward``'s operands are valid: shapes, dtypes, devices (None: check in full)."""
     if type(z) is not torch.Tensor or type(coefficients) not in (tuple, list):
         return None
-    if any(type(a) is not torch.Tensor for a in coefficients) or z.device != weight.device:
+    device = z.device  # (one device object: each read of a tensor's device makes a new one)
+    if any(type(a) is not torch.Tensor for a in coefficients) or device != weight.device:
         return None
-    autocast = torch.is_autocast_enabled(z.device.type)
     signature = tuple((a.shape, a.dtype, a.device) for a in coefficients)
-    return (z.shape, z.dtype, z.device, signature, append_one, autocast, weight.dtype, weight.device)
+    return (z.shape, z.dtype, device, signature, append_one, torch.is_autocast_enabled(device.type), weight.dtype)
 
 
 def _operand_name(position: int) -> str:

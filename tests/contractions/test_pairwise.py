@@ -214,6 +214,7 @@ def test_eager_calls_use_the_cached_form_and_compile_traces_the_function(monkeyp
             r"^shared labels \('c', 'i'\) have sizes \(2, 4\) in one operand and \(4, 3\) in the other$",
         ),
         ((("b", "i"), ("i", "o")), ("b", "o"), [(4, 3, 1), (3, 5)], r"^operand 0 has shape \(4, 3, 1\) but 2 labels"),
+        ((("b", "i"), ("i", "o")), ("b", "o"), [(4, 3), (3,)], r"^operand 1 has shape \(3,\) but 2 labels"),
         ((("b", "i"),), ("b",), [(4, 3), (3,)], r"^2 tensors for 1 labelled operands"),
     ],
 )

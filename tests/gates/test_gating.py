@@ -208,3 +208,16 @@ def test_full_sort_search_of_wide_half_precision_rows_matches_entmax(dtype):
         y = entmax15(x.requires_grad_(True))
     torch.testing.assert_close(y.double(), reference, rtol=2e-2, atol=2e-6)
     assert (y > 0).sum(-1).min() > 4000
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_one_mode_activation_map_takes_either_layout(requires_grad):
+    gate = ExpertGate(6, 5)
+    logits = torch.randn(4, 5, dtype=torch.float64, requires_grad=requires_grad)
+    activate = gate.activation_map(logits)
+    expected = entmax.entmax15(logits.detach(), dim=-1)
+    for layout in (logits, [logits], (logits,)):
+        (coefficients,) = activate(layout)
+        torch.testing.assert_close(coefficients.detach(), expected)
+    with pytest.raises(ValueError, match="zip"):
+        activate([logits, logits])
