@@ -150,15 +150,6 @@ class GateSteps:
                 return [map_(part) for map_, part in zip(maps, normed, strict=True)]
 
             return side_by_side
-        if len(maps) == 1:  # (one mode: the logits are its part)
-            (only,) = maps
-
-            def one_mode(normed: ModeLogits) -> list[torch.Tensor]:
-                if isinstance(normed, torch.Tensor):
-                    return [only(normed)]
-                return [map_(part) for map_, part in zip(maps, normed, strict=True)]
-
-            return one_mode
         return lambda normed: [map_(part) for map_, part in zip(maps, mode_parts(normed, sizes), strict=True)]
 
 
