@@ -16,7 +16,7 @@ from mumoe_tn.lazy_names import lazy_getattr as _lazy_getattr
 from mumoe_tn.network import ExpertNetwork
 from mumoe_tn.plugins import install_transformers_hook as _install_transformers_hook
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
 
 _LAZY = {
     "ExpertGate": "mumoe_tn.gates.modules",
