@@ -7,9 +7,10 @@ gradients, a gate's per-mode projections and their norms are one affine map: ``n
 is ``z @ weight.T + bias`` once each norm's running statistics (and affine parameters) are
 folded into ``weight`` and ``bias``; `projection` builds that one matrix (kept in the gate's
 [`DerivedValues`][mumoe_tn.caching.DerivedValues], which the layer holding the gate adopts).
-`normalise` applies the norms where they are not folded (training, and norms that are no affine
-map), and `activation_map` picks each mode's φ once for logits of one shape; the gate's
-``forward`` and a layer's fused inference both run them (see
+`normalise` applies the norms where they are not folded (training, norms that are no affine
+map, and norms with a forward hook or a ``forward`` set on them, which must be called), and
+`activation_map` picks each mode's φ once for logits of one shape; the gate's ``forward`` and a
+layer's fused inference both run them (see
 [`gate_coefficients`][mumoe_tn.gates.gate_protocol.gate_coefficients]).
 """
 
@@ -65,7 +66,7 @@ class GateSteps:
         affine = [None if isinstance(norm, nn.Identity) else _eval_affine(norm) for norm in norms]
         foldable = all(
             isinstance(norm, nn.Identity) or map_ is not None for norm, map_ in zip(norms, affine, strict=True)
-        )
+        ) and not any(_intercepted(norm) for norm in norms)
         weights, biases = [], []
         for weight, offset, map_ in zip(projections, offsets, affine, strict=True):
             weight = weight.detach().to(compute)
@@ -157,3 +158,11 @@ def _eval_affine(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A norm's eval-mode map as ``(scale, shift)``, where it offers one (``eval_affine()``) and is in eval."""
     method = getattr(norm, "eval_affine", None)
     return method() if callable(method) else None
+
+
+def _intercepted(norm: nn.Module) -> bool:
+    """Whether user code runs when ``norm`` is called (a forward hook or pre-hook, or a ``forward`` set on it).
+
+    Such a norm is not folded into the projection: folded, it would never be called.
+    """
+    return bool(norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__)

@@ -378,3 +378,19 @@ def test_a_global_module_forward_hook_sees_the_gate_in_eval_without_gradients():
     finally:
         handle.remove()
     assert "ExpertGate" in seen and "FactorizedExperts" in seen, seen
+
+
+@pytest.mark.parametrize("hook", ["forward hook", "forward pre-hook", "substituted forward"])
+@pytest.mark.parametrize("gate", ["entmax15 batch-norm", "sparsemax layer-norm", "softmax"])
+def test_a_hook_on_a_gate_norm_is_called_in_eval_without_gradients(hook, gate):
+    build = _builder("moe", "cp", (3, 2), gate)
+    layer = build()
+    layer(_inputs(7, rows=16))  # running statistics away from their start
+    layer.eval()
+    x = _inputs(8)
+    with torch.no_grad():
+        layer(x)  # the eval call's derived values, made before the hook
+    names = [f"gate.norms.{leg}" for leg in layer.gate.norms]
+    add = _hooked(hook, names[:1])
+    add(layer)
+    _assert_coherent(build, layer, x, f"{hook} on a norm of the gate", prepare=add)
