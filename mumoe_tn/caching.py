@@ -136,8 +136,9 @@ def module_state(module: nn.Module) -> ModuleState:
     Returns
     -------
     ModuleState
-        Every submodule by identity, train/eval flag, forward hooks (as the identities of the
-        hook dictionaries' entries) and any ``forward`` set on the instance, every parameter and
+        Every submodule by identity, train/eval flag, ``eps`` (a norm's, which an eval-mode norm
+        folded into a projection reads), forward hooks (as the identities of the hook
+        dictionaries' entries) and any ``forward`` set on the instance, every parameter and
         buffer by identity, storage and version, and the optimiser steps taken (as
         [`source_key`][mumoe_tn.caching.source_key]).
     """
@@ -152,7 +153,7 @@ def _state_parts(module: nn.Module) -> tuple[tuple | None, bool, list[torch.Tens
         if current._modules:
             modules.extend([child for child in current._modules.values() if child is not None])
     # One flat tuple, compared in one pass: the optimiser steps, the number of submodules, then
-    # (identity, mode, hooks) of each submodule and (identity, storage, version) of each tensor.
+    # (identity, mode, eps, hooks) of each submodule and (identity, storage, version) of each tensor.
     # The count fixes where each field sits, so two keys are equal only field by field.
     key: list[Any] = [0, len(modules)]
     add = key.append
@@ -162,6 +163,7 @@ def _state_parts(module: nn.Module) -> tuple[tuple | None, bool, list[torch.Tens
         add(id(m))
         add(m.training)
         found = m.__dict__  # (read from the instance's dict: the attribute lookups cost more than the reads)
+        add(found.get("eps"))  # (a norm's: a plain attribute, read where the norm is folded into a projection)
         try:
             parameters, buffers = found["_parameters"], found["_buffers"]
             hooks, pre_hooks = found["_forward_hooks"], found["_forward_pre_hooks"]

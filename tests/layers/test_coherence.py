@@ -394,3 +394,21 @@ def test_a_hook_on_a_gate_norm_is_called_in_eval_without_gradients(hook, gate):
     add = _hooked(hook, names[:1])
     add(layer)
     _assert_coherent(build, layer, x, f"{hook} on a norm of the gate", prepare=add)
+
+
+@pytest.mark.parametrize("block", ["moe", "gated"])
+def test_a_new_eps_of_a_gate_norm_is_read_by_the_next_eval_call(block):
+    build = _builder(block, "cp", (3, 2), "entmax15 batch-norm")
+    layer = build()
+    layer(_inputs(9, rows=16))  # running statistics away from their start
+    layer.eval()
+    x = _inputs(10)
+    with torch.no_grad():
+        layer(x)  # the eval call's derived values (the norms folded into the projection), made before the change
+
+    def widen(module: nn.Module) -> None:
+        for norm in module.gate.norms.values():
+            norm.eps = 0.5
+
+    widen(layer)
+    _assert_coherent(build, layer, x, "a new eps of the gate's norms", prepare=widen)
