@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from strategies import any_network
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mumoe_tn import MuMoE, MuMoEMLP
+from mumoe_tn import Gate, MuMoE, MuMoEMLP, ReLUTopKGate, TopKGate
 from mumoe_tn.layers.mlp import MuMoEGatedMLP
 
 DTYPE = torch.float64
@@ -208,3 +208,45 @@ def test_a_hook_on_the_gate_sees_every_inference_call():
     handle.remove()
     assert len(seen) == 1, "the fused inference path skipped the gate's hook"
     torch.testing.assert_close(hooked, lean, rtol=1e-5, atol=1e-6)
+
+
+SHIPPED_GATES = {
+    "entmax15 batch-norm, losses": Gate(balance_loss=True, z_loss=True),
+    "sparsemax layer-norm": Gate(activation="sparsemax", norm="layer"),
+    "softmax, losses": Gate(activation="softmax", norm="none", balance_loss=True, z_loss=True),
+    "1.3-entmax": Gate(activation=1.3),
+    "top-k batch-norm, losses": TopKGate(k=(2, 1), norm="batch", balance_loss=True),
+    "relu top-k layer-norm": ReLUTopKGate(k=(1, 2), bias=False, norm="layer"),
+}
+
+
+@pytest.mark.parametrize("gate", list(SHIPPED_GATES))
+@pytest.mark.parametrize("block", ["moe", "gated"])
+def test_the_fused_call_records_what_the_general_call_records(gate, block):
+    torch.manual_seed(0)
+    spec = SHIPPED_GATES[gate]
+    if block == "moe":
+        layer = MuMoE(6, 4, (3, 2), "cp", 3, gate=spec, dtype=torch.float32)
+    else:
+        layer = MuMoEGatedMLP(6, 8, 5, (3, 2), "tucker", 2, gate=spec, dtype=torch.float32)
+    layer(torch.randn(16, 6) * 2 + 0.5)  # running statistics away from their start
+    layer.eval()
+    x = torch.randn(2, 3, 6)
+    general = layer(x.clone().requires_grad_(True)).detach()
+    expected = layer.last_coefficients, layer.last_token_mask, dict(layer.gate_losses())
+    with torch.no_grad():
+        layer(torch.randn(2, 3, 6))  # the entry, and other records
+        with _ProductsOf(x) as products:
+            fused = layer(x)
+    assert products.count == 1, f"x was multiplied {products.count} times: the call was not fused"
+    torch.testing.assert_close(fused, general, rtol=1e-5, atol=1e-6)
+    coefficients, token_mask, losses = layer.last_coefficients, layer.last_token_mask, layer.gate_losses()
+    assert token_mask is None and expected[1] is None
+    assert len(coefficients) == len(expected[0]) == 2
+    for got, want in zip(coefficients, expected[0], strict=True):
+        assert got.shape == want.shape == (2, 3, want.shape[-1]) and got.dtype == want.dtype
+        assert not got.requires_grad
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert set(losses) == set(expected[2])
+    for name, loss in losses.items():
+        torch.testing.assert_close(loss, expected[2][name].detach(), rtol=1e-5, atol=1e-6)
