@@ -78,3 +78,38 @@ def test_subclass_runs_the_inherited_forward() -> None:
 
     Counting(3, affine=False)(torch.randn(4, 3))
     assert calls == [torch.Size([4, 3])]
+
+
+@pytest.mark.parametrize("momentum", [0.2, None])
+@pytest.mark.parametrize("training", [True, False])
+def test_substituted_buffers_are_read_and_updated_as_batch_norm_does(momentum, training):
+    torch.manual_seed(2)
+    quick, reference = (
+        LogitBatchNorm(4, affine=False, momentum=momentum),
+        nn.BatchNorm1d(4, affine=False, momentum=momentum),
+    )
+    quick.train(training)
+    reference.train(training)
+    start = {"running_mean": torch.randn(4), "running_var": torch.rand(4) + 0.5, "num_batches_tracked": torch.tensor(3)}
+    mine = {name: value.clone() for name, value in start.items()}
+    theirs = {name: value.clone() for name, value in start.items()}
+    x = torch.randn(6, 4) * 2 + 1
+    got = torch.func.functional_call(quick, mine, (x,))
+    expected = torch.func.functional_call(reference, theirs, (x,))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for name in start:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=0, msg=name)
+    assert int(quick.num_batches_tracked) == 0  # the module's own buffers are untouched
+
+
+def test_masked_statistics_are_batch_norms_of_the_real_rows():
+    torch.manual_seed(3)
+    quick, reference = LogitBatchNorm(4, affine=False, momentum=None), nn.BatchNorm1d(4, affine=False, momentum=None)
+    for step in range(3):
+        x = torch.randn(7, 4) * (step + 1)
+        mask = torch.tensor([True, True, False, True, False, True, step % 2 == 0])
+        got = quick(x, mask)
+        torch.testing.assert_close(got[mask], reference(x[mask]), rtol=0, atol=0)
+        assert bool((got[~mask] == 0).all())
+    for (name, want), (_, have) in zip(reference.state_dict().items(), quick.state_dict().items(), strict=True):
+        torch.testing.assert_close(have, want, rtol=0, atol=0, msg=name)
