@@ -254,3 +254,29 @@ def test_a_batched_product_refuses_mismatched_sizes_on_every_call():
         with pytest.raises(ValueError, match=r"^shared labels have sizes \(2, 4\) in one operand and \(3, 4\)"):
             pairwise.run_batched(product, a, b)
     torch.testing.assert_close(pairwise.run_batched(product, a, b[:2]), torch.einsum("cbi,cio->cbo", a, b[:2]))
+
+
+@given(pairs())
+@example((("b", "i"), ("i", "o"), ("b", "o"), {"b": 2, "i": 3, "o": 4}))  # a plain matrix product
+@example((("c", "b", "i"), ("c", "i", "o"), ("c", "b", "o"), {"c": 2, "b": 3, "i": 4, "o": 2}))  # bmm
+def test_a_form_found_once_serves_later_calls_of_other_sizes_and_strides(case):
+    first, second, output, drawn = case
+    form = pair_form(first, second, output)
+    labels = sorted(drawn)
+    for call, layout in enumerate(("contiguous", "transposed", "expanded", "contiguous")):
+        # the drawn sizes first (a size may be 0), then others: size-1 axes among them
+        sizes = drawn if call == 0 else {x: 1 + (k + call) % 3 for k, x in enumerate(labels)}
+        gen = torch.Generator().manual_seed(call)
+        operands = []
+        for names in (first, second):
+            tensor = torch.randn([sizes[x] for x in names], generator=gen, dtype=DTYPE)
+            if layout == "transposed" and tensor.ndim >= 2:  # the same values with reversed strides
+                tensor = tensor.permute(*reversed(range(tensor.ndim))).contiguous()
+                tensor = tensor.permute(*reversed(range(tensor.ndim)))
+            elif layout == "expanded" and tensor.ndim and tensor.shape[0]:  # a stride-0 leading axis
+                tensor = tensor[:1].expand(tensor.shape)
+            operands.append(tensor)
+        reference = torch.einsum(_equation(first, second, output), *operands)
+        got = contract_pair((first, second), output, operands, None, form)
+        assert got.shape == reference.shape
+        torch.testing.assert_close(got, reference, msg=lambda m, at=layout: f"{at} operands: {m}")
