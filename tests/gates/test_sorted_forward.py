@@ -241,3 +241,25 @@ def test_small_training_batches_sort_in_numpy_and_keep_the_closed_form_backward(
     expected = REFERENCES[name](reference, dim=dim)
     torch.testing.assert_close(y, expected)
     torch.testing.assert_close(grad, torch.autograd.grad((expected * weights).sum(), reference)[0])
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+@pytest.mark.parametrize("width", [1, 2, 3, FIRST_STEPS + 1, WALK_LENGTH + 1])
+def test_one_row_of_subnormal_or_edge_tied_logits_equals_the_entmax_package_and_the_rows_steps(name, width):
+    gen = torch.Generator().manual_seed(width)
+    gap = 2.0 if name == "entmax15" else 1.0  # an entry this far below a lone peak sits exactly on the support's edge
+    edge = torch.full((width,), -gap, dtype=torch.float64)
+    edge[0] = 0.0
+    rows = {
+        "subnormal": torch.randn(width, generator=gen, dtype=torch.float64) * 1e-310,
+        "edge tie": edge,
+        "edge tie, scaled": edge * 3.0 + 7.0,
+        "spread ties": torch.randint(0, 3, (width,), generator=gen).to(torch.float64) * gap / 2,
+    }
+    for what, row in rows.items():
+        x = row[None]
+        one = sorted_forward(x, name)
+        torch.testing.assert_close(one, REFERENCES[name](x, dim=-1), msg=lambda m, at=what: f"{at}: {m}")
+        rows_steps = x.expand(simplex_numpy.SCALAR_ROWS + 1, width).contiguous()  # the rows' vectorised steps
+        several = sorted_forward(rows_steps, name)
+        torch.testing.assert_close(several, one.expand_as(several), msg=lambda m, at=what: f"{at}, rows: {m}")
