@@ -155,9 +155,18 @@ class GateSteps:
 
 
 def _eval_affine(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A norm's eval-mode map as ``(scale, shift)``, where it offers one (``eval_affine()``) and is in eval."""
+    """A norm's eval-mode map as ``(scale, shift)``, where it offers one (``eval_affine()``) and is in eval.
+
+    The map stands for the ``forward`` of the class that defines ``eval_affine``: a subclass that
+    overrides ``forward`` alone computes something else, so it is called, not folded.
+    """
     method = getattr(norm, "eval_affine", None)
-    return method() if callable(method) else None
+    if not callable(method):
+        return None
+    owner = next((cls for cls in type(norm).__mro__ if "eval_affine" in vars(cls)), None)
+    if owner is not None and getattr(type(norm), "forward", None) is not getattr(owner, "forward", None):
+        return None
+    return method()
 
 
 def _intercepted(norm: nn.Module) -> bool:

@@ -29,6 +29,7 @@ from toy_plugins import TOY_FORMAT, ScaledSoftmaxGate, ToyTopKGate, registered_t
 from mumoe_tn import Gate, MixtureOfDecoders, MuMoE, MuMoEGatedMLP, MuMoEMLP, ReLUTopKGate, TopKGate
 from mumoe_tn.distillation.losses import AuxK
 from mumoe_tn.distillation.training import ReplacementTrainer
+from mumoe_tn.gates.modules import LogitBatchNorm
 
 IN, HIDDEN, OUT = 6, 8, 5
 
@@ -412,3 +413,26 @@ def test_a_new_eps_of_a_gate_norm_is_read_by_the_next_eval_call(block):
 
     widen(layer)
     _assert_coherent(build, layer, x, "a new eps of the gate's norms", prepare=widen)
+
+
+class _ShiftedBatchNorm(LogitBatchNorm):
+    """A user's norm: the batch norm doubled (a shift would not move a sparse map); ``eval_affine`` inherited."""
+
+    def forward(self, input: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(input, mask) * 2.0
+
+
+def test_a_norm_whose_forward_overrides_the_folded_map_is_called_in_eval_without_gradients():
+    build = _builder("moe", "cp", (3, 2), "entmax15 batch-norm")
+    layer = build()
+    layer(_inputs(11, rows=16))  # running statistics away from their start
+    for leg, norm in list(layer.gate.norms.items()):
+        shifted = _ShiftedBatchNorm(norm.num_features, affine=norm.affine)
+        shifted.load_state_dict(norm.state_dict())
+        layer.gate.norms[leg] = shifted
+    layer.eval()
+    x = _inputs(12)
+    with torch.no_grad():
+        folded = layer(x)
+    called = layer(x.clone().requires_grad_(True)).detach()  # (with gradients the norms are called as modules)
+    torch.testing.assert_close(folded, called)
