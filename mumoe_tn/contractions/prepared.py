@@ -7,8 +7,8 @@ call, and the folded-bias step narrows and slices its core each time. A
 [`PreparedPlan`][mumoe_tn.contractions.prepared.PreparedPlan] does all of that once, when it is
 built from the cores:
 
-- every core a step reads as a matrix is stored as that matrix (made contiguous once), a right
-  factor that meets per-call rows column-major where the plan's batch has
+- every core a step reads as a matrix is stored as that matrix (made contiguous once), a wide
+  right factor of per-call rows column-major where the plan's batch has
   [`COLUMN_MAJOR_ROWS`][mumoe_tn.contractions.prepared.COLUMN_MAJOR_ROWS] rows or more;
 - the folded-bias step becomes one ``addmm`` of ``z`` with the core's first ``I`` rows and its
   last row as the bias;
@@ -50,11 +50,12 @@ __all__ = ["COLUMN_MAJOR_ROWS", "InputProjection", "PreparedPlan"]
 Labels = tuple[str, ...]
 
 COLUMN_MAJOR_ROWS = 4
-"""Batch (a plan's bucket) from which a prepared right factor of per-call rows is stored column-major.
+"""Batch (a plan's bucket) from which a prepared wide right factor of per-call rows is stored column-major.
 
-BLAS's small-row products read a wide right factor faster by columns (as ``nn.Linear`` stores its
-weight): for a CP layer's ``(B, 529) @ (529, 3072)`` on one CPU thread, 0.55× the row-major time at
-B = 4, 0.86× at B = 8, 0.98× at B = 64, but 1.3× at B = 1 and 2, which keep rows.
+BLAS's small-row products read a right factor with more columns than rows faster by columns (as
+``nn.Linear`` stores its weight): for a CP layer's ``(B, 529) @ (529, 3072)`` on one CPU thread,
+0.55× the row-major time at B = 4, 0.86× at B = 8, 0.98× at B = 64, but 1.3× at B = 1 and 2,
+which keep rows. A tall factor (``(3072, 552)``) is read 5–10 % slower by columns: it keeps rows.
 """
 
 
@@ -167,15 +168,17 @@ class PreparedPlan:
     def _matrix(
         self, key: tuple, tensor: torch.Tensor, order: tuple[int, ...] | None, split: int, columns: bool = False
     ) -> torch.Tensor:
-        """``tensor`` permuted by ``order`` as a matrix of its first ``split`` axes, stored by rows (or ``columns``).
+        """``tensor`` permuted by ``order`` as a matrix of its first ``split`` axes, stored by rows.
 
-        Column-major, the matrix is a view of ``tensor`` where its memory already holds it so.
+        With ``columns``, a matrix with at least as many columns as rows is stored by columns,
+        a view of ``tensor`` where its memory already holds it so.
         """
+        permuted = tensor.detach() if order is None else tensor.detach().permute(order)
+        shape = (math.prod(permuted.shape[:split]), math.prod(permuted.shape[split:]))
+        columns = columns and shape[1] >= shape[0]
         full = (*key, order, split, "columns") if columns else (*key, order, split)
         found = self._derived.get(full)
         if found is None:
-            permuted = tensor.detach() if order is None else tensor.detach().permute(order)
-            shape = (math.prod(permuted.shape[:split]), math.prod(permuted.shape[split:]))
             found = permuted.reshape(shape)
             found = found.t().contiguous().t() if columns else found.contiguous()
             self._derived[full] = found
