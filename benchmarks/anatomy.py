@@ -11,7 +11,8 @@ the median of per-round minima):
 - ``nn.Linear`` — the layer the μMoE replaces;
 - the whole μMoE layer, its gate alone and its expert contraction alone;
 - the floor: the same matrix products written by hand on the layer's own cores
-  (``(z @ U_i[:I] + U_i[I]) * (a @ U_n1) @ U_oᵀ`` and ``z @ Gᵀ``), with no Python around them;
+  (``(z @ U_i[:I] + U_i[I]) * (a @ U_n1) @ U_oᵀ`` and ``z @ Gᵀ``, ``U_oᵀ`` stored as the layer's
+  prepared plan stores it), with no Python around them;
 - the gate's sparse map (1.5-entmax) alone on the layer's logits.
 
 The difference between the layer and the floor is the per-call work of the library (dispatch,
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from mumoe_tn import MuMoE
+from mumoe_tn.contractions.prepared import COLUMN_MAJOR_ROWS
 from mumoe_tn.gates.entmax import entmax15
 
 
@@ -59,7 +61,9 @@ def anatomy(batch: int, *, in_features: int = 768, out_features: int = 3072, exp
     linear = nn.Linear(in_features, out_features).eval()
     cores = {name: core.detach() for name, core in layer.experts.cores.items()}
     head, last = cores["U_i"][:-1].contiguous(), cores["U_i"][-1:].contiguous()
-    expert_factor, output = cores["U_n1"].contiguous(), cores["U_o"].t().contiguous()
+    expert_factor, output = cores["U_n1"].contiguous(), cores["U_o"].t()
+    if batch < COLUMN_MAJOR_ROWS:  # the layout the layer's prepared plan reads its output factor in
+        output = output.contiguous()
     projection = layer.gate.projections["n1"].weight.detach().t().contiguous()
     x = torch.randn(batch, in_features)
     with torch.no_grad():

@@ -7,7 +7,9 @@ call, and the folded-bias step narrows and slices its core each time. A
 [`PreparedPlan`][mumoe_tn.contractions.prepared.PreparedPlan] does all of that once, when it is
 built from the cores:
 
-- every core a step reads as a matrix is stored as that matrix (made contiguous once);
+- every core a step reads as a matrix is stored as that matrix (made contiguous once), a wide
+  right factor of per-call rows column-major where the plan's batch has
+  [`COLUMN_MAJOR_ROWS`][mumoe_tn.contractions.prepared.COLUMN_MAJOR_ROWS] rows or more;
 - the folded-bias step becomes one ``addmm`` of ``z`` with the core's first ``I`` rows and its
   last row as the bias;
 - the results of core-only steps that the caller provides (pre-contracted sub-networks) are
@@ -43,9 +45,18 @@ from mumoe_tn.contractions.pairwise import (
 )
 from mumoe_tn.contractions.plan import BATCH_LABEL, ContractionPlan
 
-__all__ = ["InputProjection", "PreparedPlan"]
+__all__ = ["COLUMN_MAJOR_ROWS", "InputProjection", "PreparedPlan"]
 
 Labels = tuple[str, ...]
+
+COLUMN_MAJOR_ROWS = 4
+"""Batch (a plan's bucket) from which a prepared wide right factor of per-call rows is stored column-major.
+
+BLAS's small-row products read a right factor with more columns than rows faster by columns (as
+``nn.Linear`` stores its weight): for a CP layer's ``(B, 529) @ (529, 3072)`` on one CPU thread,
+0.55× the row-major time at B = 4, 0.86× at B = 8, 0.98× at B = 64, but 1.3× at B = 1 and 2,
+which keep rows. A tall factor (``(3072, 552)``) is read 5–10 % slower by columns: it keeps rows.
+"""
 
 
 @dataclass(frozen=True)
@@ -154,22 +165,30 @@ class PreparedPlan:
         self._rows_start = len(plan.inputs) - self.n_rows_operands
 
     # ------------------------------------------------------------------ building
-    def _matrix(self, key: tuple, tensor: torch.Tensor, order: tuple[int, ...] | None, split: int) -> torch.Tensor:
-        """``tensor`` permuted by ``order`` and stored as a contiguous matrix of its first ``split`` axes."""
-        full = (*key, order, split)
+    def _matrix(
+        self, key: tuple, tensor: torch.Tensor, order: tuple[int, ...] | None, split: int, columns: bool = False
+    ) -> torch.Tensor:
+        """``tensor`` permuted by ``order`` as a matrix of its first ``split`` axes, stored by rows.
+
+        With ``columns``, a matrix with at least as many columns as rows is stored by columns,
+        a view of ``tensor`` where its memory already holds it so.
+        """
+        permuted = tensor.detach() if order is None else tensor.detach().permute(order)
+        shape = (math.prod(permuted.shape[:split]), math.prod(permuted.shape[split:]))
+        columns = columns and shape[1] >= shape[0]
+        full = (*key, order, split, "columns") if columns else (*key, order, split)
         found = self._derived.get(full)
         if found is None:
-            permuted = tensor if order is None else tensor.permute(order)
-            shape = (math.prod(permuted.shape[:split]), math.prod(permuted.shape[split:]))
-            found = permuted.reshape(shape).contiguous()
+            found = permuted.reshape(shape)
+            found = found.t().contiguous().t() if columns else found.contiguous()
             self._derived[full] = found
         return found
 
-    def _side(self, value: tuple, slot: int, order: tuple[int, ...] | None, split: int) -> _Side:
+    def _side(self, value: tuple, slot: int, order: tuple[int, ...] | None, split: int, columns: bool = False) -> _Side:
         tensor, key = value
         if tensor is None:
             return _Side(slot, None, order, split)
-        return _Side(slot, self._matrix(key, tensor, order, split), None, split)
+        return _Side(slot, self._matrix(key, tensor, order, split, columns), None, split)
 
     def _compile(self, instruction: PlanStep, values: list[tuple[torch.Tensor | None, tuple | None]]) -> Instruction:
         """The step ``instruction`` over prepared matrices where it is a product they serve, else as it is."""
@@ -186,12 +205,13 @@ class PreparedPlan:
                 left, right = (picked[1], picked[0]) if product.swap else (picked[0], picked[1])
                 n_rows, n_inner = product.n_rows, product.n_inner
                 keep = None if len(step.output) == 2 and n_rows == 1 else shape
+                columns = values[left][0] is None and self.plan.sizes.get(BATCH_LABEL, 0) >= COLUMN_MAJOR_ROWS
                 return _Instruction(
                     "mm",
                     out,
                     frees,
                     left=self._side(values[left], left, product.left_order, n_rows),
-                    right=self._side(values[right], right, product.right_order, n_inner),
+                    right=self._side(values[right], right, product.right_order, n_inner, columns),
                     shape=keep,
                 )
             operands = tuple(self._operand(values, k) for k in picked)
@@ -284,7 +304,8 @@ class InputProjection:
     position : int
         The step's place among the plan's instructions.
     matrix : torch.Tensor
-        ``(I, K)``, contiguous.
+        ``(I, K)``, stored by rows or by columns (see
+        [`COLUMN_MAJOR_ROWS`][mumoe_tn.contractions.prepared.COLUMN_MAJOR_ROWS]).
     bias : torch.Tensor or None
         ``(K,)``: the folded bias's row (the input omits its trailing 1), or None.
     shape : tuple of int or None

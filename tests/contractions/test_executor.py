@@ -6,12 +6,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch_calls import AtenCalls
 
 from mumoe_tn.contractions import plan_forward, plan_inference
 from mumoe_tn.contractions.executor import FoldedBias, PlanExecutor, affine_einsum, plan_executor
 from mumoe_tn.contractions.plan import ContractionStep
-from mumoe_tn.contractions.prepared import PreparedPlan
+from mumoe_tn.contractions.prepared import COLUMN_MAJOR_ROWS, PreparedPlan
 from mumoe_tn.decompositions import build
 
 DTYPE = torch.float64
@@ -150,3 +151,36 @@ def test_a_folded_bias_that_keeps_a_label_of_z_is_no_matrix_product():
     z, core = torch.randn(5, 3, generator=gen, dtype=DTYPE), torch.randn(5, 4, generator=gen, dtype=DTYPE)
     full = torch.cat([z, torch.ones(5, 1, dtype=DTYPE)], dim=-1)
     torch.testing.assert_close(affine_einsum(step, [z, core], 0, "i"), torch.einsum("bi,bi->b", full, core))
+
+
+class _RightFactors(TorchDispatchMode):
+    """Records the right factor of every ``mm`` run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.factors.append(args[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", sorted(NETWORKS))
+@pytest.mark.parametrize("batch", [1, 2, COLUMN_MAJOR_ROWS, 8])
+def test_a_prepared_plan_reads_its_wide_right_factors_by_columns_from_its_column_major_batch(name, batch):
+    network = NETWORKS[name]()
+    cores, coefficients, z, full = _call(network, batch)
+    derived: dict = {}
+    prepared = PreparedPlan(plan_forward(network, batch), cores, ones_appended="i", derived=derived)
+    with _RightFactors() as seen:
+        result = prepared([*coefficients, z])
+    torch.testing.assert_close(result, _reference(network, cores, coefficients, full))
+    stored = {(m.data_ptr(), m.shape, m.stride()) for m in derived.values()}
+    factors = [m for m in seen.factors if (m.data_ptr(), m.shape, m.stride()) in stored and min(m.shape) > 1]
+    assert factors  # every plan here multiplies per-call rows by a prepared core
+    assert name != "cp" or any(m.shape[1] >= m.shape[0] for m in factors)  # CP's output factor is wide
+    for m in factors:  # wide factors by columns from the column-major batch on, all others by rows
+        assert m.stride() == (
+            (1, m.shape[0]) if batch >= COLUMN_MAJOR_ROWS and m.shape[1] >= m.shape[0] else (m.shape[1], 1)
+        )
