@@ -94,14 +94,25 @@ def source_key(sources: Sequence[torch.Tensor]) -> tuple | None:
     Returns
     -------
     tuple or None
-        The optimiser steps taken so far, then object identity, storage address and version
-        counter of every source; None for inference tensors (made under
+        The optimiser steps taken so far, then the object identity, storage address and version
+        counter of every source, flat; None for inference tensors (made under
         ``torch.inference_mode``, they have no version counter).
     """
+    key: list[Any] = [optimiser_steps()]
+    return tuple(key) if _add_tensor_fields(key, sources) else None
+
+
+def _add_tensor_fields(key: list[Any], tensors: Sequence[torch.Tensor]) -> bool:
+    """Append the identity, storage address and version of every tensor to ``key``; False for an inference tensor."""
+    add = key.append
     try:
-        return (optimiser_steps(), *[(id(t), t.data_ptr(), t._version) for t in sources])
-    except RuntimeError:
-        return None
+        for t in tensors:
+            add(id(t))
+            add(t.data_ptr())
+            add(t._version)
+    except RuntimeError:  # an inference tensor: no version counter
+        return False
+    return True
 
 
 class ModuleState(NamedTuple):
@@ -179,12 +190,7 @@ def _state_parts(module: nn.Module) -> tuple[tuple | None, bool, list[torch.Tens
             hooked = hooked or m is not module
         else:
             add(None)
-    try:
-        for t in tensors:
-            add(id(t))
-            add(t.data_ptr())
-            add(t._version)
-    except RuntimeError:  # an inference tensor: no version counter
+    if not _add_tensor_fields(key, tensors):
         return None, hooked, tensors
     key[0] = optimiser_steps()
     return tuple(key), hooked, tensors

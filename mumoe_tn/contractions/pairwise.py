@@ -272,8 +272,7 @@ def pair_form(first: Labels, second: Labels, output: Labels) -> tuple[str, Any]:
     ``("mul", None)`` (the same labels throughout), ``("broadcast", …)`` (see `broadcast_product`),
     ``("mm", MatrixProduct)``, ``("bmm", BatchedProduct)``, or ``("einsum", None)``.
     """
-    finders = (("broadcast", broadcast_product), ("mm", matrix_product), ("bmm", batched_product))
-    return _first_form(finders, first, second, output)
+    return _first_form(_finders(), first, second, output)
 
 
 def _first_form(finders: tuple, first: Labels, second: Labels, output: Labels) -> tuple[str, Any]:
@@ -286,10 +285,13 @@ def _first_form(finders: tuple, first: Labels, second: Labels, output: Labels) -
     return "einsum", None
 
 
+def _finders() -> tuple:
+    """The forms `pair_form` tries, in order, each with the function that finds it (as the module holds it now)."""
+    return (("broadcast", broadcast_product), ("mm", matrix_product), ("bmm", batched_product))
+
+
 # (the eager cache binds the finders once, at import; a traced call looks them up as it runs)
-_cached_pair_form = lru_cache(maxsize=4096)(
-    partial(_first_form, (("broadcast", broadcast_product), ("mm", matrix_product), ("bmm", batched_product)))
-)
+_cached_pair_form = lru_cache(maxsize=4096)(partial(_first_form, _finders()))
 
 
 def align_axes(tensor: torch.Tensor, order: tuple[int, ...] | None, missing: tuple[int, ...]) -> torch.Tensor:

@@ -49,11 +49,7 @@ class PerThreadRecords(nn.Module):
                 for name in self.RECORDED_UNDER_COMPILE.intersection(values):
                     setattr(self, f"_compiled_{name}", values[name])
             return
-        state = self.__dict__
-        for name, value in values.items():
-            setattr(self._thread_records, name, value)
-            if name in self.RECORDED_UNDER_COMPILE:
-                state.pop(f"_compiled_{name}", None)  # (an eager call's record is now the last one)
+        self._remember_eager(tuple(values), tuple(values.values()))
 
     def _remember_eager(self, names: tuple[str, ...], values: tuple[Any, ...]) -> None:
         """`_remember_all` of a call ``torch.compile`` does not trace: ``names[k]`` records ``values[k]``."""

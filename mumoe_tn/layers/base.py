@@ -279,8 +279,8 @@ class MuMoEBase(PerThreadRecords):
             coefficients=tuple(a.detach() if a.requires_grad else a for a in coefficients),
             token_mask=None if tokens is None else tokens.reshape(lead),
         )
-        if any(a.dtype != z.dtype for a in coefficients) and not torch.is_autocast_enabled(z.device.type):
-            coefficients = tuple(a.to(z.dtype) for a in coefficients)
+        if not torch.is_autocast_enabled(z.device.type):
+            coefficients = _in_dtype(coefficients, z.dtype)
         if self.ablation is not None:
             coefficients = self.ablation.mask(coefficients)
         return z, coefficients
@@ -297,11 +297,7 @@ class MuMoEBase(PerThreadRecords):
             lead = z.shape[:-1]
             coefficients = tuple([a.reshape(*lead, a.shape[-1]) for a in rows])
         self._remember_eager(_RECORDED, (coefficients, None))  # (eager, and nothing requires a gradient here)
-        dtype = z.dtype
-        for a in coefficients:
-            if a.dtype != dtype:  # (autocast is off: the entry admits no autocast call)
-                coefficients = tuple([a.to(dtype) for a in coefficients])
-                break
+        coefficients = _in_dtype(coefficients, z.dtype)  # (autocast is off: the entry admits no autocast call)
         return z, LeanCoefficients(coefficients, z, flat, rows, heads)
 
     def _gate_module(self, gated: torch.Tensor, tokens: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -333,3 +329,11 @@ class MuMoEBase(PerThreadRecords):
         if self.ablation is None:
             return y
         return self.ablation.correct(experts, z, coefficients, y, append_one=self.bias)
+
+
+def _in_dtype(coefficients: tuple[torch.Tensor, ...], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """``coefficients`` in ``dtype`` (the same tuple where every one already is)."""
+    for a in coefficients:
+        if a.dtype != dtype:
+            return tuple([a.to(dtype) for a in coefficients])
+    return coefficients
